@@ -1,0 +1,30 @@
+"""k3nn: the Kimi K3 model family in PyTorch (KDA, MLA + DCP, AttnRes, Stable LatentMoE, MXFP4, DSpark)."""
+
+from __future__ import annotations
+
+import logging
+
+from . import ops
+from .config import KimiK3Config
+from .kernels.registry import BackendUnavailableError, available_backends, backend, current_backend
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str):
+    # model-level names import torch.nn modules lazily, so `import k3nn.ops` stays light
+    if name in ("KimiK3", "KimiK3Output"):
+        from . import model
+
+        return getattr(model, name)
+    if name in ("GenerationConfig",):
+        from . import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'k3nn' has no attribute {name!r}")
+
+
+__all__ = ["KimiK3", "KimiK3Config", "GenerationConfig", "BackendUnavailableError", "available_backends",
+           "backend", "current_backend", "ops", "__version__"]

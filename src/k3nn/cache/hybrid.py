@@ -1,0 +1,113 @@
+"""The hybrid cache: per KDA layer a recurrent + conv state, per MLA layer a latent (+ rope key) cache.
+
+This is the contiguous cache used by ``model(input_ids, cache=...)`` and ``generate()``: every row of a batch
+shares one write position (left padding is recorded in ``key_mask``). Layouts:
+
+* KDA: ``recurrent [B, H, K, V]`` fp32; ``conv [B, W-1, 3·H·D]`` activation dtype (q, k, v channels).
+* MLA: ``latent [B, L, kv_lora_rank]`` and ``rope [B, L, qk_rope_head_dim]`` activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import KimiK3Config
+
+__all__ = ["KDAState", "MLAState", "HybridCache", "CacheFullError"]
+
+
+class CacheFullError(ValueError):
+    """Raised when a write would go past the cache's capacity (nothing is evicted silently)."""
+
+
+@dataclass
+class KDAState:
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+    checkpoints: torch.Tensor | None = None  # states exported by the last call with checkpoint_positions
+
+    def select(self, rows: torch.Tensor) -> "KDAState":
+        return KDAState(self.recurrent[rows], self.conv[rows])
+
+
+class MLAState:
+    def __init__(self, owner: "HybridCache", latent: torch.Tensor, rope: torch.Tensor):
+        self.owner, self.latent, self.rope = owner, latent, rope
+
+    def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask: torch.Tensor | None, start: int):
+        T = c.shape[1]
+        end = start + T
+        if end > self.latent.shape[1]:
+            raise CacheFullError(f"cache exhausted: writing tokens [{start}, {end}) into a cache of max_length "
+                                 f"{self.latent.shape[1]}; create it with a larger max_length")
+        self.latent[:, start:end] = c.to(self.latent.dtype)
+        self.rope[:, start:end] = k_r.to(self.rope.dtype)
+        return self.latent[:, :end], self.rope[:, :end], self.owner.key_mask[:, :end]
+
+
+class HybridCache:
+    """Cache for B rows and up to ``max_length`` tokens. ``seen_tokens`` is the shared write position."""
+
+    def __init__(self, config: KimiK3Config, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.config, self.batch_size, self.max_length = config, batch_size, max_length
+        self.dtype, self.device = dtype, torch.device(device)
+        H, D, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+        self.layers: list[KDAState | MLAState] = []
+        for i in range(config.num_hidden_layers):
+            if config.is_mla_layer(i):
+                self.layers.append(MLAState(
+                    self,
+                    torch.zeros(batch_size, max_length, config.kv_lora_rank, dtype=dtype, device=device),
+                    torch.zeros(batch_size, max_length, config.qk_rope_head_dim, dtype=dtype, device=device)))
+            else:
+                self.layers.append(KDAState(
+                    torch.zeros(batch_size, H, D, D, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device),
+                    torch.zeros(batch_size, W - 1, 3 * H * D, dtype=dtype, device=device)))
+        self.key_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        self.valid_counts = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens per row
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reset(self) -> None:
+        for st in self.layers:
+            if isinstance(st, KDAState):
+                st.recurrent.zero_()
+                st.conv.zero_()
+            else:
+                st.latent.zero_()
+                st.rope.zero_()
+        self.key_mask.zero_()
+        self.valid_counts.zero_()
+        self.seen_tokens = 0
+
+    def begin(self, T: int, attention_mask: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+        """Reserve [seen, seen+T) for the next forward; returns (start, rope positions [B, T])."""
+        start = self.seen_tokens
+        if start + T > self.max_length:
+            raise CacheFullError(f"cache exhausted: {start} tokens cached + {T} new > max_length {self.max_length}")
+        m = (torch.ones(self.batch_size, T, dtype=torch.bool, device=self.device) if attention_mask is None
+             else attention_mask.to(self.device).bool())
+        self.key_mask[:, start:start + T] = m
+        positions = (self.valid_counts[:, None] + m.long().cumsum(1) - 1).clamp_min(0)
+        return start, positions
+
+    def commit(self, T: int, attention_mask: torch.Tensor | None) -> None:
+        m = None if attention_mask is None else attention_mask.to(self.device).long()
+        self.valid_counts += T if m is None else m.sum(1)
+        self.seen_tokens += T
+
+    def memory_bytes(self) -> int:
+        n = self.key_mask.numel()
+        for st in self.layers:
+            ts = (st.recurrent, st.conv) if isinstance(st, KDAState) else (st.latent, st.rope)
+            n += sum(t.numel() * t.element_size() for t in ts)
+        return n

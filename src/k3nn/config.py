@@ -1,0 +1,303 @@
+"""KimiK3Config: every architectural switch of the Kimi K3 family, with presets.
+
+Layer indices are 0-based in memory (``kda_layers``, ``mla_layers``). In ``config.json`` they are written the
+way Kimi Linear and Kimi K3 write them: 1-based lists under ``linear_attn_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GateKind = Literal["softplus", "lower_bound"]
+MoEKind = Literal["standard", "latent"]
+Activation = Literal["silu", "situ"]
+
+__all__ = ["KimiK3Config"]
+
+
+@dataclass
+class KimiK3Config:
+    # --- trunk ---------------------------------------------------------------------------------------
+    vocab_size: int = 163840
+    hidden_size: int = 2304
+    num_hidden_layers: int = 27
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    # --- layer pattern (0-based); layers not listed in mla_layers are KDA ---------------------------
+    mla_layers: list[int] = field(default_factory=list)
+    # --- KDA --------------------------------------------------------------------------------------------
+    kda_num_heads: int = 32
+    kda_head_dim: int = 128
+    short_conv_kernel_size: int = 4
+    kda_gate: GateKind = "softplus"  # Kimi Linear: -exp(A_log)*softplus(f+dt_bias); K3: lower-bounded sigmoid
+    gate_lower_bound: float = -5.0
+    use_full_rank_gate: bool = False  # output gate: low-rank (g_a, g_b) or full-rank g_proj
+    # --- MLA --------------------------------------------------------------------------------------------
+    num_attention_heads: int = 32
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True  # no rotary embedding on the rope part (Kimi Linear, K3)
+    mla_use_output_gate: bool = False  # K3: sigmoid(g_proj x) between W_UV and o_proj
+    rope_theta: float = 10000.0
+    # --- Attention Residuals (K3) ---------------------------------------------------------------------
+    use_attn_res: bool = False
+    attn_res_block_size: int = 12
+    # --- MLP / MoE ------------------------------------------------------------------------------------
+    intermediate_size: int = 9216  # dense MLP width (layers < first_k_dense_replace)
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    moe_kind: MoEKind = "standard"
+    num_experts: int = 256
+    num_experts_per_token: int = 8
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 1024
+    routed_scaling_factor: float = 2.446
+    moe_renormalize: bool = True
+    moe_router_activation_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_expert_hidden_size: int | None = None  # latent width of Stable LatentMoE
+    latent_moe_use_norm: bool = True
+    hidden_act: Activation = "silu"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    mxfp4_experts: bool = False
+    # --- bookkeeping ------------------------------------------------------------------------------------
+    model_type: str = "kimi_k3"
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept for round trips
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"KimiK3Config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads", "kda_head_dim",
+                     "num_attention_heads", "kv_lora_rank", "v_head_dim", "intermediate_size",
+                     "short_conv_kernel_size", "attn_res_block_size"):
+            need(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.qk_nope_head_dim + self.qk_rope_head_dim > 0, "qk_nope_head_dim + qk_rope_head_dim must be > 0")
+        need(self.kda_gate in ("softplus", "lower_bound"), f"kda_gate must be 'softplus' or 'lower_bound', got {self.kda_gate!r}")
+        need(self.moe_kind in ("standard", "latent"), f"moe_kind must be 'standard' or 'latent', got {self.moe_kind!r}")
+        need(self.hidden_act in ("silu", "situ"), f"hidden_act must be 'silu' or 'situ', got {self.hidden_act!r}")
+        need(self.gate_lower_bound < 0, f"gate_lower_bound must be negative, got {self.gate_lower_bound}")
+        need(1 <= self.num_experts_per_token <= self.num_experts,
+             f"num_experts_per_token must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_token}")
+        need(self.num_experts % max(self.num_expert_group, 1) == 0, "num_experts must be divisible by num_expert_group")
+        need(self.kda_head_dim <= 256, f"kda_head_dim must be <= 256, got {self.kda_head_dim}")
+        bad = [i for i in self.mla_layers if not 0 <= i < self.num_hidden_layers]
+        need(not bad, f"mla_layers has indices outside [0, {self.num_hidden_layers}): {bad}")
+        need(len(set(self.mla_layers)) == len(self.mla_layers), "mla_layers has duplicates")
+        self.mla_layers = sorted(int(i) for i in self.mla_layers)
+        if self.moe_kind == "latent":
+            need(self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size > 0,
+                 "moe_kind='latent' needs routed_expert_hidden_size")
+        if self.mxfp4_experts:
+            d_in = self.routed_expert_hidden_size if self.moe_kind == "latent" else self.hidden_size
+            need(d_in % 32 == 0 and self.moe_intermediate_size % 32 == 0,
+                 "mxfp4_experts needs expert input and intermediate widths divisible by 32")
+
+    # --- derived ------------------------------------------------------------------------------------
+    @property
+    def kda_layers(self) -> list[int]:
+        mla = set(self.mla_layers)
+        return [i for i in range(self.num_hidden_layers) if i not in mla]
+
+    def is_mla_layer(self, i: int) -> bool:
+        return i in set(self.mla_layers)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and (i - self.first_k_dense_replace) % self.moe_layer_freq == 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def expert_input_size(self) -> int:
+        return self.routed_expert_hidden_size if self.moe_kind == "latent" else self.hidden_size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    def replace(self, **changes: Any) -> "KimiK3Config":
+        return dataclasses.replace(self, **changes)
+
+    # --- presets --------------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "KimiK3Config":
+        """< 1M parameters, every K3 feature on: for CPU tests."""
+        base = dict(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4, mla_layers=[1, 3],
+            kda_num_heads=2, kda_head_dim=16, kda_gate="lower_bound", use_full_rank_gate=True,
+            num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, mla_use_nope=True, mla_use_output_gate=True,
+            use_attn_res=True, attn_res_block_size=2,
+            intermediate_size=128, first_k_dense_replace=1, moe_kind="latent", num_experts=8,
+            num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+            routed_expert_hidden_size=32, routed_scaling_factor=1.0, hidden_act="situ",
+            max_position_embeddings=4096, eos_token_id=None,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def small(cls, **overrides: Any) -> "KimiK3Config":
+        """~100M parameters with K3's structure (KDA:MLA 3:1, AttnRes, Stable LatentMoE, SiTU)."""
+        base = dict(
+            vocab_size=4096, hidden_size=512, num_hidden_layers=8, mla_layers=[3, 7],
+            kda_num_heads=8, kda_head_dim=64, kda_gate="lower_bound", use_full_rank_gate=True,
+            num_attention_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+            v_head_dim=64, mla_use_nope=True, mla_use_output_gate=True,
+            use_attn_res=True, attn_res_block_size=4,
+            intermediate_size=2048, first_k_dense_replace=1, moe_kind="latent", num_experts=32,
+            num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=512,
+            routed_expert_hidden_size=256, routed_scaling_factor=1.0, hidden_act="situ",
+            max_position_embeddings=65536,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def kimi_linear_48b(cls, **overrides: Any) -> "KimiK3Config":
+        """The public Kimi-Linear-48B-A3B dims (model_type kimi_linear)."""
+        base = dict(
+            vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
+            mla_layers=[3, 7, 11, 15, 19, 23, 26],
+            kda_num_heads=32, kda_head_dim=128, kda_gate="softplus", use_full_rank_gate=False,
+            num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, mla_use_output_gate=False,
+            use_attn_res=False, intermediate_size=9216, first_k_dense_replace=1, moe_kind="standard",
+            num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+            routed_scaling_factor=2.446, hidden_act="silu", bos_token_id=163584, eos_token_id=163586,
+            model_type="kimi_linear",
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def k3(cls, **overrides: Any) -> "KimiK3Config":
+        """Kimi K3: 93 layers (69 KDA + 24 gated MLA), AttnRes, Stable LatentMoE with MXFP4 experts."""
+        mla = [i - 1 for i in list(range(4, 93, 4)) + [93]]
+        base = dict(
+            vocab_size=163840, hidden_size=7168, num_hidden_layers=93, mla_layers=mla,
+            kda_num_heads=96, kda_head_dim=128, kda_gate="lower_bound", gate_lower_bound=-5.0,
+            use_full_rank_gate=True,
+            num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, mla_use_output_gate=True,
+            use_attn_res=True, attn_res_block_size=12,
+            intermediate_size=33792, first_k_dense_replace=1, moe_kind="latent", num_experts=896,
+            num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
+            routed_expert_hidden_size=3584, latent_moe_use_norm=True, routed_scaling_factor=1.0,
+            hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
+            mxfp4_experts=True, model_type="kimi_k3",
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    # --- (de)serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json dict in the Kimi Linear / K3 layout (1-based layer lists)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra",)}
+        mla = d.pop("mla_layers")
+        d["linear_attn_config"] = {
+            "kda_layers": [i + 1 for i in self.kda_layers],
+            "full_attn_layers": [i + 1 for i in mla],
+            "num_heads": d.pop("kda_num_heads"),
+            "head_dim": d.pop("kda_head_dim"),
+            "short_conv_kernel_size": d.pop("short_conv_kernel_size"),
+            "gate_lower_bound": d.pop("gate_lower_bound") if self.kda_gate == "lower_bound" else None,
+            "use_full_rank_gate": d.pop("use_full_rank_gate"),
+        }
+        d.pop("kda_gate")
+        d.pop("gate_lower_bound", None)
+        d["num_key_value_heads"] = self.num_attention_heads
+        d["architectures"] = ["KimiLinearForCausalLM"] if self.model_type == "kimi_linear" else ["KimiK3ForCausalLM"]
+        out = dict(self.extra)
+        out.update(d)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KimiK3Config":
+        """Read a k3nn, Kimi Linear (remote code or transformers ``kimi_linear``) or K3 config.json dict."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        d = dict(d)
+        if "text_config" in d and isinstance(d["text_config"], dict):  # K3 ships a multimodal wrapper
+            d = {**d["text_config"]}
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        lac = d.pop("linear_attn_config", None) or {}
+        n_layers = int(d.get("num_hidden_layers", cls.num_hidden_layers))
+        if lac:
+            full = lac.get("full_attn_layers")
+            kda = lac.get("kda_layers")
+            if full is not None:
+                kw["mla_layers"] = [int(i) - 1 for i in full]
+            elif kda is not None:
+                kw["mla_layers"] = [i for i in range(n_layers) if i + 1 not in set(kda)]
+            if full is not None and kda is not None:
+                both = sorted(set(full) & set(kda))
+                cover = set(full) | set(kda)
+                if both or cover != set(range(1, n_layers + 1)):
+                    raise ValueError(
+                        "linear_attn_config: kda_layers and full_attn_layers (1-based) must partition "
+                        f"1..{n_layers}; overlap {both}, missing {sorted(set(range(1, n_layers + 1)) - cover)}")
+            for src, dst in (("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
+                             ("short_conv_kernel_size", "short_conv_kernel_size"),
+                             ("use_full_rank_gate", "use_full_rank_gate")):
+                if lac.get(src) is not None:
+                    kw[dst] = lac[src]
+            if lac.get("gate_lower_bound") is not None:
+                kw["kda_gate"] = "lower_bound"
+                kw["gate_lower_bound"] = float(lac["gate_lower_bound"])
+            elif "kda_gate" not in d:
+                kw["kda_gate"] = "softplus"
+        aliases = {  # DeepSeek / transformers spellings
+            "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+            "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+            "n_group": "num_expert_group",
+        }
+        extra: dict[str, Any] = {}
+        for k, v in d.items():
+            k2 = aliases.get(k, k)
+            if k2 in known and k2 not in ("extra",):
+                kw.setdefault(k2, v)
+            elif k not in ("num_key_value_heads", "architectures"):
+                extra[k] = v
+        if "mla_layers" in kw:
+            kw["mla_layers"] = list(kw["mla_layers"])
+        kw["extra"] = extra
+        if kw.get("model_type") not in (None, "kimi_k3", "kimi_linear", "kimi_k3_text"):
+            raise ValueError(f"config.json: model_type {kw['model_type']!r} is not a Kimi Linear / K3 model")
+        return cls(**kw)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "KimiK3Config":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config.json at {path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)

@@ -1,0 +1,233 @@
+"""Backend registry: every op has an eager reference and optional Triton / CUDA implementations.
+
+Each implementation states, as data, what it can run (``available()`` for the machine, ``supports(*args)``
+for a given call); both return ``None`` when fine or a short reason string when not. Dispatch picks:
+
+* an explicit backend (``k3nn.backend("triton")``, ``KimiK3(cfg, backend=...)``, env ``K3NN_BACKEND``):
+  that implementation or a :class:`BackendUnavailableError` listing why it was refused;
+* ``"auto"`` (default): the first of cuda → triton → eager that can run the call. Auto never picks an
+  interpreted Triton kernel (``TRITON_INTERPRET=1`` is for tests) and never picks an implementation marked
+  ``exact=False`` (one whose numerics differ from the reference beyond rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("eager", "triton", "cuda")
+_CHOICES = BACKENDS + ("auto",)
+AUTO_ORDER = ("cuda", "triton", "eager")
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "register", "dispatch", "backend", "current_backend",
+           "available_backends", "get_op", "ops", "resolve", "triton_interpreting"]
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run this call; the message lists every reason."""
+
+
+def _check_name(name: str, what: str = "backend") -> str:
+    if not isinstance(name, str) or name.lower() not in _CHOICES:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(_CHOICES)}")
+    return name.lower()
+
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3nn_backend", default=None)
+
+
+def current_backend() -> str:
+    """The backend in force: innermost ``k3nn.backend(...)``, else ``$K3NN_BACKEND``, else ``"auto"``."""
+    v = _current.get()
+    if v is not None:
+        return v
+    env = os.environ.get("K3NN_BACKEND")
+    return _check_name(env, "K3NN_BACKEND value") if env else "auto"
+
+
+@contextlib.contextmanager
+def backend(name: str | None) -> Iterator[str]:
+    """Context manager that selects the kernel backend for ops called inside it (restores on exit).
+
+    ``None`` leaves the current choice unchanged (handy for optional per-model settings).
+    """
+    if name is None:
+        yield current_backend()
+        return
+    tok = _current.set(_check_name(name))
+    try:
+        yield _current.get()  # type: ignore[misc]
+    finally:
+        _current.reset(tok)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the machine
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_ready(*tensors: Any) -> str | None:
+    """Shared availability rule for Triton kernels: CUDA tensors, or CPU tensors under the interpreter."""
+    err = _triton_import_error()
+    if err:
+        return err
+    devs = {t.device.type for t in tensors if hasattr(t, "device")}
+    if devs <= {"cuda"} and devs:
+        return None
+    if devs <= {"cpu"} and triton_interpreting():
+        return None
+    if "cpu" in devs:
+        return "inputs are on the CPU and TRITON_INTERPRET=1 is not set"
+    return f"inputs are on {sorted(devs)}; Triton kernels need CUDA tensors"
+
+
+@dataclass
+class Impl:
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] | None = None  # per-call check; None = supports everything
+    available: Callable[[], str | None] | None = None  # machine check
+    exact: bool = True  # same numerics as the reference up to rounding; auto only picks exact impls
+
+    def why_not(self, args: tuple, kwargs: dict) -> str | None:
+        if self.available is not None:
+            r = self.available()
+            if r:
+                return r
+        if self.supports is not None:
+            try:
+                return self.supports(*args, **kwargs)
+            except Exception as e:  # a supports() bug must not hide the real error path
+                return f"supports() check failed: {type(e).__name__}: {e}"
+        return None
+
+
+@dataclass
+class Op:
+    name: str
+    impls: dict[str, Impl] = field(default_factory=dict)
+    doc: str = ""
+
+
+_OPS: dict[str, Op] = {}
+_logged: set[tuple[str, str]] = set()
+
+
+def register(op: str, backend: str, *, supports: Callable[..., str | None] | None = None,
+             available: Callable[[], str | None] | None = None, exact: bool = True):
+    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``."""
+    backend = _check_name(backend)
+    if backend == "auto":
+        raise ValueError("register(): 'auto' is not a backend")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        o = _OPS.setdefault(op, Op(op))
+        o.impls[backend] = Impl(op, backend, fn, supports, available, exact)
+        return fn
+
+    return deco
+
+
+def get_op(name: str) -> Op:
+    if name not in _OPS:
+        _load_all()
+    if name not in _OPS:
+        raise KeyError(f"unknown op {name!r}; registered: {sorted(_OPS)}")
+    return _OPS[name]
+
+
+def ops() -> dict[str, Op]:
+    _load_all()
+    return dict(_OPS)
+
+
+def resolve(op: str, args: tuple = (), kwargs: dict | None = None, backend_name: str | None = None) -> Impl:
+    """Choose the implementation of ``op`` for this call (see module docstring)."""
+    kwargs = kwargs or {}
+    o = get_op(op)
+    want = _check_name(backend_name) if backend_name else current_backend()
+    if want != "auto":
+        impl = o.impls.get(want)
+        if impl is None:
+            raise BackendUnavailableError(
+                f"{op}: backend {want!r} is not implemented; implemented: {sorted(o.impls)}")
+        why = impl.why_not(args, kwargs)
+        if why:
+            others = _reasons(o, args, kwargs)
+            raise BackendUnavailableError(f"{op}: backend {want!r} cannot run this call: {why}\n{others}")
+        return impl
+    for name in AUTO_ORDER:
+        impl = o.impls.get(name)
+        if impl is None or not impl.exact:
+            continue
+        if name == "triton" and triton_interpreting():
+            continue
+        if impl.why_not(args, kwargs) is None:
+            if (op, name) not in _logged:
+                _logged.add((op, name))
+                log.debug("%s: auto picked %s", op, name)
+            return impl
+    raise BackendUnavailableError(f"{op}: no backend can run this call\n{_reasons(o, args, kwargs)}")
+
+
+def _reasons(o: Op, args: tuple, kwargs: dict) -> str:
+    lines = []
+    for name in BACKENDS:
+        impl = o.impls.get(name)
+        if impl is None:
+            lines.append(f"  {name}: not implemented")
+        else:
+            lines.append(f"  {name}: {impl.why_not(args, kwargs) or 'ok'}")
+    return "\n".join(lines)
+
+
+def dispatch(op: str, *args: Any, **kwargs: Any) -> Any:
+    return resolve(op, args, kwargs).fn(*args, **kwargs)
+
+
+def available_backends() -> dict[str, dict[str, str]]:
+    """Per op: each backend's status on this machine (``"ok"`` or the reason it cannot run)."""
+    out: dict[str, dict[str, str]] = {}
+    for name, o in sorted(ops().items()):
+        row = {}
+        for b in BACKENDS:
+            impl = o.impls.get(b)
+            if impl is None:
+                row[b] = "not implemented"
+            else:
+                r = impl.available() if impl.available else None
+                row[b] = r or "ok"
+        out[name] = row
+    return out
+
+
+_KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm")
+
+
+def _load_all() -> None:
+    """Import every kernel package so that its registrations run (import is cheap: no GPU work)."""
+    import importlib
+
+    for pkg in _KERNEL_PACKAGES:
+        try:
+            importlib.import_module(f"k3nn.kernels.{pkg}")
+        except ModuleNotFoundError as e:
+            if e.name != f"k3nn.kernels.{pkg}":
+                raise

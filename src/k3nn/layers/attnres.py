@@ -1,0 +1,47 @@
+"""Block Attention Residuals, as Kimi K3 wires them.
+
+A pseudo-query (RMSNorm gain g folded into a 1×d projection w) attends over depth::
+
+    K_j = V_j / sqrt(mean_d(V_j²) + eps)      (sources V_j: stored blocks + current partial sum)
+    s_j = Σ_d K_j,d · g_d · w_d
+    h   = Σ_j softmax_j(s)_j · V_j            (fp32 math, cast back)
+
+Per decoder layer two queries (before attention, before the MLP), plus one before the final norm.
+The model threads the running partial sum; a block is pushed every ``attn_res_block_size`` layers
+(mix before push; layer 0 has nothing to mix).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+
+__all__ = ["attnres_mix_reference", "AttnResQuery"]
+
+
+def attnres_mix_reference(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """sources: S tensors [..., d] (blocks then the partial); query_weight, norm_weight: [d] → [..., d]."""
+    V = torch.stack([s.float() for s in sources], 0)  # [S, ..., d]
+    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    s = (K * (norm_weight.float() * query_weight.float())).sum(-1)  # [S, ...]
+    p = s.softmax(0)
+    return (p[..., None] * V).sum(0).to(sources[-1].dtype)
+
+
+class AttnResQuery(nn.Module):
+    """One pseudo-query: ``*_res_norm`` (RMSNorm gain) + ``*_res_proj`` (Linear d→1, no bias). Zero-init:
+    uniform weights over depth at the start of training."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.proj = nn.Linear(dim, 1, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        from .. import ops
+
+        return ops.attnres_mix(sources, self.proj.weight[0], self.norm.weight, self.norm.eps)

@@ -1,0 +1,143 @@
+"""KimiDeltaAttention: the linear-attention mixer of Kimi Linear and Kimi K3.
+
+Per token (heads H, head dim D = K = V)::
+
+    q, k, v = SiLU(ShortConv4(W_q x)), SiLU(ShortConv4(W_k x)), SiLU(ShortConv4(W_v x))
+    q, k    = L2Norm(q), L2Norm(k)                       (eps 1e-6 inside the sqrt)
+    β       = sigmoid(W_b x)                              one scalar per head
+    g       = -exp(A_log) · softplus(f + dt_bias)         Kimi Linear ("softplus")
+            | lower_bound · sigmoid(exp(A_log) · (f + dt_bias))   K3 ("lower_bound"), f = W_f↑ W_f↓ x
+    S_t     = (I − β k kᵀ) Diag(e^{g}) S_{t−1} + β k vᵀ,   o_t = S_tᵀ (D^-½ q_t)
+    y       = o_proj(RMSNorm_D(o) · sigmoid(gate)),        gate = g_b(g_a(x)) (low rank) | g_proj(x) (full rank)
+
+Cache state per sequence (:class:`k3nn.cache.KDAState`): recurrent ``[N, H, D, D]`` fp32 and conv
+``[N, W-1, 3·H·D]`` in the activation dtype: the last W-1 pre-conv inputs, token-major, channels ordered
+q (H·D), k (H·D), v (H·D).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..config import KimiK3Config
+from .norm import GatedRMSNorm
+
+__all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, kind: str, lower_bound: float,
+             head_dim: int) -> torch.Tensor:
+    """Log-space decay ``g`` [..., H, D] fp32 from the gate projection ``f`` [..., H·D]."""
+    x = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
+    a = A_log.float().exp()[:, None]  # [H, 1]
+    if kind == "softplus":
+        return -a * F.softplus(x, beta=1.0, threshold=20.0)
+    if kind == "lower_bound":
+        return lower_bound * torch.sigmoid(a * x)
+    raise ValueError(f"unknown KDA gate {kind!r}")
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], prev [B, W-1, C] (None = zeros).
+
+    Returns (y [B, T, C], new_prev [B, W-1, C]: the last W-1 inputs including history)."""
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if prev is None:
+        prev = x.new_zeros(B, W - 1, C)
+    xx = torch.cat([prev.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    y = F.conv1d(xx.transpose(1, 2), weight.to(x.dtype)[:, None, :], groups=C).transpose(1, 2)
+    return F.silu(y), xx[:, xx.shape[1] - (W - 1):]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: KimiK3Config, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, H, D = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.num_heads, self.head_dim, self.conv_size = H, D, config.short_conv_kernel_size
+        self.gate_kind, self.lower_bound = config.kda_gate, config.gate_lower_bound
+        C = H * D
+        self.q_proj = nn.Linear(d, C, bias=False)
+        self.k_proj = nn.Linear(d, C, bias=False)
+        self.v_proj = nn.Linear(d, C, bias=False)
+        W = config.short_conv_kernel_size
+        self.q_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.k_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.v_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.f_a_proj = nn.Linear(d, D, bias=False)
+        self.f_b_proj = nn.Linear(D, C, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(C, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.full_rank_gate = config.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, C, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, D, bias=False)
+            self.g_b_proj = nn.Linear(D, C, bias=False)
+        self.o_norm = GatedRMSNorm(D, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(C, d, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
+        """fla / Megatron init: A_log = log U[1, 16] (0 for the bounded gate), dt_bias = softplus⁻¹(dt)."""
+        if self.gate_kind == "softplus":
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16, generator=generator).log())
+        else:
+            self.A_log.zero_()
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
+        dt = dt.clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def conv_weight(self) -> torch.Tensor:
+        """The three depthwise kernels concatenated: [3·H·D, W] (q, k, v)."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+    def project(self, x: torch.Tensor, conv_prev: torch.Tensor | None):
+        """Everything before the recurrence: returns q, k (L2-normed), v, g (fp32), beta (fp32), new conv state."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, conv_new = short_conv(qkv, self.conv_weight(), conv_prev)
+        q, k, v = (t.reshape(B, T, H, D) for t in qkv.split(H * D, dim=-1))
+        q, k = l2norm(q), l2norm(k)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.gate_kind,
+                     self.lower_bound, D)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        return q, k, v, g, beta, conv_new
+
+    def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
+                checkpoint_positions=None):
+        """x [B, T, d]; state: :class:`k3nn.cache.KDAState` view for these B rows (updated in place) or None;
+        attention_mask [B, T] (1 = token, 0 = padding: padded inputs are zeroed so they leave no trace when
+        the state starts at zero, as with left padding)."""
+        if attention_mask is not None:
+            x = x * attention_mask[..., None].to(x.dtype)
+        B, T, _ = x.shape
+        q, k, v, g, beta, conv_new = self.project(x, None if state is None else state.conv)
+        init = None if state is None else state.recurrent
+        fn = ops.kda_recurrent if (state is not None and T == 1) else ops.kda_chunk
+        res = fn(q, k, v, g, beta, initial_state=init, output_final_state=state is not None,
+                 checkpoint_positions=checkpoint_positions)
+        o, final = res[0], res[1]
+        if state is not None:
+            state.recurrent.copy_(final)
+            state.conv.copy_(conv_new)
+            if checkpoint_positions is not None:
+                state.checkpoints = res[2]
+        y = self.o_norm(o, self.output_gate(x).reshape(B, T, self.num_heads, self.head_dim))
+        return self.o_proj(y.reshape(B, T, -1))

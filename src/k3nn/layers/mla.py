@@ -1,0 +1,152 @@
+"""MultiHeadLatentAttention (DeepSeek / Kimi MLA) with the K3 sigmoid output gate.
+
+Projections (H heads, nope dim dn, rope dim dr, value dim dv, latent rank r)::
+
+    q        = W_qb RMSNorm(W_qa x)   (q_lora_rank)   |   W_q x          → [H, dn + dr]
+    c, k_r   = split(W_kva x);  c = RMSNorm(c)                             latent c [r], shared k_r [dr]
+    k_h      = [W_UK,h c ; k_r],   v_h = W_UV,h c                          (W_kvb = [W_UK; W_UV] per head)
+    o_h      = softmax(q_h · k_hᵀ / sqrt(dn + dr)) v_h
+    y        = W_o (o ⊙ sigmoid(W_g x))                                    (output gate only in K3)
+
+Prefill uses the decompressed K/V. Decode uses the absorbed form over the latent cache only:
+``q_lat,h = W_UK,hᵀ q_nope,h`` so ``score = q_lat·c + q_rope·k_r`` and ``o_h = W_UV,h (Σ p c)``.
+The rope part is rotated (NeoX half-rotation) unless ``mla_use_nope`` (Kimi Linear and K3 use no rotation).
+The cache stores per token only ``c`` [r] and ``k_r`` [dr].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import KimiK3Config
+from .norm import RMSNorm
+
+__all__ = ["MultiHeadLatentAttention", "apply_rope", "absorbed_attention", "decompressed_attention"]
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x [B, T, ..., dr] by positions [B, T] (NeoX half rotation), fp32 math."""
+    dr = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dr, 2, device=x.device, dtype=torch.float32) / dr))
+    ang = positions.float()[..., None] * inv  # [B, T, dr/2]
+    while ang.dim() < x.dim():
+        ang = ang.unsqueeze(-2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, -1)
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def _mask(q_pos: torch.Tensor, L: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Boolean [B, 1, T, L]: key j visible to the query at absolute index i iff j <= i and key_mask[j];
+    the diagonal is always visible so padded queries stay finite."""
+    j = torch.arange(L, device=q_pos.device)
+    causal = j[None, None, :] <= q_pos[..., None]  # [B, T, L]
+    if key_mask is not None:
+        causal = causal & key_mask[:, None, :].bool()
+    causal = causal | (j[None, None, :] == q_pos[..., None])
+    return causal[:, None]
+
+
+def decompressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [B, T, H, dq], k [B, L, H, dq], v [B, L, H, dv], mask [B, 1, T, L] → [B, T, H, dv] (fp32 softmax)."""
+    s = torch.einsum("bthd,blhd->bhtl", q.float(), k.float()) * scale
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhtl,blhd->bthd", p, v.float()).to(v.dtype)
+
+
+def absorbed_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                       mask: torch.Tensor, scale: float):
+    """Latent-space attention. q_lat [B, T, H, r], q_rope [B, T, H, dr], c [B, L, r], k_r [B, L, dr],
+    mask [B, 1, T, L] → (o_lat [B, T, H, r] fp32, lse [B, T, H] fp32)."""
+    s = (torch.einsum("bthr,blr->bhtl", q_lat.float(), c.float())
+         + torch.einsum("bthd,bld->bhtl", q_rope.float(), k_r.float())) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.einsum("bhtl,blr->bthr", (s - lse[..., None]).exp(), c.float())
+    return o, lse.transpose(1, 2)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    #: decode-shaped calls (new tokens ≤ this, with cached context) use the absorbed latent form
+    absorb_max_tokens = 16
+
+    def __init__(self, config: KimiK3Config, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, H = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.dn, self.dr, self.dv = H, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
+        self.use_nope, self.rope_theta = config.mla_use_nope, config.rope_theta
+        dq = self.dn + self.dr
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * dq, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * dq, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        self.use_output_gate = config.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.dv, bias=False)
+        self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+        self.scale = dq ** -0.5
+
+    # -- pieces shared by every path (and by the kernels' callers) -----------------------------------
+    def queries(self, x: torch.Tensor, positions: torch.Tensor | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, self.num_heads, self.dn + self.dr)
+        q_nope, q_rope = q.split([self.dn, self.dr], -1)
+        if not self.use_nope and self.dr:
+            q_rope = apply_rope(q_rope, positions, self.rope_theta)
+        return q_nope, q_rope
+
+    def latents(self, x: torch.Tensor, positions: torch.Tensor | None):
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], -1)
+        c = self.kv_a_layernorm(c)
+        if not self.use_nope and self.dr:
+            k_r = apply_rope(k_r, positions, self.rope_theta)
+        return c, k_r
+
+    def w_uk_uv(self):
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
+        return w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        o = o.reshape(B, T, self.num_heads * self.dv)
+        if self.use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)
+
+    def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, start: int = 0):
+        """x [B, T, d]; state: latent cache view (:class:`k3nn.cache.MLAState`) written at [start, start+T);
+        attention_mask [B, T] for these tokens (the cache keeps the mask of earlier ones);
+        positions [B, T] rope positions (needed only when rope is on)."""
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x, positions)
+        c, k_r = self.latents(x, positions)
+        if state is not None:
+            c_all, kr_all, key_mask = state.append(c, k_r, attention_mask, start)
+        else:
+            c_all, kr_all, key_mask = c, k_r, attention_mask
+        L = c_all.shape[1]
+        q_pos = (start + torch.arange(T, device=x.device)).expand(B, T)
+        mask = _mask(q_pos, L, key_mask)
+        w_uk, w_uv = self.w_uk_uv()
+        if state is not None and start > 0 and T <= self.absorb_max_tokens:
+            q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+            o_lat, _ = absorbed_attention(q_lat, q_rope, c_all, kr_all, mask, self.scale)
+            o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).to(x.dtype)
+        else:
+            k_nope = torch.einsum("blr,hdr->blhd", c_all, w_uk)
+            v = torch.einsum("blr,hvr->blhv", c_all, w_uv)
+            k = torch.cat([k_nope, kr_all[:, :, None].expand(-1, -1, self.num_heads, -1)], -1)
+            o = decompressed_attention(torch.cat([q_nope, q_rope], -1), k, v, mask, self.scale)
+        return self.finish(x, o)

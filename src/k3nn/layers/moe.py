@@ -1,0 +1,131 @@
+"""Mixture of Experts: the Kimi Linear / DeepSeek "noaux_tc" MoE and K3's Stable LatentMoE.
+
+Router (both)::
+
+    s = sigmoid(W_r x)  (fp32)        choice = s + b        (b = e_score_correction_bias, no gradient)
+    I = TopK_k(choice)  (group-limited when num_expert_group > 1)
+    p_j = s_j / Σ_{I} s (moe_renormalize) · routed_scaling_factor
+
+Standard: ``y = Σ_j p_j E_j(x) + Shared(x)`` with E_j(x) = W2_j act(W1_j x, W3_j x).
+Stable LatentMoE: ``z = W_down x``; ``u = Σ_j p_j E_j(z)`` in latent width; ``y = W_up RMSNorm(u) + Shared(x)``.
+Experts are stored stacked: w1, w3 [E, I, D_in], w2 [E, D_in, I] (bf16 parameters, or MXFP4 buffers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import KimiK3Config
+from ..quant.mxfp4 import BLOCK, MXFP4Weight
+from .mlp import MLP
+from .norm import RMSNorm
+
+__all__ = ["Router", "Experts", "MoE", "route"]
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+          num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
+    """logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32). Selection on biased scores,
+    weights from the raw scores."""
+    s = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
+    choice = s + bias.float()
+    if num_group > 1 and topk_group < num_group:
+        N, E = choice.shape
+        g = choice.view(N, num_group, E // num_group).topk(min(2, E // num_group), -1)[0].sum(-1)
+        keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, -1)[1], 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(E // num_group, 1), float("-inf"))
+    ids = choice.topk(top_k, -1, sorted=False)[1]
+    w = s.gather(1, ids)
+    if renormalize and top_k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scaling
+
+
+class Router(nn.Module):
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        E = config.num_experts
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
+        self.scaling, self.score_func = config.routed_scaling_factor, config.moe_router_activation_func
+        self.num_group, self.topk_group = config.num_expert_group, config.topk_group
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.float().t()
+
+    def forward(self, x: torch.Tensor):
+        return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
+                     self.num_group, self.topk_group, self.score_func)
+
+
+class Experts(nn.Module):
+    """E stacked GLU experts D_in → I → D_in; bf16/fp32 parameters or MXFP4 buffers (``*_packed``/``*_scale``)."""
+
+    def __init__(self, num_experts: int, d_in: int, inter: int, act: str, beta: float,
+                 linear_beta: float | None, mxfp4: bool = False):
+        super().__init__()
+        self.num_experts, self.d_in, self.inter = num_experts, d_in, inter
+        self.act, self.beta, self.linear_beta, self.mxfp4 = act, beta, linear_beta, mxfp4
+        shapes = {"w1": (num_experts, inter, d_in), "w3": (num_experts, inter, d_in), "w2": (num_experts, d_in, inter)}
+        for name, (E, n, k) in shapes.items():
+            if mxfp4:
+                self.register_buffer(f"{name}_packed", torch.zeros(E, n, k // 2, dtype=torch.uint8))
+                self.register_buffer(f"{name}_scale", torch.full((E, n, k // BLOCK), 127, dtype=torch.uint8))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.empty(E, n, k)))
+
+    def weight(self, name: str):
+        if self.mxfp4:
+            return MXFP4Weight(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"))
+        return getattr(self, name)
+
+    def logical_numel(self) -> int:
+        return 3 * self.num_experts * self.inter * self.d_in
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D_in], ids/weights [N, k] → Σ_k weights · E_ids(x), [N, D_in]."""
+        return ops.moe_experts(x, self.weight("w1"), self.weight("w3"), self.weight("w2"), ids, weights,
+                               activation=self.act, beta=self.beta, linear_beta=self.linear_beta)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.latent = config.moe_kind == "latent"
+        d = config.hidden_size
+        d_in = config.expert_input_size
+        act = dict(act=config.hidden_act, beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta)
+        self.gate = Router(config)
+        self.experts = Experts(config.num_experts, d_in, config.moe_intermediate_size, mxfp4=config.mxfp4_experts, **act)
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(d, d_in, bias=False)
+            self.routed_expert_norm = RMSNorm(d_in, config.rms_norm_eps) if config.latent_moe_use_norm else None
+            self.routed_expert_up_proj = nn.Linear(d_in, d, bias=False)
+        self.shared_experts = (MLP(d, config.shared_expert_intermediate_size, **act)
+                               if config.num_shared_experts > 0 else None)
+        #: set by routing utilities (Quantile Balancing) that need the last routing decision
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.record_routing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        logits = self.gate.logits(xf)
+        ids, w = route(logits, self.gate.e_score_correction_bias, self.gate.top_k, self.gate.renormalize,
+                       self.gate.scaling, self.gate.num_group, self.gate.topk_group, self.gate.score_func)
+        if self.record_routing:
+            self.last_routing = (logits.detach(), ids)
+        if self.latent:
+            z = self.routed_expert_down_proj(xf)
+            u = self.experts(z, ids, w)
+            if self.routed_expert_norm is not None:
+                u = self.routed_expert_norm(u)
+            y = self.routed_expert_up_proj(u)
+        else:
+            y = self.experts(xf, ids, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        return y.view(shape)
