@@ -1,0 +1,318 @@
+"""KimiK3: embedding → decoder layers (KDA or MLA mixer; dense MLP or MoE) → final norm → lm_head.
+
+Residual stream: plain pre-norm residuals, or K3's Block Attention Residuals (``use_attn_res``): the layer
+threads a running partial sum and a stack of completed blocks; every sublayer input is a softmax-over-depth
+mix of them (see :mod:`k3nn.layers.attnres`).
+
+Parameter names follow the Moonshot checkpoint layout (``model.layers.{i}.self_attn.q_proj.weight``,
+``model.layers.{i}.block_sparse_moe.experts.w1`` stacked over experts, ...); see :mod:`k3nn.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ops
+from .cache.hybrid import HybridCache
+from .config import KimiK3Config
+from .generation import GenerationMixin
+from .kernels.registry import backend as use_backend
+from .layers.kda import KimiDeltaAttention
+from .layers.mla import MultiHeadLatentAttention
+from .layers.mlp import MLP
+from .layers.moe import MoE, Experts, Router
+from .layers.norm import GatedRMSNorm, RMSNorm
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KimiK3", "KimiK3Model", "DecoderLayer", "KimiK3Output"]
+
+
+@dataclass
+class KimiK3Output:
+    logits: torch.Tensor
+    hidden_states: list[torch.Tensor] | None = None  # per requested layer output (DSpark context)
+    last_hidden_state: torch.Tensor | None = None
+    cache: HybridCache | None = None
+
+
+@dataclass
+class ResidualState:
+    """What flows between decoder layers: the running (partial) sum, and AttnRes' completed blocks."""
+
+    partial: torch.Tensor | None
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_mla = config.is_mla_layer(layer_idx)
+        self.self_attn = (MultiHeadLatentAttention(config, layer_idx) if self.is_mla
+                          else KimiDeltaAttention(config, layer_idx))
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = MoE(config)
+        else:
+            self.mlp = MLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
+                           config.activation_situ_linear_beta)
+        self.attn_res = config.use_attn_res
+        self.block_size = config.attn_res_block_size
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
+    def mix(self, which: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
+        return ops.attnres_mix(sources, proj.weight[0], norm.weight, norm.eps)
+
+    def mixer(self, h: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
+        x = self.input_layernorm(h)
+        if self.is_mla:
+            return self.self_attn(x, state, attention_mask, positions, start)
+        return self.self_attn(x, state, attention_mask, checkpoint_positions=checkpoint_positions)
+
+    def forward(self, rs: ResidualState, state=None, attention_mask=None, positions=None, start: int = 0,
+                checkpoint_positions=None) -> ResidualState:
+        if not self.attn_res:
+            h = rs.partial
+            h = h + self.mixer(h, state, attention_mask, positions, start, checkpoint_positions)
+            h = h + self.ffn(self.post_attention_layernorm(h))
+            return ResidualState(h)
+        blocks, partial = list(rs.blocks), rs.partial
+        h = self.mix("self_attention", blocks + [partial]) if blocks else partial
+        if self.layer_idx % self.block_size == 0:  # mix before push: the sources are the same
+            blocks.append(partial)
+            partial = None
+        a = self.mixer(h, state, attention_mask, positions, start, checkpoint_positions)
+        partial = a if partial is None else partial + a
+        m = self.mix("mlp", blocks + [partial])
+        partial = partial + self.ffn(self.post_attention_layernorm(m))
+        return ResidualState(partial, blocks)
+
+
+class KimiK3Model(nn.Module):
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.use_attn_res:
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, input_ids=None, inputs_embeds=None, cache: HybridCache | None = None, attention_mask=None,
+                output_layers: list[int] | None = None, checkpoint_positions=None):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = h.shape[:2]
+        if cache is not None:
+            start, positions = cache.begin(T, attention_mask)
+        else:
+            start = 0
+            m = torch.ones(B, T, dtype=torch.long, device=h.device) if attention_mask is None else attention_mask.long()
+            positions = (m.cumsum(1) - 1).clamp_min(0)
+        rs = ResidualState(h)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            state = cache.layers[i] if cache is not None else None
+            rs = layer(rs, state, attention_mask, positions, start, checkpoint_positions)
+            if output_layers is not None and i in output_layers:
+                captured.append(rs.partial)
+        if cache is not None:
+            cache.commit(T, attention_mask)
+        if self.config.use_attn_res:
+            n, p = self.output_attn_res_norm, self.output_attn_res_proj
+            h = ops.attnres_mix(rs.blocks + [rs.partial], p.weight[0], n.weight, n.eps)
+        else:
+            h = rs.partial
+        return self.norm(h), captured
+
+
+class KimiK3(GenerationMixin, nn.Module):
+    """The Kimi K3 family causal LM.
+
+    ``KimiK3(config)`` builds on the meta device, then materialises and initialises the weights on ``device``
+    (CPU by default) unless they would not fit (``K3NN_MAX_INIT_BYTES``, default 16 GiB): then the model stays on
+    the meta device (parameter counting, sharding plans, ``from_pretrained``). Pass ``device="meta"`` to never
+    allocate. ``backend`` selects the kernel backend for every forward of this model (None: the ambient choice).
+    """
+
+    def __init__(self, config: KimiK3Config, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, backend: str | None = None, seed: int | None = None):
+        super().__init__()
+        if not isinstance(config, KimiK3Config):
+            raise TypeError(f"config must be a KimiK3Config, got {type(config).__name__}")
+        if backend is not None:
+            from .kernels.registry import _check_name
+
+            _check_name(backend)
+        self.config, self.backend = config, backend
+        with torch.device("meta"):
+            self.model = KimiK3Model(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if device is not None and torch.device(device).type == "meta":
+            return
+        nbytes = self.num_parameters(logical=False) * (torch.finfo(dtype or torch.float32).bits // 8)
+        limit = int(os.environ.get("K3NN_MAX_INIT_BYTES", 16 << 30))
+        if device is None and nbytes > limit:
+            log.warning("KimiK3: %.1f GB of weights exceed K3NN_MAX_INIT_BYTES; the model stays on the meta "
+                        "device (use from_pretrained or pass device=)", nbytes / 1e9)
+            return
+        self.to_empty(device=device or "cpu")
+        if dtype is not None:
+            self.to(dtype)
+        self.init_weights(seed)
+
+    # -- weights -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init (normal(0, initializer_range) for projections, fla's gate init, zero AttnRes queries)."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        std = self.config.initializer_range
+
+        def normal_(t: torch.Tensor, s: float = std) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(s).to(t.dtype))
+
+        for name, mod in self.named_modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                if name.endswith("_res_proj"):
+                    mod.weight.zero_()
+                else:
+                    normal_(mod.weight)
+            elif isinstance(mod, nn.Conv1d):
+                normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[-1]))
+            elif isinstance(mod, (RMSNorm, GatedRMSNorm)):
+                mod.weight.fill_(1.0)
+            elif isinstance(mod, Router):
+                normal_(mod.weight)
+                mod.e_score_correction_bias.zero_()
+            elif isinstance(mod, Experts):
+                if mod.mxfp4:
+                    from .quant.mxfp4 import mxfp4_quantize
+
+                    for w in ("w1", "w3", "w2"):
+                        packed = getattr(mod, f"{w}_packed")
+                        shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+                        q = mxfp4_quantize(torch.randn(shape, generator=gen) * std)
+                        packed.copy_(q.packed)
+                        getattr(mod, f"{w}_scale").copy_(q.scale)
+                else:
+                    for w in ("w1", "w3", "w2"):
+                        normal_(getattr(mod, w))
+            elif isinstance(mod, KimiDeltaAttention):
+                mod.reset_gate_parameters(gen)
+
+    def num_parameters(self, active: bool = False, logical: bool = True) -> int:
+        """Parameter count. ``logical`` counts MXFP4 experts by their logical weights (not packed bytes);
+        ``active`` counts only the routed experts a token uses (top-k of E) plus everything else."""
+        total = 0
+        for mod in self.modules():
+            if isinstance(mod, Experts):
+                n = mod.logical_numel() if logical or not mod.mxfp4 else sum(b.numel() for b in mod.buffers())
+                if active:
+                    n = n * self.config.num_experts_per_token // self.config.num_experts
+                total += n
+                continue
+            total += sum(p.numel() for p in mod.parameters(recurse=False))
+        if self.config.tie_word_embeddings:
+            total -= self.lm_head.weight.numel()
+        return total
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None) -> HybridCache:
+        """A hybrid cache for ``batch_size`` rows and up to ``max_length`` tokens (prompt + generation)."""
+        return HybridCache(self.config, batch_size, max_length, dtype or self.dtype, self.device)
+
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a LongTensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64/int32 token ids, got {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty (seq_len 0)")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids has ids outside [0, vocab_size={self.config.vocab_size}): "
+                             f"min {int(input_ids.min())}, max {int(input_ids.max())}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must match input_ids' shape {tuple(input_ids.shape)} "
+                             f"(mask for the new tokens), got {tuple(attention_mask.shape)}")
+        if cache is not None:
+            if not isinstance(cache, HybridCache):
+                raise TypeError(f"cache must come from model.new_cache(), got {type(cache).__name__}")
+            if cache.batch_size != input_ids.shape[0]:
+                raise ValueError(f"cache was made for batch_size {cache.batch_size}, input_ids has "
+                                 f"{input_ids.shape[0]} rows")
+        if self.device.type == "meta":
+            raise RuntimeError("the model's weights are on the meta device: load them (from_pretrained) or "
+                               "build with device='cpu'/'cuda'")
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None,
+                attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                logits_to_keep: int = 0, output_hidden_layers: list[int] | None = None,
+                checkpoint_positions=None) -> KimiK3Output:
+        """input_ids [B, T] → logits [B, T, vocab] (the last ``logits_to_keep`` positions if > 0).
+
+        With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call).
+        ``attention_mask`` [B, T] marks real tokens (1) vs left padding (0) of these new tokens.
+        ``output_hidden_layers``: layer indices whose outputs are returned in ``hidden_states``.
+        ``checkpoint_positions``: forwarded to every KDA layer (states exported in the same pass into
+        ``cache.layers[i].checkpoints``).
+        """
+        if inputs_embeds is None:
+            self._check_inputs(input_ids, attention_mask, cache)
+        with use_backend(self.backend):
+            h, captured = self.model(input_ids, inputs_embeds, cache, attention_mask, output_hidden_layers,
+                                     checkpoint_positions)
+            hk = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+            logits = self.lm_head(hk)
+        return KimiK3Output(logits=logits, hidden_states=captured if output_hidden_layers is not None else None,
+                            last_hidden_state=h, cache=cache)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
+                        format: str = "k3nn") -> None:
+        from .checkpoint.io import save_pretrained
+
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                        device: torch.device | str = "cpu", backend: str | None = None, revision: str | None = None,
+                        cache_dir: str | None = None, local_files_only: bool | None = None,
+                        token: str | bool | None = None, config: KimiK3Config | None = None) -> "KimiK3":
+        from .checkpoint.io import from_pretrained
+
+        return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,
+                               revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                               token=token, config=config)
