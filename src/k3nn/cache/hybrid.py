@@ -1,5 +1,14 @@
 """The hybrid cache: per KDA layer a recurrent + conv state, per MLA layer a latent (+ rope key) cache.
 
+Cache protocol (what :class:`k3nn.model.KimiK3Model` and the layers rely on; paged caches implement it too):
+
+* ``cache.begin(T, attention_mask) -> (start, positions [B, T])`` before a forward of T new tokens, and
+  ``cache.commit(T, attention_mask)`` after it; ``cache.layers[i]`` is the state of layer i.
+* KDA state: ``.recurrent [B, H, K, V]`` fp32 and ``.conv [B, W-1, 3·H·D]`` (read), and
+  ``.update(recurrent, conv, checkpoints=None)`` (write back after the forward).
+* MLA state: ``.append(c, k_r, attention_mask, start) -> (latent [B, L, r], rope [B, L, dr],
+  key_mask [B, L] bool, q_pos [B, T])``: store the new tokens' latents, return everything visible.
+
 This is the contiguous cache used by ``model(input_ids, cache=...)`` and ``generate()``: every row of a batch
 shares one write position (left padding is recorded in ``key_mask``). Layouts:
 
@@ -28,8 +37,10 @@ class KDAState:
     conv: torch.Tensor
     checkpoints: torch.Tensor | None = None  # states exported by the last call with checkpoint_positions
 
-    def select(self, rows: torch.Tensor) -> "KDAState":
-        return KDAState(self.recurrent[rows], self.conv[rows])
+    def update(self, recurrent: torch.Tensor, conv: torch.Tensor, checkpoints: torch.Tensor | None = None) -> None:
+        self.recurrent.copy_(recurrent)
+        self.conv.copy_(conv)
+        self.checkpoints = checkpoints
 
 
 class MLAState:
@@ -44,7 +55,8 @@ class MLAState:
                                  f"{self.latent.shape[1]}; create it with a larger max_length")
         self.latent[:, start:end] = c.to(self.latent.dtype)
         self.rope[:, start:end] = k_r.to(self.rope.dtype)
-        return self.latent[:, :end], self.rope[:, :end], self.owner.key_mask[:, :end]
+        q_pos = (start + torch.arange(T, device=c.device)).expand(c.shape[0], T)
+        return self.latent[:, :end], self.rope[:, :end], self.owner.key_mask[:, :end], q_pos
 
 
 class HybridCache:

@@ -135,9 +135,6 @@ class KimiDeltaAttention(nn.Module):
                  checkpoint_positions=checkpoint_positions)
         o, final = res[0], res[1]
         if state is not None:
-            state.recurrent.copy_(final)
-            state.conv.copy_(conv_new)
-            if checkpoint_positions is not None:
-                state.checkpoints = res[2]
+            state.update(final, conv_new, res[2] if checkpoint_positions is not None else None)
         y = self.o_norm(o, self.output_gate(x).reshape(B, T, self.num_heads, self.head_dim))
         return self.o_proj(y.reshape(B, T, -1))

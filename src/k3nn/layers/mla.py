@@ -126,18 +126,19 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, start: int = 0):
-        """x [B, T, d]; state: latent cache view (:class:`k3nn.cache.MLAState`) written at [start, start+T);
-        attention_mask [B, T] for these tokens (the cache keeps the mask of earlier ones);
-        positions [B, T] rope positions (needed only when rope is on)."""
+        """x [B, T, d]; state: latent cache view (see the cache protocol in :mod:`k3nn.cache.hybrid`):
+        ``state.append(c, k_r, attention_mask, start)`` stores the new latents and returns every visible
+        latent ``[B, L, r]``, rope key ``[B, L, dr]``, key mask ``[B, L]`` and the new queries' absolute
+        indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions."""
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x, positions)
         c, k_r = self.latents(x, positions)
         if state is not None:
-            c_all, kr_all, key_mask = state.append(c, k_r, attention_mask, start)
+            c_all, kr_all, key_mask, q_pos = state.append(c, k_r, attention_mask, start)
         else:
             c_all, kr_all, key_mask = c, k_r, attention_mask
+            q_pos = torch.arange(T, device=x.device).expand(B, T)
         L = c_all.shape[1]
-        q_pos = (start + torch.arange(T, device=x.device)).expand(B, T)
         mask = _mask(q_pos, L, key_mask)
         w_uk, w_uv = self.w_uk_uv()
         if state is not None and start > 0 and T <= self.absorb_max_tokens:
