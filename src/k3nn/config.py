@@ -269,10 +269,22 @@ class KimiK3Config:
                 kw["gate_lower_bound"] = float(lac["gate_lower_bound"])
             elif "kda_gate" not in d:
                 kw["kda_gate"] = "softplus"
+        if not lac and isinstance(d.get("layer_types"), list):  # transformers' per-layer list
+            kw["mla_layers"] = [i for i, t in enumerate(d["layer_types"]) if t == "full_attention"]
+        mlp_types = d.pop("mlp_layer_types", None)
+        if isinstance(mlp_types, list) and "first_k_dense_replace" not in d:
+            dense = [i for i, t in enumerate(mlp_types) if t == "dense"]
+            if dense != list(range(len(dense))):
+                raise ValueError(f"mlp_layer_types: dense layers must come first, got {mlp_types}")
+            kw["first_k_dense_replace"] = len(dense)
+        for derived in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+                        "qk_head_dim", "head_dim", "dtype", "torch_dtype", "transformers_version", "use_cache"):
+            d.pop(derived, None)
         aliases = {  # DeepSeek / transformers spellings
             "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
             "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-            "n_group": "num_expert_group",
+            "n_group": "num_expert_group", "num_local_experts": "num_experts",
+            "model_max_length": "max_position_embeddings",
         }
         extra: dict[str, Any] = {}
         for k, v in d.items():

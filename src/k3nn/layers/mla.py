@@ -85,10 +85,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(d, H * dq, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # DeepSeek / Kimi use the default 1e-6 here
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * dq, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.dr, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.dn + self.dv), bias=False)
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:

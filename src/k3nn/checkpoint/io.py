@@ -1,0 +1,216 @@
+"""save_pretrained / from_pretrained: sharded safetensors, hub resolution, strict shard-by-shard loading.
+
+Loading builds the model on the meta device, materialises it once on the target device, then streams one
+shard at a time into it (peak memory ≈ model + one tensor, never 2×). Every native tensor must be written
+exactly once (stacked experts: every expert index); missing, unexpected and mis-shaped tensors raise a
+:class:`CheckpointError` naming them. Only safetensors are read (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import KimiK3Config
+from .formats import FORMATS, detect
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "resolve_checkpoint", "save_pretrained", "from_pretrained", "load_weights"]
+
+#: parameters kept in fp32 whatever the model dtype (routing and decay gates are precision-sensitive)
+FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: missing / unexpected / mis-shaped tensors, or unreadable files."""
+
+
+def _progress_disabled() -> bool | None:
+    return True if os.environ.get("K3NN_DISABLE_PROGRESS_BARS") else None
+
+
+def resolve_checkpoint(path_or_repo_id: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
+                       local_files_only: bool | None = None, token: str | bool | None = None) -> Path:
+    """A local directory as is; otherwise a hub repo id through huggingface_hub (cache, revision,
+    ``local_files_only`` and ``HF_HUB_OFFLINE`` honoured)."""
+    p = Path(path_or_repo_id)
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise CheckpointError(f"{p} is a file; from_pretrained takes a checkpoint directory or a hub repo id")
+    name = str(path_or_repo_id)
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise CheckpointError(f"{name!r} is neither a local directory nor a hub repo id ('owner/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+    try:
+        d = snapshot_download(name, revision=revision, cache_dir=cache_dir, token=token,
+                              local_files_only=bool(local_files_only) or offline,
+                              allow_patterns=["*.json", "*.safetensors", "tiktoken.model", "tokenizer*"])
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"{name!r} is not in the local hub cache ({cache_dir or 'default HF cache'}) and downloads are off "
+            f"(HF_HUB_OFFLINE or local_files_only). Download it on a machine with network access "
+            f"(`hf download {name}`) or pass a local directory.") from e
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"could not fetch {name!r} from the hub: {e}") from e
+    d = Path(d)
+    if not (d / "config.json").exists():
+        raise CheckpointError(f"{name!r} resolved to {d}, which has no config.json")
+    return d
+
+
+def _shards(d: Path) -> list[Path]:
+    idx = d / "model.safetensors.index.json"
+    if idx.exists():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{idx} is not a valid safetensors index: {e}") from None
+        files = sorted(set(wm.values()))
+        missing = [f for f in files if not (d / f).exists()]
+        if missing:
+            raise CheckpointError(f"{d}: shards listed in the index are missing: {missing}")
+        return [d / f for f in files]
+    single = d / "model.safetensors"
+    if single.exists():
+        return [single]
+    if list(d.glob("*.bin")) or list(d.glob("*.pt")):
+        raise CheckpointError(f"{d} has only pickle weights (.bin/.pt); k3nn loads safetensors only")
+    raise CheckpointError(f"{d} has no model.safetensors or model.safetensors.index.json")
+
+
+def _open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError on truncated / corrupt headers
+        raise CheckpointError(f"cannot read {path.name}: corrupt or truncated safetensors file ({e})") from None
+
+
+def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: str | None = None) -> str:
+    """Stream every shard of ``directory`` into ``model`` (already materialised). Returns the format used."""
+    d = Path(directory)
+    shards = _shards(d)
+    handles = [(p, _open(p)) for p in shards]
+    all_keys = {k for _, f in handles for k in f.keys()}
+    fmt = format or detect(all_keys)
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}; known: {sorted(FORMATS)}")
+    conv = FORMATS[fmt]
+    targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+    targets = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in targets.items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        targets.pop("lm_head.weight", None)
+    written: dict[str, set[int] | bool] = {}
+    unexpected, misshaped = [], []
+    model_keys = set(targets)
+    for path, f in tqdm(handles, desc="loading shards", unit="shard", disable=_progress_disabled(),
+                        leave=False):
+        for key in f.keys():
+            try:
+                items = conv.to_native(key, lambda key=key: f.get_tensor(key), model_keys)
+            except Exception as e:
+                raise CheckpointError(f"{path.name}: cannot read tensor {key!r} ({e})") from None
+            for nkey, j, t in items:
+                dst = targets.get(nkey)
+                if dst is None:
+                    unexpected.append(key)
+                    continue
+                view = dst if j is None else (dst[j] if 0 <= j < dst.shape[0] else None)
+                if view is None or tuple(view.shape) != tuple(t.shape):
+                    want = tuple(dst.shape) if j is None else tuple(dst.shape[1:])
+                    misshaped.append(f"{key}: checkpoint {tuple(t.shape)}, model expects {want}")
+                    continue
+                if t.dtype == torch.uint8 and view.dtype != torch.uint8:
+                    misshaped.append(f"{key}: checkpoint uint8 (MXFP4?) but the model expects {view.dtype}")
+                    continue
+                with torch.no_grad():
+                    view.copy_(t)
+                if j is None:
+                    written[nkey] = True
+                else:
+                    s = written.setdefault(nkey, set())
+                    if isinstance(s, set):
+                        s.add(j)
+    missing = []
+    for k, v in targets.items():
+        w = written.get(k)
+        if w is None:
+            missing.append(k)
+        elif isinstance(w, set) and len(w) != v.shape[0]:
+            missing.append(f"{k} (experts {sorted(set(range(v.shape[0])) - w)[:8]}...)")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing[:20]}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:20]}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {misshaped[:20]}")
+    if problems:
+        raise CheckpointError(f"checkpoint {d} (format {fmt!r}) does not match the model:\n  " + "\n  ".join(problems))
+    return fmt
+
+
+def _keep_fp32(model: torch.nn.Module) -> None:
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith(FP32_SUFFIXES) and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
+                    local_files_only=None, token=None, config: KimiK3Config | None = None):
+    d = resolve_checkpoint(path_or_repo_id, revision, cache_dir, local_files_only, token)
+    if config is None:
+        config = KimiK3Config.from_json_file(d / "config.json")
+    model = cls(config, device="meta", backend=backend)
+    if dtype is None:
+        raw = json.loads((d / "config.json").read_text())
+        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        dtype = getattr(torch, str(name).replace("torch.", ""), torch.float32)
+    model.to_empty(device=device)
+    model.to(dtype)
+    _keep_fp32(model)
+    model.load_format = load_weights(model, d)
+    gen_cfg = d / "generation_config.json"
+    if gen_cfg.exists():
+        from ..generation import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(d)
+    model.eval()
+    return model
+
+
+def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str = "k3nn") -> None:
+    """config.json + sharded safetensors + model.safetensors.index.json (huggingface_hub serialisation)."""
+    from huggingface_hub import save_torch_state_dict
+
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
+    if model.device.type == "meta":
+        raise RuntimeError("cannot save a model whose weights are on the meta device")
+    os.makedirs(save_directory, exist_ok=True)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    sd = FORMATS[format].from_native(sd)
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    save_torch_state_dict(sd, save_directory, max_shard_size=max_shard_size,
+                          metadata={"format": "pt", "k3nn_format": format})
+    cfg = model.config.to_dict()
+    cfg["dtype"] = str(model.dtype).replace("torch.", "")
+    with open(os.path.join(save_directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    gc = getattr(model, "generation_config", None)
+    if gc is not None:
+        gc.save_pretrained(save_directory)
