@@ -1,8 +1,9 @@
 """Functional ops (fla-core argument conventions). Each validates its arguments, then dispatches to the
 backend in force (see :mod:`k3nn.kernels.registry`)."""
 
-from .attnres import attnres_mix
+from .attnres import AttnResPhase2Output, attnres_mix, attnres_phase1, attnres_phase2
 from .kda import kda_chunk, kda_recurrent
 from .moe import moe_experts
 
 __all__ = ["attnres_mix", "kda_chunk", "kda_recurrent", "moe_experts"]
+__all__ += ["attnres_phase1", "attnres_phase2", "AttnResPhase2Output"]

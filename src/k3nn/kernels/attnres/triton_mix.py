@@ -1,0 +1,226 @@
+"""Triton AttnRes kernels: the fused depth mix and the two phases of paper Algorithm 1, one launch each.
+
+One program handles one (query, token row): it walks the S sources with an online softmax over depth,
+holding the fp32 accumulator and the current source row (d ≤ 16384) in registers, so every source row
+is read from memory exactly once and no stacked copy of the sources is ever made (their base pointers
+travel as a tuple argument). Per source: one load, two row reductions (Σv², Σv·q), one rescale::
+
+    s = (v · q) / sqrt(mean(v²) + eps);  M = max(m, s);  acc = e^{m−M} acc + e^{s−M} v;  l = e^{m−M} l + e^{s−M}
+
+Modes (constexpr): ``attnres_mix`` (normalise and store h), phase 1 (Q queries, store the unnormalised
+state o, m, l; the Q programs of a token are adjacent so its source rows are served from L2 after the
+first), phase 2 (start from a stored state, optionally add the residual update to the partial first and
+apply the following RMSNorm to h). fp32 math throughout; bf16 / fp16 / fp32 I/O.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import triton_ready
+from .reference import AttnResPhase2Output
+
+__all__ = ["attnres_mix_triton", "attnres_phase1_triton", "attnres_phase2_triton", "mix_supports",
+           "phase1_supports", "phase2_supports", "MAX_D", "MAX_SOURCES"]
+
+MAX_D = 16384  # the whole row (accumulator + current source) lives in registers
+MAX_SOURCES = 32
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """fp32 → ``dtype``, round-to-nearest-even. bf16 is rounded by hand: the interpreter's cast truncates,
+    the GPU's rounds; doing it explicitly makes both bit-identical to torch."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _attnres_kernel(
+    src,  # tuple of S pointers, each to [N, D] rows with row stride D
+    upd_ptr, newp_ptr,  # HAS_UPDATE: the last source becomes round(src[S-1] + upd), stored to newp
+    o_ptr, m_ptr, l_ptr,  # HAS_STATE: incoming state o [N, D], m [N], l [N]
+    qw_ptr, nw_ptr, q_stride,  # query weight and norm gain, [Q, D] with row stride q_stride
+    out_ptr,  # [Q, N, D]: h (NORMALISE) or the unnormalised o
+    m_out_ptr, l_out_ptr,  # WRITE_STATE: [Q, N]
+    pw_ptr, y_ptr, post_eps,  # POST_NORM: y = pw * round(rmsnorm(round(h)))
+    N, D, Q, eps,
+    S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UPDATE: tl.constexpr, HAS_STATE: tl.constexpr,
+    NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q = pid % Q
+    row = (pid // Q).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    roff = row * D + offs
+    qv = tl.load(qw_ptr + q * q_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    qv = qv * tl.load(nw_ptr + q * q_stride + offs, mask=mask, other=0.0).to(tl.float32)
+
+    if HAS_STATE:
+        acc = tl.load(o_ptr + roff, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + row).to(tl.float32)
+        l = tl.load(l_ptr + row).to(tl.float32)
+    for j in tl.static_range(S):
+        v = tl.load(src[j] + roff, mask=mask, other=0.0).to(tl.float32)
+        if HAS_UPDATE and j == S - 1:
+            u = tl.load(upd_ptr + roff, mask=mask, other=0.0).to(tl.float32)
+            vr = _cast(v + u, newp_ptr.dtype.element_ty)
+            tl.store(newp_ptr + roff, vr, mask=mask)
+            v = vr.to(tl.float32)
+        s = tl.sum(v * qv, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+        if j == 0 and not HAS_STATE:
+            m = s
+            l = tl.full([], 1.0, tl.float32)
+            acc = v
+        else:
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            beta = tl.exp(s - m_new)
+            acc = acc * alpha + v * beta
+            l = l * alpha + beta
+            m = m_new
+
+    ooff = (q * N + row) * D + offs
+    if NORMALISE:
+        h = _cast(acc / l, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ooff, h, mask=mask)
+        if POST_NORM:
+            hf = h.to(tl.float32)
+            xn = _cast(hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + post_eps), out_ptr.dtype.element_ty)
+            w = tl.load(pw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + ooff, _cast(xn.to(tl.float32) * w, y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + ooff, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    if WRITE_STATE:
+        tl.store(m_out_ptr + q * N + row, m)
+        tl.store(l_out_ptr + q * N + row, l)
+
+
+def _num_warps(block_d: int) -> int:
+    # One row of accumulator + source per program: keep ≤ 32 fp32 registers each per thread.
+    return max(1, min(16, block_d // 512))
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    return t.contiguous().view(-1, d)
+
+
+def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=None, state_out=None,
+            post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None):
+    block_d = triton.next_power_of_2(d)
+    if n == 0:
+        return
+    o_in, m_in, l_in = state if state is not None else (None, None, None)
+    m_out, l_out = state_out if state_out is not None else (None, None)
+    _attnres_kernel[(q * n,)](
+        tuple(srcs), upd, newp, o_in, m_in, l_in, qw, nw, qw.stride(0) if qw.dim() == 2 else 0,
+        out, m_out, l_out, post, y, float(post_eps), n, d, q, float(eps),
+        S=len(srcs), BLOCK_D=block_d, HAS_UPDATE=upd is not None, HAS_STATE=state is not None,
+        NORMALISE=normalise, WRITE_STATE=state_out is not None, POST_NORM=post is not None,
+        num_warps=num_warps or _num_warps(block_d))
+
+
+# --------------------------------------------------------------------------------------------- supports
+
+
+def _common_reason(tensors: list[torch.Tensor], d: int) -> str | None:
+    r = triton_ready(*tensors)
+    if r:
+        return r
+    if d > MAX_D:
+        return f"d={d} > {MAX_D} (the Triton kernel keeps a whole row in registers)"
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            return f"dtype {t.dtype} not supported (float32, float16, bfloat16)"
+    return None
+
+
+def mix_supports(sources, query_weight, norm_weight, eps=1e-5):
+    if len(sources) > MAX_SOURCES:
+        return f"{len(sources)} sources > {MAX_SOURCES}"
+    return _common_reason([*sources, query_weight, norm_weight], sources[0].shape[-1])
+
+
+def phase1_supports(sources, query_weight, norm_weight, eps=1e-5, out_dtype=torch.float32):
+    if len(sources) > MAX_SOURCES:
+        return f"{len(sources)} sources > {MAX_SOURCES}"
+    if out_dtype not in _DTYPES:
+        return f"out_dtype {out_dtype} not supported (float32, float16, bfloat16)"
+    return _common_reason([*sources, query_weight, norm_weight], sources[0].shape[-1])
+
+
+def phase2_supports(o, m, l, partial, query_weight, norm_weight, eps=1e-5, update=None, post_norm_weight=None,
+                    post_norm_eps=1e-5, dtype=None):
+    ts = [t for t in (o, m, l, partial, query_weight, norm_weight, update, post_norm_weight) if t is not None]
+    if dtype is not None and dtype not in _DTYPES:
+        return f"dtype {dtype} not supported (float32, float16, bfloat16)"
+    return _common_reason(ts, o.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------- entry points
+
+
+def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float = 1e-5, *, num_warps: int | None = None) -> torch.Tensor:
+    """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`)."""
+    d = sources[0].shape[-1]
+    srcs = [_rows(s, d) for s in sources]
+    n = srcs[0].shape[0]
+    out = torch.empty(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
+    _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps,
+            num_warps=num_warps)
+    return out
+
+
+def attnres_phase1_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float = 1e-5, out_dtype: torch.dtype = torch.float32, *,
+                          num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sources: S tensors [..., d]; query_weight, norm_weight: [Q, d] → (o [Q, ..., d], m [Q, ...], l [Q, ...])."""
+    shape, d = sources[0].shape, sources[0].shape[-1]
+    srcs = [_rows(s, d) for s in sources]
+    n, nq = srcs[0].shape[0], query_weight.shape[0]
+    dev = sources[0].device
+    o = torch.empty((nq, *shape), dtype=out_dtype, device=dev)
+    m = torch.empty((nq, *shape[:-1]), dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), o, n=n, d=d, q=nq, eps=eps,
+            state_out=(m, l), normalise=False, num_warps=num_warps)
+    return o, m, l
+
+
+def attnres_phase2_triton(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor, partial: torch.Tensor | None,
+                          query_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
+                          update: torch.Tensor | None = None, post_norm_weight: torch.Tensor | None = None,
+                          post_norm_eps: float = 1e-5, dtype: torch.dtype | None = None, *,
+                          num_warps: int | None = None) -> AttnResPhase2Output:
+    """One query's phase-1 state merged with the intra-block partial (see :func:`k3nn.ops.attnres_phase2`)."""
+    d = o.shape[-1]
+    shape, dev = o.shape, o.device
+    if partial is None and update is not None:
+        partial, update = update, None  # "empty + update" is the update itself
+    new_partial = None
+    srcs: list[torch.Tensor] = []
+    if partial is not None:
+        if update is not None:
+            new_partial = torch.empty(shape, dtype=partial.dtype, device=dev)
+        srcs = [_rows(partial, d)]
+    out_dtype = dtype or (partial.dtype if partial is not None else o.dtype)
+    h = torch.empty(shape, dtype=out_dtype, device=dev)
+    y = None
+    if post_norm_weight is not None:
+        y = torch.empty(shape, dtype=torch.promote_types(out_dtype, post_norm_weight.dtype), device=dev)
+        post_norm_weight = post_norm_weight.contiguous()
+    n = h.numel() // d if d else 0
+    _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), h, n=n, d=d, eps=eps,
+            upd=None if update is None else _rows(update, d), newp=new_partial,
+            state=(_rows(o, d), m.contiguous(), l.contiguous()), post=post_norm_weight, post_eps=post_norm_eps,
+            y=y, num_warps=num_warps)
+    return AttnResPhase2Output(h, y, new_partial if new_partial is not None else partial)
