@@ -3,7 +3,9 @@ backend in force (see :mod:`k3nn.kernels.registry`)."""
 
 from .attnres import AttnResPhase2Output, attnres_mix, attnres_phase1, attnres_phase2
 from .kda import kda_chunk, kda_recurrent
+from .mla import mla_decode, mla_prefill
 from .moe import moe_experts
 
 __all__ = ["attnres_mix", "kda_chunk", "kda_recurrent", "moe_experts"]
+__all__ += ["mla_decode", "mla_prefill"]
 __all__ += ["attnres_phase1", "attnres_phase2", "AttnResPhase2Output"]

@@ -1,0 +1,29 @@
+"""MLA kernels: absorbed paged decode (eager reference, Triton split-KV), decompressed chunked prefill."""
+
+from __future__ import annotations
+
+from ..registry import register, triton_ready
+from .api import check_mla_decode_inputs, default_visible_lens, merge_attn_states
+from .prefill import mla_prefill
+from .reference import mla_decode_reference
+
+register("mla_decode", "eager")(mla_decode_reference)
+
+
+def _triton_supports(q_lat, q_rope, kv_pool, block_table, seq_lens, *args, **kwargs):
+    from .triton_decode import supports_triton
+
+    return triton_ready(q_lat, q_rope, kv_pool, block_table, seq_lens) or supports_triton(
+        q_lat, q_rope, kv_pool, block_table, seq_lens, *args, **kwargs)
+
+
+def _triton_decode(*args, **kwargs):
+    from .triton_decode import mla_decode_triton
+
+    return mla_decode_triton(*args, **kwargs)
+
+
+register("mla_decode", "triton", supports=_triton_supports)(_triton_decode)
+
+__all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_decode_reference",
+           "mla_prefill"]

@@ -1,0 +1,231 @@
+"""Triton absorbed MLA decode over the paged latent cache, split along the sequence (split-KV).
+
+Stage 1 (grid ``[row groups, splits, B]``): a program takes ``BLOCK_H`` query rows of one request (rows are
+``(t, h)`` pairs of its ``Tq`` query tokens × ``H`` heads, so all heads share every key tile it loads — MQA
+with one 576-wide key row per token) and one contiguous slice of the request's keys. Per key tile it loads
+the ``[BLOCK_N, r + dr]`` rows through the block table, computes ``s = q_lat·cᵀ + q_rope·k_ropeᵀ`` and runs an
+online softmax in base 2 with the value being the first ``r`` columns of the same tile. Rows that see no key
+of the slice end with lse = −inf and o = 0.
+
+Stage 2 (only when there is more than one split): exact LSE merge of the per-split partials
+(``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). With one split stage 1 writes the final result.
+
+The split count depends only on ``B``, ``Tq·H`` and the device (never on lengths read from the device), so
+a call can be captured in a CUDA graph; each request's keys are divided evenly among the splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import triton_interpreting
+
+__all__ = ["mla_decode_triton", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _configs():
+    if triton_interpreting():
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_H": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_H": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_H": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_H": 64, "BLOCK_N": 16}, num_warps=8, num_stages=3),
+    ]
+
+
+@triton.autotune(configs=_configs(), key=["M", "R", "DR", "NUM_SPLITS", "FINAL"])
+@triton.jit
+def _mla_decode_stage1(
+    Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
+    s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh,
+    s_kvb, s_kvr, s_btb, s_visb,
+    s_opb, s_opm, s_ops, s_lpb, s_lpm,
+    s_ob, s_ot, s_oh, s_lb, s_lt,
+    qk_scale_log2, Tq, H, M, R, DR, NUM_SPLITS,
+    PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_VIS: tl.constexpr, FINAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_ok = offs_m < M
+    t = offs_m // H
+    h = offs_m % H
+    seq_len = tl.load(SEQ + b)
+    if HAS_VIS:
+        lim = tl.load(VIS + b * s_visb + t, mask=m_ok, other=0)
+    else:
+        lim = seq_len - Tq + 1 + t
+    lim = tl.where(m_ok, lim, 0)
+
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, tl.minimum(seq_len, tl.max(lim, 0)))
+
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    q = tl.load(Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh + offs_r[None, :],
+                mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+    if HAS_ROPE:
+        offs_d = tl.arange(0, BLOCK_DR)
+        d_ok = offs_d < DR
+        qr = tl.load(Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh + offs_d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        row = blk * s_kvb + (offs_n % PAGE) * s_kvr
+        c = tl.load(KV + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(c))
+        if HAS_ROPE:
+            kr = tl.load(KV + row[:, None] + R + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            else:
+                s += tl.dot(qr, tl.trans(kr))
+        s = s * qk_scale_log2
+        s = tl.where((offs_n[None, :] < lim[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+
+    has = l_i > 0
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FINAL:
+        tl.store(O + b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_r[None, :],
+                 o.to(O.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+        tl.store(LSE + b * s_lb + t * s_lt + h, lse, mask=m_ok)
+    else:
+        tl.store(O_part + b * s_opb + offs_m[:, None] * s_opm + pid_s * s_ops + offs_r[None, :], o,
+                 mask=m_ok[:, None] & r_ok[None, :])
+        tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=m_ok)
+
+
+@triton.jit
+def _mla_decode_combine(
+    O_part, LSE_part, O, LSE,
+    s_opb, s_opm, s_ops, s_lpb, s_lpm, s_ob, s_ot, s_oh, s_lb, s_lt,
+    H, R, NUM_SPLITS,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    t = m // H
+    h = m % H
+    offs_s = tl.arange(0, BLOCK_S)
+    lses = tl.load(LSE_part + b * s_lpb + m * s_lpm + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    mx = tl.max(lses, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.sum(tl.exp(lses - mx), 0)
+    lse = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+    inv = tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    base = O_part + b * s_opb + m * s_opm
+    for s in range(NUM_SPLITS):
+        ls = tl.load(LSE_part + b * s_lpb + m * s_lpm + s)
+        w = tl.exp(ls - mx) * inv  # 0 for an empty split (its partial output is 0 too)
+        acc += w * tl.load(base + s * s_ops + offs_r, mask=r_ok, other=0.0)
+    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs_r, acc.to(O.dtype.element_ty), mask=r_ok)
+    tl.store(LSE + b * s_lb + t * s_lt + h, lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_num_splits(B: int, rows: int, device: torch.device) -> int:
+    """Splits per request so that about two waves of programs cover the GPU (1 under the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    groups = B * triton.cdiv(rows, 16)
+    return max(1, min(64, triton.cdiv(2 * _sm_count(device.index or 0), groups)))
+
+
+def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None,
+                      num_splits=None, out_dtype=None):
+    B, Tq, H, R = q_lat.shape
+    DR = q_rope.shape[-1]
+    M = Tq * H
+    dev = q_lat.device
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_rope = q_rope if DR == 0 or q_rope.stride(-1) == 1 else q_rope.contiguous()
+    kv = kv_pool if kv_pool.stride(-1) == 1 else kv_pool.contiguous()
+    bt = block_table.to(torch.int32).contiguous()
+    sl = seq_lens.to(torch.int32).contiguous()
+    vis = None if visible_lens is None else visible_lens.to(torch.int32).contiguous()
+    S = int(num_splits) if num_splits else choose_num_splits(B, M, dev)
+    out = torch.empty(B, Tq, H, R, dtype=out_dtype or q_lat.dtype, device=dev)
+    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
+    final = S == 1
+    if final:
+        o_part, lse_part = out, lse  # unused
+        sp = (0, 0, 0, 0, 0)
+    else:
+        o_part = torch.empty(B, M, S, R, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
+        sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+    qr = q_rope if DR else q_lat  # placeholder pointer when there is no rope part
+    grid = lambda META: (triton.cdiv(M, META["BLOCK_H"]), S, B)  # noqa: E731
+    _mla_decode_stage1[grid](
+        q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+        kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
+        *sp,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        float(scale) * _LOG2E, Tq, H, M, R, DR, S,
+        PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
+        HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
+    )
+    if not final:
+        _mla_decode_combine[(M, B)](
+            o_part, lse_part, out, lse, *sp,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            H, R, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_R=triton.next_power_of_2(R),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def supports_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
+                    out_dtype=None):
+    if q_lat.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q_lat.dtype} is not supported (fp16, bf16, fp32)"
+    if triton_interpreting() and q_lat.dtype == torch.bfloat16:
+        return "bf16 tl.dot is not exact under the Triton interpreter"
+    if q_lat.shape[-1] > 1024:
+        return f"kv_lora_rank {q_lat.shape[-1]} > 1024"
+    if num_splits is not None and not 1 <= int(num_splits) <= 256:
+        return f"num_splits must be in [1, 256], got {num_splits}"
+    if math.prod(kv_pool.shape[:2]) * kv_pool.shape[2] >= 2 ** 62:
+        return "pool too large"
+    return None

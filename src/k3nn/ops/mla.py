@@ -1,0 +1,49 @@
+"""MLA functional ops: ``mla_decode`` (absorbed attention over the paged latent cache)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import mla as _mla  # noqa: F401  (registers the backends)
+from ..kernels.mla.api import check_mla_decode_inputs
+from ..kernels.mla.prefill import mla_prefill
+from ..kernels.registry import dispatch
+
+__all__ = ["mla_decode", "mla_prefill"]
+
+
+def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, *, visible_lens: torch.Tensor | None = None,
+               num_splits: int | None = None, out_dtype: torch.dtype | None = None,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode (MQA over one latent row per token) on a paged cache, with LSE.
+
+    For query token t of request b and head h::
+
+        s_j = scale · (q_lat·c_j + q_rope·k_rope_j),  j < visible_lens[b, t]
+        o   = Σ_j softmax(s)_j c_j   (latent space; apply W_UV after),  lse = log Σ_j exp(s_j)
+
+    Args:
+        q_lat: [B, Tq, H, r] absorbed queries ``W_UKᵀ q_nope`` (r = kv_lora_rank, 512 for K3).
+        q_rope: [B, Tq, H, dr] rope part of the queries (rotated by the caller, or unrotated for NoPE;
+            dr may be 0). Same dtype as q_lat and kv_pool.
+        kv_pool: [num_blocks, block_size, r + dr] one layer's pool of :class:`k3nn.cache.pages.PagedLatentCache`.
+        block_table: int32/int64 [B, max_blocks]; seq_lens: int [B] cached tokens per request (the Tq query
+            tokens included: they were written before the call).
+        scale: softmax scale, (qk_nope + qk_rope)^-0.5 (0.0722 for Kimi), not (r + dr)^-0.5.
+        visible_lens: int [B, Tq] keys visible to each query; default ``seq_lens - Tq + t + 1`` (a verify
+            window: query t of Tq sees keys up to position seq_len - Tq + t). DCP passes rank-local bounds.
+        num_splits: KV splits per request (Triton; default from the device and the batch).
+        out_dtype: dtype of o (default q_lat.dtype). check: validate index values (a host sync; pass False
+            inside CUDA-graph capture once the inputs are known good).
+    Returns:
+        ``(o [B, Tq, H, r], lse [B, Tq, H] fp32)``, natural-log LSE; a query that sees no key (possible on
+        a DCP shard) gets o = 0 and lse = −inf.
+    """
+    check_mla_decode_inputs(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens, check_values=check)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return dispatch("mla_decode", q_lat, q_rope, kv_pool, block_table, seq_lens, float(scale),
+                    visible_lens=visible_lens, num_splits=num_splits, out_dtype=out_dtype)
