@@ -8,6 +8,8 @@ Router (both)::
 
 Standard: ``y = Σ_j p_j E_j(x) + Shared(x)`` with E_j(x) = W2_j act(W1_j x, W3_j x).
 Stable LatentMoE: ``z = W_down x``; ``u = Σ_j p_j E_j(z)`` in latent width; ``y = W_up RMSNorm(u) + Shared(x)``.
+The latent path computes per-slot expert outputs and defers the weighting: one
+``moe_latent_finalize`` pass does Σ_j p_j E_j(z), the fp32 RMSNorm and the gain (deferred finalization).
 Experts are stored stacked: w1, w3 [E, I, D_in], w2 [E, D_in, I] (bf16 parameters, or MXFP4 buffers).
 """
 
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops.moe import check_finite_on_device
 from ..config import KimiK3Config
 from ..quant.mxfp4 import BLOCK, MXFP4Weight
 from .mlp import MLP
@@ -28,7 +31,10 @@ __all__ = ["Router", "Experts", "MoE", "route"]
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
           num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
     """logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32). Selection on biased scores,
-    weights from the raw scores."""
+    weights from the raw scores. Non-finite logits raise (asynchronously on GPU: no host sync)."""
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={logits.shape[-1]}]")
+    check_finite_on_device(logits, "route: router logits")
     s = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
     choice = s + bias.float()
     if num_group > 1 and topk_group < num_group:
@@ -90,6 +96,11 @@ class Experts(nn.Module):
         return ops.moe_experts(x, self.weight("w1"), self.weight("w3"), self.weight("w2"), ids, weights,
                                activation=self.act, beta=self.beta, linear_beta=self.linear_beta)
 
+    def outputs(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D_in], ids [N, k] → unweighted per-slot outputs [N, k, D_in] (weights applied at finalization)."""
+        return ops.moe_expert_outputs(x, self.weight("w1"), self.weight("w3"), self.weight("w2"), ids,
+                                      activation=self.act, beta=self.beta, linear_beta=self.linear_beta)
+
 
 class MoE(nn.Module):
     def __init__(self, config: KimiK3Config):
@@ -119,10 +130,11 @@ class MoE(nn.Module):
         if self.record_routing:
             self.last_routing = (logits.detach(), ids)
         if self.latent:
+            # deferred finalization: top-k weighting + reduction fused with the latent RMSNorm
             z = self.routed_expert_down_proj(xf)
-            u = self.experts(z, ids, w)
-            if self.routed_expert_norm is not None:
-                u = self.routed_expert_norm(u)
+            norm = self.routed_expert_norm
+            u = ops.moe_latent_finalize(self.experts.outputs(z, ids), w, None if norm is None else norm.weight,
+                                        1e-5 if norm is None else norm.eps, out_dtype=z.dtype)
             y = self.routed_expert_up_proj(u)
         else:
             y = self.experts(xf, ids, w)

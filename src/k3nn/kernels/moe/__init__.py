@@ -1,6 +1,83 @@
-"""Routed-experts kernels: eager reference (fused Triton registered by its module)."""
+"""Routed-experts kernels: eager references and the fused Triton path (sort/align, grouped GEMMs with the
+GLU activation in the epilogue, in-kernel MXFP4 decode, weighted top-k reduction fused with the latent norm)."""
 
-from ..registry import register
-from .reference import moe_experts_reference
+from __future__ import annotations
+
+import torch
+
+from ...quant.mxfp4 import MXFP4Weight
+from ..registry import register, triton_interpreting, triton_ready
+from .reference import moe_expert_outputs_reference, moe_experts_reference, moe_latent_finalize_reference
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _tensors(*ws):
+    out = []
+    for w in ws:
+        out += [w.packed, w.scale] if isinstance(w, MXFP4Weight) else [w]
+    return out
+
+
+def _triton_supports(x, w1, w3, w2, topk_ids, *rest, **kw) -> str | None:
+    r = triton_ready(x, *_tensors(w1, w3, w2), topk_ids)
+    if r:
+        return r
+    if x.dtype not in _FLOATS:
+        return f"x dtype {x.dtype} is not fp16/bf16/fp32"
+    if x.dtype == torch.bfloat16 and triton_interpreting():
+        return "bf16 tl.dot is not exact under the Triton interpreter"
+    kinds = {isinstance(w, MXFP4Weight) for w in (w1, w3, w2)}
+    if len(kinds) != 1:
+        return "w1, w3, w2 must all be MXFP4 or all dense"
+    if not kinds.pop() and any(w.dtype != x.dtype for w in (w1, w3, w2)):
+        return f"dense expert weights must have x's dtype {x.dtype}, got {w1.dtype}/{w3.dtype}/{w2.dtype}"
+    for w in _tensors(w1, w3, w2):
+        if w.stride(-1) != 1:
+            return "expert weights must be contiguous in their last dim"
+    return None
+
+
+def _finalize_supports(expert_out, topk_weights, norm_weight=None, *a, **kw) -> str | None:
+    r = triton_ready(expert_out, topk_weights, *([norm_weight] if norm_weight is not None else []))
+    if r:
+        return r
+    if norm_weight is not None and expert_out.shape[-1] > 16384:
+        return "latent width above 16384 is not supported by the one-row-per-program norm"
+    return None
+
+
+def _triton_available() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        return f"triton is not importable ({e})"
+    return None
+
+
+def _moe_experts_triton(*args, **kwargs):
+    from .triton_fused import fused_moe_experts
+
+    return fused_moe_experts(*args, **kwargs)
+
+
+def _moe_expert_outputs_triton(*args, **kwargs):
+    from .triton_fused import fused_expert_outputs
+
+    return fused_expert_outputs(*args, **kwargs)
+
+
+def _moe_latent_finalize_triton(*args, **kwargs):
+    from .triton_fused import moe_finalize_triton
+
+    return moe_finalize_triton(*args, **kwargs)
+
 
 register("moe_experts", "eager")(moe_experts_reference)
+register("moe_experts", "triton", supports=_triton_supports, available=_triton_available)(_moe_experts_triton)
+register("moe_expert_outputs", "eager")(moe_expert_outputs_reference)
+register("moe_expert_outputs", "triton", supports=_triton_supports,
+         available=_triton_available)(_moe_expert_outputs_triton)
+register("moe_latent_finalize", "eager")(moe_latent_finalize_reference)
+register("moe_latent_finalize", "triton", supports=_finalize_supports,
+         available=_triton_available)(_moe_latent_finalize_triton)

@@ -1,0 +1,280 @@
+"""Fused MoE in Triton: grouped GEMMs over expert-sorted tokens, bf16/fp16/fp32 or MXFP4 expert weights.
+
+Pipeline (all on device, no host sync)::
+
+    align   topk_ids → sorted flat ids padded per expert to BLOCK_M, one expert id per block   (align.py)
+    up      h[r]  = act(x[tok(r)] W1_eᵀ, x[tok(r)] W3_eᵀ)   rows r in sorted order; SiLU/SiTU in the epilogue
+    down    y[f]  = h[r] W2_eᵀ                              scattered back to flat id f = token·k + slot
+    final   out[t] = Σ_j w[t,j] y[t,j]  (+ RMSNorm · gain for the latent tail: deferred finalization)
+
+MXFP4 weights (packed u8 [E, N, K/2], E8M0 scale u8 [E, N, K/32]) are decoded in registers: nibbles →
+E2M1 bits → fp32 × 2^(s−127) → the activation dtype, then ``tl.dot`` (Hopper has no FP4 MMA).
+Routing weights are applied late (after W2), as K3's SiTU contract requires.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant.mxfp4 import MXFP4Weight
+from .align import MoEAlignment, moe_align
+
+__all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
+
+_INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _configs(kind: str):
+    if _INTERP:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    if kind == "small":  # decode / few rows per expert: weight-bandwidth bound
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bn, bk, w, s in ((64, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 3))]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4))]
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice: sign(x)·(1 − e^{−2|x|}) / (1 + e^{−2|x|})
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr, beta, linear_beta, CAP_UP: tl.constexpr):
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 0:  # SiLU-GLU
+        return g * sig * u
+    a = beta * _tanh(g / beta) * sig  # SiTU-GLU
+    if CAP_UP:
+        u = linear_beta * _tanh(u / linear_beta)
+    return a * u
+
+
+@triton.jit
+def _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Weight tile W_e[offs_n, offs_k] as [BLOCK_K, BLOCK_N] in DTYPE (decoding MXFP4 in registers)."""
+    nmask = offs_n < N
+    if MXFP4:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of this K tile
+        bmask = nmask[:, None] & (kb[None, :] < K // 2)
+        byte = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + kb[None, :], mask=bmask, other=0)
+        byte = byte.to(tl.int32)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K))  # even k in the low nibble
+        mag = code & 7
+        bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
+        bits = bits | ((code >> 3) << 31)
+        val = bits.to(tl.float32, bitcast=True)
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        smask = nmask[:, None] & (kg[None, :] < K // 32)
+        s = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + kg[None, :], mask=smask, other=127)
+        s = s.to(tl.int32)
+        sbits = tl.where(s == 255, 0x7FC00000, tl.where(s == 0, 1 << 22, s << 23))
+        sc = sbits.to(tl.float32, bitcast=True)  # [BN, BK/32]
+        val = tl.reshape(tl.reshape(val, (BLOCK_N, BLOCK_K // 32, 32)) * sc[:, :, None], (BLOCK_N, BLOCK_K))
+        return tl.trans(val.to(DTYPE))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    return tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
+                   mask=nmask[None, :] & kmask[:, None], other=0.0)
+
+
+@triton.jit
+def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    gsize = tl.minimum(NUM_BLOCKS - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % gsize
+    pid_n = (pid % per_group) // gsize
+    return pid_m, pid_n
+
+
+def _make_up(kind):
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "BLOCK_M", "ACT"])
+    @triton.jit
+    def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
+                NUM_BLOCKS, N, K, top_k, num_pairs,
+                stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                beta, linear_beta,
+                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        flat = tl.load(sorted_ptr + rows)
+        valid = flat < num_pairs
+        tok = (flat // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        DT = x_ptr.dtype.element_ty
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+            b1 = _load_w_tile(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                              MXFP4, BLOCK_N, BLOCK_K, DT)
+            acc_g = tl.dot(a, b1, acc_g)
+            b3 = _load_w_tile(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                              MXFP4, BLOCK_N, BLOCK_K, DT)
+            acc_u = tl.dot(a, b3, acc_u)
+        h = _act(acc_g, acc_u, ACT, beta, linear_beta, CAP_UP)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(DT),
+                 mask=(offs_n[None, :] < N))
+
+    return _moe_up
+
+
+def _make_down(kind):
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "BLOCK_M"])
+    @triton.jit
+    def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
+                  NUM_BLOCKS, N, K, num_pairs,
+                  stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                  MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+        pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        flat = tl.load(sorted_ptr + rows)
+        valid = flat < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        DT = h_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :],
+                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+            b = _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                             MXFP4, BLOCK_N, BLOCK_K, DT)
+            acc = tl.dot(a, b, acc)
+        tl.store(y_ptr + flat[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(DT),
+                 mask=valid[:, None] & (offs_n[None, :] < N))
+
+    return _moe_down
+
+
+_UP = {k: _make_up(k) for k in ("small", "large")}
+_DOWN = {k: _make_down(k) for k in ("small", "large")}
+
+
+@triton.jit
+def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, top_k, stride_yt, stride_yk, stride_wt, stride_ot, eps,
+                     HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(0, top_k):
+        wj = tl.load(w_ptr + t * stride_wt + j).to(tl.float32)
+        acc += wj * tl.load(y_ptr + t * stride_yt + j * stride_yk + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(acc * acc, 0) / D + eps)
+        acc = acc * r * tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_finalize_triton(expert_out: torch.Tensor, topk_weights: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                        eps: float = 1e-5, out_dtype: torch.dtype | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, k, D] per-slot expert outputs → Σ_j w_j y_j (fp32 accumulate), then RMSNorm·gain if ``norm_weight``."""
+    N, k, D = expert_out.shape
+    y = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
+    w = topk_weights.float().contiguous()
+    if out is None:
+        out = torch.empty(N, D, dtype=out_dtype or expert_out.dtype, device=expert_out.device)
+    if N == 0:
+        return out
+    has_norm = norm_weight is not None
+    block_d = triton.next_power_of_2(D) if has_norm else min(triton.next_power_of_2(D), 1024)
+    grid = (N, triton.cdiv(D, block_d))
+    _finalize_kernel[grid](y, w, norm_weight if has_norm else w, out, D, k, y.stride(0), y.stride(1), w.stride(0),
+                           out.stride(0), eps, HAS_NORM=has_norm, BLOCK_D=block_d,
+                           num_warps=4 if block_d <= 1024 else 8)
+    return out
+
+
+def pick_block_m(num_pairs: int, num_experts: int) -> int:
+    if _INTERP:
+        return 16
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 24:
+        return 16
+    if per_expert <= 96:
+        return 32
+    if per_expert <= 384:
+        return 64
+    return 128
+
+
+def _wparts(w):
+    if isinstance(w, MXFP4Weight):
+        return w.packed, w.scale, True
+    return w, None, False
+
+
+def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, activation: str = "silu",
+                         beta: float = 4.0, linear_beta: float | None = 25.0,
+                         align: MoEAlignment | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype."""
+    N, D = x.shape
+    k = topk_ids.shape[1]
+    E, I = w1.shape[0], w1.shape[1]
+    P = N * k
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(N, k, D, dtype=x.dtype, device=x.device) if out is None else out
+    if P == 0:
+        return y
+    bm = pick_block_m(P, E)
+    al = align if align is not None and align.block_m == bm else moe_align(topk_ids, E, bm)
+    nb = al.expert_ids.numel()
+    kind = "small" if bm <= 16 else "large"
+    group_m = 1 if bm <= 16 else 8
+    p1, s1, mx = _wparts(w1)
+    p3, s3, _ = _wparts(w3)
+    p2, s2, _ = _wparts(w2)
+    for t in (p1, p3, p2):
+        if t.stride(-1) != 1:
+            raise ValueError("fused MoE: expert weights must be contiguous in their last dim")
+    if p1.stride() != p3.stride() or (mx and s1.stride() != s3.stride()):
+        raise ValueError("fused MoE: w1 and w3 must share strides")
+    h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)
+    se1 = (s1.stride(0), s1.stride(1)) if mx else (0, 0)
+    act = 0 if activation == "silu" else 1
+    cap = linear_beta is not None
+    grid_up = lambda meta: (nb * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
+    _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids, al.num_rows,
+                       nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1], h.stride(0),
+                       float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
+                       ACT=act, CAP_UP=cap, MXFP4=mx, BLOCK_M=bm, GROUP_M=group_m)
+    se2 = (s2.stride(0), s2.stride(1)) if mx else (0, 0)
+    y2 = y.view(P, D)
+    grid_dn = lambda meta: (nb * triton.cdiv(D, meta["BLOCK_N"]),)  # noqa: E731
+    _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
+                         nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
+                         MXFP4=mx, BLOCK_M=bm, GROUP_M=group_m)
+    return y
+
+
+def fused_moe_experts(x, w1, w3, w2, topk_ids, topk_weights, activation="silu", beta=4.0, linear_beta=25.0):
+    """The ``triton`` backend of ``moe_experts``: fused expert outputs, then the weighted top-k reduction."""
+    y = fused_expert_outputs(x, w1, w3, w2, topk_ids, activation, beta, linear_beta)
+    return moe_finalize_triton(y, topk_weights, None, out_dtype=x.dtype)

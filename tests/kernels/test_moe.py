@@ -1,0 +1,178 @@
+"""Fused Triton MoE (interpreter, fp32) vs the eager reference: align, expert GEMMs, finalization, layer."""
+
+import pytest
+import torch
+from hypothesis import given, note, strategies as st
+
+from conftest import poison
+from k3nn import ops
+from k3nn.config import KimiK3Config
+from k3nn.kernels.moe.align import max_blocks, moe_align
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference, moe_experts_reference
+from k3nn.kernels.moe.triton_fused import fused_expert_outputs, moe_finalize_triton
+from k3nn.kernels.registry import BackendUnavailableError, backend
+from k3nn.layers.moe import MoE, route
+from k3nn.quant import MXFP4Weight, mxfp4_quantize
+
+
+def _ids(N, E, k, g, skew):
+    """Distinct experts per row; with ``skew`` most rows pick from the first few experts (others get none)."""
+    if skew and E > k:
+        pool = max(k, E // 3)
+        return torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(N)])
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+
+
+def _problem(N, D, I, E, k, seed, skew=False, mx=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w1, w3 = torch.randn(E, I, D, generator=g) / D ** 0.5, torch.randn(E, I, D, generator=g) / D ** 0.5
+    w2 = torch.randn(E, D, I, generator=g) / I ** 0.5
+    if mx:
+        w1, w3, w2 = (mxfp4_quantize(w) for w in (w1, w3, w2))
+    ids = _ids(N, E, k, g, skew)
+    wts = torch.rand(N, k, generator=g)
+    return x, w1, w3, w2, ids, wts
+
+
+def _close(a, b, tol=2e-5):
+    assert torch.isfinite(a).all()
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+    assert err < tol, err
+
+
+@given(N=st.integers(1, 6), E=st.integers(1, 6), k=st.integers(1, 4), D=st.sampled_from([32, 64]),
+       I=st.sampled_from([32, 64]), act=st.sampled_from(["silu", "situ"]), mx=st.booleans(), skew=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_fused_moe_matches_eager(N, E, k, D, I, act, mx, skew, seed):
+    k = min(k, E)
+    note(f"N={N} E={E} k={k} D={D} I={I} act={act} mx={mx} skew={skew}")
+    x, w1, w3, w2, ids, wts = _problem(N, D, I, E, k, seed, skew, mx)
+    ref = moe_experts_reference(x, w1, w3, w2, ids, wts, act, 4.0, 25.0)
+    with backend("triton"):
+        out = ops.moe_experts(x, w1, w3, w2, ids, wts, activation=act)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("case", ["topk_eq_E", "single_token", "zero_token_experts", "multi_block", "no_up_cap"])
+def test_fused_moe_edge_cases(case):
+    N, D, I, E, k, lin = {"topk_eq_E": (3, 32, 32, 4, 4, 25.0), "single_token": (1, 64, 32, 8, 2, 25.0),
+                          "zero_token_experts": (5, 32, 32, 8, 2, 25.0), "multi_block": (20, 32, 32, 2, 2, 25.0),
+                          "no_up_cap": (4, 32, 32, 3, 2, None)}[case]
+    x, w1, w3, w2, ids, wts = _problem(N, D, I, E, k, seed=7)
+    if case == "zero_token_experts":
+        ids = torch.tensor([[0, 5]] * N)  # experts 1-4, 6, 7 receive nothing
+    y = poison(N, k, D)
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, lin, out=y)
+    _close(y, moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, lin))
+    out = poison(N, D)
+    moe_finalize_triton(y, wts, out=out)
+    _close(out, moe_experts_reference(x, w1, w3, w2, ids, wts, "situ", 4.0, lin))
+
+
+def test_mxfp4_nan_scale_propagates():
+    x, w1, w3, w2, ids, wts = _problem(2, 32, 32, 2, 1, seed=3, mx=True)
+    ids = torch.tensor([[0], [1]])
+    s = w2.scale.clone()
+    s[1, 0, 0] = 255  # expert 1, output row 0 is NaN
+    w2 = MXFP4Weight(w2.packed, s)
+    y = fused_expert_outputs(x, w1, w3, w2, ids, "silu", 4.0, None)
+    assert torch.isfinite(y[0]).all() and y[1, 0, 0].isnan() and torch.isfinite(y[1, 0, 1:]).all()
+
+
+@given(N=st.integers(1, 40), E=st.integers(1, 9), k=st.integers(1, 4), bm=st.sampled_from([4, 16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_align_invariants(N, E, k, bm, seed):
+    k = min(k, E)
+    note(f"N={N} E={E} k={k} bm={bm}")
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(N, E, k, g, skew=bool(seed % 2))
+    al = moe_align(ids, E, bm)
+    P = N * k
+    flat = ids.reshape(-1)
+    assert al.sorted_ids.numel() == max_blocks(P, E, bm) * bm
+    used = int(al.num_rows.item())
+    assert used % bm == 0 and used <= al.sorted_ids.numel()
+    real = al.sorted_ids[al.sorted_ids < P]
+    assert sorted(real.tolist()) == list(range(P))  # every pair exactly once
+    for b in range(al.expert_ids.numel()):
+        rows = al.sorted_ids[b * bm:(b + 1) * bm]
+        e = al.expert_ids[b].item()
+        if b * bm >= used:
+            assert e == -1 and (rows == P).all()
+        else:
+            r = rows[rows < P].long()
+            assert r.numel() > 0 and (flat[r] == e).all()
+            assert (r.diff() > 0).all()  # stable: flat ids ascending within an expert
+
+
+@given(N=st.integers(1, 5), k=st.integers(1, 4), D=st.sampled_from([32, 48, 96]), norm=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_latent_finalize_matches_eager(N, k, D, norm, seed):
+    note(f"N={N} k={k} D={D} norm={norm}")
+    g = torch.Generator().manual_seed(seed)
+    y, w = torch.randn(N, k, D, generator=g), torch.rand(N, k, generator=g)
+    gain = torch.randn(D, generator=g) if norm else None
+    ref = ops.moe_latent_finalize(y, w, gain, 1e-5)
+    u = (y * w[..., None]).sum(1)
+    if norm:
+        u = u / (u.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * gain
+    _close(ref, u, 1e-5)
+    out = poison(N, D)
+    with backend("triton"):
+        moe_finalize_triton(y, w, gain, 1e-5, out=out)
+        _close(out, ref, 1e-5)
+        _close(ops.moe_latent_finalize(y, w, gain, 1e-5), ref, 1e-5)
+
+
+@pytest.mark.parametrize("kind,mx", [("latent", False), ("latent", True), ("standard", False)])
+def test_moe_layer_triton_matches_eager(kind, mx):
+    cfg = KimiK3Config.tiny(moe_kind=kind, mxfp4_experts=mx, num_experts=6, num_experts_per_token=3)
+    torch.manual_seed(0)
+    m = MoE(cfg)
+    for name, p in m.named_parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if mx:
+        g = torch.Generator().manual_seed(1)
+        for n in ("w1", "w3", "w2"):
+            shape = getattr(m.experts, f"{n}_packed").shape
+            q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g) * 0.2)
+            getattr(m.experts, f"{n}_packed").copy_(q.packed)
+            getattr(m.experts, f"{n}_scale").copy_(q.scale)
+    x = torch.randn(2, 3, cfg.hidden_size)
+    with backend("eager"):
+        ref = m(x)
+    with backend("triton"):
+        out = m(x)
+    _close(out, ref, 1e-4)
+    if kind == "latent":  # deferred finalization == weighted sum then the RMSNorm module
+        xf = x.reshape(-1, cfg.hidden_size)
+        ids, w = m.gate(xf)
+        z = m.routed_expert_down_proj(xf)
+        with backend("eager"):
+            u = m.routed_expert_norm(m.experts(z, ids, w))
+        want = m.routed_expert_up_proj(u) + m.shared_experts(xf)
+        _close(out.reshape(-1, cfg.hidden_size), want, 1e-4)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w1, w3, w2, ids, wts = _problem(3, 64, 32, 4, 2, seed=0, mx=True)
+    with pytest.raises(ValueError, match="disagree"):  # scales that don't match the packed weights
+        ops.moe_experts(x, MXFP4Weight(w1.packed, w1.scale[..., :1]), w3, w2, ids, wts)
+    with pytest.raises(ValueError, match="w1 has shape"):  # packing along the wrong dim / wrong width
+        ops.moe_experts(x, mxfp4_quantize(torch.randn(4, 64, 32)), w3, w2, ids, wts)
+    big = torch.tensor([[0, 1, 2, 3, 0]] * 3)
+    with pytest.raises(ValueError, match="exceeds the number of experts"):
+        ops.moe_experts(x, w1, w3, w2, big, torch.ones(3, 5))
+    with pytest.raises(ValueError, match=r"lie in \[0, 4\)"):
+        ops.moe_experts(x, w1, w3, w2, ids + 3, wts)
+    with pytest.raises(TypeError, match="int32/int64"):
+        ops.moe_experts(x, w1, w3, w2, ids.float(), wts)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        route(torch.tensor([[0.1, float("nan"), 0.3]]), torch.zeros(3), 2, True, 1.0)
+    with pytest.raises(ValueError, match="top_k=4"):
+        route(torch.randn(2, 3), torch.zeros(3), 4, True, 1.0)
+    with pytest.raises(BackendUnavailableError, match="bf16"), backend("triton"):
+        xb = x.bfloat16()
+        d = [torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 64, 32).bfloat16()]
+        ops.moe_experts(xb, *d, ids, wts)
