@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils import upcast
+
 from .. import ops
 from ..config import KimiK3Config
 from .norm import GatedRMSNorm
@@ -31,15 +33,15 @@ __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
+    xf = upcast(x)
     return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, kind: str, lower_bound: float,
              head_dim: int) -> torch.Tensor:
     """Log-space decay ``g`` [..., H, D] fp32 from the gate projection ``f`` [..., H·D]."""
-    x = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
-    a = A_log.float().exp()[:, None]  # [H, 1]
+    x = (upcast(f) + upcast(dt_bias)).unflatten(-1, (-1, head_dim))
+    a = upcast(A_log).exp()[:, None]  # [H, 1]
     if kind == "softplus":
         return -a * F.softplus(x, beta=1.0, threshold=20.0)
     if kind == "lower_bound":
@@ -117,7 +119,7 @@ class KimiDeltaAttention(nn.Module):
         q, k = l2norm(q), l2norm(k)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.gate_kind,
                      self.lower_bound, D)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
         return q, k, v, g, beta, conv_new
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils import upcast
+
 from ..config import KimiK3Config
 from .norm import RMSNorm
 
@@ -29,12 +31,13 @@ __all__ = ["MultiHeadLatentAttention", "apply_rope", "absorbed_attention", "deco
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate x [B, T, ..., dr] by positions [B, T] (NeoX half rotation), fp32 math."""
     dr = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, dr, 2, device=x.device, dtype=torch.float32) / dr))
-    ang = positions.float()[..., None] * inv  # [B, T, dr/2]
+    acc = upcast(x).dtype
+    inv = 1.0 / (theta ** (torch.arange(0, dr, 2, device=x.device, dtype=acc) / dr))
+    ang = positions.to(acc)[..., None] * inv  # [B, T, dr/2]
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(-2)
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    xf = x.float()
+    xf = upcast(x)
     x1, x2 = xf.chunk(2, -1)
     return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
@@ -52,20 +55,20 @@ def _mask(q_pos: torch.Tensor, L: int, key_mask: torch.Tensor | None) -> torch.T
 
 def decompressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
     """q [B, T, H, dq], k [B, L, H, dq], v [B, L, H, dv], mask [B, 1, T, L] → [B, T, H, dv] (fp32 softmax)."""
-    s = torch.einsum("bthd,blhd->bhtl", q.float(), k.float()) * scale
+    s = torch.einsum("bthd,blhd->bhtl", upcast(q), upcast(k)) * scale
     p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("bhtl,blhd->bthd", p, v.float()).to(v.dtype)
+    return torch.einsum("bhtl,blhd->bthd", p, upcast(v)).to(v.dtype)
 
 
 def absorbed_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
                        mask: torch.Tensor, scale: float):
     """Latent-space attention. q_lat [B, T, H, r], q_rope [B, T, H, dr], c [B, L, r], k_r [B, L, dr],
     mask [B, 1, T, L] → (o_lat [B, T, H, r] fp32, lse [B, T, H] fp32)."""
-    s = (torch.einsum("bthr,blr->bhtl", q_lat.float(), c.float())
-         + torch.einsum("bthd,bld->bhtl", q_rope.float(), k_r.float())) * scale
+    s = (torch.einsum("bthr,blr->bhtl", upcast(q_lat), upcast(c))
+         + torch.einsum("bthd,bld->bhtl", upcast(q_rope), upcast(k_r))) * scale
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    o = torch.einsum("bhtl,blr->bthr", (s - lse[..., None]).exp(), c.float())
+    o = torch.einsum("bhtl,blr->bthr", (s - lse[..., None]).exp(), upcast(c))
     return o, lse.transpose(1, 2)
 
 
@@ -121,7 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
         B, T = x.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.use_output_gate:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            o = (upcast(o) * torch.sigmoid(upcast(self.g_proj(x)))).to(x.dtype)
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
@@ -144,7 +147,7 @@ class MultiHeadLatentAttention(nn.Module):
         if state is not None and start > 0 and T <= self.absorb_max_tokens:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
             o_lat, _ = absorbed_attention(q_lat, q_rope, c_all, kr_all, mask, self.scale)
-            o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).to(x.dtype)
+            o = torch.einsum("bthr,hvr->bthv", o_lat, upcast(w_uv)).to(x.dtype)
         else:
             k_nope = torch.einsum("blr,hdr->blhd", c_all, w_uk)
             v = torch.einsum("blr,hvr->blhv", c_all, w_uv)

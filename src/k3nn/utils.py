@@ -1,0 +1,8 @@
+"""Small shared helpers."""
+
+import torch
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (fp64 stays fp64, so eager paths can be checked in double precision)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
