@@ -8,3 +8,14 @@ from .reference import kda_recurrent_reference
 
 register("kda_chunk", "eager")(kda_recurrent_reference)
 register("kda_recurrent", "eager")(kda_recurrent_reference)
+
+try:  # Triton backends (registration is cheap: nothing compiles until first call)
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
+    pass
+else:
+    from .chunk_torch import kda_chunk_triton
+    from .triton_chunk import supports_kda_chunk
+
+    register("kda_chunk", "triton", supports=supports_kda_chunk)(kda_chunk_triton)
+    register("kda_recurrent", "triton", supports=supports_kda_chunk)(kda_chunk_triton)
