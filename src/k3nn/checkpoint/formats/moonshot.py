@@ -36,7 +36,7 @@ def from_native(state_dict):
             base, w, suf = m.groups()
             kind = {None: "weight", "_packed": "weight_packed", "_scale": "weight_scale"}[suf]
             for j in range(t.shape[0]):
-                out[f"{base}.{j}.{w}.{kind}"] = t[j]
+                out[f"{base}.{j}.{w}.{kind}"] = t[j].clone()  # own storage: safetensors refuses shared views
         elif k.endswith("self_attn.A_log"):
             out[k] = t.reshape(1, 1, -1, 1)
         else:
