@@ -70,6 +70,15 @@ def test_fused_moe_edge_cases(case):
     _close(out, moe_experts_reference(x, w1, w3, w2, ids, wts, "situ", 4.0, lin))
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("N,E,k", [(3, 4, 2), (18, 2, 1)])
+def test_mxfp4_decode_layouts(split, N, E, k):
+    x, w1, w3, w2, ids, wts = _problem(N, 64, 32, E, k, seed=11, mx=True)
+    y = poison(N, k, 64)
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_split=split)
+    _close(y, moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0))
+
+
 def test_mxfp4_nan_scale_propagates():
     x, w1, w3, w2, ids, wts = _problem(2, 32, 32, 2, 1, seed=3, mx=True)
     ids = torch.tensor([[0], [1]])

@@ -26,6 +26,8 @@ from .align import MoEAlignment, moe_align
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: MXFP4 decode layout: True = even/odd-k halves (two dots per tile), False = nibbles interleaved in registers
+MX_SPLIT = os.environ.get("K3NN_MOE_MX_SPLIT", "1") != "0"
 
 
 def _configs(kind: str):
@@ -68,10 +70,7 @@ def _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride
         byte = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + kb[None, :], mask=bmask, other=0)
         byte = byte.to(tl.int32)
         code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K))  # even k in the low nibble
-        mag = code & 7
-        bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
-        bits = bits | ((code >> 3) << 31)
-        val = bits.to(tl.float32, bitcast=True)
+        val = _e2m1_to_f32(code)
         kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         smask = nmask[:, None] & (kg[None, :] < K // 32)
         s = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + kg[None, :], mask=smask, other=127)
@@ -84,6 +83,29 @@ def _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride
     kmask = offs_k < K
     return tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
                    mask=nmask[None, :] & kmask[:, None], other=0.0)
+
+
+@triton.jit
+def _mx_split_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """MXFP4 tile as two [BLOCK_K/2, BLOCK_N] halves: even k (low nibbles) and odd k (high nibbles), scaled."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    nmask = offs_n < N
+    m = nmask[None, :] & (kb[:, None] < K // 2)
+    byte = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + kb[:, None], mask=m, other=0).to(tl.int32)
+    s = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn + kb[:, None] // 16, mask=m, other=127)
+    s = s.to(tl.int32)
+    sc = tl.where(s == 255, 0x7FC00000, tl.where(s == 0, 1 << 22, s << 23)).to(tl.float32, bitcast=True)
+    lo = _e2m1_to_f32(byte & 15) * sc
+    hi = _e2m1_to_f32(byte >> 4) * sc
+    return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    mag = code & 7
+    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
+    return (bits | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -100,13 +122,13 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 def _make_up(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "BLOCK_M", "ACT"])
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_SPLIT", "BLOCK_M", "ACT"])
     @triton.jit
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                 NUM_BLOCKS, N, K, top_k, num_pairs,
                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                 beta, linear_beta,
-                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr,
+                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -123,15 +145,27 @@ def _make_up(kind):
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
-                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b1 = _load_w_tile(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                              MXFP4, BLOCK_N, BLOCK_K, DT)
-            acc_g = tl.dot(a, b1, acc_g)
-            b3 = _load_w_tile(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                              MXFP4, BLOCK_N, BLOCK_K, DT)
-            acc_u = tl.dot(a, b3, acc_u)
+            if MXFP4 and MX_SPLIT:  # even/odd k halves: no nibble interleave in registers
+                kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                am = valid[:, None] & (kh[None, :] < K)
+                a0 = tl.load(x_ptr + tok[:, None] * stride_xm + kh[None, :], mask=am, other=0.0)
+                a1 = tl.load(x_ptr + tok[:, None] * stride_xm + kh[None, :] + 1, mask=am, other=0.0)
+                lo, hi = _mx_split_tiles(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                         stride_sn, BLOCK_N, BLOCK_K, DT)
+                acc_g = tl.dot(a1, hi, tl.dot(a0, lo, acc_g))
+                lo, hi = _mx_split_tiles(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                         stride_sn, BLOCK_N, BLOCK_K, DT)
+                acc_u = tl.dot(a1, hi, tl.dot(a0, lo, acc_u))
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                            mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+                b1 = _load_w_tile(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                                  MXFP4, BLOCK_N, BLOCK_K, DT)
+                acc_g = tl.dot(a, b1, acc_g)
+                b3 = _load_w_tile(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                                  MXFP4, BLOCK_N, BLOCK_K, DT)
+                acc_u = tl.dot(a, b3, acc_u)
         h = _act(acc_g, acc_u, ACT, beta, linear_beta, CAP_UP)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(DT),
                  mask=(offs_n[None, :] < N))
@@ -140,13 +174,13 @@ def _make_up(kind):
 
 
 def _make_down(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "BLOCK_M"])
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_SPLIT", "BLOCK_M"])
     @triton.jit
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
                   stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                  MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -159,13 +193,22 @@ def _make_down(kind):
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         DT = h_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        hrow = h_ptr + rows[:, None].to(tl.int64) * stride_hm
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :],
-                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b = _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                             MXFP4, BLOCK_N, BLOCK_K, DT)
-            acc = tl.dot(a, b, acc)
+            if MXFP4 and MX_SPLIT:
+                kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                am = valid[:, None] & (kh[None, :] < K)
+                a0 = tl.load(hrow + kh[None, :], mask=am, other=0.0)
+                a1 = tl.load(hrow + kh[None, :] + 1, mask=am, other=0.0)
+                lo, hi = _mx_split_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                         stride_sn, BLOCK_N, BLOCK_K, DT)
+                acc = tl.dot(a1, hi, tl.dot(a0, lo, acc))
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(hrow + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+                b = _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                                 MXFP4, BLOCK_N, BLOCK_K, DT)
+                acc = tl.dot(a, b, acc)
         tl.store(y_ptr + flat[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(DT),
                  mask=valid[:, None] & (offs_n[None, :] < N))
 
@@ -233,7 +276,8 @@ def _wparts(w):
 
 def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, activation: str = "silu",
                          beta: float = 4.0, linear_beta: float | None = 25.0,
-                         align: MoEAlignment | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         align: MoEAlignment | None = None, out: torch.Tensor | None = None,
+                         mx_split: bool | None = None) -> torch.Tensor:
     """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype."""
     N, D = x.shape
     k = topk_ids.shape[1]
@@ -247,6 +291,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     al = align if align is not None and align.block_m == bm else moe_align(topk_ids, E, bm)
     nb = al.expert_ids.numel()
     kind = "small" if bm <= 16 else "large"
+    mx_split = MX_SPLIT if mx_split is None else mx_split
     group_m = 1 if bm <= 16 else 8
     p1, s1, mx = _wparts(w1)
     p3, s3, _ = _wparts(w3)
@@ -264,13 +309,13 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids, al.num_rows,
                        nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1], h.stride(0),
                        float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
-                       ACT=act, CAP_UP=cap, MXFP4=mx, BLOCK_M=bm, GROUP_M=group_m)
+                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_SPLIT=mx_split, BLOCK_M=bm, GROUP_M=group_m)
     se2 = (s2.stride(0), s2.stride(1)) if mx else (0, 0)
     y2 = y.view(P, D)
     grid_dn = lambda meta: (nb * triton.cdiv(D, meta["BLOCK_N"]),)  # noqa: E731
     _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
                          nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
-                         MXFP4=mx, BLOCK_M=bm, GROUP_M=group_m)
+                         MXFP4=mx, MX_SPLIT=mx_split, BLOCK_M=bm, GROUP_M=group_m)
     return y
 
 
