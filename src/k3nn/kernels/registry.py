@@ -167,7 +167,7 @@ def resolve(op: str, args: tuple = (), kwargs: dict | None = None, backend_name:
         impl = o.impls.get(want)
         if impl is None:
             raise BackendUnavailableError(
-                f"{op}: backend {want!r} is not implemented; implemented: {sorted(o.impls)}")
+                f"{op}: backend {want!r} is not implemented for this op\n{_reasons(o, args, kwargs)}")
         why = impl.why_not(args, kwargs)
         if why:
             others = _reasons(o, args, kwargs)
