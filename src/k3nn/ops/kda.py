@@ -1,4 +1,5 @@
-"""KDA functional ops: ``kda_chunk`` (prefill / training) and ``kda_recurrent`` (decode, verify windows)."""
+"""KDA functional ops: ``kda_chunk`` (prefill / training), ``kda_recurrent`` (token by token) and
+``kda_fused_decode`` (one launch per layer for decode and verify windows, updating cache slots in place)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import torch
 
 from ..kernels import kda as _kda  # noqa: F401  (registers the backends)
 from ..kernels.kda.api import check_kda_inputs, normalise_checkpoints, seq_lengths
+from ..kernels.kda.decode import check_fused_decode
 from ..kernels.registry import dispatch
 
-__all__ = ["kda_chunk", "kda_recurrent"]
+__all__ = ["kda_chunk", "kda_recurrent", "kda_fused_decode"]
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_positions):
@@ -50,3 +52,30 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return dispatch("kda_recurrent", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                     checkpoint_positions=checkpoint_positions)
+
+
+def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor,
+                     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     norm_weight: torch.Tensor, recurrent_state: torch.Tensor, conv_state: torch.Tensor,
+                     state_indices: torch.Tensor | None = None, *, gate_kind: str = "softplus",
+                     lower_bound: float = -5.0, norm_eps: float = 1e-5, scale: float | None = None) -> torch.Tensor:
+    """The whole KDA mixer between the input projections and ``o_proj``, for decode / small verify windows.
+
+    Args:
+        qkv: ``[B, T, 3·H·D]`` pre-conv q, k, v projections (channel blocks q | k | v).
+        f: ``[B, T, H·D]`` gate projection output (``f_b(f_a(x))``, before ``dt_bias``).
+        b: ``[B, T, H]`` beta logits; gate: ``[B, T, H·D]`` output-gate activations (before sigmoid).
+        conv_weight: ``[3·H·D, W]`` depthwise kernels; A_log ``[H]``; dt_bias ``[H·D]``; norm_weight ``[D]``.
+        recurrent_state: ``[N, H, D, D]`` fp32 cache (K-first), updated in place at the used slots.
+        conv_state: ``[N, W−1, 3·H·D]`` last W−1 pre-conv inputs (token-major), updated in place.
+        state_indices: ``[B]`` int slot of each request (None: slots 0..B−1).
+        gate_kind: ``"softplus"`` (Kimi Linear) or ``"lower_bound"`` (K3, with ``lower_bound``).
+        norm_eps: RMSNorm eps (config ``rms_norm_eps``); scale: query scale, default ``D ** -0.5``.
+    Returns:
+        ``y [B, T, H, D]`` = ``norm_weight · RMSNorm(o) · sigmoid(gate)`` in qkv's dtype.
+    """
+    check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
+                       state_indices, gate_kind, lower_bound, norm_eps, scale)
+    return dispatch("kda_fused_decode", qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight,
+                    recurrent_state, conv_state, state_indices, gate_kind=gate_kind, lower_bound=lower_bound,
+                    norm_eps=norm_eps, scale=scale)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from ..registry import register
 from .api import check_kda_inputs, normalise_checkpoints
+from .decode import kda_fused_decode_reference
 from .reference import kda_recurrent_reference
 
 register("kda_chunk", "eager")(kda_recurrent_reference)
 register("kda_recurrent", "eager")(kda_recurrent_reference)
+register("kda_fused_decode", "eager")(kda_fused_decode_reference)
 
 try:  # Triton backends (registration is cheap: nothing compiles until first call)
     import triton  # noqa: F401
@@ -16,6 +18,8 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 else:
     from .chunk_torch import kda_chunk_triton
     from .triton_chunk import supports_kda_chunk
+    from .triton_decode import kda_fused_decode_triton, supports_fused_decode
 
     register("kda_chunk", "triton", supports=supports_kda_chunk)(kda_chunk_triton)
     register("kda_recurrent", "triton", supports=supports_kda_chunk)(kda_chunk_triton)
+    register("kda_fused_decode", "triton", supports=supports_fused_decode)(kda_fused_decode_triton)
