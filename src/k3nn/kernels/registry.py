@@ -213,9 +213,22 @@ def available_backends() -> dict[str, dict[str, str]]:
                 row[b] = "not implemented"
             else:
                 r = impl.available() if impl.available else None
+                if not r and b in ("triton", "cuda"):
+                    r = _gpu_missing(b)
                 row[b] = r or "ok"
         out[name] = row
     return out
+
+
+def _gpu_missing(b: str) -> str | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if b == "triton" and triton_interpreting():
+        return None
+    return ("no CUDA device (Triton kernels run on NVIDIA GPUs; TRITON_INTERPRET=1 runs them slowly on CPU "
+            "for testing)") if b == "triton" else "no CUDA device"
 
 
 _KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm")

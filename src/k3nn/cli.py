@@ -1,0 +1,200 @@
+"""The ``k3nn`` command: ``info``, ``generate``, ``bench``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+
+__all__ = ["main"]
+
+SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "prefix", "budget", "e2e")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    try:
+        return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16}[name]
+    except KeyError:
+        raise SystemExit(f"--dtype must be one of float32, bfloat16, float16; got {name!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- info
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    import k3nn
+    from k3nn.kernels.registry import triton_interpreting
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception as e:  # pragma: no cover
+        tv = f"not importable ({e})"
+    print(f"k3nn {k3nn.__version__}  torch {torch.__version__}  triton {tv}")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"device: {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+    else:
+        print("device: CPU only (no CUDA device): eager runs everywhere; Triton kernels need a GPU "
+              "(or TRITON_INTERPRET=1 for slow CPU testing)")
+    print(f"TRITON_INTERPRET: {'on' if triton_interpreting() else 'off'}   backend in force: {k3nn.current_backend()}")
+    av = k3nn.available_backends()
+    w = max(len(op) for op in av)
+    print(f"\n{'op':<{w}}  eager  triton  cuda")
+    for op, row in av.items():
+        cells = ["ok" if row[b] == "ok" else "--" for b in ("eager", "triton", "cuda")]
+        print(f"{op:<{w}}  {cells[0]:<5}  {cells[1]:<6}  {cells[2]}")
+    reasons = {(b, row[b]) for row in av.values() for b in row if row[b] != "ok"}
+    if reasons:
+        print("\nwhy not:")
+        for b, r in sorted(reasons):
+            print(f"  {b}: {r}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3nn import KimiK3, KimiK3Config
+    from k3nn.tokenizer import load_tokenizer
+
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _torch_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    t0 = time.perf_counter()
+    if args.model:
+        from k3nn.checkpoint import resolve_checkpoint
+
+        d = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.offline or None)
+        model = KimiK3.from_pretrained(d, dtype=dtype, device=device, backend=args.backend)
+        tok_dir = d
+    else:
+        preset = getattr(KimiK3Config, args.preset)
+        print(f"[k3nn] no --model given: building KimiK3Config.{args.preset}() with random weights "
+              f"(output is noise; pass --model PATH|REPO for a trained checkpoint)", file=sys.stderr)
+        model = KimiK3(preset(), device=device, dtype=dtype, backend=args.backend, seed=args.seed or 0).eval()
+        tok_dir = None
+    load_s = time.perf_counter() - t0
+    tok = load_tokenizer(tok_dir, model.config.vocab_size)
+    if args.input_ids:
+        ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
+    else:
+        ids = tok.encode(args.prompt)
+    if not ids:
+        raise SystemExit("the prompt is empty: pass --prompt TEXT or --input-ids 1,2,3")
+    input_ids = torch.tensor([ids], device=device)
+
+    class _Stream:
+        def __init__(self):
+            self.first = True
+            self.ids: list[int] = []
+            self.printed = ""
+
+        def put(self, v):
+            if self.first:  # the prompt
+                self.first = False
+                return
+            self.ids.append(int(v.reshape(-1)[0]))
+            text = tok.decode(self.ids)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(self.printed):])
+                sys.stdout.flush()
+                self.printed = text
+
+        def end(self):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    eos = [int(x) for x in args.eos_token_id.split(",")] if args.eos_token_id else None
+    sys.stdout.write(tok.decode(ids) if not args.input_ids else "")
+    t1 = time.perf_counter()
+    out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
+                         seed=args.seed, streamer=_Stream())
+    dt = time.perf_counter() - t1
+    n = out.shape[1] - input_ids.shape[1]
+    print(f"Prompt: {len(ids)} tokens | Generation: {n} tokens, {n / max(dt, 1e-9):.1f} tokens-per-sec | "
+          f"load {load_s:.1f}s | device {device} | backend {args.backend or 'auto'}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    name = args.suite.replace("-", "_")
+    try:
+        mod = importlib.import_module(f"k3nn.bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"k3nn.bench.{name}":
+            raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(SUITES)}") from None
+        raise SystemExit(f"suite {args.suite!r} needs {e.name!r}: pip install 'k3nn[bench]'") from None
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("benchmarks measure GPU kernels and need a CUDA device (CPU timings are not results); "
+                         "pass --allow-cpu to run anyway for a smoke test")
+    mod.main(rest)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- demo
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from k3nn import demo
+
+    return demo.main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3nn", description="Kimi K3 family models and kernels in PyTorch.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choices, loading)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("info", help="versions, device, and which backends run each op here (and why not)")
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint directory or hub repo id")
+    g.add_argument("--model", help="checkpoint directory or hub repo id (default: a random --preset model)")
+    g.add_argument("--preset", default="small", choices=["tiny", "small"], help="model built when --model is absent")
+    g.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    g.add_argument("--input-ids", help="comma-separated token ids instead of --prompt")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--eos-token-id", help="comma-separated stop ids")
+    g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+    g.add_argument("--backend", choices=["auto", "eager", "triton", "cuda"], default=None)
+    g.add_argument("--revision", help="hub revision")
+    g.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE=1)")
+
+    b = sub.add_parser("bench", help=f"run a GPU benchmark suite ({', '.join(SUITES)}); extra args go to the suite")
+    b.add_argument("suite")
+    b.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
+
+    sub.add_parser("demo", help="train a small K3 on Python source, then generate with and without speculation",
+                   add_help=False)
+
+    args, rest = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="[%(name)s] %(message)s")
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if args.cmd == "demo":
+        return cmd_demo(args, rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"info": cmd_info, "generate": cmd_generate}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
