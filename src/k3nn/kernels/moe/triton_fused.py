@@ -26,6 +26,8 @@ from .align import MoEAlignment, moe_align
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: autotune over several tile configs on a GPU (K3NN_MOE_TUNE=0: the first config only, e.g. for quick tests)
+_TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
 #: MXFP4 decode layout: True = even/odd-k halves (two dots per tile), False = nibbles interleaved in registers
 MX_SPLIT = os.environ.get("K3NN_MOE_MX_SPLIT", "1") != "0"
 
@@ -33,11 +35,13 @@ MX_SPLIT = os.environ.get("K3NN_MOE_MX_SPLIT", "1") != "0"
 def _configs(kind: str):
     if _INTERP:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    if not _TUNE:
+        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3)]
     if kind == "small":  # decode / few rows per expert: weight-bandwidth bound
         return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                 for bn, bk, w, s in ((64, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 3))]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4))]
+            for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3))]
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def _make_up(kind):
                 NUM_BLOCKS, N, K, top_k, num_pairs,
                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                 beta, linear_beta,
-                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr,
+                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -152,20 +156,20 @@ def _make_up(kind):
                 a1 = tl.load(x_ptr + tok[:, None] * stride_xm + kh[None, :] + 1, mask=am, other=0.0)
                 lo, hi = _mx_split_tiles(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
                                          stride_sn, BLOCK_N, BLOCK_K, DT)
-                acc_g = tl.dot(a1, hi, tl.dot(a0, lo, acc_g))
+                acc_g = tl.dot(a1, hi, tl.dot(a0, lo, acc_g, input_precision=PREC), input_precision=PREC)
                 lo, hi = _mx_split_tiles(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
                                          stride_sn, BLOCK_N, BLOCK_K, DT)
-                acc_u = tl.dot(a1, hi, tl.dot(a0, lo, acc_u))
+                acc_u = tl.dot(a1, hi, tl.dot(a0, lo, acc_u, input_precision=PREC), input_precision=PREC)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
                             mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
                 b1 = _load_w_tile(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
                                   MXFP4, BLOCK_N, BLOCK_K, DT)
-                acc_g = tl.dot(a, b1, acc_g)
+                acc_g = tl.dot(a, b1, acc_g, input_precision=PREC)
                 b3 = _load_w_tile(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
                                   MXFP4, BLOCK_N, BLOCK_K, DT)
-                acc_u = tl.dot(a, b3, acc_u)
+                acc_u = tl.dot(a, b3, acc_u, input_precision=PREC)
         h = _act(acc_g, acc_u, ACT, beta, linear_beta, CAP_UP)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(DT),
                  mask=(offs_n[None, :] < N))
@@ -179,7 +183,7 @@ def _make_down(kind):
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
                   stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                  MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -202,13 +206,13 @@ def _make_down(kind):
                 a1 = tl.load(hrow + kh[None, :] + 1, mask=am, other=0.0)
                 lo, hi = _mx_split_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
                                          stride_sn, BLOCK_N, BLOCK_K, DT)
-                acc = tl.dot(a1, hi, tl.dot(a0, lo, acc))
+                acc = tl.dot(a1, hi, tl.dot(a0, lo, acc, input_precision=PREC), input_precision=PREC)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(hrow + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
                 b = _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
                                  MXFP4, BLOCK_N, BLOCK_K, DT)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
         tl.store(y_ptr + flat[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(DT),
                  mask=valid[:, None] & (offs_n[None, :] < N))
 
@@ -292,6 +296,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     nb = al.expert_ids.numel()
     kind = "small" if bm <= 16 else "large"
     mx_split = MX_SPLIT if mx_split is None else mx_split
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no silent TF32)
     group_m = 1 if bm <= 16 else 8
     p1, s1, mx = _wparts(w1)
     p3, s3, _ = _wparts(w3)
@@ -309,13 +314,13 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids, al.num_rows,
                        nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1], h.stride(0),
                        float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
-                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_SPLIT=mx_split, BLOCK_M=bm, GROUP_M=group_m)
+                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_SPLIT=mx_split, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
     se2 = (s2.stride(0), s2.stride(1)) if mx else (0, 0)
     y2 = y.view(P, D)
     grid_dn = lambda meta: (nb * triton.cdiv(D, meta["BLOCK_N"]),)  # noqa: E731
     _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
                          nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
-                         MXFP4=mx, MX_SPLIT=mx_split, BLOCK_M=bm, GROUP_M=group_m)
+                         MXFP4=mx, MX_SPLIT=mx_split, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
     return y
 
 
