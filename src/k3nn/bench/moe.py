@@ -145,6 +145,10 @@ def main(argv=None):
     path = write_results("moe", rows, {"experts": E, "top_k": TOPK, "d_latent": D_LAT, "inter": INTER})
     print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "tflops", "tbps", "frac_copy_bw"])
     print(f"wrote {path}")
+    from ..kernels.moe import triton_fused as tf
+    for name, kern in [*(("up-" + k, v) for k, v in tf._UP.items()), *(("down-" + k, v) for k, v in tf._DOWN.items())]:
+        for key, cfg in getattr(kern, "cache", {}).items():
+            print("tuned", name, key, cfg)
     return rows
 
 
