@@ -15,6 +15,7 @@ __all__ = ["mla_decode", "mla_prefill"]
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, *, visible_lens: torch.Tensor | None = None,
                num_splits: int | None = None, out_dtype: torch.dtype | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None,
                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode (MQA over one latent row per token) on a paged cache, with LSE.
 
@@ -34,7 +35,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor,
         visible_lens: int [B, Tq] keys visible to each query; default ``seq_lens - Tq + t + 1`` (a verify
             window: query t of Tq sees keys up to position seq_len - Tq + t). DCP passes rank-local bounds.
         num_splits: KV splits per request (Triton; default from the device and the batch).
-        out_dtype: dtype of o (default q_lat.dtype). check: validate index values (a host sync; pass False
+        out_dtype: dtype of o (default q_lat.dtype). out: preallocated ``(o, lse)`` to write into. check: validate index values (a host sync; pass False
             inside CUDA-graph capture once the inputs are known good).
     Returns:
         ``(o [B, Tq, H, r], lse [B, Tq, H] fp32)``, natural-log LSE; a query that sees no key (possible on
@@ -45,5 +46,12 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor,
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if out is not None:
+        B, Tq, H, r = q_lat.shape
+        if (not isinstance(out, (tuple, list)) or len(out) != 2 or tuple(out[0].shape) != (B, Tq, H, r)
+                or tuple(out[1].shape) != (B, Tq, H) or out[1].dtype != torch.float32):
+            raise ValueError(f"out must be (o [{B}, {Tq}, {H}, {r}], lse [{B}, {Tq}, {H}] fp32)")
+        if out_dtype is not None and out[0].dtype != out_dtype:
+            raise TypeError(f"out[0] has dtype {out[0].dtype} but out_dtype is {out_dtype}")
     return dispatch("mla_decode", q_lat, q_rope, kv_pool, block_table, seq_lens, float(scale),
-                    visible_lens=visible_lens, num_splits=num_splits, out_dtype=out_dtype)
+                    visible_lens=visible_lens, num_splits=num_splits, out_dtype=out_dtype, out=out)

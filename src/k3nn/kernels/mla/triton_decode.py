@@ -172,7 +172,7 @@ def choose_num_splits(B: int, rows: int, device: torch.device) -> int:
 
 
 def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None,
-                      num_splits=None, out_dtype=None):
+                      num_splits=None, out_dtype=None, out=None):
     B, Tq, H, R = q_lat.shape
     DR = q_rope.shape[-1]
     M = Tq * H
@@ -184,8 +184,11 @@ def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visi
     sl = seq_lens.to(torch.int32).contiguous()
     vis = None if visible_lens is None else visible_lens.to(torch.int32).contiguous()
     S = int(num_splits) if num_splits else choose_num_splits(B, M, dev)
-    out = torch.empty(B, Tq, H, R, dtype=out_dtype or q_lat.dtype, device=dev)
-    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(B, Tq, H, R, dtype=out_dtype or q_lat.dtype, device=dev)
+        lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
+    else:
+        out, lse = out
     final = S == 1
     if final:
         o_part, lse_part = out, lse  # unused
@@ -217,7 +220,7 @@ def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visi
 
 
 def supports_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
-                    out_dtype=None):
+                    out_dtype=None, out=None):
     if q_lat.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q_lat.dtype} is not supported (fp16, bf16, fp32)"
     if triton_interpreting() and q_lat.dtype == torch.bfloat16:
@@ -226,6 +229,8 @@ def supports_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
         return f"kv_lora_rank {q_lat.shape[-1]} > 1024"
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         return f"num_splits must be in [1, 256], got {num_splits}"
+    if out is not None and (out[0].stride(-1) != 1 or out[1].stride(-1) != 1):
+        return "out tensors need a contiguous last dimension"
     if math.prod(kv_pool.shape[:2]) * kv_pool.shape[2] >= 2 ** 62:
         return "pool too large"
     return None

@@ -1,0 +1,170 @@
+"""mla_decode: every backend vs the eager paged reference, the layer's absorbed and decompressed attention."""
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from k3nn import backend
+from k3nn.kernels.registry import BackendUnavailableError
+from k3nn.layers.mla import _mask, absorbed_attention, decompressed_attention
+from k3nn.ops import mla_decode
+
+from conftest import poison
+
+BACKENDS = ["eager", "triton"]
+
+
+def make_case(seed, lens, Tq, H, r, dr, bs, dtype=torch.float32, extra_blocks=2):
+    """Random paged cache: blocks shuffled over the pool, unused rows and blocks NaN-poisoned, unused
+    block-table entries pointing far past the pool (a kernel must never read them)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    nblk = [-(-n // bs) for n in lens]
+    width = max(nblk) + 1
+    nb = sum(nblk) + extra_blocks
+    pool = torch.full((nb, bs, r + dr), float("nan"), dtype=dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    table = torch.full((B, width), nb + 10_000, dtype=torch.int32)
+    c = torch.randn(B, max(lens), r, generator=g)
+    kr = torch.randn(B, max(lens), dr, generator=g)
+    for b, n in enumerate(lens):
+        ids = [perm.pop() for _ in range(nblk[b])]
+        table[b, : nblk[b]] = torch.tensor(ids, dtype=torch.int32)
+        for j in range(n):
+            pool[ids[j // bs], j % bs] = torch.cat([c[b, j], kr[b, j]]).to(dtype)
+    q_lat = torch.randn(B, Tq, H, r, generator=g).to(dtype)
+    q_rope = torch.randn(B, Tq, H, dr, generator=g).to(dtype)
+    return q_lat, q_rope, pool, table, torch.tensor(lens, dtype=torch.int32), c.to(dtype), kr.to(dtype)
+
+
+def run(name, *args, **kw):
+    B, Tq, H, r = args[0].shape
+    out = (poison(B, Tq, H, r, dtype=kw.get("out_dtype") or args[0].dtype), poison(B, Tq, H))
+    with backend(name):
+        o, lse = mla_decode(*args, out=out, **kw)
+    assert o is out[0] and lse is out[1]
+    return o, lse
+
+
+def check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, scale, atol):
+    """Per request, the layer's absorbed_attention on the contiguous cache (query t at seq_len - Tq + t)."""
+    Tq = q_lat.shape[1]
+    for b, n in enumerate(lens):
+        q_pos = (n - Tq + torch.arange(Tq))[None]
+        mask = _mask(q_pos, n, None)
+        o_ref, lse_ref = absorbed_attention(q_lat[b:b + 1], q_rope[b:b + 1], c[b:b + 1, :n], kr[b:b + 1, :n], mask, scale)
+        torch.testing.assert_close(o[b:b + 1].float(), o_ref, atol=atol, rtol=atol)
+        torch.testing.assert_close(lse[b:b + 1], lse_ref, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(data=st.data())
+def test_matches_layer_absorbed(name, data):
+    bs = data.draw(st.sampled_from([16, 64]), label="block_size")
+    Tq = data.draw(st.integers(1, 3), label="Tq")
+    B = data.draw(st.integers(1, 3), label="B")
+    lens = data.draw(st.lists(st.integers(Tq, 150), min_size=B, max_size=B), label="lens")
+    H = data.draw(st.integers(1, 6), label="H")
+    r = data.draw(st.sampled_from([16, 32, 24]), label="r")
+    dr = data.draw(st.sampled_from([0, 8, 16]), label="dr")
+    splits = data.draw(st.sampled_from([None, 1, 2, 5]), label="num_splits")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    note(f"bs={bs} lens={lens} Tq={Tq} H={H} r={r} dr={dr} splits={splits}")
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(seed, lens, Tq, H, r, dr, bs)
+    scale = (r + dr) ** -0.5 * 1.7
+    o, lse = run(name, q_lat, q_rope, pool, table, sl, scale, num_splits=splits)
+    check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, scale, atol=2e-5)
+
+
+@given(data=st.data())
+def test_absorbed_equals_decompressed(data):
+    """W_UV(Σ p c) with q_lat = W_UKᵀ q_nope is the decompressed MHA of the layer (the absorption identity)."""
+    Tq = data.draw(st.integers(1, 3), label="Tq")
+    n = data.draw(st.integers(Tq, 100), label="len")
+    H, dn, dv, r, dr = 3, 8, 8, 16, 8
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    note(f"len={n} Tq={Tq}")
+    g = torch.Generator().manual_seed(seed)
+    _, q_rope, pool, table, sl, c, kr = make_case(seed, [n], Tq, H, r, dr, 16)
+    q_nope = torch.randn(1, Tq, H, dn, generator=g)
+    w_uk, w_uv = torch.randn(H, dn, r, generator=g) / 4, torch.randn(H, dv, r, generator=g) / 4
+    scale = (dn + dr) ** -0.5
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+    with backend("triton"):
+        o_lat, _ = mla_decode(q_lat, q_rope, pool, table, sl, scale, num_splits=2)
+    o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
+    k = torch.cat([torch.einsum("blr,hdr->blhd", c[:, :n], w_uk), kr[:, :n, None].expand(-1, -1, H, -1)], -1)
+    v = torch.einsum("blr,hvr->blhv", c[:, :n], w_uv)
+    ref = decompressed_attention(torch.cat([q_nope, q_rope], -1), k, v, _mask((n - Tq + torch.arange(Tq))[None], n, None), scale)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_visible_lens_and_empty_rows(name):
+    """Explicit causal bounds (DCP shards): a query that sees no key gets o = 0, lse = -inf; a request with
+    zero cached tokens is allowed."""
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(3, [40, 1, 70], 2, 3, 16, 8, 16)
+    sl = torch.tensor([40, 0, 70], dtype=torch.int32)
+    vis = torch.tensor([[0, 17], [0, 0], [69, 70]], dtype=torch.int32)
+    o, lse = run(name, q_lat, q_rope, pool, table, sl, 0.2, visible_lens=vis, num_splits=3)
+    assert torch.isneginf(lse[0, 0]).all() and torch.isneginf(lse[1]).all()
+    assert (o[0, 0] == 0).all() and (o[1] == 0).all()
+    for b, t, n in [(0, 1, 17), (2, 0, 69), (2, 1, 70)]:
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        o_ref, lse_ref = absorbed_attention(q_lat[b:b + 1, t:t + 1], q_rope[b:b + 1, t:t + 1], c[b:b + 1, :n],
+                                            kr[b:b + 1, :n], mask, 0.2)
+        torch.testing.assert_close(o[b, t], o_ref[0, 0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse[b, t], lse_ref[0, 0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("lens,bs,splits", [([64], 64, 1), ([128, 1], 64, 4), ([3, 3], 16, 8), ([65], 64, 2)])
+def test_edges_fp16(name, lens, bs, splits):
+    Tq = min(lens)
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(7, lens, Tq, 2, 32, 16, bs, dtype=torch.float16)
+    o, lse = run(name, q_lat, q_rope, pool, table, sl, 0.15, num_splits=splits)
+    assert o.dtype == torch.float16
+    check_vs_layer(o, lse, q_lat.float(), q_rope.float(), c.float(), kr.float(), lens, 0.15, atol=2e-3)
+
+
+def test_strided_queries_and_fp32_out():
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(11, [50, 20], 1, 4, 16, 8, 16, dtype=torch.float16)
+    big = torch.cat([q_lat, q_rope], -1)  # q_lat / q_rope as strided views of one tensor
+    with backend("triton"):
+        o, lse = mla_decode(big[..., :16], big[..., 16:], pool, table, sl, 0.3, out_dtype=torch.float32)
+    assert o.dtype == torch.float32
+    with backend("eager"):
+        o2, lse2 = mla_decode(q_lat, q_rope, pool, table, sl, 0.3, out_dtype=torch.float32)
+    torch.testing.assert_close(o, o2, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, lse2, atol=2e-3, rtol=2e-3)
+
+
+def test_bad_inputs():
+    q_lat, q_rope, pool, table, sl, *_ = make_case(1, [40, 20], 1, 2, 16, 8, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        mla_decode(q_lat, q_rope, pool, torch.full_like(table, pool.shape[0]), sl, 0.1)
+    with pytest.raises(ValueError, match="exceeds what block_table covers"):
+        mla_decode(q_lat, q_rope, pool, table[:, :1], sl, 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        mla_decode(q_lat, q_rope, pool, table, -sl, 0.1)
+    with pytest.raises(TypeError, match="share a dtype"):
+        mla_decode(q_lat.half(), q_rope.half(), pool, table, sl, 0.1)
+    with pytest.raises(TypeError, match="block_table must be int32 or int64"):
+        mla_decode(q_lat, q_rope, pool, table.float(), sl, 0.1)
+    with pytest.raises(ValueError, match="kv_pool must be"):
+        mla_decode(q_lat, q_rope, pool[..., :-1], table, sl, 0.1)
+    with pytest.raises(ValueError, match="q_rope must be"):
+        mla_decode(q_lat, q_rope[:, :, :1], pool, table, sl, 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        mla_decode(q_lat, q_rope, pool, table, sl[:1], 0.1)
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        mla_decode(q_lat, q_rope, pool, table, sl, 0.0)
+    with pytest.raises(ValueError, match="visible_lens must lie"):
+        mla_decode(q_lat, q_rope, pool, table, sl, 0.1, visible_lens=(sl + 1)[:, None])
+    with pytest.raises(ValueError, match=r"seq_lens must be >= Tq"):
+        mla_decode(q_lat.expand(2, 30, 2, 16), q_rope.expand(2, 30, 2, 8), pool, table, sl, 0.1)
+    with pytest.raises(ValueError, match="out must be"):
+        mla_decode(q_lat, q_rope, pool, table, sl, 0.1, out=(q_lat, sl))
+    with backend("triton"), pytest.raises(BackendUnavailableError, match="bf16"):
+        mla_decode(q_lat.bfloat16(), q_rope.bfloat16(), pool.bfloat16(), table, sl, 0.1)
