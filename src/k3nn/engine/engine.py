@@ -1,0 +1,455 @@
+"""In-process continuous batching over the paged hybrid cache.
+
+One :meth:`Engine.step`:
+
+1. **Schedule** (token budget per step): every request with one token left to feed (decodes, and prompts
+   whose last token is all that is left) gets 1 token first; the prefill budget is what remains —
+   ``adaptive``: ``max_num_batched_tokens − reserve_per_seq · (running decodes)`` (so a lone request is not
+   cut into several forwards); ``fixed``: ``max_num_batched_tokens − reserve_per_seq · max_num_seqs``
+   (a reservation for the largest batch, the pre-adaptive vLLM behaviour). Partial prefills continue first
+   (FCFS), then waiting requests are admitted while rows, pages and budget last. A split chunk ends on a
+   64-token boundary.
+2. **Admit**: prefix lookup (pages + KDA snapshot at L ≤ N−1), copy the snapshot into the request's running row
+   (copy-on-write), share the pages, allocate the rest of the prompt + max_new_tokens up front (so a running
+   request never runs out: nothing running is ever evicted), plan snapshot positions (retention policy).
+3. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
+   layers then read/write contiguous slices. Rows move only when the membership changes (arrivals,
+   completions), not per layer or per forward.
+4. **Run** at most two forwards (decodes ``[D, 1]``; prefills ``[P, T]`` right-padded, KDA states of short rows
+   and planned snapshots exported in the same pass), sample, then **commit**: index the new full pages and
+   snapshots (visible to lookups from the next step on), finish requests, free their rows and pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ..cache.hybrid import CacheFullError
+from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
+from ..cache.prefix import PrefixCache, PrefixMatch
+from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
+from ..generation import GenerationConfig, sample_next
+from .request import Request, RequestOutput, RequestStatus, SamplingParams
+
+__all__ = ["Engine", "EngineConfig"]
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 8  # running rows (KDA running slots)
+    num_pages: int | None = 512  # latent pages of 64 tokens (None: from cache_memory_bytes)
+    num_snapshots: int | None = 32  # KDA snapshot slots for the prefix cache
+    cache_memory_bytes: int | None = None  # alternative sizing: split this budget (see pool_sizes_for_budget)
+    max_num_batched_tokens: int = 8192
+    budget: str = "adaptive"  # "adaptive" | "fixed"
+    reserve_per_seq: int = 1  # tokens reserved per decode (1 + speculative tokens)
+    min_prefill_tokens: int = 64  # the prefill budget never drops below this (no starvation)
+    enable_prefix_caching: bool = True
+    retention: str | RetentionPolicy | None = "marconi"
+    eviction: str | EvictionPolicy | None = "lru"
+    pad_token_id: int = 0
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.budget not in ("adaptive", "fixed"):
+            raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
+        if self.max_num_batched_tokens < 1 or self.reserve_per_seq < 1 or self.min_prefill_tokens < 1:
+            raise ValueError("max_num_batched_tokens, reserve_per_seq and min_prefill_tokens must be >= 1")
+        if self.num_pages is None and self.cache_memory_bytes is None:
+            raise ValueError("give num_pages (and num_snapshots) or cache_memory_bytes")
+
+
+class Engine:
+    """Continuous-batching generation for a :class:`k3nn.KimiK3` on one device.
+
+    ``add_request(prompt_ids, ...)`` → id; ``step()`` → list of :class:`RequestOutput` (new tokens per request);
+    ``stream()`` steps until every request finished; ``generate(prompts)`` → outputs in order; ``metrics()``.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, **overrides):
+        cfg = config or EngineConfig()
+        if overrides:
+            cfg = EngineConfig(**{**cfg.__dict__, **overrides})
+        cfg.validate()
+        self.model, self.config, self.mcfg = model, cfg, model.config
+        dtype, device = model.dtype, model.device
+        if cfg.num_pages is not None:
+            num_pages, num_snaps = cfg.num_pages, cfg.num_snapshots or 1
+        else:
+            num_pages, num_snaps = pool_sizes_for_budget(self.mcfg, cfg.cache_memory_bytes, cfg.max_num_seqs,
+                                                         dtype=dtype)
+        self.pools = HybridPools(self.mcfg, num_pages, cfg.max_num_seqs, num_snaps, dtype, device)
+        self.prefix = PrefixCache(self.pools, cfg.eviction) if cfg.enable_prefix_caching else None
+        self.retention = make_retention(cfg.retention)
+        if cfg.budget == "fixed" and cfg.max_num_batched_tokens - cfg.reserve_per_seq * cfg.max_num_seqs < 1:
+            raise ValueError("budget='fixed': max_num_batched_tokens must exceed reserve_per_seq · max_num_seqs")
+        enable_state_capture(model)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
+        self.requests: dict[str, Request] = {}
+        self.row_owner: list[Request | None] = [None] * cfg.max_num_seqs
+        self._ids = itertools.count()
+        self.num_steps = self.num_forwards = self.rows_moved = 0
+        self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
+        self.start_time: float | None = None
+        eos = self.mcfg.eos_token_id
+        self._default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, boundaries: Sequence[int] = (), prefill_only: bool = False,
+                    **sampling) -> str:
+        """Queue a prompt (token ids). ``boundaries``: prompt positions worth a KDA snapshot (turn ends);
+        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        V = self.mcfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt has token ids outside [0, vocab_size={V})")
+        params = params or SamplingParams(**sampling)
+        if sampling and params is not None and not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        params.validate()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        need = self.pools.pages_for(self._cache_tokens(len(prompt), params, prefill_only))
+        if need > self.pools.allocator.num_blocks:
+            raise CacheFullError(f"request {rid!r} needs {need} latent pages (prompt {len(prompt)} + "
+                                 f"{params.max_new_tokens} new tokens) but the pool has "
+                                 f"{self.pools.allocator.num_blocks}; create the engine with more num_pages")
+        req = Request(rid, prompt, params, boundaries=[int(b) for b in boundaries], prefill_only=prefill_only)
+        if params.do_sample:
+            req.generator = torch.Generator(device=self.pools.device)
+            req.generator.manual_seed(0 if params.seed is None else int(params.seed))
+        if self.prefix is not None:
+            req.keys = self.prefix.hashes(prompt)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        self.prompt_tokens += len(prompt)
+        if self.start_time is None:
+            self.start_time = time.perf_counter()
+        return rid
+
+    @staticmethod
+    def _cache_tokens(n_prompt: int, params: SamplingParams, prefill_only: bool) -> int:
+        return max(n_prompt - 1, 1) if prefill_only else n_prompt + params.max_new_tokens - 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(r.status == RequestStatus.RUNNING for r in self.running)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests[request_id]
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req, RequestStatus.ABORTED, "abort")
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILLED (exported) request's row and pages."""
+        req = self.requests[request_id]
+        if req.status != RequestStatus.PREFILLED:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not prefilled")
+        self._release(req, RequestStatus.FINISHED, "exported")
+
+    def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        if req.row is not None:
+            self.row_owner[req.row] = None
+            req.row = None
+        if req.blocks:
+            self.pools.allocator.free(req.blocks)
+            req.blocks = []
+        if req in self.running:
+            self.running.remove(req)
+        req.status, req.finish_reason = status, req.finish_reason or reason
+        req.finish_time = time.perf_counter()
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def _free_row(self) -> int | None:
+        for r, o in enumerate(self.row_owner):
+            if o is None:
+                return r
+        return None
+
+    def _admit(self, req: Request) -> bool:
+        row = self._free_row()
+        if row is None:
+            return False
+        N = req.num_prompt_tokens
+        m = self.prefix.match(req.prompt, req.keys, record=False) if self.prefix is not None else PrefixMatch()
+        total = self.pools.pages_for(self._cache_tokens(N, req.params, req.prefill_only))
+        need = max(total - len(m.pages), 0)
+        alloc = self.pools.allocator
+        alloc.incref(m.pages)
+        if alloc.num_free < need and self.prefix is not None:
+            self.prefix.make_room(pages=need)
+        if alloc.num_free < need:
+            alloc.free(m.pages)
+            if not any(r.status == RequestStatus.RUNNING for r in self.running):
+                raise CacheFullError(f"cannot admit request {req.request_id!r}: it needs {need} free latent pages, "
+                                     f"{alloc.num_free} of {alloc.num_blocks} are free and nothing is running "
+                                     f"that would release more")
+            return False
+        req.blocks = list(m.pages) + alloc.allocate(need)
+        req.row = row
+        self.row_owner[row] = req
+        if m.snapshot is not None:
+            self.pools.running.copy_([row], self.pools.snapshots, [m.snapshot])  # copy-on-write
+        else:
+            self.pools.running.zero_([row])
+        req.num_computed = req.hit_len = m.hit_len
+        req.kv_len = m.kv_len
+        req.indexed_blocks = len(m.pages)
+        if self.prefix is not None:
+            self.prefix.record(m, N)
+            req.plan = self.retention.plan(PlanInput(N, m.hit_len, m.kv_len, req.boundaries, self.pools.block_size))
+        self.computed_prompt_tokens += N - m.hit_len
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.prefill_only and req.remaining <= 0:
+            req.status = RequestStatus.PREFILLED
+        return True
+
+    # -- scheduling ---------------------------------------------------------------------------------------------
+    def prefill_budget(self, num_decodes: int) -> int:
+        c = self.config
+        held = c.max_num_seqs if c.budget == "fixed" else num_decodes
+        return max(c.max_num_batched_tokens - c.reserve_per_seq * held, c.min_prefill_tokens)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        rem = req.remaining
+        n = min(rem, budget)
+        if n < rem:
+            U = self.pools.block_size
+            end = (req.num_computed + n) // U * U
+            if end > req.num_computed:
+                n = end - req.num_computed
+        return n
+
+    def schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """Decide this step's work: (decode requests, [(prefill request, tokens)])."""
+        active = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        decodes = [r for r in active if r.remaining == 1]
+        budget = self.prefill_budget(len(decodes))
+        prefills: list[tuple[Request, int]] = []
+        for r in active:
+            if r.remaining > 1 and budget > 0:
+                n = self._chunk(r, budget)
+                prefills.append((r, n))
+                budget -= n
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.pop(0)
+            if req.status != RequestStatus.RUNNING:
+                continue
+            if req.remaining == 1:
+                decodes.append(req)
+            else:
+                n = self._chunk(req, budget)
+                prefills.append((req, n))
+                budget -= n
+        return decodes, prefills
+
+    def _layout(self, groups: Sequence[Sequence[Request]]) -> None:
+        """Move running rows so the groups occupy consecutive rows in order: [0, |g0|), [|g0|, |g0|+|g1|), ..."""
+        target: dict[int, int] = {}
+        r = 0
+        for g in groups:
+            for req in sorted(g, key=lambda q: q.row):
+                target[id(req)] = r
+                r += 1
+        lo = set(range(r))
+        others = [q for q in self.running if id(q) not in target and q.row is not None]
+        used = lo | {q.row for q in others if q.row not in lo}
+        spare = iter(sorted(set(range(len(self.row_owner))) - used))
+        new_row: dict[int, tuple[Request, int]] = {}
+        for g in groups:
+            for req in g:
+                new_row[id(req)] = (req, target[id(req)])
+        for q in others:
+            new_row[id(q)] = (q, q.row if q.row not in lo else next(spare))
+        moves = [(new, q.row) for q, new in new_row.values() if new != q.row]
+        if moves:
+            self.pools.running.copy_([d for d, _ in moves], self.pools.running, [s for _, s in moves])
+            self.rows_moved += len(moves)
+        self.row_owner = [None] * len(self.row_owner)
+        for q, new in new_row.values():
+            q.row = new
+            self.row_owner[new] = q
+
+    # -- execution ---------------------------------------------------------------------------------------------
+    def _eos(self, req: Request) -> list[int]:
+        e = req.params.eos_token_id
+        return self._default_eos if e is None else ([e] if isinstance(e, int) else list(e))
+
+    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        if all(not r.params.do_sample for r in reqs):
+            return logits.argmax(-1).tolist()
+        out = []
+        for b, r in enumerate(reqs):
+            p = r.params
+            cfg = GenerationConfig(do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+            out.append(int(sample_next(logits[b:b + 1], cfg, r.generator)[0]))
+        return out
+
+    def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
+                 snapshots: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """One model forward over consecutive rows; returns the logits at each row's last new token [B, V]."""
+        if [r.row for r in reqs] != list(range(row0, row0 + len(reqs))):
+            raise RuntimeError(f"engine: rows {[r.row for r in reqs]} are not consecutive from {row0}")
+        cache = PagedHybridCache(self.pools, row0, [r.blocks for r in reqs], [r.num_computed for r in reqs],
+                                 num_new, snapshots)
+        ids = cache.input_ids([r.tokens_to_feed(n) for r, n in zip(reqs, num_new)], self.config.pad_token_id)
+        with torch.inference_mode():
+            out = self.model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1)
+            if cache.T == 1 or all(n == cache.T for n in num_new):
+                logits = out.logits[:, -1]
+            else:
+                h = out.last_hidden_state[torch.arange(len(reqs), device=ids.device), cache.last_index()]
+                logits = self.model.lm_head(h)
+        self.num_forwards += 1
+        for r, n in zip(reqs, num_new):
+            r.num_computed += n
+            if r.first_token_time is None:
+                r.num_forwards += 1
+        return logits
+
+    def _plan_snapshots(self, req: Request, n: int) -> list[tuple[int, int]]:
+        """Snapshot slots for the planned positions inside this chunk (relative positions)."""
+        if self.prefix is None or not req.plan:
+            return []
+        U, lo, hi = self.pools.block_size, req.num_computed, req.num_computed + n
+        out = []
+        for p in [p for p in req.plan if lo < p <= hi]:
+            req.plan.remove(p)
+            if p // U > len(req.keys):
+                continue
+            e = self.prefix.entries.get(req.keys[p // U - 1])
+            if e is not None and e.snapshot is not None:
+                continue  # already cached (by another request)
+            if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
+                continue  # retention is best effort: never block a request for a snapshot
+            out.append((p - lo, self.pools.snapshots.allocate(1)[0]))
+        return out
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit."""
+        decodes, prefills = self.schedule()
+        self.num_steps += 1
+        if not decodes and not prefills:
+            return []
+        self._layout([decodes, [r for r, _ in prefills]])
+        decodes.sort(key=lambda q: q.row)
+        prefills.sort(key=lambda x: x[0].row)
+        outputs: list[RequestOutput] = []
+        produced: list[tuple[Request, int]] = []
+        if decodes:
+            logits = self._forward(decodes, [1] * len(decodes), decodes[0].row)
+            produced += [(r, t) for r, t in zip(decodes, self._sample(decodes, logits))
+                         if not (r.prefill_only and r.remaining <= 0 and not r.output)]
+        if prefills:
+            reqs = [r for r, _ in prefills]
+            ns = [n for _, n in prefills]
+            snaps = [self._plan_snapshots(r, n) for r, n in prefills]
+            absolute = [[(r.num_computed + p, s) for p, s in sn] for r, sn in zip(reqs, snaps)]
+            logits = self._forward(reqs, ns, reqs[0].row, snaps)
+            done = [b for b, r in enumerate(reqs) if r.remaining == 0 and not r.prefill_only]
+            if done:
+                toks = self._sample([reqs[b] for b in done], logits[done])
+                produced += [(reqs[b], t) for b, t in zip(done, toks)]
+            self._commit_prefix(reqs, absolute)
+        self._commit_prefix(decodes, [[] for _ in decodes])  # prompts whose last token ran as a decode
+        now = time.perf_counter()
+        for r, t in produced:
+            r.output.append(int(t))
+            self.generated_tokens += 1
+            if r.first_token_time is None:
+                r.first_token_time = now
+            finished, reason = False, None
+            if int(t) in self._eos(r):
+                finished, reason = True, "stop"
+            elif len(r.output) >= r.params.max_new_tokens:
+                finished, reason = True, "length"
+            if finished:
+                r.finish_reason = reason
+                self._release(r, RequestStatus.FINISHED, reason)
+            outputs.append(RequestOutput(r.request_id, [int(t)], finished, reason,
+                                         list(r.output) if finished else None))
+        for r in list(self.running):
+            if r.prefill_only and r.status == RequestStatus.RUNNING and r.remaining <= 0:
+                r.status = RequestStatus.PREFILLED
+                if r.first_token_time is None:
+                    r.first_token_time = now
+        return outputs
+
+    def _commit_prefix(self, reqs: Sequence[Request], snapshots: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """After the forward: index the requests' new full prompt pages, then attach the written snapshots."""
+        for r, snaps in zip(reqs, snapshots):
+            if self.prefix is None:
+                continue
+            full = min(r.num_computed, r.num_prompt_tokens) // self.pools.block_size
+            full = min(full, len(r.keys))
+            if full > r.indexed_blocks:
+                self.prefix.insert(r.keys, r.blocks, full)
+                r.indexed_blocks = full
+            for p, slot in snaps:
+                if not self.prefix.add_snapshot(r.keys[p // self.pools.block_size - 1], slot):
+                    self.pools.snapshots.free([slot])
+
+    # -- loops ------------------------------------------------------------------------------------------------
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until nothing is left to run, yielding every new token as it is produced."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
+                 progress: bool = False, **sampling) -> list[list[int]]:
+        """Run a batch of prompts to completion; returns the generated ids per prompt, in order."""
+        ids = [self.add_request(p, params, **sampling) for p in prompts]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), unit="req")
+        for out in self.stream():
+            if bar is not None and out.finished:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self.requests[i].output for i in ids]
+
+    # -- metrics ------------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        done = [r for r in self.requests.values() if r.first_token_time is not None]
+        ttft = sorted(r.first_token_time - r.arrival_time for r in done)
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done
+                if r.finish_time is not None and len(r.output) > 1]
+        wall = (time.perf_counter() - self.start_time) if self.start_time else 0.0
+
+        def pct(xs, q):
+            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+        m = {"requests": len(self.requests), "finished": sum(r.status == RequestStatus.FINISHED
+                                                             for r in self.requests.values()),
+             "steps": self.num_steps, "forwards": self.num_forwards, "rows_moved": self.rows_moved,
+             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": pct(ttft, 0.5),
+             "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
+             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
+             "computed_prompt_tokens": self.computed_prompt_tokens,
+             "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0}
+        if self.prefix is not None:
+            st = self.prefix.stats()
+            m.update(cache_hit_rate=st["token_hit_rate"], cache_hits=st["hits"], cache_queries=st["queries"])
+        return m

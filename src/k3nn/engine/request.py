@@ -1,0 +1,92 @@
+"""Requests, sampling parameters and per-step outputs of :class:`k3nn.engine.Engine`."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SamplingParams", "Request", "RequestOutput", "RequestStatus"]
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_id: int | list[int] | None = None  # None: the model config's
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill_only: N−1 tokens computed, state held for export
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    boundaries: list[int] = field(default_factory=list)
+    prefill_only: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    output: list[int] = field(default_factory=list)
+    row: int | None = None  # running KDA row
+    blocks: list[int] = field(default_factory=list)  # latent pages (own references)
+    num_computed: int = 0  # tokens whose latents + state are in the cache
+    keys: list[bytes] = field(default_factory=list)  # chained block hashes of the prompt
+    hit_len: int = 0
+    kv_len: int = 0
+    plan: list[int] = field(default_factory=list)  # absolute snapshot positions still to export
+    indexed_blocks: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_forwards: int = 0  # forwards this request took part in before its first token
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next sample (prefill_only: before the export point)."""
+        end = self.num_prompt_tokens - 1 if self.prefill_only else self.num_prompt_tokens + len(self.output)
+        return end - self.num_computed
+
+    def tokens_to_feed(self, n: int) -> list[int]:
+        return self.all_tokens()[self.num_computed:self.num_computed + n]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens - (1 if self.prefill_only else 0) and not self.output
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    output_token_ids: list[int] | None = None
