@@ -90,6 +90,8 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(D, C, bias=False)
         self.o_norm = GatedRMSNorm(D, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(C, d, bias=False)
+        # with a cache and at most this many new tokens, forward uses the fused decode op (0 disables it)
+        self.fused_decode_max_tokens = 16
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -130,6 +132,8 @@ class KimiDeltaAttention(nn.Module):
         if attention_mask is not None:
             x = x * attention_mask[..., None].to(x.dtype)
         B, T, _ = x.shape
+        if state is not None and 0 < T <= self.fused_decode_max_tokens and checkpoint_positions is None:
+            return self._fused_decode(x, state)
         q, k, v, g, beta, conv_new = self.project(x, None if state is None else state.conv)
         init = None if state is None else state.recurrent
         fn = ops.kda_recurrent if (state is not None and T == 1) else ops.kda_chunk
@@ -140,3 +144,20 @@ class KimiDeltaAttention(nn.Module):
             state.update(final, conv_new, res[2] if checkpoint_positions is not None else None)
         y = self.o_norm(o, self.output_gate(x).reshape(B, T, self.num_heads, self.head_dim))
         return self.o_proj(y.reshape(B, T, -1))
+
+    def _fused_decode(self, x: torch.Tensor, state) -> torch.Tensor:
+        """Decode / verify-window path: the projections, then one ``ops.kda_fused_decode`` (conv update, gate,
+        β, L2 norm, recurrence, gated RMSNorm) that updates the cache in place, then ``o_proj``.
+
+        ``state`` may expose ``state_indices`` ([B] int) with ``recurrent`` / ``conv`` holding every slot;
+        otherwise rows 0..B−1 of its tensors are this batch."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        rec, conv = state.recurrent, state.conv
+        y = ops.kda_fused_decode(qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
+                                 self.conv_weight(), self.A_log, self.dt_bias, self.o_norm.weight, rec, conv,
+                                 getattr(state, "state_indices", None), gate_kind=self.gate_kind,
+                                 lower_bound=self.lower_bound, norm_eps=self.o_norm.eps)
+        state.update(rec, conv, None)  # no-op copy for views; lets gathered-copy states write back
+        return self.o_proj(y.reshape(B, T, H * D))

@@ -84,6 +84,7 @@ def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, nor
                                conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0,
                                norm_eps=1e-5, scale=None):
     from ...layers.kda import kda_gate, l2norm, short_conv  # the layer's own math (lazy: layers import ops)
+    from ...utils import upcast
     from .reference import kda_recurrent_reference
 
     B, T, _ = qkv.shape
@@ -93,11 +94,11 @@ def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, nor
     q, k, v = (t.reshape(B, T, H, D) for t in y_qkv.split(H * D, dim=-1))
     q, k = l2norm(q), l2norm(k)
     g = kda_gate(f, A_log, dt_bias, gate_kind, lower_bound, D)
-    beta = torch.sigmoid(b.float())
+    beta = torch.sigmoid(upcast(b))
     o, S = kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=recurrent_state[idx],
                                    output_final_state=True)
     recurrent_state[idx] = S.to(recurrent_state.dtype)
     conv_state[idx] = conv_new.to(conv_state.dtype)
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
-    return (of * torch.sigmoid(gate.float().reshape(B, T, H, D))).to(qkv.dtype)
+    of = upcast(o)
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * upcast(norm_weight)
+    return (of * torch.sigmoid(upcast(gate).reshape(B, T, H, D))).to(qkv.dtype)
