@@ -99,6 +99,11 @@ class KimiK3Config:
         need(1 <= self.num_experts_per_token <= self.num_experts,
              f"num_experts_per_token must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_token}")
         need(self.num_experts % max(self.num_expert_group, 1) == 0, "num_experts must be divisible by num_expert_group")
+        if self.num_expert_group > 1:
+            per = self.num_experts // self.num_expert_group * self.topk_group
+            need(self.num_experts_per_token <= per,
+                 f"num_experts_per_token ({self.num_experts_per_token}) exceeds the experts of the topk_group "
+                 f"kept groups ({per})")
         need(self.kda_head_dim <= 256, f"kda_head_dim must be <= 256, got {self.kda_head_dim}")
         bad = [i for i in self.mla_layers if not 0 <= i < self.num_hidden_layers]
         need(not bad, f"mla_layers has indices outside [0, {self.num_hidden_layers}): {bad}")
@@ -210,6 +215,16 @@ class KimiK3Config:
         )
         base.update(overrides)
         return cls(**base)
+
+    @classmethod
+    def k3_slice(cls, **overrides: Any) -> "KimiK3Config":
+        """K3's real layer dims with 8 layers (KDA ×6, gated MLA at 3 and 7: K3's every-4th + last pattern) and
+        128 MXFP4 experts top-16; AttnRes block 4 so the slice has two blocks. ≈ 25 GB in bf16: fits one H200
+        (end-to-end decode benchmarks)."""
+        base = dict(num_hidden_layers=8, mla_layers=[3, 7], num_experts=128, num_experts_per_token=16,
+                    attn_res_block_size=4)
+        base.update(overrides)
+        return cls.k3(**base)
 
     # --- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

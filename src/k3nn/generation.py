@@ -113,13 +113,18 @@ class GenerationMixin:
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, attention_mask: torch.Tensor | None = None,
                  streamer=None, drafter=None, generation_config: GenerationConfig | None = None,
-                 seed: int | None = None, **kwargs: Any) -> torch.Tensor:
+                 seed: int | None = None, cuda_graph: bool | str | None = None, decode_backend: str | None = None,
+                 **kwargs: Any) -> torch.Tensor:
         """Prompt ids [B, T] (left-padded with ``attention_mask`` when rows differ) → [B, T + n] ids.
 
         Arguments override ``generation_config`` (HF precedence). Rows that hit an eos id keep emitting
         ``pad_token_id`` (eos if unset) until every row has finished or ``max_new_tokens`` is reached.
         ``streamer``: any object with ``put(tensor)`` / ``end()`` (HF's TextStreamer works); it first receives
         the prompt, then each new token column. ``drafter``: a DSpark drafter for speculative decoding.
+        ``cuda_graph``: None (auto: the decode step is captured in a CUDA graph on GPU, falling back to eager
+        if capture fails), True, ``"static"`` (the graph-safe step without capture) or False.
+        ``decode_backend``: ``"auto"`` (standard layers) or ``"latency_specialized"`` (fused per-layer decode,
+        see :mod:`k3nn.decode`); default: the model's ``decode_backend`` attribute, else ``"auto"``.
         """
         cfg = generation_config or getattr(self, "generation_config", None) or GenerationConfig()
         over = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -153,8 +158,18 @@ class GenerationMixin:
         gen = self._make_generator(cfg.seed)
         eos = torch.tensor(cfg.eos_ids, device=self.device, dtype=torch.long)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids[0] if cfg.eos_ids else 0)
-        cache = self.new_cache(B, T + n_new)
+        from .decode.runner import make_decode_runner
+
+        decode_backend = decode_backend or getattr(self, "decode_backend", None) or "auto"
+        if decode_backend == "latency_specialized":
+            from .cache.hybrid import HybridCache
+
+            cache = HybridCache(self.config, B, T + n_new, self.dtype, self.device, mla_pool=True)
+        else:
+            cache = self.new_cache(B, T + n_new)
         logits = self(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1).logits[:, -1]
+        step = make_decode_runner(self, cache, cuda_graph=cuda_graph, decode_backend=decode_backend,
+                                  attention_mask=attention_mask)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = torch.full((B, n_new), pad, dtype=torch.long, device=self.device)
         sync_every = 1 if self.device.type == "cpu" else self.sync_every
@@ -171,7 +186,11 @@ class GenerationMixin:
                     steps = i + 1
                     break
             if i + 1 < n_new:
-                logits = self(nxt[:, None], cache=cache).logits[:, -1]
+                logits = step(nxt[:, None])
+        #: which decode path ran (for tests and benchmarks)
+        self.last_decode_info = dict(path=step.name, mode=step.mode, graph=step.uses_graph,
+                                     fallback=step.fallback_reason)
+        step.close()
         if eos.numel() and sync_every > 1:
             # trim the columns after the step at which every row had finished (same length as a per-step check)
             done = torch.isin(out[:, :steps], eos).long().cumsum(1) > 0

@@ -10,7 +10,16 @@ Cache protocol (what :class:`k3nn.model.KimiK3Model` and the layers rely on; pag
   key_mask [B, L] bool, q_pos [B, T])``: store the new tokens' latents, return everything visible.
 
 This is the contiguous cache used by ``model(input_ids, cache=...)`` and ``generate()``: every row of a batch
-shares one write position (left padding is recorded in ``key_mask``). Layouts:
+shares one write position (left padding is recorded in ``key_mask``).
+
+Static (graph-safe) mode, ``cache.set_static(True)``: the write position also lives on the device
+(``write_pos``, a 0-dim int64 kept in step with ``seen_tokens``); ``begin``/``append``/``commit`` then write at
+that device position and ``append`` returns the *whole* buffers (``L = max_length``; unwritten slots are
+masked by causality and ``key_mask``), so a decode step has fixed shapes, no Python-int slicing and no host
+sync, and can be captured in a CUDA graph. After replaying a captured step call ``advance_host(T)`` (the
+host counter is not touched by a replay). ``mla_pool=True`` stores each MLA layer's latent and rope key in one
+``kv [B, L', r + dr]`` buffer (L' = max_length rounded up to ``POOL_BLOCK``) that doubles as a paged pool with
+an identity block table (``MLAState.pool()``), the layout of ``ops.mla_decode``. Layouts:
 
 * KDA: ``recurrent [B, H, K, V]`` fp32; ``conv [B, W-1, 3·H·D]`` activation dtype (q, k, v channels).
 * MLA: ``latent [B, L, kv_lora_rank]`` and ``rope [B, L, qk_rope_head_dim]`` activation dtype.
@@ -24,7 +33,7 @@ import torch
 
 from ..config import KimiK3Config
 
-__all__ = ["KDAState", "MLAState", "HybridCache", "CacheFullError"]
+__all__ = ["KDAState", "MLAState", "HybridCache", "CacheFullError", "POOL_BLOCK"]
 
 
 class CacheFullError(ValueError):
@@ -43,12 +52,37 @@ class KDAState:
         self.checkpoints = checkpoints
 
 
+POOL_BLOCK = 64  # block size of the MLA pool view (the paged cache's block)
+
+
 class MLAState:
-    def __init__(self, owner: "HybridCache", latent: torch.Tensor, rope: torch.Tensor):
-        self.owner, self.latent, self.rope = owner, latent, rope
+    def __init__(self, owner: "HybridCache", latent: torch.Tensor, rope: torch.Tensor,
+                 kv: torch.Tensor | None = None):
+        self.owner, self.latent, self.rope, self.kv = owner, latent, rope, kv
+
+    def pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mla_pool`` caches: (kv_pool [B·L'/64, 64, r + dr], block_table [B, L'/64] int32) over the same
+        memory (row b owns blocks b·L'/64 ...), for ``ops.mla_decode``."""
+        if self.kv is None:
+            raise ValueError("MLAState.pool(): the cache was not created with mla_pool=True")
+        B, Lp, w = self.kv.shape
+        nb = Lp // POOL_BLOCK
+        if getattr(self, "_table", None) is None:
+            self._table = torch.arange(B * nb, dtype=torch.int32, device=self.kv.device).view(B, nb)
+        return self.kv.view(B * nb, POOL_BLOCK, w), self._table
+
+    def write_static(self, c: torch.Tensor, k_r: torch.Tensor) -> torch.Tensor:
+        """Graph-safe store of T new tokens at the device write position; returns their indices [T]."""
+        idx = self.owner.write_pos + torch.arange(c.shape[1], device=c.device)
+        self.latent.index_copy_(1, idx, c.to(self.latent.dtype))
+        self.rope.index_copy_(1, idx, k_r.to(self.rope.dtype))
+        return idx
 
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask: torch.Tensor | None, start: int):
         T = c.shape[1]
+        if self.owner.static:
+            idx = self.write_static(c, k_r)
+            return self.latent, self.rope, self.owner.key_mask, idx.expand(c.shape[0], T)
         end = start + T
         if end > self.latent.shape[1]:
             raise CacheFullError(f"cache exhausted: writing tokens [{start}, {end}) into a cache of max_length "
@@ -63,7 +97,7 @@ class HybridCache:
     """Cache for B rows and up to ``max_length`` tokens. ``seen_tokens`` is the shared write position."""
 
     def __init__(self, config: KimiK3Config, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", mla_pool: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_length < 1:
@@ -73,7 +107,12 @@ class HybridCache:
         H, D, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
         self.layers: list[KDAState | MLAState] = []
         for i in range(config.num_hidden_layers):
-            if config.is_mla_layer(i):
+            if config.is_mla_layer(i) and mla_pool:
+                r, dr = config.kv_lora_rank, config.qk_rope_head_dim
+                Lp = -(-max_length // POOL_BLOCK) * POOL_BLOCK
+                kv = torch.zeros(batch_size, Lp, r + dr, dtype=dtype, device=device)
+                self.layers.append(MLAState(self, kv[:, :max_length, :r], kv[:, :max_length, r:], kv))
+            elif config.is_mla_layer(i):
                 self.layers.append(MLAState(
                     self,
                     torch.zeros(batch_size, max_length, config.kv_lora_rank, dtype=dtype, device=device),
@@ -85,6 +124,18 @@ class HybridCache:
         self.key_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.valid_counts = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens per row
         self.seen_tokens = 0
+        self.static = False  # graph-safe mode (see the module docstring)
+        self.write_pos = torch.zeros((), dtype=torch.long, device=device)
+
+    def set_static(self, on: bool = True) -> None:
+        """Enter (or leave) graph-safe mode; entering syncs the device write position from ``seen_tokens``."""
+        if on and not self.static:
+            self.write_pos.fill_(self.seen_tokens)
+        self.static = bool(on)
+
+    def advance_host(self, T: int) -> None:
+        """Host bookkeeping after replaying a captured static step (the device counters advanced in the graph)."""
+        self.seen_tokens += T
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -100,6 +151,7 @@ class HybridCache:
         self.key_mask.zero_()
         self.valid_counts.zero_()
         self.seen_tokens = 0
+        self.write_pos.zero_()
 
     def begin(self, T: int, attention_mask: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         """Reserve [seen, seen+T) for the next forward; returns (start, rope positions [B, T])."""
@@ -108,7 +160,10 @@ class HybridCache:
             raise CacheFullError(f"cache exhausted: {start} tokens cached + {T} new > max_length {self.max_length}")
         m = (torch.ones(self.batch_size, T, dtype=torch.bool, device=self.device) if attention_mask is None
              else attention_mask.to(self.device).bool())
-        self.key_mask[:, start:start + T] = m
+        if self.static:
+            self.key_mask.index_copy_(1, self.write_pos + torch.arange(T, device=self.device), m)
+        else:
+            self.key_mask[:, start:start + T] = m
         positions = (self.valid_counts[:, None] + m.long().cumsum(1) - 1).clamp_min(0)
         return start, positions
 
@@ -116,10 +171,13 @@ class HybridCache:
         m = None if attention_mask is None else attention_mask.to(self.device).long()
         self.valid_counts += T if m is None else m.sum(1)
         self.seen_tokens += T
+        if self.static:
+            self.write_pos += T
 
     def memory_bytes(self) -> int:
         n = self.key_mask.numel()
         for st in self.layers:
-            ts = (st.recurrent, st.conv) if isinstance(st, KDAState) else (st.latent, st.rope)
+            ts = ((st.recurrent, st.conv) if isinstance(st, KDAState)
+                  else (st.kv,) if st.kv is not None else (st.latent, st.rope))
             n += sum(t.numel() * t.element_size() for t in ts)
         return n

@@ -1,0 +1,140 @@
+"""Decode steps for ``generate()``: the standard step, the static (graph-safe) step and its CUDA-graph replay.
+
+A *step* maps the previous tokens ``ids [B, 1]`` to next-token logits ``[B, V]`` and advances the cache by one.
+
+* ``standard``: the model's forward without input validation (no ``int(ids.min())`` host sync per token).
+* ``static``: the same math with the cache in graph-safe mode (:meth:`HybridCache.set_static`): MLA attends
+  over the whole static buffer with ``key_mask`` and writes at a device-tensor position. Fixed shapes, no
+  host sync, so the step can be captured.
+* ``graph``: the static step captured once in a CUDA graph and replayed. The first call runs the step
+  eagerly on a side stream (warm-up: Triton compilation, cuBLAS workspaces), the second captures and
+  replays, later calls replay. If capture fails (an op that syncs with the host, an eager fallback that
+  cannot be captured) the runner logs why and keeps running the static step eagerly: same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..kernels.registry import backend as use_backend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["standard_step", "DecodeRunner", "make_decode_runner"]
+
+StepFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def standard_step(model, cache) -> StepFn:
+    """ids [B, 1] → logits [B, V] through ``model.model`` and ``lm_head`` (validation skipped: generate's own
+    sampled ids are in range by construction)."""
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with use_backend(model.backend):
+            h, _ = model.model(ids, None, cache, None, None, None)
+            return model.lm_head(h[:, -1])
+
+    return step
+
+
+class DecodeRunner:
+    """Runs a decode step eagerly or as a replayed CUDA graph. ``mode``: ``"standard"`` | ``"static"`` |
+    ``"graph"``. ``fn`` must be graph-safe for ``"static"``/``"graph"`` (the cache is put in static mode)."""
+
+    def __init__(self, fn: StepFn, cache, mode: str = "standard", name: str = "standard"):
+        if mode not in ("standard", "static", "graph"):
+            raise ValueError(f"DecodeRunner: mode must be 'standard', 'static' or 'graph', got {mode!r}")
+        self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.calls = 0
+        self.fallback_reason: str | None = None
+        self._ids: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        cache.set_static(mode in ("static", "graph"))
+
+    @property
+    def uses_graph(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.mode != "graph":
+            return self.fn(ids)
+        if self.graph is not None:
+            self._ids.copy_(ids)
+            self.graph.replay()
+            self.cache.advance_host(ids.shape[1])
+            return self._out
+        if self.fallback_reason is not None:
+            return self.fn(ids)
+        if self.calls == 1:  # warm-up on a side stream, as torch.cuda.graphs asks
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out = self.fn(ids)
+            torch.cuda.current_stream().wait_stream(s)
+            return out
+        return self._capture_and_replay(ids)
+
+    def _capture_and_replay(self, ids: torch.Tensor) -> torch.Tensor:
+        seen = self.cache.seen_tokens
+        self._ids = ids.clone()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                self._out = self.fn(self._ids)
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.cache.seen_tokens = seen  # the Python side of the captured commit ran; the device side did not
+            self.fallback_reason = f"{type(e).__name__}: {e}"
+            self._ids = self._out = None
+            log.warning("decode graph capture failed (%s); continuing with the eager static step",
+                        self.fallback_reason.splitlines()[0])
+            torch.cuda.synchronize()
+            return self.fn(ids)
+        self.cache.seen_tokens = seen
+        self.graph = g
+        g.replay()
+        self.cache.advance_host(ids.shape[1])
+        return self._out
+
+    def close(self) -> None:
+        """Leave static mode (the cache stays valid for further standard forwards)."""
+        self.cache.set_static(False)
+        self.graph = None
+
+
+def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, decode_backend: str = "auto",
+                       attention_mask: torch.Tensor | None = None) -> DecodeRunner:
+    """Pick the decode step for ``generate()``.
+
+    ``cuda_graph``: None/"auto" → graphs on CUDA devices; True → graphs (static eager off-CUDA);
+    ``"static"`` → the graph-safe step without capture (any device); False → the standard step.
+    ``decode_backend``: ``"auto"`` (standard layers) or ``"latency_specialized"`` (fused per-layer decode,
+    :mod:`k3nn.decode.fused`; falls back to the standard layers when the batch or shapes are unsupported).
+    """
+    if decode_backend not in ("auto", "latency_specialized"):
+        raise ValueError(f"decode_backend must be 'auto' or 'latency_specialized', got {decode_backend!r}")
+    on_cuda = cache.device.type == "cuda"
+    if cuda_graph in (None, "auto"):
+        mode = "graph" if on_cuda else "standard"
+    elif cuda_graph == "static":
+        mode = "static"
+    elif cuda_graph is True:
+        mode = "graph" if on_cuda else "static"
+    elif cuda_graph is False:
+        mode = "standard"
+    else:
+        raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
+    if decode_backend == "latency_specialized":
+        from .fused import LatencySpecializedDecoder
+
+        why = LatencySpecializedDecoder.unsupported(model, cache, attention_mask)
+        if why is None:
+            dec = LatencySpecializedDecoder.for_model(model)
+            return DecodeRunner(dec.step_fn(cache), cache, "static" if mode == "standard" else mode,
+                                name="latency_specialized")
+        log.info("latency_specialized decode falls back to the standard path: %s", why)
+    return DecodeRunner(standard_step(model, cache), cache, mode, name="standard")
