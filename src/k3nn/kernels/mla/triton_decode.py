@@ -10,14 +10,17 @@ of the slice end with lse = −inf and o = 0.
 Stage 2 (only when there is more than one split): exact LSE merge of the per-split partials
 (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). With one split stage 1 writes the final result.
 
-The split count depends only on ``B``, ``Tq·H`` and the device (never on lengths read from the device), so
-a call can be captured in a CUDA graph; each request's keys are divided evenly among the splits.
+The tile (``BLOCK_H`` rows × ``BLOCK_N`` keys, warps, stages) and the split count depend only on ``B``,
+``Tq·H``, the dims and the device (never on lengths read from the device), so a call can be captured in a CUDA
+graph; each request's keys are divided evenly among its splits. On a GPU the first call of a shape times a few
+(tile, splits) plans on its own inputs and keeps the fastest (set ``K3NN_MLA_NO_TUNE=1`` for the heuristic).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -31,18 +34,6 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-def _configs():
-    if triton_interpreting():
-        return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_H": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK_H": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK_H": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_H": 64, "BLOCK_N": 16}, num_warps=8, num_stages=3),
-    ]
-
-
-@triton.autotune(configs=_configs(), key=["M", "R", "DR", "NUM_SPLITS", "FINAL"])
 @triton.jit
 def _mla_decode_stage1(
     Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
@@ -163,12 +154,102 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_num_splits(B: int, rows: int, device: torch.device) -> int:
-    """Splits per request so that about two waves of programs cover the GPU (1 under the interpreter)."""
+# (BLOCK_H, BLOCK_N, num_warps, num_stages) tried on the GPU; the interpreter uses the first small one.
+_GPU_TILES = [(16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (64, 16, 8, 3)]
+_INTERP_TILE = (16, 16, 4, 1)
+_TUNED: dict[tuple, tuple] = {}
+LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, splits) of the latest call
+
+
+def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: int = 2) -> int:
+    """Splits per request so that about ``waves`` waves of programs cover the GPU (1 under the interpreter)."""
     if device.type != "cuda":
         return 1
-    groups = B * triton.cdiv(rows, 16)
-    return max(1, min(64, triton.cdiv(2 * _sm_count(device.index or 0), groups)))
+    groups = B * triton.cdiv(rows, block_h)
+    return max(1, min(128, triton.cdiv(waves * _sm_count(device.index or 0), groups)))
+
+
+def _default_plan(B, M, dev):
+    if dev.type != "cuda":
+        return _INTERP_TILE + (1,)
+    bh = 64 if M >= 48 else max(16, triton.next_power_of_2(M))
+    tile = (bh, 32, 8 if bh == 64 else 4, 2)
+    return tile + (choose_num_splits(B, M, dev, bh),)
+
+
+def _candidates(B, M, dev):
+    out = []
+    for tile in _GPU_TILES:
+        if tile[0] > max(16, triton.next_power_of_2(M)):
+            continue
+        s1 = choose_num_splits(B, M, dev, tile[0], waves=1)
+        for s in sorted({s1, choose_num_splits(B, M, dev, tile[0], waves=2)}):
+            out.append(tile + (s,))
+    return out
+
+
+def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
+    bh, bn, warps, stages, S = plan
+    B = q_lat.shape[0]
+    dev = q_lat.device
+    final = S == 1
+    if final:
+        o_part, lse_part = out, lse  # unused
+        sp = (0, 0, 0, 0, 0)
+    else:
+        o_part = torch.empty(B, M, S, R, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
+        sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+    _mla_decode_stage1[(triton.cdiv(M, bh), S, B)](
+        q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+        kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
+        *sp,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        float(scale) * _LOG2E, Tq, H, M, R, DR, S,
+        PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
+        HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
+        BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
+    if not final:
+        _mla_decode_combine[(M, B)](
+            o_part, lse_part, out, lse, *sp,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            H, R, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_R=triton.next_power_of_2(R),
+            num_warps=4,
+        )
+
+
+def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
+    """Tile and split count for this shape. On a GPU the first call of a shape (outside graph capture) times
+    the candidates on its own inputs and keeps the fastest; ``num_splits`` pins the split count."""
+    dev = q_lat.device
+    if dev.type != "cuda":
+        p = _INTERP_TILE + (1,)
+        return p[:4] + (int(num_splits),) if num_splits else p
+    key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits)
+    if key in _TUNED:
+        return _TUNED[key]
+    cands = _candidates(B, M, dev)
+    if num_splits:
+        cands = sorted({c[:4] + (int(num_splits),) for c in cands})
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
+        p = _default_plan(B, M, dev)
+        return p[:4] + (int(num_splits),) if num_splits else p
+    from triton.testing import do_bench
+
+    best, best_ms = None, float("inf")
+    for c in cands:
+        try:
+            ms = do_bench(lambda: run(c), warmup=3, rep=15, return_mode="median")
+        except Exception:  # a tile that does not fit this GPU (shared memory / registers)
+            continue
+        if ms < best_ms:
+            best, best_ms = c, ms
+    if best is None:
+        raise RuntimeError(f"mla_decode: no Triton tile compiled for M={M} R={R} DR={DR}")
+    _TUNED[key] = best
+    return best
 
 
 def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None,
@@ -183,39 +264,17 @@ def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visi
     bt = block_table.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
     vis = None if visible_lens is None else visible_lens.to(torch.int32).contiguous()
-    S = int(num_splits) if num_splits else choose_num_splits(B, M, dev)
     if out is None:
         out = torch.empty(B, Tq, H, R, dtype=out_dtype or q_lat.dtype, device=dev)
         lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
     else:
         out, lse = out
-    final = S == 1
-    if final:
-        o_part, lse_part = out, lse  # unused
-        sp = (0, 0, 0, 0, 0)
-    else:
-        o_part = torch.empty(B, M, S, R, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
-        sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
     qr = q_rope if DR else q_lat  # placeholder pointer when there is no rope part
-    grid = lambda META: (triton.cdiv(M, META["BLOCK_H"]), S, B)  # noqa: E731
-    _mla_decode_stage1[grid](
-        q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
-        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
-        kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
-        *sp,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        float(scale) * _LOG2E, Tq, H, M, R, DR, S,
-        PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
-        HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
-    )
-    if not final:
-        _mla_decode_combine[(M, B)](
-            o_part, lse_part, out, lse, *sp,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            H, R, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_R=triton.next_power_of_2(R),
-            num_warps=4,
-        )
+    args = (q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR)
+    global LAST_PLAN
+    plan = _plan(B, M, R, DR, vis, q_lat, num_splits, lambda p: _launch(p, *args))
+    LAST_PLAN = plan
+    _launch(plan, *args)
     return out, lse
 
 
