@@ -1,0 +1,236 @@
+"""Rolling back the hybrid cache after a verify window: KDA recurrent + conv state, MLA entries.
+
+A verify window feeds T = n + 1 tokens (the pending token and n drafts) through the target with the cache; row b
+then keeps the first ``a_b`` of them (1 ≤ a_b ≤ T). Everything the window wrote past ``a_b`` must vanish.
+
+KDA strategies (``strategy=``):
+
+* ``"replay"`` (default, ReplaySSM): the window never overwrites the committed state. Each KDA layer records its
+  per-token inputs of the window (the layer input ``x`` [B, T, d]); at commit the layer re-runs
+  ``project`` + the KDA op over only the accepted prefix ``x[:, :a_b]`` from the committed recurrent and conv
+  state. The rebuilt state is bit-identical to a forward over the accepted prefix alone (same op, same shapes).
+  Rows that accept the whole window take the window's final state directly.
+* ``"slots"`` (per-position state slots): the window runs with ``checkpoint_positions = 1..T``, so the KDA op
+  exports the state after every window position in the same pass; commit selects slot ``a_b``. The conv state
+  (last W−1 pre-conv inputs) is recomputed from the recorded inputs of the accepted prefix.
+
+MLA (contiguous :class:`~k3nn.cache.HybridCache`): the rejected entries of a row are masked out (``key_mask``),
+``valid_counts`` (rope positions) counts only kept tokens, and the shared write position rewinds to the longest
+kept prefix, so the next window overwrites the rejected tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..cache.hybrid import HybridCache, KDAState
+from ..kernels.registry import backend as use_backend
+from ..layers.kda import KimiDeltaAttention, short_conv
+
+__all__ = ["SpecKDAState", "WindowRollback", "ROLLBACK_STRATEGIES", "rollback_memory_bytes"]
+
+ROLLBACK_STRATEGIES = ("replay", "slots")
+
+
+class SpecKDAState(KDAState):
+    """A KDA cache entry that can hold a verify window uncommitted (same tensors as the wrapped entry).
+
+    Outside a window it behaves like :class:`KDAState`. Inside one, the layer sees scratch copies of the
+    committed recurrent / conv state (so in-place decode kernels cannot touch the committed state), ``update``
+    stashes the window's final state (and exported checkpoints), and the layer's input is recorded by a forward
+    pre-hook (see :class:`WindowRollback`)."""
+
+    def __init__(self, base: KDAState):
+        super().__init__(base.recurrent, base.conv, base.checkpoints)
+        self.committed_recurrent, self.committed_conv = base.recurrent, base.conv
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.in_window = False
+        self.window_x: torch.Tensor | None = None
+        self.window_final: torch.Tensor | None = None
+        self.window_conv: torch.Tensor | None = None
+        self.window_ckpts: torch.Tensor | None = None
+
+    def begin_window(self) -> None:
+        if self._scratch is None:
+            self._scratch = (torch.empty_like(self.committed_recurrent), torch.empty_like(self.committed_conv))
+        rec, conv = self._scratch
+        rec.copy_(self.committed_recurrent)
+        conv.copy_(self.committed_conv)
+        self.recurrent, self.conv = rec, conv
+        self.in_window = True
+        self.window_x = self.window_final = self.window_conv = self.window_ckpts = None
+
+    def update(self, recurrent, conv, checkpoints=None) -> None:
+        if not self.in_window:
+            return super().update(recurrent, conv, checkpoints)
+        self.window_final, self.window_conv, self.window_ckpts = recurrent, conv, checkpoints
+
+    def end_window(self) -> None:
+        self.in_window = False
+        self.recurrent, self.conv = self.committed_recurrent, self.committed_conv
+        self.window_x = self.window_final = self.window_conv = self.window_ckpts = None
+
+
+def _record_input(module: KimiDeltaAttention, args, kwargs):
+    state = args[1] if len(args) > 1 else kwargs.get("state")
+    if isinstance(state, SpecKDAState) and state.in_window:
+        x = args[0] if args else kwargs["x"]
+        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        state.window_x = x
+    return None
+
+
+class WindowRollback:
+    """Installs window-aware KDA state on ``cache`` for ``model`` and commits / rolls back verify windows.
+
+    Use as a context manager (removes its hooks on exit)::
+
+        with WindowRollback(model, cache, "replay") as rb:
+            rb.begin()
+            model(window, cache=cache, checkpoint_positions=rb.checkpoint_positions(T))
+            rb.commit(accepted)   # accepted: [B] ints in [1, T]
+    """
+
+    def __init__(self, model, cache: HybridCache, strategy: str = "replay"):
+        if strategy not in ROLLBACK_STRATEGIES:
+            raise ValueError(f"unknown rollback strategy {strategy!r}; choose one of {ROLLBACK_STRATEGIES}")
+        self.model, self.cache, self.strategy = model, cache, strategy
+        self.kda: list[tuple[KimiDeltaAttention, SpecKDAState]] = []
+        layers = model.model.layers
+        for i, st in enumerate(cache.layers):
+            if isinstance(st, KDAState):
+                if not isinstance(st, SpecKDAState):
+                    st = SpecKDAState(st)
+                    cache.layers[i] = st
+                self.kda.append((layers[i].self_attn, st))
+        self._hooks = [mod.register_forward_pre_hook(_record_input, with_kwargs=True) for mod, _ in self.kda]
+        self.start = 0
+        self.width = 0
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self) -> "WindowRollback":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def begin(self) -> None:
+        """Call right before the verify forward."""
+        self.start = self.cache.seen_tokens
+        for _, st in self.kda:
+            st.begin_window()
+
+    def checkpoint_positions(self, T: int):
+        """What to pass as the verify forward's ``checkpoint_positions`` (None unless ``slots``)."""
+        if self.strategy != "slots":
+            return None
+        return [list(range(1, T + 1)) for _ in range(self.cache.batch_size)]
+
+    @torch.no_grad()
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Keep the first ``accepted[b]`` window tokens of row b (1 ≤ accepted ≤ T) in every layer."""
+        cache = self.cache
+        T = cache.seen_tokens - self.start
+        acc = accepted.to(device=cache.device, dtype=torch.long)
+        if T <= 0 or int(acc.min()) < 1 or int(acc.max()) > T:
+            raise ValueError(f"accepted counts must be in [1, {T}], got {acc.tolist()}")
+        acc_list = acc.tolist()
+        with use_backend(getattr(self.model, "backend", None)):
+            for mod, st in self.kda:
+                self._commit_kda(mod, st, acc_list, T)
+        # MLA / shared bookkeeping: mask the rejected tail of each row, rewind the shared write position
+        j = torch.arange(T, device=cache.device)
+        keep = j[None, :] < acc[:, None]
+        cache.key_mask[:, self.start:self.start + T] &= keep
+        cache.valid_counts -= T - acc
+        cache.seen_tokens = self.start + int(acc.max())
+
+    def _commit_kda(self, mod: KimiDeltaAttention, st: SpecKDAState, acc: list[int], T: int) -> None:
+        if st.window_final is None:  # the layer wrote the scratch in place without calling update()
+            st.window_final, st.window_conv = st.recurrent, st.conv
+        rec, conv = st.committed_recurrent, st.committed_conv
+        B = len(acc)
+        full = [b for b in range(B) if acc[b] == T]
+        if len(full) == B:
+            rec.copy_(st.window_final)
+            conv.copy_(st.window_conv)
+        elif full:
+            idx = torch.tensor(full, device=rec.device)
+            rec[idx] = st.window_final[idx].to(rec.dtype)
+            conv[idx] = st.window_conv[idx].to(conv.dtype)
+        groups: dict[int, list[int]] = {}
+        for b, a in enumerate(acc):
+            if a != T:
+                groups.setdefault(a, []).append(b)
+        x, ckpts = st.window_x, st.window_ckpts
+        st.end_window()
+        for a, rows in groups.items():
+            if self.strategy == "slots":
+                idx = torch.tensor(rows, device=rec.device)
+                slot = idx * T + (a - 1)  # checkpoints are ordered row-major over positions 1..T
+                rec[idx] = ckpts[slot].to(rec.dtype)
+                conv[idx] = _conv_after(mod, x[idx, :a], conv[idx]).to(conv.dtype)
+            else:
+                _replay(mod, x, rows, a, rec, conv)
+
+
+def _replay(mod: KimiDeltaAttention, x: torch.Tensor, rows: list[int], a: int, rec: torch.Tensor,
+            conv: torch.Tensor) -> None:
+    """Fold the accepted inputs ``x[rows, :a]`` into the committed state by running the layer itself on them
+    (so the rebuilt state is exactly what a forward over the accepted prefix alone produces, whichever KDA path
+    the layer takes)."""
+    if len(rows) == rec.shape[0]:
+        mod(x[:, :a], KDAState(rec, conv))
+        return
+    idx = torch.tensor(rows, device=rec.device)
+    tmp = KDAState(rec[idx], conv[idx])
+    mod(x[idx, :a], tmp)
+    rec[idx] = tmp.recurrent
+    conv[idx] = tmp.conv
+
+
+def _conv_after(mod: KimiDeltaAttention, x: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """The conv state (last W−1 pre-conv q|k|v inputs) after the accepted inputs x [n, a, d]."""
+    W1 = conv.shape[1]
+    tail = x[:, max(0, x.shape[1] - W1):]
+    raw = torch.cat([mod.q_proj(tail), mod.k_proj(tail), mod.v_proj(tail)], -1)
+    return torch.cat([conv.to(raw.dtype), raw], 1)[:, -W1:]
+
+
+def rollback_memory_bytes(config, gamma: int, batch_size: int = 1, strategy: str = "replay",
+                          dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Bytes the KDA side of speculative decoding holds per batch, for a verify window of γ + 1 tokens.
+
+    ``committed``: the recurrent (fp32) + conv state every request has anyway. ``extra``: what the strategy adds
+    during a window — ``slots``: γ + 1 exported states per KDA layer plus the window inputs used to recompute
+    the conv state; ``replay``: the window inputs (hidden size d per token per KDA layer) plus one transient
+    final state per layer (the op's output, freed at commit). ``mla_extra`` is 0 for both: rejected MLA entries
+    are masked in place and overwritten by the next window.
+    """
+    if strategy not in ROLLBACK_STRATEGIES:
+        raise ValueError(f"unknown rollback strategy {strategy!r}; choose one of {ROLLBACK_STRATEGIES}")
+    n_kda = len(config.kda_layers)
+    H, D, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+    act = torch.finfo(dtype).bits // 8
+    state = H * D * D * 4
+    conv = (W - 1) * 3 * H * D * act
+    T = gamma + 1
+    x_rec = T * config.hidden_size * act
+    if strategy == "slots":
+        extra = T * state + x_rec
+    else:
+        extra = state + x_rec
+    committed = n_kda * batch_size * (state + conv)
+    extra_total = n_kda * batch_size * extra
+    return {"committed": committed, "extra": extra_total, "total": committed + extra_total, "mla_extra": 0,
+            "per_layer_per_request_extra": extra}
