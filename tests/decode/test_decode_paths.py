@@ -1,0 +1,132 @@
+"""Decode paths of generate(): the graph-safe static step and the latency-specialized fused step give the same
+tokens (and logits up to rounding) as the standard step; unsupported batches fall back."""
+
+import pytest
+import torch
+
+from k3nn import KimiK3, KimiK3Config
+from k3nn.cache.hybrid import HybridCache
+from k3nn.decode.fused import LatencySpecializedDecoder
+from k3nn.decode.runner import DecodeRunner, make_decode_runner, standard_step
+
+KIMI_LINEAR_TINY = dict(use_attn_res=False, kda_gate="softplus", use_full_rank_gate=False, moe_kind="standard",
+                        routed_expert_hidden_size=None, mla_use_output_gate=False, q_lora_rank=None,
+                        mla_use_nope=False, hidden_act="silu")
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return KimiK3(KimiK3Config.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def kimi_linear():
+    return KimiK3(KimiK3Config.tiny(**KIMI_LINEAR_TINY), seed=1)
+
+
+def _prompt(B, T, seed, padded):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if padded:
+        for b in range(1, B):
+            mask[b, : (b * 2) % T] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("B,T,seed,padded", [(1, 5, 0, False), (3, 7, 1, True)])
+def test_static_step_same_tokens_as_standard(k3, B, T, seed, padded):
+    ids, mask = _prompt(B, T, seed, padded)
+    a = k3.generate(ids, attention_mask=mask, max_new_tokens=8, cuda_graph=False)
+    assert k3.last_decode_info["mode"] == "standard"
+    b = k3.generate(ids, attention_mask=mask, max_new_tokens=8, cuda_graph="static")
+    assert k3.last_decode_info["mode"] == "static"
+    assert torch.equal(a, b)
+
+
+def test_static_sampling_same_tokens_as_standard(k3):
+    ids, mask = _prompt(2, 6, 3, True)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, top_p=0.9, seed=7)
+    assert torch.equal(k3.generate(ids, cuda_graph=False, **kw), k3.generate(ids, cuda_graph="static", **kw))
+
+
+def _step_logits(model, cache_kw, runner_kw, ids, n):
+    B, T = ids.shape
+    cache = HybridCache(model.config, B, T + n + 1, model.dtype, model.device, **cache_kw)
+    logits = model(ids, cache=cache).logits[:, -1]
+    run = make_decode_runner(model, cache, **runner_kw)
+    outs = []
+    for _ in range(n):
+        nxt = logits.argmax(-1)
+        logits = run(nxt[:, None]).clone()
+        outs.append(logits)
+    run.close()
+    return torch.stack(outs), cache, run
+
+
+@pytest.mark.parametrize("which", ["k3", "kimi_linear"])
+def test_latency_specialized_matches_standard(which, request):
+    model = request.getfixturevalue(which)
+    ids, _ = _prompt(2, 6, 11, False)
+    ref, cache_a, _ = _step_logits(model, {}, dict(cuda_graph=False), ids, 5)
+    out, cache_b, run = _step_logits(model, dict(mla_pool=True), dict(decode_backend="latency_specialized"), ids, 5)
+    assert run.name == "latency_specialized" and run.mode == "static"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert cache_a.seen_tokens == cache_b.seen_tokens == 11
+    assert int(cache_b.write_pos) == 11
+    for sa, sb in zip(cache_a.layers, cache_b.layers):  # the caches hold the same state afterwards
+        if hasattr(sa, "recurrent"):
+            torch.testing.assert_close(sb.recurrent, sa.recurrent, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(sb.conv, sa.conv)
+        else:
+            torch.testing.assert_close(sb.latent, sa.latent, atol=1e-6, rtol=1e-5)
+    a = model.generate(ids, max_new_tokens=6, cuda_graph=False)
+    b = model.generate(ids, max_new_tokens=6, decode_backend="latency_specialized")
+    assert model.last_decode_info["path"] == "latency_specialized"
+    assert torch.equal(a, b)
+
+
+def test_static_step_logits_match_standard(kimi_linear):
+    ids, _ = _prompt(2, 4, 5, False)
+    ref, _, _ = _step_logits(kimi_linear, {}, dict(cuda_graph=False), ids, 4)
+    out, _, _ = _step_logits(kimi_linear, {}, dict(cuda_graph="static"), ids, 4)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_latency_specialized_falls_back(k3):
+    ids, mask = _prompt(3, 7, 2, True)
+    a = k3.generate(ids, attention_mask=mask, max_new_tokens=4, cuda_graph=False)
+    b = k3.generate(ids, attention_mask=mask, max_new_tokens=4, decode_backend="latency_specialized")
+    assert k3.last_decode_info["path"] == "standard"
+    assert torch.equal(a, b)
+    plain = HybridCache(k3.config, 1, 8)
+    assert "mla_pool" in LatencySpecializedDecoder.unsupported(k3, plain, None)
+    assert LatencySpecializedDecoder.unsupported(k3, HybridCache(k3.config, 1, 8, mla_pool=True), None) is None
+
+
+def test_pool_view_shares_memory(k3):
+    cache = HybridCache(k3.config, 2, 70, mla_pool=True)
+    st = cache.layers[1]
+    pool, table = st.pool()
+    assert pool.shape == (2 * 2, 64, k3.config.kv_lora_rank + k3.config.qk_rope_head_dim)
+    st.latent[1, 65] = 3.0
+    assert torch.all(pool[int(table[1, 1]), 1, : k3.config.kv_lora_rank] == 3.0)
+    with pytest.raises(ValueError, match="mla_pool"):
+        HybridCache(k3.config, 1, 8).layers[1].pool()
+
+
+def test_runner_arguments(k3):
+    cache = k3.new_cache(1, 4)
+    with pytest.raises(ValueError, match="mode"):
+        DecodeRunner(standard_step(k3, cache), cache, mode="fast")
+    with pytest.raises(ValueError, match="decode_backend"):
+        make_decode_runner(k3, cache, decode_backend="fastest")
+    with pytest.raises(ValueError, match="cuda_graph"):
+        make_decode_runner(k3, cache, cuda_graph="yes")
+    with pytest.raises(ValueError, match="decode_backend"):
+        k3.generate(torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, decode_backend="fastest")
+    # graphs requested on CPU: the static step (no capture) runs
+    run = make_decode_runner(k3, cache, cuda_graph=True)
+    assert run.mode == "static" and cache.static
+    run.close()
+    assert not cache.static
