@@ -70,13 +70,17 @@ def test_fused_moe_edge_cases(case):
     _close(out, moe_experts_reference(x, w1, w3, w2, ids, wts, "situ", 4.0, lin))
 
 
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("mode", ["split", "join", "scaled"])
 @pytest.mark.parametrize("N,E,k", [(3, 4, 2), (18, 2, 1)])
-def test_mxfp4_decode_layouts(split, N, E, k):
+def test_mxfp4_decode_layouts(mode, N, E, k):
     x, w1, w3, w2, ids, wts = _problem(N, 64, 32, E, k, seed=11, mx=True)
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
     y = poison(N, k, 64)
-    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_split=split)
-    _close(y, moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0))
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_mode=mode)  # fp32: "scaled" → split
+    _close(y, ref)
+    yh = poison(N, k, 64, dtype=torch.float16)  # fp16 activations: tl.dot_scaled takes them
+    fused_expert_outputs(x.half(), w1, w3, w2, ids, "situ", 4.0, 25.0, out=yh, mx_mode=mode)
+    _close(yh.float(), ref, 3e-3)
 
 
 def test_mxfp4_nan_scale_propagates():

@@ -28,8 +28,17 @@ __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: autotune over several tile configs on a GPU (K3NN_MOE_TUNE=0: the first config only, e.g. for quick tests)
 _TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
-#: MXFP4 decode layout: True = even/odd-k halves (two dots per tile), False = nibbles interleaved in registers
-MX_SPLIT = os.environ.get("K3NN_MOE_MX_SPLIT", "1") != "0"
+#: MXFP4 decode: "scaled" = tl.dot_scaled (the compiler's E2M1 upcast; fp16/bf16 activations), "split" =
+#: even/odd-k halves decoded by hand (two dots per tile), "join" = nibbles interleaved in registers
+MX_MODES = {"join": 0, "split": 1, "scaled": 2}
+MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
+
+
+def _mx_mode(dtype: torch.dtype, mode: str | None) -> int:
+    m = MX_MODES[mode or MX_DEFAULT]
+    if m == 2 and dtype == torch.float32:  # dot_scaled takes bf16/fp16 activations only
+        m = 1
+    return m
 
 
 def _configs(kind: str):
@@ -82,11 +91,12 @@ def _load_w_tile(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride
         sbits = tl.where(s == 255, 0x7FC00000, tl.where(s == 0, 1 << 22, s << 23))
         sc = sbits.to(tl.float32, bitcast=True)  # [BN, BK/32]
         val = tl.reshape(tl.reshape(val, (BLOCK_N, BLOCK_K // 32, 32)) * sc[:, :, None], (BLOCK_N, BLOCK_K))
-        return tl.trans(val.to(DTYPE))
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    kmask = offs_k < K
-    return tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
-                   mask=nmask[None, :] & kmask[:, None], other=0.0)
+        tile = tl.trans(val.to(DTYPE))
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
+                       mask=nmask[None, :] & (offs_k[:, None] < K), other=0.0)
+    return tile
 
 
 @triton.jit
@@ -103,6 +113,20 @@ def _mx_split_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, str
     lo = _e2m1_to_f32(byte & 15) * sc
     hi = _e2m1_to_f32(byte >> 4) * sc
     return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _mx_packed_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Raw MXFP4 operands for ``tl.dot_scaled``: bytes [BLOCK_K/2, BLOCK_N] (k-packed), scales [BLOCK_N, BLOCK_K/32]."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    nmask = offs_n < N
+    byte = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + kb[:, None],
+                   mask=nmask[None, :] & (kb[:, None] < K // 2), other=0)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + kg[None, :],
+                 mask=nmask[:, None] & (kg[None, :] < K // 32), other=127)
+    return byte, sc
 
 
 @triton.jit
@@ -126,13 +150,13 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 def _make_up(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_SPLIT", "BLOCK_M", "ACT"])
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
     @triton.jit
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                 NUM_BLOCKS, N, K, top_k, num_pairs,
                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                 beta, linear_beta,
-                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                ACT: tl.constexpr, CAP_UP: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, AFMT: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -149,7 +173,17 @@ def _make_up(kind):
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if MXFP4 and MX_SPLIT:  # even/odd k halves: no nibble interleave in registers
+            if MXFP4 and MX_MODE == 2:  # tl.dot_scaled: the compiler's own E2M1 upcast
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                            mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+                b1, sc1 = _mx_packed_tiles(w1_ptr, s1_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                           stride_sn, BLOCK_N, BLOCK_K)
+                acc_g = tl.dot_scaled(a, None, AFMT, b1, sc1, "e2m1", acc_g)
+                b3, sc3 = _mx_packed_tiles(w3_ptr, s3_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                           stride_sn, BLOCK_N, BLOCK_K)
+                acc_u = tl.dot_scaled(a, None, AFMT, b3, sc3, "e2m1", acc_u)
+            elif MXFP4 and MX_MODE == 1:  # even/odd k halves: no nibble interleave in registers
                 kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
                 am = valid[:, None] & (kh[None, :] < K)
                 a0 = tl.load(x_ptr + tok[:, None] * stride_xm + kh[None, :], mask=am, other=0.0)
@@ -178,12 +212,12 @@ def _make_up(kind):
 
 
 def _make_down(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_SPLIT", "BLOCK_M"])
+    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
     @triton.jit
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
                   stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                  MXFP4: tl.constexpr, MX_SPLIT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MXFP4: tl.constexpr, MX_MODE: tl.constexpr, AFMT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         pid_m, pid_n = _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -199,7 +233,13 @@ def _make_down(kind):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         hrow = h_ptr + rows[:, None].to(tl.int64) * stride_hm
         for k0 in range(0, K, BLOCK_K):
-            if MXFP4 and MX_SPLIT:
+            if MXFP4 and MX_MODE == 2:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(hrow + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+                b, sc = _mx_packed_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, stride_se,
+                                         stride_sn, BLOCK_N, BLOCK_K)
+                acc = tl.dot_scaled(a, None, AFMT, b, sc, "e2m1", acc)
+            elif MXFP4 and MX_MODE == 1:
                 kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
                 am = valid[:, None] & (kh[None, :] < K)
                 a0 = tl.load(hrow + kh[None, :], mask=am, other=0.0)
@@ -281,7 +321,7 @@ def _wparts(w):
 def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, activation: str = "silu",
                          beta: float = 4.0, linear_beta: float | None = 25.0,
                          align: MoEAlignment | None = None, out: torch.Tensor | None = None,
-                         mx_split: bool | None = None) -> torch.Tensor:
+                         mx_mode: str | None = None) -> torch.Tensor:
     """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype."""
     N, D = x.shape
     k = topk_ids.shape[1]
@@ -295,7 +335,8 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     al = align if align is not None and align.block_m == bm else moe_align(topk_ids, E, bm)
     nb = al.expert_ids.numel()
     kind = "small" if bm <= 16 else "large"
-    mx_split = MX_SPLIT if mx_split is None else mx_split
+    mx_mode = _mx_mode(x.dtype, mx_mode)
+    afmt = "fp16" if x.dtype == torch.float16 else "bf16"
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no silent TF32)
     group_m = 1 if bm <= 16 else 8
     p1, s1, mx = _wparts(w1)
@@ -314,13 +355,13 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids, al.num_rows,
                        nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1], h.stride(0),
                        float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
-                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_SPLIT=mx_split, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
+                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_MODE=mx_mode, AFMT=afmt, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
     se2 = (s2.stride(0), s2.stride(1)) if mx else (0, 0)
     y2 = y.view(P, D)
     grid_dn = lambda meta: (nb * triton.cdiv(D, meta["BLOCK_N"]),)  # noqa: E731
     _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
                          nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
-                         MXFP4=mx, MX_SPLIT=mx_split, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
+                         MXFP4=mx, MX_MODE=mx_mode, AFMT=afmt, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
     return y
 
 
