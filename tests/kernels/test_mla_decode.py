@@ -168,3 +168,22 @@ def test_bad_inputs():
         mla_decode(q_lat, q_rope, pool, table, sl, 0.1, out=(q_lat, sl))
     with backend("triton"), pytest.raises(BackendUnavailableError, match="bf16"):
         mla_decode(q_lat.bfloat16(), q_rope.bfloat16(), pool.bfloat16(), table, sl, 0.1)
+
+
+@pytest.mark.parametrize("tile", [(16, 16, 4, 1, False), (16, 32, 4, 1, True), (16, 16, 4, 1, True)])
+@pytest.mark.parametrize("bs", [8, 64])
+def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
+    """Both rescaling schemes (eager and lazy, threshold 2^8), tiles spanning several pages, and scores whose
+    running max grows by small and large steps across tiles."""
+    from k3nn.kernels.mla import triton_decode
+
+    monkeypatch.setattr(triton_decode, "_INTERP_TILE", tile)
+    lens = [150, 37]
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(5, lens, 2, 3, 16, 8, bs)
+    ramp = torch.linspace(0.1, 3.0, max(lens))[None, :, None]  # later keys dominate more and more
+    c, kr = c * ramp, kr * ramp
+    for b, n in enumerate(lens):
+        for j in range(n):
+            pool[table[b, j // bs], j % bs] = torch.cat([c[b, j], kr[b, j]])
+    o, lse = run("triton", q_lat, q_rope, pool, table, sl, 2.0, num_splits=2)
+    check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, 2.0, atol=5e-5)

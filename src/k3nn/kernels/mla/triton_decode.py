@@ -41,10 +41,10 @@ def _mla_decode_stage1(
     s_kvb, s_kvr, s_btb, s_visb,
     s_opb, s_opm, s_ops, s_lpb, s_lpm,
     s_ob, s_ot, s_oh, s_lb, s_lt,
-    qk_scale_log2, Tq, H, M, R, DR, NUM_SPLITS,
-    PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    qk_scale_log2, Tq, H, M, NUM_SPLITS,
+    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_VIS: tl.constexpr, FINAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -65,23 +65,35 @@ def _mla_decode_stage1(
     end = tl.minimum(start + chunk, tl.minimum(seq_len, tl.max(lim, 0)))
 
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
+    if BLOCK_R == R:
+        r_ok = offs_r < BLOCK_R  # all true, known at compile time: keeps loads vectorised
+    else:
+        r_ok = offs_r < R
     q = tl.load(Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh + offs_r[None, :],
                 mask=m_ok[:, None] & r_ok[None, :], other=0.0)
     if HAS_ROPE:
         offs_d = tl.arange(0, BLOCK_DR)
-        d_ok = offs_d < DR
+        if BLOCK_DR == DR:
+            d_ok = offs_d < BLOCK_DR
+        else:
+            d_ok = offs_d < DR
         qr = tl.load(Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh + offs_d[None, :],
                      mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    # Running max in base 2. Finite start value so that "no key yet" needs no special case; with LAZY the
+    # accumulator is rescaled only when some row's max grows by more than 8 (p then stays below 2^8).
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        row = blk * s_kvb + (offs_n % PAGE) * s_kvr
+        if PAGE % BLOCK_N == 0:  # the whole tile sits in one page: one block id
+            blk = tl.load(BT + b * s_btb + n0 // PAGE).to(tl.int64)
+            row = blk * s_kvb + (offs_n % PAGE) * s_kvr
+        else:
+            blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            row = blk * s_kvb + (offs_n % PAGE) * s_kvr
         c = tl.load(KV + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(c), input_precision="ieee")
@@ -96,15 +108,27 @@ def _mla_decode_stage1(
         s = s * qk_scale_log2
         s = tl.where((offs_n[None, :] < lim[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+        if LAZY:
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            if IEEE:
+                acc += tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(c.dtype), c)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m_i = m_new
 
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -124,29 +148,31 @@ def _mla_decode_combine(
     O_part, LSE_part, O, LSE,
     s_opb, s_opm, s_ops, s_lpb, s_lpm, s_ob, s_ot, s_oh, s_lb, s_lt,
     H, R, NUM_SPLITS,
-    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_RC: tl.constexpr,
 ):
+    """One (row, request, column chunk) per program: all splits of the chunk in one tile."""
     m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    pid_r = tl.program_id(2)
     t = m // H
     h = m % H
     offs_s = tl.arange(0, BLOCK_S)
-    lses = tl.load(LSE_part + b * s_lpb + m * s_lpm + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    s_ok = offs_s < NUM_SPLITS
+    lses = tl.load(LSE_part + b * s_lpb + m * s_lpm + offs_s, mask=s_ok, other=float("-inf"))
     mx = tl.max(lses, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    tot = tl.sum(tl.exp(lses - mx), 0)
-    lse = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
-    inv = tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
-    offs_r = tl.arange(0, BLOCK_R)
+    w = tl.exp(lses - mx)  # 0 for empty splits (whose partial outputs are 0)
+    tot = tl.sum(w, 0)
+    w = w * tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
+    offs_r = pid_r * BLOCK_RC + tl.arange(0, BLOCK_RC)
     r_ok = offs_r < R
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    base = O_part + b * s_opb + m * s_opm
-    for s in range(NUM_SPLITS):
-        ls = tl.load(LSE_part + b * s_lpb + m * s_lpm + s)
-        w = tl.exp(ls - mx) * inv  # 0 for an empty split (its partial output is 0 too)
-        acc += w * tl.load(base + s * s_ops + offs_r, mask=r_ok, other=0.0)
-    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs_r, acc.to(O.dtype.element_ty), mask=r_ok)
-    tl.store(LSE + b * s_lb + t * s_lt + h, lse)
+    part = tl.load(O_part + b * s_opb + m * s_opm + offs_s[:, None] * s_ops + offs_r[None, :],
+                   mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+    o = tl.sum(part * w[:, None], 0)
+    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs_r, o.to(O.dtype.element_ty), mask=r_ok)
+    if pid_r == 0:
+        tl.store(LSE + b * s_lb + t * s_lt + h, tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)),
+                                                         float("-inf")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,11 +180,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages) tried on the GPU; the interpreter uses the first small one.
-_GPU_TILES = [(16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (64, 16, 8, 3)]
-_INTERP_TILE = (16, 16, 4, 1)
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy rescale) tried on the GPU; the interpreter uses a small one.
+_GPU_TILES = [(16, 64, 4, 2, False), (32, 32, 4, 2, False), (32, 64, 4, 2, True), (64, 32, 8, 2, False), (64, 32, 8, 3, True),
+              (64, 32, 8, 2, True), (64, 64, 8, 1, True)]
+_INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
-LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, splits) of the latest call
+LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy, splits) of the latest call
 
 
 def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: int = 2) -> int:
@@ -173,7 +200,7 @@ def _default_plan(B, M, dev):
     if dev.type != "cuda":
         return _INTERP_TILE + (1,)
     bh = 64 if M >= 48 else max(16, triton.next_power_of_2(M))
-    tile = (bh, 32, 8 if bh == 64 else 4, 2)
+    tile = (bh, 32, 8 if bh == 64 else 4, 2, True)
     return tile + (choose_num_splits(B, M, dev, bh),)
 
 
@@ -189,7 +216,7 @@ def _candidates(B, M, dev):
 
 
 def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
-    bh, bn, warps, stages, S = plan
+    bh, bn, warps, stages, lazy, S = plan
     B = q_lat.shape[0]
     dev = q_lat.device
     final = S == 1
@@ -206,17 +233,19 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
         kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
         *sp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        float(scale) * _LOG2E, Tq, H, M, R, DR, S,
-        PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
+        float(scale) * _LOG2E, Tq, H, M, S,
+        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
         HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
-        BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+        LAZY=lazy, BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
     if not final:
-        _mla_decode_combine[(M, B)](
+        bsz = max(2, triton.next_power_of_2(S))
+        brc = max(16, min(triton.next_power_of_2(R), 8192 // bsz))
+        _mla_decode_combine[(M, B, triton.cdiv(R, brc))](
             o_part, lse_part, out, lse, *sp,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            H, R, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_R=triton.next_power_of_2(R),
-            num_warps=4,
+            H, R, S, BLOCK_S=bsz, BLOCK_RC=brc, num_warps=4,
         )
 
 
@@ -226,16 +255,16 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
     dev = q_lat.device
     if dev.type != "cuda":
         p = _INTERP_TILE + (1,)
-        return p[:4] + (int(num_splits),) if num_splits else p
+        return p[:5] + (int(num_splits),) if num_splits else p
     key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits)
     if key in _TUNED:
         return _TUNED[key]
     cands = _candidates(B, M, dev)
     if num_splits:
-        cands = sorted({c[:4] + (int(num_splits),) for c in cands})
+        cands = sorted({c[:5] + (int(num_splits),) for c in cands})
     if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
         p = _default_plan(B, M, dev)
-        return p[:4] + (int(num_splits),) if num_splits else p
+        return p[:5] + (int(num_splits),) if num_splits else p
     from triton.testing import do_bench
 
     best, best_ms = None, float("inf")
