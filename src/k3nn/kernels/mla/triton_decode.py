@@ -181,8 +181,8 @@ def _sm_count(index: int) -> int:
 
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy rescale) tried on the GPU; the interpreter uses a small one.
-_GPU_TILES = [(16, 64, 4, 2, False), (32, 32, 4, 2, False), (32, 64, 4, 2, True), (64, 32, 8, 2, False), (64, 32, 8, 3, True),
-              (64, 32, 8, 2, True), (64, 64, 8, 1, True)]
+_GPU_TILES = [(16, 64, 4, 2, False), (32, 32, 4, 2, False), (32, 64, 4, 2, True), (64, 32, 8, 2, False),
+              (64, 32, 8, 3, True), (64, 32, 8, 2, True), (64, 64, 8, 1, True)]
 _INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
 LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy, splits) of the latest call
@@ -273,6 +273,8 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
             ms = do_bench(lambda: run(c), warmup=3, rep=15, return_mode="median")
         except Exception:  # a tile that does not fit this GPU (shared memory / registers)
             continue
+        if os.environ.get("K3NN_MLA_TUNE_VERBOSE"):
+            print(f"mla_decode tune B={B} M={M}: plan {c} {ms * 1e3:.1f} us", flush=True)
         if ms < best_ms:
             best, best_ms = c, ms
     if best is None:
