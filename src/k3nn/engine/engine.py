@@ -220,6 +220,47 @@ class Engine:
             req.status = RequestStatus.PREFILLED
         return True
 
+    def adopt(self, prompt: Sequence[int], num_computed: int, pages: Sequence[torch.Tensor],
+              recurrent: Sequence[torch.Tensor], conv: Sequence[torch.Tensor], params: SamplingParams | None = None,
+              request_id: str | None = None) -> str:
+        """Start a request from a transferred state: ``num_computed`` prompt tokens are already done (their latent
+        pages ``pages`` [n_pages, 64, D] per MLA layer, KDA state per KDA layer). The next step recomputes the
+        rest of the prompt (normally its last token, as a decode row) and generates."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt = [int(t) for t in prompt]
+        if not 0 <= num_computed < len(prompt):
+            raise ValueError(f"adopt: num_computed must be in [0, {len(prompt)}), got {num_computed}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        row = self._free_row()
+        if row is None:
+            raise CacheFullError(f"adopt: all {len(self.row_owner)} running rows are busy")
+        n_src = self.pools.pages_for(num_computed)
+        total = self.pools.pages_for(self._cache_tokens(len(prompt), params, False))
+        if self.pools.allocator.num_free < total and self.prefix is not None:
+            self.prefix.make_room(pages=total)
+        blocks = self.pools.allocator.allocate(total)
+        if n_src:
+            self.pools.write_pages(blocks[:n_src], [p[:n_src] for p in pages])
+        self.pools.running.write(row, recurrent, conv)
+        req = Request(rid, prompt, params, status=RequestStatus.RUNNING, row=row, blocks=blocks,
+                      num_computed=num_computed)
+        if params.do_sample:
+            req.generator = torch.Generator(device=self.pools.device)
+            req.generator.manual_seed(0 if params.seed is None else int(params.seed))
+        if self.prefix is not None:
+            req.keys = self.prefix.hashes(prompt)
+        self.row_owner[row] = req
+        self.requests[rid] = req
+        self.running.append(req)
+        self.prompt_tokens += len(prompt)
+        self.computed_prompt_tokens += len(prompt) - num_computed
+        if self.start_time is None:
+            self.start_time = time.perf_counter()
+        return rid
+
     # -- scheduling ---------------------------------------------------------------------------------------------
     def prefill_budget(self, num_decodes: int) -> int:
         c = self.config

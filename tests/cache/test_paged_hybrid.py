@@ -1,0 +1,147 @@
+"""Paged hybrid cache: pools, accounting, the batch view against the contiguous cache, in-pass checkpoints."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from k3nn import KimiK3, KimiK3Config
+from k3nn.cache.hybrid import CacheFullError
+from k3nn.cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
+from k3nn.cache.states import StatePool, latent_bytes_per_token, state_bytes_per_slot
+
+CFG = KimiK3Config.tiny()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = KimiK3(CFG, dtype=torch.float64, seed=0).eval()
+    enable_state_capture(m)
+    return m
+
+
+def ids_of(n, seed):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- pools ------------------------------------------------------------------------------------------------
+def test_state_pool_accounting_and_refcounts():
+    pool = StatePool(CFG, 3, torch.bfloat16)
+    H, D, W = CFG.kda_num_heads, CFG.kda_head_dim, CFG.short_conv_kernel_size
+    per_layer = H * D * D * 4 + (W - 1) * 3 * H * D * 2
+    assert pool.bytes_per_slot == per_layer * 2 == state_bytes_per_slot(CFG, torch.bfloat16)
+    a = pool.allocate(2)
+    pool.incref([a[0]])
+    pool.free([a[0]])
+    assert pool.refcount(a[0]) == 1 and pool.num_free == 1
+    with pytest.raises(CacheFullError, match="KDA"):
+        pool.allocate(2)
+    pool.free(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([a[0]])
+    with pytest.raises(ValueError, match="outside"):
+        pool.incref([7])
+
+
+def test_state_pool_copy_is_simultaneous():
+    pool = StatePool(CFG, 3, torch.float32)
+    for j in range(len(pool.layer_ids)):
+        pool.recurrent[j].copy_(torch.arange(3.0)[:, None, None, None].expand_as(pool.recurrent[j]))
+    pool.copy_([0, 1], pool, [1, 0])  # swap
+    assert pool.recurrent[0][:, 0, 0, 0].tolist() == [1.0, 0.0, 2.0]
+
+
+def test_hybrid_pools_memory_from_config():
+    pools = HybridPools(CFG, num_pages=5, max_running=2, num_snapshots=3, dtype=torch.bfloat16)
+    assert pools.bytes_per_token == latent_bytes_per_token(CFG, torch.bfloat16)
+    mem = pools.memory_bytes()
+    assert mem["latent_pages"] == 5 * 64 * pools.bytes_per_token
+    assert mem["snapshot_slots"] == 3 * state_bytes_per_slot(CFG, torch.bfloat16)
+    pages, snaps = pool_sizes_for_budget(CFG, 1 << 20, 2, dtype=torch.bfloat16)
+    slot, page = state_bytes_per_slot(CFG, torch.bfloat16), 64 * latent_bytes_per_token(CFG, torch.bfloat16)
+    assert 2 * slot + snaps * slot + pages * page <= 1 << 20
+    assert (1 << 20) - (2 * slot + snaps * slot + pages * page) < page
+    with pytest.raises(ValueError, match="running"):
+        pool_sizes_for_budget(CFG, 10, 2)
+
+
+def test_view_needs_pages(model):
+    pools = HybridPools(CFG, num_pages=4, max_running=2, num_snapshots=1, dtype=torch.float64)
+    with pytest.raises(CacheFullError, match="allocate pages"):
+        PagedHybridCache(pools, 0, [pools.allocator.allocate(1)], [0], [65])
+    with pytest.raises(ValueError, match="outside the running pool"):
+        PagedHybridCache(pools, 1, [[0], [1]], [0, 0], [1, 1])
+
+
+# -- the batch view against the contiguous cache -------------------------------------------------------
+@settings(max_examples=5)
+@given(st.lists(st.tuples(st.integers(1, 70), st.integers(1, 70)), min_size=1, max_size=2), st.integers(0, 1))
+def test_right_padded_chunks_equal_full_forward(model, chunks, row0):
+    """Two requests fed chunks of different lengths in shared forwards (right padding, states taken from
+    in-pass checkpoints) produce the logits of one full forward each."""
+    lens = [sum(c[b] for c in chunks) for b in range(2)]
+    seqs = [ids_of(n, 10 + b) for b, n in enumerate(lens)]
+    with torch.no_grad():
+        ref = [model(s[None]).logits[0] for s in seqs]
+    pools = HybridPools(CFG, num_pages=8, max_running=3, num_snapshots=1, dtype=torch.float64)
+    blocks = [pools.allocator.allocate(pools.pages_for(n)) for n in lens]
+    pools.running.zero_([row0, row0 + 1])
+    done = [0, 0]
+    for c in chunks:
+        cache = PagedHybridCache(pools, row0, blocks, done, list(c))
+        ids = cache.input_ids([seqs[b][done[b]:done[b] + c[b]].tolist() for b in range(2)])
+        with torch.no_grad():
+            out = model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions).logits
+        for b in range(2):
+            torch.testing.assert_close(out[b, :c[b]], ref[b][done[b]:done[b] + c[b]], rtol=1e-9, atol=1e-9)
+        done = [d + n for d, n in zip(done, c)]
+
+
+def test_checkpoint_export_equals_separate_prefills(model):
+    """Snapshots exported inside one prefill pass == final states of separate prefills of each prefix
+    (recurrent and conv), for every KDA layer."""
+    seq = ids_of(200, 3)
+    positions = [1, 2, 64, 130, 200]
+    pools = HybridPools(CFG, num_pages=4, max_running=1, num_snapshots=len(positions), dtype=torch.float64)
+    slots = pools.snapshots.allocate(len(positions))
+    blocks = [pools.allocator.allocate(4)]
+    pools.running.zero_([0])
+    cache = PagedHybridCache(pools, 0, blocks, [0], [200], [list(zip(positions, slots))])
+    with torch.no_grad():
+        model(seq[None], cache=cache, checkpoint_positions=cache.checkpoint_positions)
+        for p, s in zip(positions, slots):
+            ref = model.new_cache(1, p)
+            model(seq[None, :p], cache=ref, checkpoint_positions=[[p]])  # (keeps 1-2 token prefills off the fused decode path)
+            kda = [st for st in ref.layers if hasattr(st, "recurrent")]
+            for j, st_ in enumerate(kda):
+                # fp64; deeper layers see attention over 200 vs p keys, so rounding differs at ~1e-11
+                torch.testing.assert_close(pools.snapshots.recurrent[j][s], st_.recurrent[0], rtol=1e-6, atol=1e-9)
+                torch.testing.assert_close(pools.snapshots.conv[j][s], st_.conv[0], rtol=1e-6, atol=1e-9)
+
+
+def test_prefill_equals_prefill_then_decodes(model):
+    """prefill(T) == prefill(T-k) + k one-token steps (logits and final KDA state)."""
+    T, k = 150, 5
+    seq = ids_of(T, 4)
+    pools = HybridPools(CFG, num_pages=6, max_running=2, num_snapshots=1, dtype=torch.float64)
+    a, b = pools.allocator.allocate(3), pools.allocator.allocate(3)
+    pools.running.zero_([0, 1])
+    with torch.no_grad():
+        c = PagedHybridCache(pools, 0, [a], [0], [T])
+        full = model(seq[None], cache=c).logits[0]
+        c = PagedHybridCache(pools, 1, [b], [0], [T - k])
+        outs = [model(seq[None, :T - k], cache=c).logits[0]]
+        for t in range(T - k, T):
+            c = PagedHybridCache(pools, 1, [b], [t], [1])
+            outs.append(model(seq[None, t:t + 1], cache=c).logits[0])
+    torch.testing.assert_close(torch.cat(outs), full, rtol=1e-9, atol=1e-9)
+    for j in range(len(pools.running.layer_ids)):
+        torch.testing.assert_close(pools.running.recurrent[j][1], pools.running.recurrent[j][0], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(pools.running.conv[j][1], pools.running.conv[j][0], rtol=1e-9, atol=1e-12)
+
+
+def test_missing_capture_hook_is_an_error():
+    m = KimiK3(CFG, dtype=torch.float64, seed=0).eval()  # no enable_state_capture
+    pools = HybridPools(CFG, num_pages=2, max_running=1, num_snapshots=1, dtype=torch.float64)
+    cache = PagedHybridCache(pools, 0, [pools.allocator.allocate(1)], [0], [10], [[(5, 0)]])
+    with pytest.raises(RuntimeError, match="enable_state_capture"), torch.no_grad():
+        m(ids_of(10, 0)[None], cache=cache, checkpoint_positions=cache.checkpoint_positions)
