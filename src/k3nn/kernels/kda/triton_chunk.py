@@ -349,7 +349,9 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
     res_ck = None
     if checkpoint_positions is not None:
         interior = all(0 < p < lengths[n] for n, p in ckpts)
-        if interior and len(uniq) == len(ckpts):
+        if not ckpts:
+            res_ck = torch.empty(0, H, K, V, dtype=torch.float32, device=dev)
+        elif interior and len(uniq) == len(ckpts):
             res_ck = ck[:len(ckpts)]  # the common case: slots already in the order asked
         else:
             res_ck = torch.empty(len(ckpts), H, K, V, dtype=torch.float32, device=dev)
