@@ -330,7 +330,8 @@ class DSparkDrafter(nn.Module):
     def extend(self, state: DraftState, taps: list[torch.Tensor], positions: torch.Tensor,
                mask: torch.Tensor | None = None, start: int | None = None) -> None:
         """Append committed target rows: taps [B, T, d] each, rope positions [B, T], mask [B, T] (False = not a
-        committed token, e.g. padding or a rejected draft). Written at ``start`` (default: the end)."""
+        committed token, e.g. padding or a rejected draft). Written at ``start`` (default: the end); the cache
+        then ends after the last column any row keeps (like the target cache's shared write position)."""
         ctx = self.project_context(taps)
         B, T, _ = ctx.shape
         s = state.length if start is None else start
@@ -342,7 +343,11 @@ class DSparkDrafter(nn.Module):
             state.v[i][:, s:s + T] = v
         state.key_mask[:, s:s + T] = True if mask is None else mask.bool()
         state.key_mask[:, s + T:] = False
-        state.length = s + T
+        if mask is None:
+            state.length = s + T
+        else:
+            cols = mask.bool().any(0).nonzero()
+            state.length = s + (int(cols.max()) + 1 if cols.numel() else 0)
 
     @torch.no_grad()
     def block_hidden(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor, n: int) -> torch.Tensor:

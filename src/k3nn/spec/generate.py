@@ -186,7 +186,6 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             j = torch.arange(T, device=dev)
             drafter.extend(dstate, res.hidden_states, anchor_pos[:, None] + j, j[None, :] < keep[:, None],
                            start=start)
-            dstate.length = start + int(keep.max())
             # statistics over unfinished rows
             a_rows = active.nonzero()[:, 0]
             stats.rounds += 1

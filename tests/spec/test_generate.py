@@ -1,0 +1,138 @@
+"""Speculative generation == plain greedy generation, for every acceptance pattern, eos, budget, padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3nn.spec import SpecOptions
+
+from .helpers import OracleDrafter, tiny_target
+
+GAMMA = 4
+N_NEW = 11
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 255, (2, 6), generator=g)
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompt):
+    return target.generate(prompt, max_new_tokens=N_NEW)
+
+
+def _spec(target, prompt, ref_new, accept, rollback="replay", mask=None, n_new=N_NEW, gamma=GAMMA, **kw):
+    lengths = prompt.shape[1] if mask is None else mask.sum(1)
+    lengths = torch.as_tensor(lengths).expand(prompt.shape[0])
+    d = OracleDrafter(ref_new, lengths, accept, target.config.vocab_size, kw.pop("confidence", None))
+    d.spec_options = SpecOptions(rollback=rollback, confidence_threshold=kw.pop("threshold", 0.0))
+    out = target.generate(prompt, max_new_tokens=n_new, drafter=d, num_assistant_tokens=gamma,
+                          attention_mask=mask, **kw)
+    return out, d
+
+
+@pytest.mark.parametrize("rollback", ["replay", "slots"])
+@pytest.mark.parametrize("accept", [(0, 0), (GAMMA, GAMMA), (1, 3), (0, GAMMA), (GAMMA - 1, 2)])
+def test_greedy_identical_for_every_acceptance(target, prompt, reference, accept, rollback):
+    out, d = _spec(target, prompt, reference[:, prompt.shape[1]:], accept, rollback)
+    assert torch.equal(out, reference)
+    st = d.last_stats
+    if accept[0] == accept[1]:
+        a = accept[0]
+        assert st.position_accepted[: a] == st.position_tried[: a]
+        if a < GAMMA:
+            assert st.position_accepted[a] == 0 and st.position_tried[a] > 0
+
+
+def test_acceptance_stats_match_the_schedule(target, prompt, reference):
+    out, d = _spec(target, prompt, reference[:, prompt.shape[1]:], (2, 2), n_new=1 + 3 * 3)
+    st = d.last_stats
+    # 9 tokens after the prefill token at 3 per round: 3 rounds, each accepting 2 of 4 drafts
+    assert st.rounds == 3 and st.accepted == 2 * 2 * 3 and st.acceptance_length == 3.0
+    assert st.position_acceptance[:3] == [1.0, 1.0, 0.0]
+
+
+def test_eos_inside_the_window(target, prompt, reference):
+    new = reference[:, prompt.shape[1]:]
+    eos = int(new[0, 5])  # row 0 stops mid-window; row 1 at its own first occurrence, if any
+    plain = target.generate(prompt, max_new_tokens=N_NEW, eos_token_id=eos, pad_token_id=7)
+    for accept in [(GAMMA, GAMMA), (2, GAMMA), (0, 1)]:
+        out, _ = _spec(target, prompt, plain[:, prompt.shape[1]:], accept, eos_token_id=eos, pad_token_id=7)
+        assert torch.equal(out, plain), accept
+
+
+def test_all_rows_hit_eos_trims_like_generate(target, prompt, reference):
+    new = reference[:, prompt.shape[1]:]
+    eos = [int(new[0, 3]), int(new[1, 2])]
+    plain = target.generate(prompt, max_new_tokens=N_NEW, eos_token_id=eos)
+    assert plain.shape[1] < prompt.shape[1] + N_NEW
+    out, _ = _spec(target, prompt, plain[:, prompt.shape[1]:], (GAMMA, GAMMA), eos_token_id=eos)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("n_new", [1, 2, GAMMA + 2, 2 * GAMMA + 1])
+def test_max_new_tokens_inside_the_window(target, prompt, reference, n_new):
+    out, _ = _spec(target, prompt, reference[:, prompt.shape[1]:], (GAMMA, GAMMA), n_new=n_new)
+    assert torch.equal(out, reference[:, : prompt.shape[1] + n_new])
+
+
+def test_left_padded_batch(target):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 255, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=9)
+    out, _ = _spec(target, ids, ref[:, 7:], (GAMMA, 1), mask=mask, n_new=9)
+    assert torch.equal(out, ref)
+
+
+def test_streamer_sees_the_same_columns(target, prompt, reference):
+    class Rec:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, t):
+            self.puts.append(t.clone())
+
+        def end(self):
+            self.ended = True
+
+    plain, spec = Rec(), Rec()
+    ref = target.generate(prompt, max_new_tokens=N_NEW, streamer=plain)
+    out, _ = _spec(target, prompt, ref[:, prompt.shape[1]:], (3, 1), streamer=spec)
+    assert torch.equal(out, ref) and spec.ended
+    assert len(spec.puts) == len(plain.puts)
+    for a, b in zip(spec.puts, plain.puts):
+        assert torch.equal(a, b)
+
+
+def test_confidence_truncation_stays_identical(target, prompt, reference):
+    # confidence drops below 0.5 at slot 2: only 2 drafts per round are verified although 4 would match
+    out, d = _spec(target, prompt, reference[:, prompt.shape[1]:], (GAMMA, GAMMA),
+                   confidence=[0.9, 0.8, 0.3, 0.9], threshold=0.5, n_new=10)
+    assert torch.equal(out, reference[:, :16])
+    st = d.last_stats
+    assert st.position_tried[2:] == [0, 0] and st.acceptance_length == 3.0
+
+
+def test_synthetic_acceptance_length(target, prompt, reference):
+    d = OracleDrafter(reference[:, prompt.shape[1]:], torch.tensor([6, 6]), (0, 0), target.config.vocab_size)
+    d.spec_options = SpecOptions(synthetic_acceptance_length=3)
+    out = target.generate(prompt, max_new_tokens=1 + 3 * 3, drafter=d, num_assistant_tokens=GAMMA)
+    st = d.last_stats
+    assert out.shape == (2, 6 + 10) and st.rounds == 3 and st.acceptance_length == 3.0
+    assert st.position_acceptance[:3] == [1.0, 1.0, 0.0]
+
+
+def test_zero_new_tokens(target, prompt):
+    d = OracleDrafter(prompt, torch.tensor([6, 6]), (0, 0), target.config.vocab_size)
+    assert torch.equal(target.generate(prompt, max_new_tokens=0, drafter=d), prompt)
