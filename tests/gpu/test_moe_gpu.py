@@ -51,11 +51,11 @@ def test_fused_moe_bf16_and_mxfp4_vs_eager(N, E, k, mx, act, skew, seed):
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_mxfp4_layouts_fp16_and_topk_eq_E(split):
+@pytest.mark.parametrize("mode", ["scaled", "split", "join"])
+def test_mxfp4_layouts_fp16_and_topk_eq_E(mode):
     x, (w1, w3, w2), ids, w = _problem(5, 256, 128, 8, 8, 1, True, dtype=torch.float16)
     y = torch.full((5, 8, 256), float("nan"), device="cuda", dtype=torch.float16)
-    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_split=split)
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_mode=mode)
     ref = ops.moe_expert_outputs(x, w1, w3, w2, ids, activation="situ")
     assert _rel(y, ref) < 1e-2
 

@@ -33,9 +33,9 @@ def _rms(u, g, eps=1e-5):
     return (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps) * g.float()).to(u.dtype)
 
 
-def k3nn_layer(logits, bias, z, w1, w3, w2, gain, mx_split=None):
+def k3nn_layer(logits, bias, z, w1, w3, w2, gain, mx_mode=None):
     ids, w = route(logits, bias, TOPK, True, 1.0)
-    y = fused_expert_outputs(z, w1, w3, w2, ids, "situ", BETA, LIN_BETA, mx_split=mx_split)
+    y = fused_expert_outputs(z, w1, w3, w2, ids, "situ", BETA, LIN_BETA, mx_mode=mx_mode)
     return moe_finalize_triton(y, w, gain, 1e-5)
 
 
@@ -76,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", type=int, nargs="*", default=[256, 1024, 4096, 8192])
     ap.add_argument("--mx-tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--mx-split", choices=["both", "split", "join"], default="both")
+    ap.add_argument("--mx-modes", nargs="*", choices=["scaled", "split", "join"], default=["scaled"])
     ap.add_argument("--skip-bf16", action="store_true")
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "the moe benchmark needs a CUDA GPU"
@@ -126,19 +126,18 @@ def main(argv=None):
         q1, q3, q2 = q(w1), q(w3), q(w2)
         del w1, w3, w2
         torch.cuda.empty_cache()
-        splits = {"both": [True, False], "split": [True], "join": [False]}[args.mx_split]
         for T in args.mx_tokens:
             logits, z = inputs(T)
             ids, _ = route(logits, bias, TOPK, True, 1.0)
             nbytes = _touched_bytes(ids, q1, q3, q2)
             ref = reference_layer(logits, bias, z, q1, q3, q2, gain)
-            for sp in splits:
-                out = k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_split=sp)
+            for sp in args.mx_modes:
+                out = k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_mode=sp)
                 err = rel_err(out, ref)
                 assert err < 2e-2, (T, sp, err)
-                ms = graph_bench_ms(lambda: k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_split=sp))
+                ms = graph_bench_ms(lambda: k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_mode=sp))
                 rows.append({"case": f"moe-mxfp4 T={T} E={E} k={TOPK} experts_touched={torch.unique(ids).numel()} "
-                                     f"layout={'split' if sp else 'join'}",
+                                     f"decode={sp}",
                              "suite": "moe-mxfp4", "k3nn_ms": round(ms, 4), "bytes": nbytes,
                              "tbps": round(nbytes / ms / 1e9, 3), "rel_err": err})
                 print(rows[-1])
