@@ -28,6 +28,7 @@ __all__ = ["attnres_mix_triton", "attnres_phase1_triton", "attnres_phase2_triton
 MAX_D = 16384  # the whole row (accumulator + current source) lives in registers
 MAX_SOURCES = 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
 
 
 @triton.jit
@@ -174,7 +175,7 @@ def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, 
     d = sources[0].shape[-1]
     srcs = [_rows(s, d) for s in sources]
     n = srcs[0].shape[0]
-    out = torch.empty(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
+    out = _alloc(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps,
             num_warps=num_warps)
     return out
@@ -188,9 +189,9 @@ def attnres_phase1_triton(sources: list[torch.Tensor], query_weight: torch.Tenso
     srcs = [_rows(s, d) for s in sources]
     n, nq = srcs[0].shape[0], query_weight.shape[0]
     dev = sources[0].device
-    o = torch.empty((nq, *shape), dtype=out_dtype, device=dev)
-    m = torch.empty((nq, *shape[:-1]), dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
+    o = _alloc((nq, *shape), dtype=out_dtype, device=dev)
+    m = _alloc((nq, *shape[:-1]), dtype=torch.float32, device=dev)
+    l = _alloc((nq, *shape[:-1]), dtype=torch.float32, device=dev)
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), o, n=n, d=d, q=nq, eps=eps,
             state_out=(m, l), normalise=False, num_warps=num_warps)
     return o, m, l
@@ -210,13 +211,13 @@ def attnres_phase2_triton(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor, par
     srcs: list[torch.Tensor] = []
     if partial is not None:
         if update is not None:
-            new_partial = torch.empty(shape, dtype=partial.dtype, device=dev)
+            new_partial = _alloc(shape, dtype=partial.dtype, device=dev)
         srcs = [_rows(partial, d)]
     out_dtype = dtype or (partial.dtype if partial is not None else o.dtype)
-    h = torch.empty(shape, dtype=out_dtype, device=dev)
+    h = _alloc(shape, dtype=out_dtype, device=dev)
     y = None
     if post_norm_weight is not None:
-        y = torch.empty(shape, dtype=torch.promote_types(out_dtype, post_norm_weight.dtype), device=dev)
+        y = _alloc(shape, dtype=torch.promote_types(out_dtype, post_norm_weight.dtype), device=dev)
         post_norm_weight = post_norm_weight.contiguous()
     n = h.numel() // d if d else 0
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), h, n=n, d=d, eps=eps,

@@ -1,0 +1,239 @@
+"""AttnRes kernels vs the eager references: fused mix, phase 1, phase 2 (Triton under the interpreter on CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from k3nn import ops
+from k3nn.kernels.attnres import triton_mix
+from k3nn.kernels.attnres.reference import attnres_phase1_reference, attnres_phase2_reference
+from k3nn.kernels.registry import BackendUnavailableError, backend, get_op
+from k3nn.layers.attnres import attnres_mix_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Both sides compute in fp32 and round once; a different summation order can move a result by one ulp.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every buffer the Triton wrappers allocate starts as NaN: an element the kernel fails to write shows."""
+    def alloc(*shape, dtype=torch.float32, device="cpu"):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = tuple(shape[0])
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_mix, "_alloc", alloc)
+
+
+def make(shape, dtype, seed, n, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    # Per-source magnitudes differ (as real blocks do): the RMS in the key must cancel them.
+    return [(torch.randn(shape, generator=g) * scale * (1 + 3 * torch.rand((), generator=g))).to(dtype)
+            for _ in range(n)]
+
+
+def weights(d, seed, q=None, qscale=1.0):
+    g = torch.Generator().manual_seed(seed + 7)
+    shape = (d,) if q is None else (q, d)
+    return torch.randn(shape, generator=g) * qscale / math.sqrt(d) * 3, 0.5 + torch.rand(shape, generator=g)
+
+
+shapes = st.tuples(st.lists(st.integers(1, 5), min_size=0, max_size=2), st.integers(1, 200))
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------------ fused mix
+
+
+@given(shp=shapes, S=st.integers(1, 9), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+       qscale=st.sampled_from([0.0, 1.0, 10.0]))
+def test_mix_matches_eager(shp, S, dtype, seed, qscale):
+    lead, d = shp
+    note(f"lead={lead} d={d} S={S} dtype={dtype} qscale={qscale}")
+    src = make((*lead, d), dtype, seed, S)
+    qw, nw = weights(d, seed, qscale=qscale)
+    ref = attnres_mix_reference(src, qw, nw, 1e-5)
+    with backend("triton"):
+        out = ops.attnres_mix(src, qw, nw, 1e-5)
+    assert out.dtype == dtype and out.shape == src[0].shape
+    close(out, ref, dtype)
+
+
+def test_mix_single_source_is_identity():
+    for dtype in DTYPES:
+        (x,) = make((3, 50), dtype, 1, 1)
+        qw, nw = weights(50, 1)
+        with backend("triton"):
+            assert torch.equal(ops.attnres_mix([x], qw, nw), x)
+
+
+def test_mix_zero_query_is_mean():
+    src = make((4, 33), torch.float32, 2, 5)
+    with backend("triton"):
+        out = ops.attnres_mix(src, torch.zeros(33), torch.ones(33))
+    close(out, torch.stack(src).mean(0), torch.float32)
+
+
+def test_mix_extremes_stay_finite():
+    """Huge score spreads (near one-hot softmax), an all-zero source (RMS only from eps), a d=1 row."""
+    d = 64
+    src = make((2, d), torch.float32, 3, 6, scale=100.0)
+    src[2] = torch.zeros(2, d)
+    qw, nw = weights(d, 3, qscale=1000.0)
+    ref = attnres_mix_reference(src, qw, nw, 1e-5)
+    with backend("triton"):
+        out = ops.attnres_mix(src, qw, nw)
+        one = ops.attnres_mix(make((3, 1), torch.float32, 4, 3), torch.ones(1), torch.ones(1))
+    assert torch.isfinite(out).all() and torch.isfinite(one).all()
+    close(out, ref, torch.float32)
+
+
+def test_mix_many_sources_noncontiguous_and_empty():
+    d = 40
+    base = make((6, 2 * d), torch.float16, 5, 16)
+    src = [b[:, ::2] for b in base]  # strided views
+    qw, nw = weights(d, 5)
+    with backend("triton"):
+        out = ops.attnres_mix(src, qw, nw)
+        empty = ops.attnres_mix([torch.zeros(0, d)] * 3, qw, nw)
+    close(out, attnres_mix_reference(src, qw, nw, 1e-5), torch.float16)
+    assert empty.shape == (0, d)
+
+
+def test_mix_bf16_weights_and_k3_width_row():
+    """bf16 query/gain (as loaded from a checkpoint) at the K3 width 7168 (one padded 8192-lane row)."""
+    d = 7168
+    src = make((1, d), torch.bfloat16, 6, 3)
+    qw, nw = (w.to(torch.bfloat16) for w in weights(d, 6))
+    with backend("triton"):
+        out = ops.attnres_mix(src, qw, nw)
+    close(out, attnres_mix_reference(src, qw, nw, 1e-5), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ phase 1 / 2
+
+
+@given(shp=shapes, S=st.integers(1, 9), Q=st.integers(1, 5), dtype=st.sampled_from(DTYPES),
+       out_dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_phase1_matches_eager(shp, S, Q, dtype, out_dtype, seed):
+    lead, d = shp
+    note(f"lead={lead} d={d} S={S} Q={Q} dtype={dtype} out_dtype={out_dtype}")
+    src = make((*lead, d), dtype, seed, S)
+    qw, nw = weights(d, seed, q=Q)
+    ref = attnres_phase1_reference(src, qw, nw, 1e-5, out_dtype)
+    with backend("triton"):
+        o, m, l = ops.attnres_phase1(src, qw, nw, 1e-5, out_dtype)
+    assert o.shape == (Q, *lead, d) and o.dtype == out_dtype and m.shape == l.shape == (Q, *lead)
+    close(m, ref[1], torch.float32)
+    close(l, ref[2], torch.float32)
+    close(o, ref[0], out_dtype)
+    assert (l >= 1 - 1e-6).all() and (l <= S + 1e-4).all()
+    loose = torch.bfloat16 if torch.bfloat16 in (dtype, out_dtype) else dtype
+    for q in range(Q):  # o / l is the mix over the stored sources
+        close((o[q].float() / l[q, ..., None]).to(dtype), attnres_mix_reference(src, qw[q], nw[q], 1e-5), loose)
+
+
+@given(shp=shapes, S=st.integers(1, 8), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+       has_partial=st.booleans(), has_update=st.booleans(), post=st.booleans(), qscale=st.sampled_from([1.0, 30.0]))
+def test_phase2_matches_eager_and_one_softmax(shp, S, dtype, seed, has_partial, has_update, post, qscale):
+    lead, d = shp
+    note(f"lead={lead} d={d} S={S} dtype={dtype} partial={has_partial} update={has_update} post={post}")
+    *stored, partial, update = make((*lead, d), dtype, seed, S + 2)
+    partial = partial if has_partial else None
+    update = update if has_update else None
+    qw, nw = weights(d, seed, q=2, qscale=qscale)
+    pw = (0.5 + torch.rand(d, generator=torch.Generator().manual_seed(seed))) if post else None
+    o, m, l = attnres_phase1_reference(stored, qw, nw, 1e-5)
+    args = (o[1], m[1], l[1], partial, qw[1], nw[1], 1e-5)
+    kw = dict(update=update, post_norm_weight=pw, dtype=dtype)
+    ref = attnres_phase2_reference(*args, **kw)
+    with backend("triton"):
+        out = ops.attnres_phase2(*args, **kw)
+    assert out.mix.dtype == dtype and out.mix.shape == (*lead, d)
+    close(out.mix, ref.mix, dtype)
+    if post:
+        assert out.normed.dtype == ref.normed.dtype
+        close(out.normed, ref.normed, dtype)
+    else:
+        assert out.normed is None
+    if ref.partial is None:
+        assert out.partial is None
+    else:
+        assert torch.equal(out.partial, ref.partial)  # the residual add rounds exactly like torch's
+    # Two-phase == one softmax over every source.
+    srcs = stored + ([ref.partial] if ref.partial is not None else [])
+    close(out.mix, attnres_mix_reference(srcs, qw[1], nw[1], 1e-5), dtype)
+
+
+def test_phase2_first_sublayer_exact_state():
+    """No partial: h = o / l; with one stored source that is the source itself, bit for bit."""
+    (x,) = make((3, 20), torch.bfloat16, 9, 1)
+    qw, nw = weights(20, 9, q=1)
+    with backend("triton"):
+        o, m, l = ops.attnres_phase1([x], qw, nw)
+        h = ops.attnres_phase2(o[0], m[0], l[0], None, qw[0], nw[0], dtype=torch.bfloat16).mix
+    assert torch.equal(h, x) and torch.equal(l[0], torch.ones(3)) and torch.equal(o[0], x.float())
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(2, 8)
+    w = torch.randn(8)
+    with pytest.raises(ValueError, match="non-empty"):
+        ops.attnres_mix([], w, w)
+    with pytest.raises(ValueError, match=r"sources\[1\]"):
+        ops.attnres_mix([x, torch.randn(2, 9)], w, w)
+    with pytest.raises(ValueError, match=r"sources\[1\]"):
+        ops.attnres_mix([x, x.half()], w, w)
+    with pytest.raises(TypeError, match="floating"):
+        ops.attnres_mix([x.long()], w, w)
+    with pytest.raises(TypeError, match=r"sources\[0\]"):
+        ops.attnres_mix([x.numpy()], w, w)
+    with pytest.raises(ValueError, match="query_weight"):
+        ops.attnres_mix([x], torch.randn(7), w)
+    with pytest.raises(ValueError, match="eps"):
+        ops.attnres_mix([x], w, w, eps=-1.0)
+    with pytest.raises(ValueError, match=r"query_weight must be a \[Q, d\]"):
+        ops.attnres_phase1([x], w, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        ops.attnres_phase1([x], torch.randn(3, 8), torch.randn(2, 8))
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.attnres_phase1([x], torch.randn(3, 8), torch.randn(3, 8), out_dtype=torch.int32)
+    o, m, l = ops.attnres_phase1([x], torch.randn(3, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="m must be float32"):
+        ops.attnres_phase2(o[0], m[0].double(), l[0], x, w, w)
+    with pytest.raises(ValueError, match="partial"):
+        ops.attnres_phase2(o[0], m[0], l[0], torch.randn(3, 8), w, w)
+    with pytest.raises(ValueError, match="update dtype"):
+        ops.attnres_phase2(o[0], m[0], l[0], x, w, w, update=x.half())
+    with pytest.raises(ValueError, match="post_norm_weight"):
+        ops.attnres_phase2(o[0], m[0], l[0], x, w, w, post_norm_weight=torch.ones(3))
+
+
+def test_triton_refusals_list_reasons():
+    big = torch.randn(1, triton_mix.MAX_D + 1)
+    wb = torch.randn(triton_mix.MAX_D + 1)
+    with backend("triton"), pytest.raises(BackendUnavailableError, match="registers"):
+        ops.attnres_mix([big], wb, wb)
+    x = torch.randn(1, 8)
+    w = torch.randn(8)
+    with backend("triton"), pytest.raises(BackendUnavailableError, match="sources"):
+        ops.attnres_mix([x] * (triton_mix.MAX_SOURCES + 1), w, w)
+    with backend("triton"), pytest.raises(BackendUnavailableError, match="float64"):
+        ops.attnres_mix([x.double()], w, w)
+    # eager still serves every one of them; auto never picks the interpreter
+    assert ops.attnres_mix([big], wb, wb).shape == big.shape
+    for op in ("attnres_mix", "attnres_phase1", "attnres_phase2"):
+        assert {"eager", "triton"} <= set(get_op(op).impls)
