@@ -51,7 +51,7 @@ def _interp() -> bool:
 def _intra_configs():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
 
 
 def _recur_configs():
@@ -116,8 +116,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
     ob = (pid_c * H + pid_h).to(tl.int64)
     o64k = ob * 64 * K + r64[:, None] * K + rk[None, :]
     ok_mask = mk[None, :] & (r64[:, None] < 64)
-    eG = tl.exp(G)
-    tl.store(qg_out + o64k, (q_all * eG * scale).to(qg_out.dtype.element_ty), mask=ok_mask)
+    tl.store(qg_out + o64k, (q_all * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=ok_mask)
     tl.store(kg_out + o64k, (k_all * tl.exp(Gl[None, :] - G)).to(kg_out.dtype.element_ty), mask=ok_mask)
     tl.store(egl_out + ob * K + rk, tl.exp(Gl), mask=mk)
 
@@ -131,7 +130,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
         offs = tok_s * H + pid_h
         ms2 = ms[:, None] & mk[None, :]
         g_s = tl.load(g + offs[:, None] * K + rk[None, :], mask=ms2, other=0.0).to(tl.float32)
-        pre = tl.sum(tl.where(r64[:, None] < s * 16, g_all, 0.0), 0)
+        pre = tl.sum(tl.where(r64[:, None] == s * 16 - 1, G, 0.0), 0)  # G at the row before the strip
         G_s = tl.cumsum(g_s, 0) + pre[None, :]
         c = tl.sum(tl.where(r16[:, None] == 0, G_s, 0.0), 0)
         q_s = tl.load(q + offs[:, None] * K + rk[None, :], mask=ms2, other=0.0).to(tl.float32)
@@ -193,7 +192,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
     tl.debug_barrier()
     X = tl.load(Xp + r64[:, None] * 64 + r64[None, :], mask=(r64[None, :] // 16) <= (r64[:, None] // 16),
                 other=0.0)
-    kb = k_all * eG * b_all[:, None]
+    kb = k_all * tl.exp(G) * b_all[:, None]
     w = tl.dot(X, kb)
     tl.store(w_out + o64k, w.to(w_out.dtype.element_ty), mask=ok_mask)
     offv = (tok * H + pid_h)[:, None] * V + rv[None, :]

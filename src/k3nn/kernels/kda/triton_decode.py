@@ -37,9 +37,15 @@ def _conv(x_ptr, cs_ptr, w_ptr, t, cols, m, W: tl.constexpr, C3: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(x):
+    e = tl.exp(-tl.abs(x))  # never overflows
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _silu_rounded(x, DT: tl.constexpr):
     x = x.to(DT).to(tl.float32)
-    return (x * (1.0 / (1.0 + tl.exp(-x)))).to(DT).to(tl.float32)
+    return (x * _sigmoid(x)).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -81,8 +87,8 @@ def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr,
             sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
             gk = -a * sp
         else:
-            gk = lower_bound / (1.0 + tl.exp(-a * xg))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(bl + row * H + h).to(tl.float32)))
+            gk = lower_bound * _sigmoid(a * xg)
+        beta = _sigmoid(tl.load(bl + row * H + h).to(tl.float32))
         S = S * tl.exp(gk)[:, None]
         pred = tl.sum(S * k[:, None], 0)
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
@@ -90,7 +96,7 @@ def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr,
         o = tl.where(md, o.to(DT).to(tl.float32), 0.0)
         o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * nw
         gt = tl.load(gate + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32)
-        o = o / (1.0 + tl.exp(-gt))
+        o = o * _sigmoid(gt)
         tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
     tl.store(S_ptr + s_off, S, mask=mdd)
     # conv state: new row j = window row T + j. Reads of old rows precede every write (barrier per row;
