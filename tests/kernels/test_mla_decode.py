@@ -53,7 +53,8 @@ def check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, scale, atol):
     for b, n in enumerate(lens):
         q_pos = (n - Tq + torch.arange(Tq))[None]
         mask = _mask(q_pos, n, None)
-        o_ref, lse_ref = absorbed_attention(q_lat[b:b + 1], q_rope[b:b + 1], c[b:b + 1, :n], kr[b:b + 1, :n], mask, scale)
+        o_ref, lse_ref = absorbed_attention(q_lat[b:b + 1], q_rope[b:b + 1], c[b:b + 1, :n], kr[b:b + 1, :n],
+                                            mask, scale)
         torch.testing.assert_close(o[b:b + 1].float(), o_ref, atol=atol, rtol=atol)
         torch.testing.assert_close(lse[b:b + 1], lse_ref, atol=atol, rtol=atol)
 
@@ -96,7 +97,8 @@ def test_absorbed_equals_decompressed(data):
     o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
     k = torch.cat([torch.einsum("blr,hdr->blhd", c[:, :n], w_uk), kr[:, :n, None].expand(-1, -1, H, -1)], -1)
     v = torch.einsum("blr,hvr->blhv", c[:, :n], w_uv)
-    ref = decompressed_attention(torch.cat([q_nope, q_rope], -1), k, v, _mask((n - Tq + torch.arange(Tq))[None], n, None), scale)
+    mask = _mask((n - Tq + torch.arange(Tq))[None], n, None)
+    ref = decompressed_attention(torch.cat([q_nope, q_rope], -1), k, v, mask, scale)
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
 
 

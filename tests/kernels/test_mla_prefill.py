@@ -64,7 +64,8 @@ def test_prefill_without_context_and_errors():
 
 def test_merge_attn_states_exact_and_guards():
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 10, 1, 4, generator=g), torch.randn(1, 10, 1, 3, generator=g)
+    q, k = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 10, 1, 4, generator=g)
+    v = torch.randn(1, 10, 1, 3, generator=g)
     full, lse_full = attention_with_lse(q, k, v, 0.5)
     a, la = attention_with_lse(q, k[:, :4], v[:, :4], 0.5)
     b, lb = attention_with_lse(q, k[:, 4:], v[:, 4:], 0.5)

@@ -108,7 +108,8 @@ def _worker(rank, world, init_file, results):
             hs = slice(rank * H // world, (rank + 1) * H // world)
             o, lse = dcp_attention(q_lat[:, :, hs], q_rope[:, :, hs], cache.pools[0], cache.block_table(ids), sl, 0.25,
                                    ctx, heads="sharded")
-            errs[f"sharded I={I}"] = max((o - o_ref[:, :, hs]).abs().max().item(), (lse - lse_ref[:, :, hs]).abs().max().item())
+            errs[f"sharded I={I}"] = max((o - o_ref[:, :, hs]).abs().max().item(),
+                                         (lse - lse_ref[:, :, hs]).abs().max().item())
             with backend("triton"):
                 o, lse = dcp_attention(q_lat, q_rope, cache.pools[0], cache.block_table(ids), sl, 0.25, ctx,
                                        heads="replicated")
@@ -132,6 +133,11 @@ def _worker(rank, world, init_file, results):
             xn = torch.stack([x[b, lens[b]: lens[b] + T] for b in range(2)])
             y = dcp_mla_decode_layer(layer, xn, cache, 0, ["a", "b"], pos, ctx)
         errs["layer"] = (y - ref).abs().max().item()
+        try:
+            dcp_attention(q_lat, q_rope, shards[rank].pools[0], shards[rank].block_table(ids), sl, 0.25,
+                          DCPContext(world + 1, rank))
+        except ValueError as e:
+            errs["world size mismatch"] = 0.0 if "process group has 2 ranks" in str(e) else 1.0
         results[rank] = errs
     finally:
         dist.destroy_process_group()
@@ -148,6 +154,6 @@ def test_two_rank_gloo_matches_one_rank():
         mgr.shutdown()
     assert sorted(res) == [0, 1]
     for rank, errs in res.items():
-        assert len(errs) == 5
+        assert len(errs) == 6, errs
         for k, e in errs.items():
             assert e < 1e-4, (rank, k, e)

@@ -64,7 +64,8 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
         o, lse = mla_decode(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=splits)
     err, lse_err = rel_err(o, o_ref), (lse - lse_ref).abs().max().item()
     if not (err < 1e-2 and lse_err < 1e-2):
-        raise AssertionError(f"k3nn mla_decode wrong at B={B} L={L} H={H} Tq={Tq}: rel err {err:.2e}, lse {lse_err:.2e}")
+        raise AssertionError(f"k3nn mla_decode wrong at B={B} L={L} H={H} Tq={Tq}: rel err {err:.2e}, "
+                             f"lse {lse_err:.2e}")
     cfg = "BLOCK_H,BLOCK_N,warps,stages,splits=" + ",".join(map(str, triton_decode.LAST_PLAN or ()))
 
     it = [0]

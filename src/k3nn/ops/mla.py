@@ -35,8 +35,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor,
         visible_lens: int [B, Tq] keys visible to each query; default ``seq_lens - Tq + t + 1`` (a verify
             window: query t of Tq sees keys up to position seq_len - Tq + t). DCP passes rank-local bounds.
         num_splits: KV splits per request (Triton; default from the device and the batch).
-        out_dtype: dtype of o (default q_lat.dtype). out: preallocated ``(o, lse)`` to write into. check: validate index values (a host sync; pass False
-            inside CUDA-graph capture once the inputs are known good).
+        out_dtype: dtype of o (default q_lat.dtype). out: preallocated ``(o, lse)`` to write into.
+        check: validate index values (a host sync; pass False inside CUDA-graph capture once the inputs are
+            known good).
     Returns:
         ``(o [B, Tq, H, r], lse [B, Tq, H] fp32)``, natural-log LSE; a query that sees no key (possible on
         a DCP shard) gets o = 0 and lse = −inf.

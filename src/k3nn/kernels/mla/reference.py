@@ -30,7 +30,8 @@ def mla_decode_reference(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, v
         visible_lens = default_visible_lens(seq_lens, Tq)
     L = int(seq_lens.max().item()) if B else 0
     bs = kv_pool.shape[1]
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < (seq_lens.long()[:, None] + bs - 1) // bs
+    nblk = (seq_lens.long()[:, None] + bs - 1) // bs
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < nblk
     table = torch.where(used, block_table.long(), torch.zeros_like(block_table, dtype=torch.long))
     kv = gather_latents(kv_pool, table, L).to(acc)  # [B, L, r + dr]
     inside = torch.arange(L, device=kv.device)[None, :] < seq_lens.long()[:, None]
