@@ -183,7 +183,7 @@ class LatencySpecializedDecoder:
         model = self.model
 
         def step(ids: torch.Tensor) -> torch.Tensor:
-            with use_backend(model.backend):
+            with torch.no_grad(), use_backend(model.backend):
                 return self.forward(ids, cache)
 
         return step

@@ -33,7 +33,7 @@ def standard_step(model, cache) -> StepFn:
     sampled ids are in range by construction)."""
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        with use_backend(model.backend):
+        with torch.no_grad(), use_backend(model.backend):
             h, _ = model.model(ids, None, cache, None, None, None)
             return model.lm_head(h[:, -1])
 
