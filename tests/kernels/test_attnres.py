@@ -110,6 +110,15 @@ def test_mix_many_sources_noncontiguous_and_empty():
     assert empty.shape == (0, d)
 
 
+def test_mix_kernel_variants_agree():
+    """The tuning knobs (warps, load prefetch) change the schedule, never the result."""
+    src = make((3, 96), torch.bfloat16, 8, 4)
+    qw, nw = weights(96, 8)
+    ref = triton_mix.attnres_mix_triton(src, qw, nw)
+    for w, pf in ((1, False), (2, True), (4, False)):
+        assert torch.equal(triton_mix.attnres_mix_triton(src, qw, nw, num_warps=w, prefetch=pf), ref)
+
+
 def test_mix_bf16_weights_and_k3_width_row():
     """bf16 query/gain (as loaded from a checkpoint) at the K3 width 7168 (one padded 8192-lane row)."""
     d = 7168

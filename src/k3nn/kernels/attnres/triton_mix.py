@@ -54,7 +54,7 @@ def _attnres_kernel(
     pw_ptr, y_ptr, post_eps,  # POST_NORM: y = pw * round(rmsnorm(round(h)))
     N, D, Q, eps,
     S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UPDATE: tl.constexpr, HAS_STATE: tl.constexpr,
-    NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr,
+    NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q = pid % Q
@@ -70,7 +70,16 @@ def _attnres_kernel(
         m = tl.load(m_ptr + row).to(tl.float32)
         l = tl.load(l_ptr + row).to(tl.float32)
     for j in tl.static_range(S):
-        v = tl.load(src[j] + roff, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:  # issue source j+1's load before source j's reductions (they end in a barrier)
+            if j == 0:
+                cur = tl.load(src[0] + roff, mask=mask, other=0.0)
+            else:
+                cur = nxt
+            if j + 1 < S:
+                nxt = tl.load(src[j + 1] + roff, mask=mask, other=0.0)
+        else:
+            cur = tl.load(src[j] + roff, mask=mask, other=0.0)
+        v = cur.to(tl.float32)
         if HAS_UPDATE and j == S - 1:
             u = tl.load(upd_ptr + roff, mask=mask, other=0.0).to(tl.float32)
             vr = _cast(v + u, newp_ptr.dtype.element_ty)
@@ -115,18 +124,19 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=None, state_out=None,
-            post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None):
+            post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None, prefetch=True):
     block_d = triton.next_power_of_2(d)
     if n == 0:
         return
     o_in, m_in, l_in = state if state is not None else (None, None, None)
     m_out, l_out = state_out if state_out is not None else (None, None)
     _attnres_kernel[(q * n,)](
-        tuple(srcs), upd, newp, o_in, m_in, l_in, qw, nw, qw.stride(0) if qw.dim() == 2 else 0,
+        tuple(srcs) if srcs else (out,),  # S = 0 (phase 2 without a partial) never reads it
+        upd, newp, o_in, m_in, l_in, qw, nw, qw.stride(0) if qw.dim() == 2 else 0,
         out, m_out, l_out, post, y, float(post_eps), n, d, q, float(eps),
         S=len(srcs), BLOCK_D=block_d, HAS_UPDATE=upd is not None, HAS_STATE=state is not None,
         NORMALISE=normalise, WRITE_STATE=state_out is not None, POST_NORM=post is not None,
-        num_warps=num_warps or _num_warps(block_d))
+        PREFETCH=prefetch, num_warps=num_warps or _num_warps(block_d))
 
 
 # --------------------------------------------------------------------------------------------- supports
@@ -170,14 +180,14 @@ def phase2_supports(o, m, l, partial, query_weight, norm_weight, eps=1e-5, updat
 
 
 def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float = 1e-5, *, num_warps: int | None = None) -> torch.Tensor:
+                       eps: float = 1e-5, *, num_warps: int | None = None, prefetch: bool = True) -> torch.Tensor:
     """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`)."""
     d = sources[0].shape[-1]
     srcs = [_rows(s, d) for s in sources]
     n = srcs[0].shape[0]
     out = _alloc(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps,
-            num_warps=num_warps)
+            num_warps=num_warps, prefetch=prefetch)
     return out
 
 
