@@ -246,3 +246,22 @@ def test_triton_refusals_list_reasons():
     assert ops.attnres_mix([big], wb, wb).shape == big.shape
     for op in ("attnres_mix", "attnres_phase1", "attnres_phase2"):
         assert {"eager", "triton"} <= set(get_op(op).impls)
+
+
+def test_stack_queries_feeds_phase1():
+    from k3nn.layers.attnres import AttnResQuery, stack_queries
+
+    torch.manual_seed(0)
+    mods = [AttnResQuery(16, 1e-5) for _ in range(3)]
+    for mo in mods:
+        torch.nn.init.normal_(mo.proj.weight)
+        torch.nn.init.uniform_(mo.norm.weight, 0.5, 1.5)
+    src = make((2, 16), torch.float32, 10, 4)
+    w, g, eps = stack_queries(mods)
+    with torch.no_grad(), backend("triton"):
+        o, m, l = ops.attnres_phase1(src, w, g, eps)
+        for i, mo in enumerate(mods):
+            close(o[i] / l[i, :, None], mo(src), torch.float32)
+    mods[1].norm.eps = 1e-6
+    with pytest.raises(ValueError, match="eps"):
+        stack_queries(mods)

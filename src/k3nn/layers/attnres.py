@@ -20,7 +20,7 @@ from ..utils import upcast
 
 from .norm import RMSNorm
 
-__all__ = ["attnres_mix_reference", "AttnResQuery"]
+__all__ = ["attnres_mix_reference", "AttnResQuery", "stack_queries"]
 
 
 def attnres_mix_reference(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -47,3 +47,13 @@ class AttnResQuery(nn.Module):
         from .. import ops
 
         return ops.attnres_mix(sources, self.proj.weight[0], self.norm.weight, self.norm.eps)
+
+
+def stack_queries(queries: list[AttnResQuery]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The pseudo-queries of one block, in call order, as phase-1 inputs: (query_weight [Q, d],
+    norm_weight [Q, d], eps) for :func:`k3nn.ops.attnres_phase1`. Cache the result for inference."""
+    eps = {q.norm.eps for q in queries}
+    if len(eps) != 1:
+        raise ValueError(f"stack_queries: the queries use different eps {sorted(eps)}")
+    return (torch.stack([q.proj.weight[0] for q in queries]), torch.stack([q.norm.weight for q in queries]),
+            eps.pop())
