@@ -57,17 +57,21 @@ def _intra_configs():
 def _recur_configs():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return [triton.Config({"BV": 32}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-            for bv in (32, 64) for w in (4, 8) for s in (2, 3)]
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s)  # stages 1: fp32 inputs overflow smem otherwise
+            for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)]
 
 
 @triton.jit
 def _inv16(L_ptr, off: tl.constexpr):
-    """(I + L_bb)⁻¹ for the diagonal 16×16 block at rows/cols ``off`` of a 64×64 strictly lower L (row-major)."""
+    """(I + L_bb)⁻¹ for the diagonal 16×16 block at rows/cols ``off`` of a 64×64 strictly lower L (row-major).
+
+    Forward substitution, unrolled, entirely in registers: the block is loaded once (transposed, so that row i
+    of L comes out indexed along X's row axis by a masked reduction)."""
     r = tl.arange(0, 16)
+    LT = tl.load(L_ptr + (off + r)[None, :] * 64 + off + r[:, None])  # LT[j, i] = L[i, j]
     X = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, 16):
-        a = tl.load(L_ptr + (off + i) * 64 + off + r, mask=r < i, other=0.0)  # L[i, j], j < i
+    for i in tl.static_range(1, 16):
+        a = tl.sum(tl.where(r[None, :] == i, LT, 0.0), 1)  # a[j] = L[i, j] (0 for j >= i)
         new = -tl.sum(a[:, None] * X, 0)
         new = tl.where(r == i, 1.0, new)
         X = tl.where(r[:, None] == i, new[None, :], X)
@@ -243,11 +247,12 @@ def _kda_recur(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_hi, exp
         hb = h.to(dt)
         vn = b_u.to(tl.float32) - tl.dot(b_w, hb)
         vnb = vn.to(dt)
+        # the state update first (the loop-carried chain), the output after it (nothing waits on it)
+        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnb)
         b_o = tl.dot(b_q, hb) + tl.dot(b_A, vnb)
         tok = (bos + r64).to(tl.int64)
         tl.store(o + (tok * H + pid_h)[:, None] * V + rv[None, :], b_o.to(o.dtype.element_ty),
                  mask=(r64[:, None] < L) & mv[None, :])
-        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnb)
     if STORE_FINAL:
         tl.store(ht + soff, h, mask=mkv)
 
