@@ -1,7 +1,9 @@
 """Triton fused KDA decode: one launch per layer (conv update + SiLU, gate, β, L2 norm, recurrence, gated RMSNorm).
 
-Grid (B, H): a program owns one request's head: its three conv channel groups and its whole ``[D, D]`` fp32
-state, which stays in registers across the T tokens and is written back once. Roundings follow the eager
+Grid (B, H, D/32): a program owns a ``[D, 32]`` column block of one request-head's fp32 state, which stays in
+registers across the T tokens and is written back once (small blocks: many programs in flight, so the state
+streams at close to copy bandwidth). The last program of a request-head to finish (an atomic arrival counter)
+applies the gated RMSNorm over the whole head and rewrites the conv state, after every program has read it. Roundings follow the eager
 reference (conv output, SiLU output, L2-normed q/k and o are rounded to the activation dtype where the
 reference rounds them) so bf16 results agree closely. See :mod:`.decode` for the contract.
 """
@@ -49,12 +51,13 @@ def _silu_rounded(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
+def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y, counter,
                 scale, lower_bound, eps, T,
-                H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr):
+                H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+                W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
@@ -64,28 +67,29 @@ def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr,
         slot = b.to(tl.int64)
     rd = tl.arange(0, BD)
     md = rd < D
+    rv = sp * BV + tl.arange(0, BV)
+    mv = rv < D
     cq = h * D + rd
     ck = C + h * D + rd
-    cv = 2 * C + h * D + rd
+    cv = 2 * C + h * D + rv
     x_b = qkv + b.to(tl.int64) * T * C3
     cs_b = cs_ptr + slot * (W - 1) * C3
-    s_off = ((slot * H + h) * D + rd[:, None]) * D + rd[None, :]
-    mdd = md[:, None] & md[None, :]
-    S = tl.load(S_ptr + s_off, mask=mdd, other=0.0)
+    s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
+    mdv = md[:, None] & mv[None, :]
+    S = tl.load(S_ptr + s_off, mask=mdv, other=0.0)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
-    nw = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
     for t in range(T):
         q = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cq, md, W, C3), DT)
         k = _silu_rounded(_conv(x_b, cs_b, conv_w, t, ck, md, W, C3), DT)
-        v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, md, W, C3), DT)
+        v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, mv, W, C3), DT)
         q = (q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)).to(DT).to(tl.float32) * scale
         k = (k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)).to(DT).to(tl.float32)
         row = b.to(tl.int64) * T + t
         xg = tl.load(f + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32) + dtb
         if SOFTPLUS:
-            sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
-            gk = -a * sp
+            spl = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
+            gk = -a * spl
         else:
             gk = lower_bound * _sigmoid(a * xg)
         beta = _sigmoid(tl.load(bl + row * H + h).to(tl.float32))
@@ -93,22 +97,44 @@ def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr,
         pred = tl.sum(S * k[:, None], 0)
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
         o = tl.sum(S * q[:, None], 0)
-        o = tl.where(md, o.to(DT).to(tl.float32), 0.0)
-        o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * nw
-        gt = tl.load(gate + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32)
-        o = o * _sigmoid(gt)
-        tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
-    tl.store(S_ptr + s_off, S, mask=mdd)
-    # conv state: new row j = window row T + j. Reads of old rows precede every write (barrier per row;
-    # row T+j is never a row already rewritten since T >= 1).
-    for j in tl.static_range(W - 1):
-        nq = _tap(x_b, cs_b, T + j, cq, md, C3, W - 1)
-        nk = _tap(x_b, cs_b, T + j, ck, md, C3, W - 1)
-        nv = _tap(x_b, cs_b, T + j, cv, md, C3, W - 1)
-        tl.debug_barrier()
-        tl.store(cs_b + j * C3 + cq, nq.to(cs_ptr.dtype.element_ty), mask=md)
-        tl.store(cs_b + j * C3 + ck, nk.to(cs_ptr.dtype.element_ty), mask=md)
-        tl.store(cs_b + j * C3 + cv, nv.to(cs_ptr.dtype.element_ty), mask=md)
+        tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
+    tl.store(S_ptr + s_off, S, mask=mdv)
+    # The last of the NS programs of this (request, head) finishes: RMSNorm over the whole head needs every V
+    # block, and the conv state may only be rewritten once every program has read it.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter + b * H + h, 1)
+    if done == NS - 1:
+        tl.store(counter + b * H + h, 0)  # back to zero for the next call (CUDA-graph safe)
+        nw = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
+        for t in range(T):
+            row = b.to(tl.int64) * T + t
+            o = tl.load(y + (row * H + h) * D + rd, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
+            o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * nw
+            gt = tl.load(gate + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32)
+            tl.store(y + (row * H + h) * D + rd, (o * _sigmoid(gt)).to(y.dtype.element_ty), mask=md)
+        # conv state: new row j = window row T + j; a barrier between each row's reads and writes (row T + j
+        # is never a row already rewritten, as T >= 1)
+        cvf = 2 * C + h * D + rd
+        for j in tl.static_range(W - 1):
+            nq = _tap(x_b, cs_b, T + j, cq, md, C3, W - 1)
+            nk = _tap(x_b, cs_b, T + j, ck, md, C3, W - 1)
+            nv = _tap(x_b, cs_b, T + j, cvf, md, C3, W - 1)
+            tl.debug_barrier()
+            tl.store(cs_b + j * C3 + cq, nq.to(cs_ptr.dtype.element_ty), mask=md)
+            tl.store(cs_b + j * C3 + ck, nk.to(cs_ptr.dtype.element_ty), mask=md)
+            tl.store(cs_b + j * C3 + cvf, nv.to(cs_ptr.dtype.element_ty), mask=md)
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """Per-(request, head) arrival counters, zero between calls (each call resets what it used)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 2 * (0 if c is None else c.numel()), 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
 
 
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
@@ -140,10 +166,14 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         return y
     qkv, f, b, gate = qkv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous()
     idx = state_indices.contiguous() if state_indices is not None else qkv
-    _kda_decode[(B, H)](qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-                        norm_weight.contiguous(), recurrent_state, conv_state, idx, y,
-                        scale, float(lower_bound), float(norm_eps), T,
-                        H=H, D=D, BD=max(16, triton.next_power_of_2(D)), W=W,
-                        SOFTPLUS=gate_kind == "softplus", HAS_IDX=state_indices is not None,
-                        num_warps=8 if D > 64 else 4)  # no autotune: the kernel updates state in place
+    BD = max(16, triton.next_power_of_2(D))
+    BV = min(32, BD)
+    NS = triton.cdiv(D, BV)
+    cnt = _counter(qkv.device, B * H)
+    # no autotune: the kernel updates state in place
+    _kda_decode[(B, H, NS)](qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
+                            norm_weight.contiguous(), recurrent_state, conv_state, idx, y, cnt,
+                            scale, float(lower_bound), float(norm_eps), T,
+                            H=H, D=D, BD=BD, BV=BV, NS=NS, W=W,
+                            SOFTPLUS=gate_kind == "softplus", HAS_IDX=state_indices is not None, num_warps=4)
     return y
