@@ -33,7 +33,7 @@ def make(B, T, H, K, V, seed, dtype, gate="softplus", n_state=None):
     return q, k, v, g, beta, h0
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-3), (torch.float32, 2e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-3), (torch.float32, 5e-3)])
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
 def test_chunk_fwd_vs_eager(dtype, tol, gate):
     q, k, v, g, beta, h0 = make(2, 333, 4, 128, 128, 0, dtype, gate)

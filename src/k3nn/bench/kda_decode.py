@@ -54,6 +54,17 @@ def main(argv=None):
     if args.quick:
         cases = [(1, 1, 96), (64, 1, 96)]
     rows = []
+    try:
+        _cases(cases, rows, fr, gen, D, W)
+    except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
+        print("interrupted: writing the rows measured so far")
+    path = write_results(SUITE, rows, {"suite": SUITE})
+    print_table(rows, ["case", "k3nn_us", "tbps", "frac_copy_bw", "anchor_ms", "speedup", "err_vs_eager"])
+    print(f"wrote {path}")
+    return rows
+
+
+def _cases(cases, rows, fr, gen, D, W):
     for B, T, H in cases:
         gate_kind = "lower_bound"
         N = B + 3
@@ -89,10 +100,6 @@ def main(argv=None):
                 print(f"fla anchor failed on {row['case']}: {type(e).__name__}: {e}")
         rows.append(row)
         print(row, flush=True)
-    path = write_results(SUITE, rows, {"suite": SUITE})
-    print_table(rows, ["case", "k3nn_us", "tbps", "frac_copy_bw", "anchor_ms", "speedup", "err_vs_eager"])
-    print(f"wrote {path}")
-    return rows
 
 
 if __name__ == "__main__":
