@@ -1,0 +1,119 @@
+"""Prefill/decode disaggregation: export (N−1 state + pages + manifest, pinned), import, torch.distributed."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3nn import KimiK3, KimiK3Config
+from k3nn.cache.transfer import (Lease, RequestState, acknowledge, config_fingerprint, export_request_state,
+                                 import_request_state, recv_request_state, send_request_state)
+from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
+
+CFG = KimiK3Config.tiny()
+PROMPT = torch.randint(0, CFG.vocab_size, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+NEW = 4
+
+
+def make_model():
+    return KimiK3(CFG, dtype=torch.float64, seed=0).eval()
+
+
+def make_engine(model, **kw):
+    return Engine(model, EngineConfig(**{**dict(max_num_seqs=2, num_pages=12, num_snapshots=4), **kw}))
+
+
+def prefill(engine, prompt=PROMPT):
+    rid = engine.add_request(prompt, prefill_only=True)
+    while engine.requests[rid].status != RequestStatus.PREFILLED:
+        engine.step()
+    return rid
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW)[0, len(PROMPT):].tolist()
+
+
+def test_export_import_round_trip(model, expected):
+    P = make_engine(model)
+    rid = prefill(P)
+    assert P.requests[rid].num_computed == len(PROMPT) - 1  # N−1: the decoder recomputes the last token
+    state = export_request_state(P, rid)
+    m = state.manifest
+    assert m["num_tokens"] == 149 and m["mla"]["num_pages"] == 3 and m["kda"]["recurrent_layout"] == "HKV"
+    assert m["config_fingerprint"] == config_fingerprint(CFG)
+    assert [e["name"] for e in m["tensors"]][:2] == ["mla.1.pages", "mla.3.pages"]
+    assert all(list(t.shape) == e["shape"] for t, e in zip(state.tensors, m["tensors"]))
+    assert not state.tensors[0][-1, 149 - 128:].any()  # the partial last page ships no stale rows
+    # pinned until released: the pages and the row stay allocated
+    held = P.requests[rid].blocks
+    assert all(P.pools.allocator.refcount(b) >= 1 for b in held) and P.requests[rid].row is not None
+    D = make_engine(model)
+    did = import_request_state(D, state, SamplingParams(max_new_tokens=NEW))
+    list(D.stream())
+    assert D.requests[did].output == expected
+    assert D.requests[did].num_forwards == 1  # the last prompt token ran as one decode row
+    state.lease.release()
+    state.lease.release()  # idempotent
+    assert P.requests[rid].status == RequestStatus.FINISHED and P.requests[rid].row is None
+    assert P.pools.allocator.num_free == 12 - len(P.prefix.entries)
+
+
+def test_import_rejects_mismatched_state(model):
+    P = make_engine(model)
+    state = export_request_state(P, prefill(P))
+    other = KimiK3(KimiK3Config.tiny(kda_num_heads=4), dtype=torch.float64, seed=0)
+    with pytest.raises(ValueError, match="fingerprint"):
+        import_request_state(make_engine(other), state)
+    bad = RequestState(dict(state.manifest), state.tensors[:-1])
+    with pytest.raises(ValueError, match="tensors"):
+        import_request_state(make_engine(model), bad)
+    bad = RequestState({**state.manifest, "version": 99}, state.tensors)
+    with pytest.raises(ValueError, match="version"):
+        import_request_state(make_engine(model), bad)
+    rid = P.add_request(PROMPT, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prefill_only"):
+        export_request_state(P, rid)
+    with pytest.raises(ValueError, match="not prefilled"):
+        P.release(rid)
+    state.lease.release()
+
+
+def _pd_worker(rank, init_file, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model = make_model()
+        eng = make_engine(model)
+        if rank == 0:  # prefill side: compute N−1, send, wait for the ack, release the pin
+            state = export_request_state(eng, prefill(eng))
+            send_request_state(state, dst=1)
+            results[0] = (state.lease.released, eng.pools.allocator.num_free, len(eng.prefix.entries))
+        else:  # decode side
+            state = recv_request_state(src=0)
+            rid = import_request_state(eng, state, SamplingParams(max_new_tokens=NEW))
+            acknowledge(0)
+            list(eng.stream())
+            results[1] = eng.requests[rid].output
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_two_process_gloo_transfer_continues_like_one_process(expected):
+    with tempfile.TemporaryDirectory() as d:
+        mgr = mp.get_context("spawn").Manager()
+        results = mgr.dict()
+        mp.spawn(_pd_worker, args=(os.path.join(d, "init"), results), nprocs=2, join=True)
+        released, free, entries = results[0]
+        assert released and free == 12 - entries
+        assert results[1] == expected
