@@ -1,5 +1,13 @@
 """Caches: the contiguous hybrid cache used by the model (paged pools and prefix reuse build on it)."""
 
 from .hybrid import CacheFullError, HybridCache, KDAState, MLAState
+from .paged import HybridPools, PagedHybridCache, enable_state_capture
+from .prefix import PrefixCache, PrefixMatch
+from .retention import Interval, LRU, Marconi, MarconiEviction, PromptBoundaries, ReplayBoundary
+from .states import StatePool
+from .transfer import export_request_state, import_request_state, recv_request_state, send_request_state
 
-__all__ = ["CacheFullError", "HybridCache", "KDAState", "MLAState"]
+__all__ = ["CacheFullError", "HybridCache", "KDAState", "MLAState",
+           "HybridPools", "PagedHybridCache", "enable_state_capture", "PrefixCache", "PrefixMatch", "StatePool",
+           "Interval", "LRU", "Marconi", "MarconiEviction", "PromptBoundaries", "ReplayBoundary",
+           "export_request_state", "import_request_state", "send_request_state", "recv_request_state"]
