@@ -86,6 +86,18 @@ def test_latency_specialized_matches_standard(which, request):
     assert torch.equal(a, b)
 
 
+def test_latency_specialized_with_triton_kernels(k3, monkeypatch):
+    """The path as it runs on GPU: its small kernels in Triton (interpreted here)."""
+    from k3nn.decode import kernels
+
+    monkeypatch.setattr(kernels, "default_impl", "triton")
+    ids, _ = _prompt(2, 5, 4, False)
+    ref, _, _ = _step_logits(k3, {}, dict(cuda_graph=False), ids, 3)
+    out, _, run = _step_logits(k3, dict(mla_pool=True), dict(decode_backend="latency_specialized"), ids, 3)
+    assert run.name == "latency_specialized"
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=1e-4)
+
+
 def test_static_step_logits_match_standard(kimi_linear):
     ids, _ = _prompt(2, 4, 5, False)
     ref, _, _ = _step_logits(kimi_linear, {}, dict(cuda_graph=False), ids, 4)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -224,6 +225,8 @@ def main(argv=None):
     finally:
         meta = {"suite": SUITE, "config": args.config, "layers": L, "ctx": args.ctx, "steps": args.steps,
                 "note": "tokens/s = B / step time; a step = one-token forward + greedy argmax"}
+        if os.environ.get("K3NN_COMMIT"):  # the device copy has no .git: the caller passes the commit
+            meta["commit"] = os.environ["K3NN_COMMIT"]
         path = write_results(SUITE, rows, meta) if rows else None
         print_table(rows, ["case", "k3nn_ms", "tokens_per_s", "speedup", "launches_per_layer", "graph",
                            "logits_rel_err_vs_eager", "greedy_steps_equal_to_eager"])

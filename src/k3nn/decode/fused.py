@@ -12,7 +12,10 @@ Per decoder layer (x_BD: the layer's normed input, one token per row)::
     AttnRes  ops.attnres_phase1 once per block (every query that sees that set of blocks, batched), then per
           sublayer ops.attnres_phase2 merging the running partial, with the residual add and the following
           RMSNorm fused (input_layernorm / post_attention_layernorm / the final norm)
-    FFN   the MoE module (fused routed experts + deferred latent finalization) or the dense MLP.
+    FFN   MoE: router GEMM → one-launch top-k routing (:mod:`k3nn.decode.kernels`) → fused routed experts →
+          deferred latent finalization; shared experts and the dense MLP as one gate|up GEMM + one GLU kernel.
+    Norms outside AttnRes (MLA's q_a / kv_a norms, plain-residual models) and the MLA output gate are one
+    kernel each.
 
 Works on the static, ``mla_pool`` :class:`~k3nn.cache.hybrid.HybridCache` (graph-safe: fixed shapes, device
 write position, no host sync), so the whole step is captured by :class:`~k3nn.decode.runner.DecodeRunner`.
@@ -30,10 +33,15 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..cache.hybrid import HybridCache, KDAState
+from . import kernels as K
 from ..kernels.registry import backend as use_backend
 from ..layers.mla import apply_rope
 
 __all__ = ["LatencySpecializedDecoder"]
+
+
+def _norm(mod, x: torch.Tensor) -> torch.Tensor:
+    return K.rmsnorm(x, mod.weight, mod.eps)
 
 
 @dataclass
@@ -75,6 +83,12 @@ class LatencySpecializedDecoder:
                 self.plans.append(self._mla_plan(layer.self_attn) if layer.is_mla else self._kda_plan(layer.self_attn))
             self.attnres = self._attnres_plan() if self.config.use_attn_res else None
         self._key = self._weights_key(model)
+        self.glu_weights: dict[int, torch.Tensor] = {}  # fused gate|up weights of the dense / shared MLPs
+        with torch.no_grad():
+            for layer in model.model.layers:
+                mlp = layer.block_sparse_moe.shared_experts if layer.is_moe else layer.mlp
+                if mlp is not None:
+                    self.glu_weights[id(mlp)] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).contiguous()
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
@@ -155,10 +169,10 @@ class LatencySpecializedDecoder:
         B = x.shape[0]
         H, dn, dr, r = a.num_heads, a.dn, a.dr, a.kv_lora_rank
         parts = F.linear(x, plan.w_in).split(plan.splits, -1)
-        q = parts[0] if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(parts[0]))
+        q = parts[0] if a.q_lora_rank is None else a.q_b_proj(_norm(a.q_a_layernorm, parts[0]))
         q_nope, q_rope = q.view(B, 1, H, dn + dr).split([dn, dr], -1)
         c, k_r = parts[1].split([r, dr], -1)
-        c = a.kv_a_layernorm(c)
+        c = _norm(a.kv_a_layernorm, c)
         if not a.use_nope and dr:
             q_rope, k_r = apply_rope(q_rope, positions, a.rope_theta), apply_rope(k_r, positions, a.rope_theta)
         q_lat = torch.bmm(q_nope.reshape(B, H, dn).transpose(0, 1), plan.w_uk).transpose(0, 1)  # [B, H, r]
@@ -170,8 +184,34 @@ class LatencySpecializedDecoder:
         o = torch.bmm(o_lat.reshape(B, H, r).transpose(0, 1), plan.w_uv_t).transpose(0, 1)  # [B, H, dv]
         o = o.reshape(B, 1, H * a.dv)
         if a.use_output_gate:
-            o = (o.float() * torch.sigmoid(parts[2].float())).to(x.dtype)
+            o = K.sigmoid_gate(o, parts[2].reshape(o.shape))
         return a.o_proj(o)
+
+    # -- FFN: fused gate|up GEMM + one activation kernel; MoE with the one-launch router ----------------
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        w = self.glu_weights[id(mlp)]
+        return mlp.down_proj(K.glu(F.linear(x, w), mlp.act, mlp.beta, mlp.linear_beta))
+
+    def _ffn(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if not layer.is_moe:
+            return self._mlp(layer.mlp, x)
+        moe = layer.block_sparse_moe
+        if moe.record_routing:
+            return moe(x)
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        ids, w = K.route(moe.gate.logits(xf), moe.gate)
+        if moe.latent:
+            z = moe.routed_expert_down_proj(xf)
+            norm = moe.routed_expert_norm
+            u = ops.moe_latent_finalize(moe.experts.outputs(z, ids), w, None if norm is None else norm.weight,
+                                        1e-5 if norm is None else norm.eps, out_dtype=z.dtype)
+            y = moe.routed_expert_up_proj(u)
+        else:
+            y = moe.experts(xf, ids, w)
+        if moe.shared_experts is not None:
+            y = y + self._mlp(moe.shared_experts, xf)
+        return y.view(shape)
 
     def _mixer(self, i: int, layer, x, cache, positions):
         if layer.is_mla:
@@ -195,9 +235,9 @@ class LatencySpecializedDecoder:
         _, positions = cache.begin(1, None)
         if self.attnres is None:
             for i, layer in enumerate(m.layers):
-                h = h + self._mixer(i, layer, layer.input_layernorm(h), cache, positions)
-                h = h + layer.ffn(layer.post_attention_layernorm(h))
-            out = m.norm(h)
+                h = h + self._mixer(i, layer, _norm(layer.input_layernorm, h), cache, positions)
+                h = h + self._ffn(layer, _norm(layer.post_attention_layernorm, h))
+            out = _norm(m.norm, h)
         else:
             out = self._attnres_layers(h, cache, positions)
         cache.commit(1, None)
@@ -221,7 +261,7 @@ class LatencySpecializedDecoder:
             if blocks:
                 x = merge("attn", i, partial, None, layer.input_layernorm).normed
             else:
-                x = layer.input_layernorm(partial)
+                x = _norm(layer.input_layernorm, partial)
             if i % self.config.attn_res_block_size == 0:
                 blocks.append(partial)
                 partial = None
@@ -229,5 +269,5 @@ class LatencySpecializedDecoder:
                 state = ops.attnres_phase1(blocks, plan.qw[group], plan.nw[group], plan.eps[group])
             a = self._mixer(i, layer, x, cache, positions)
             r = merge("mlp", i, partial, a, layer.post_attention_layernorm)
-            partial = r.partial + layer.ffn(r.normed)
+            partial = r.partial + self._ffn(layer, r.normed)
         return merge("final", -1, partial, None, m.norm).normed
