@@ -144,6 +144,10 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             streamer.put(out[:, c].cpu())
         streamed = max(streamed, ready)
 
+    rounds = 0
+    row_rounds, drafted, accepted = (torch.zeros((), dtype=torch.long, device=dev) for _ in range(3))
+    pos_tried = torch.zeros(gamma, dtype=torch.long, device=dev)
+    pos_acc = torch.zeros(gamma, dtype=torch.long, device=dev)
     with WindowRollback(model, cache, opts.rollback) as rb:
         res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
                     output_hidden_layers=taps)
@@ -186,24 +190,26 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             j = torch.arange(T, device=dev)
             drafter.extend(dstate, res.hidden_states, anchor_pos[:, None] + j, j[None, :] < keep[:, None],
                            start=start)
-            # statistics over unfinished rows
-            a_rows = active.nonzero()[:, 0]
-            stats.rounds += 1
-            stats.row_rounds += int(a_rows.numel())
-            stats.drafted += int(n_b[a_rows].sum())
-            stats.accepted += int(m[a_rows].sum())
-            for k in range(n):
-                tried = (n_b[a_rows] > k) & (m[a_rows] >= k)
-                stats.position_tried[k] += int(tried.sum())
-                stats.position_accepted[k] += int((tried & (m[a_rows] > k)).sum())
+            # statistics over unfinished rows (device counters: no host sync per round)
+            act = active.long()
+            rounds += 1
+            row_rounds += act.sum()
+            drafted += (n_b * act).sum()
+            accepted += (m * act).sum()
+            k = torch.arange(gamma, device=dev)[None, :]
+            tried = (n_b[:, None] > k) & (m[:, None] >= k) & active[:, None]
+            pos_tried += tried.long().sum(0)
+            pos_acc += (tried & (m[:, None] > k)).long().sum(0)
             # emit d_1..d_m then next
             toks = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
             toks.scatter_(1, m[:, None], nxt[:, None])
-            before = n_out.clone()
             emit(toks, m + 1)
-            stats.emitted += int((n_out - before).sum())
             pending = nxt
             stream()
+    stats.rounds, stats.row_rounds = rounds, int(row_rounds)
+    stats.drafted, stats.accepted = int(drafted), int(accepted)
+    stats.emitted = int(n_out.sum()) - B
+    stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
     if eos.numel():
         has = torch.isin(out, eos)
         if bool(has.any(1).all()):

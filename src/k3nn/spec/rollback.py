@@ -142,9 +142,9 @@ class WindowRollback:
         cache = self.cache
         T = cache.seen_tokens - self.start
         acc = accepted.to(device=cache.device, dtype=torch.long)
-        if T <= 0 or int(acc.min()) < 1 or int(acc.max()) > T:
-            raise ValueError(f"accepted counts must be in [1, {T}], got {acc.tolist()}")
-        acc_list = acc.tolist()
+        acc_list = acc.tolist()  # the one host sync of a commit
+        if T <= 0 or min(acc_list) < 1 or max(acc_list) > T:
+            raise ValueError(f"accepted counts must be in [1, {T}], got {acc_list}")
         with use_backend(getattr(self.model, "backend", None)):
             for mod, st in self.kda:
                 self._commit_kda(mod, st, acc_list, T)
@@ -153,7 +153,9 @@ class WindowRollback:
         keep = j[None, :] < acc[:, None]
         cache.key_mask[:, self.start:self.start + T] &= keep
         cache.valid_counts -= T - acc
-        cache.seen_tokens = self.start + int(acc.max())
+        cache.seen_tokens = self.start + max(acc_list)
+        if getattr(cache, "static", False):
+            cache.write_pos.fill_(cache.seen_tokens)
 
     def _commit_kda(self, mod: KimiDeltaAttention, st: SpecKDAState, acc: list[int], T: int) -> None:
         if st.window_final is None:  # the layer wrote the scratch in place without calling update()
