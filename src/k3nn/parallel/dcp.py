@@ -230,6 +230,9 @@ def _self_check(argv=None) -> int:
     ap.add_argument("--interleave", type=int, default=1)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tokens", type=int, default=2, help="query tokens per decode step (verify window)")
+    ap.add_argument("--bench", metavar="B,L,H", default=None,
+                    help="instead of the check, time one DCP decode step (K3 dims, bf16) against one GPU holding "
+                         "the whole cache; rank 0 writes mla-dcp-*.json under $K3NN_RESULTS_DIR")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -237,6 +240,8 @@ def _self_check(argv=None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         ctx = DCPContext.from_group(interleave=args.interleave)
+        if args.bench:
+            return _bench(ctx, *(int(v) for v in args.bench.split(",")), backend_name=args.backend)
         dev = torch.device("cuda" if cuda else "cpu")
         dtype = torch.bfloat16 if cuda else torch.float32
         cfg = KimiK3Config.tiny(num_attention_heads=4 * ctx.world_size, kv_lora_rank=64, qk_rope_head_dim=16)
@@ -263,6 +268,80 @@ def _self_check(argv=None) -> int:
         return 0 if err < tol else 1
     finally:
         dist.destroy_process_group()
+
+
+def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto") -> int:
+    """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather,
+    reduce-scatter) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding the
+    whole cache alone (rank 0, same process, no collectives)."""
+    import os
+    import time
+
+    from ..kernels.registry import backend as use_backend
+    from ..ops.mla import mla_decode
+
+    W, r, dr, bs = ctx.world_size, 512, 64, 64
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if H % W:
+        raise ValueError(f"--bench: H={H} must divide by the world size {W}")
+    g = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
+
+    def timed(fn, iters=20, together=True):
+        for _ in range(3):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if W > 1 and together:
+            dist.barrier(group=ctx.group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    def make(world, rank, heads):
+        cache = PagedLatentCache(1, B * -(-L // (bs * world)) + 1, r, dr, block_size=bs, dtype=dtype, device=dev,
+                                 world_size=world, rank=rank, interleave=ctx.interleave if world > 1 else 1)
+        ids = list(range(B))
+        for i in ids:
+            cache.add(i)
+        cache.extend(ids, L)
+        cache.pools[0].copy_(torch.randn(cache.pools[0].shape, device=dev, generator=g).to(dtype))
+        q = torch.randn(B, 1, heads, r + dr, device=dev, generator=g).to(dtype)
+        return cache, q, ids
+
+    cache, q, ids = make(W, ctx.rank, H // W)
+    bt, sl = cache.block_table(ids), cache.seq_lens(ids)
+    with use_backend(backend_name):
+        dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx)  # tune outside the timing
+        ms_dcp = timed(lambda: dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx,
+                                             check=False))
+    kv_bytes = cache.pools[0].numel() * cache.pools[0].element_size()
+    del cache
+    rows = []
+    if ctx.rank == 0:
+        full, qf, ids = make(1, 0, H)
+        btf, slf = full.block_table(ids), full.seq_lens(ids)
+        with use_backend(backend_name):
+            mla_decode(qf[..., :r], qf[..., r:], full.pools[0], btf, slf, 0.0722)
+            ms_one = timed(lambda: mla_decode(qf[..., :r], qf[..., r:], full.pools[0], btf, slf, 0.0722, check=False),
+                           together=False)
+        kv_one = full.pools[0].numel() * full.pools[0].element_size()
+        rows.append({"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}",
+                     "k3nn_ms": round(ms_dcp, 4), "anchor": "k3nn mla_decode on one device, whole cache",
+                     "anchor_ms": round(ms_one, 4), "kv_bytes_per_rank": kv_bytes, "kv_bytes_one_device": kv_one,
+                     "tpot_ratio": round(ms_dcp / ms_one, 3), "timing": "host wall clock per step, 20 steps"})
+        print(f"[dcp bench] {rows[0]}", flush=True)
+        if os.environ.get("K3NN_RESULTS_DIR") and cuda:
+            from ..bench.common import write_results
+
+            write_results("mla-dcp", rows, {"world_size": W, "backend": dist.get_backend(ctx.group)})
+    if W > 1:
+        dist.barrier(group=ctx.group)
+    return 0
 
 
 if __name__ == "__main__":
