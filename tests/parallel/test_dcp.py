@@ -17,7 +17,9 @@ from k3nn.kernels.mla.api import merge_attn_states
 from k3nn.kernels.mla.reference import mla_decode_reference
 from k3nn.layers.mla import MultiHeadLatentAttention
 from k3nn.ops import mla_decode
-from k3nn.parallel.dcp import DCPContext, dcp_attention, dcp_mla_decode_layer, dcp_visible_lens, dcp_write_latents
+from k3nn.cache.pages import gather_latents
+from k3nn.parallel.dcp import (DCPContext, dcp_attention, dcp_gather_context, dcp_mla_decode_layer, dcp_visible_lens,
+                               dcp_write_latents)
 
 
 def build(seed, lens, W, I, bs, r, dr):
@@ -114,6 +116,12 @@ def _worker(rank, world, init_file, results):
                 o, lse = dcp_attention(q_lat, q_rope, cache.pools[0], cache.block_table(ids), sl, 0.25, ctx,
                                        heads="replicated")
             errs[f"replicated I={I}"] = max((o - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+            # the gathered context equals the unsharded cache's rows (within each request's length)
+            gpool, gtab, glen = dcp_gather_context(cache, 0, ids, ctx, block_size=16)
+            want = gather_latents(full.pools[0], full.block_table(ids), int(sl.max()))
+            got = gather_latents(gpool, gtab, int(sl.max()))
+            keep = torch.arange(int(sl.max()))[None, :] < sl[:, None]
+            errs[f"gather I={I}"] = float(not (torch.equal(got[keep], want[keep]) and torch.equal(glen, sl)))
         # layer-level decode (verify window of 2) vs the unsharded layer forward
         cfg = KimiK3Config.tiny(num_attention_heads=4)
         torch.manual_seed(0)
@@ -154,6 +162,6 @@ def test_two_rank_gloo_matches_one_rank():
         mgr.shutdown()
     assert sorted(res) == [0, 1]
     for rank, errs in res.items():
-        assert len(errs) == 6, errs
+        assert len(errs) == 8, errs
         for k, e in errs.items():
             assert e < 1e-4, (rank, k, e)

@@ -2,7 +2,8 @@
 
 Names are loaded lazily so that ``torchrun -m k3nn.parallel.dcp`` runs the module cleanly."""
 
-__all__ = ["DCPContext", "dcp_attention", "dcp_mla_decode_layer", "dcp_visible_lens", "dcp_write_latents"]
+__all__ = ["DCPContext", "dcp_attention", "dcp_gather_context", "dcp_mla_decode_layer", "dcp_visible_lens",
+           "dcp_write_latents"]
 
 
 def __getattr__(name):

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from ..cache.pages import PagedLatentCache, local_seq_lens
 from ..kernels.mla.api import default_visible_lens, merge_attn_states
 
-__all__ = ["DCPContext", "dcp_visible_lens", "dcp_attention", "dcp_write_latents", "dcp_mla_decode_layer"]
+__all__ = ["DCPContext", "dcp_visible_lens", "dcp_attention", "dcp_write_latents", "dcp_mla_decode_layer",
+           "dcp_gather_context"]
 
 Heads = Literal["sharded", "replicated", "auto"]
 
@@ -212,6 +213,37 @@ def dcp_mla_decode_layer(layer, x: torch.Tensor, cache: PagedLatentCache, layer_
     if heads == "sharded" and W > 1:
         o = _all_gather(o, ctx).permute(1, 2, 0, 3, 4).reshape(B, T, H, -1)
     return layer.finish(x, o)
+
+
+def dcp_gather_context(cache: PagedLatentCache, layer_slot: int, seq_ids: Sequence[Hashable], ctx: DCPContext,
+                       block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank gets the whole cached context of the requests, in global token order (for chunked prefill
+    after cached context under DCP: gather, then decompress and attend as without DCP).
+
+    Returns ``(pool, block_table, context_lens)`` describing an unsharded paged view of the gathered rows
+    (``block_size``-row blocks, request b in blocks ``[b·n, (b+1)·n)``), ready for
+    :func:`k3nn.kernels.mla.prefill.mla_prefill`'s ``kv_pool`` / ``block_table`` / ``context_lens``.
+    """
+    from ..cache.pages import gather_latents
+
+    ctx.check_cache(cache)
+    W, I = ctx.world_size, ctx.interleave
+    sl = cache.seq_lens(seq_ids).long()
+    B = sl.shape[0]
+    Lg = int(sl.max()) if B else 0
+    Lloc = max(int(local_seq_lens(torch.tensor(Lg), W, k, I)) for k in range(W))
+    pool = cache.pools[layer_slot]
+    local = gather_latents(pool, cache.block_table(seq_ids), max(Lloc, 1))  # [B, Lloc, D]
+    parts = _all_gather(local, ctx) if W > 1 else local[None]  # [W, B, Lloc, D]
+    p = torch.arange(Lg, device=pool.device)
+    owner = torch.div(p, I, rounding_mode="floor") % W
+    idx = torch.div(p, I * W, rounding_mode="floor") * I + p % I
+    rows = parts[owner, :, idx].transpose(0, 1)  # [B, Lg, D]
+    nb = max(1, -(-Lg // block_size))
+    buf = torch.zeros(B, nb * block_size, pool.shape[-1], dtype=pool.dtype, device=pool.device)
+    buf[:, :Lg] = rows
+    table = torch.arange(B * nb, dtype=torch.int32, device=pool.device).view(B, nb)
+    return buf.view(B * nb, block_size, -1), table, sl.to(torch.int32)
 
 
 # -- torchrun self-check -----------------------------------------------------------------------------------
