@@ -112,11 +112,12 @@ def test_mix_many_sources_noncontiguous_and_empty():
 
 def test_mix_kernel_variants_agree():
     """The tuning knobs (warps, load prefetch) change the schedule, never the result."""
-    src = make((3, 96), torch.bfloat16, 8, 4)
+    src = make((3, 96), torch.bfloat16, 8, 5)
     qw, nw = weights(96, 8)
     ref = triton_mix.attnres_mix_triton(src, qw, nw)
-    for w, pf in ((1, False), (2, True), (4, False)):
-        assert torch.equal(triton_mix.attnres_mix_triton(src, qw, nw, num_warps=w, prefetch=pf), ref)
+    for w, pf, rl, jn in ((1, 0, False, False), (2, 2, True, False), (4, 1, False, True), (2, 2, True, True)):
+        out = triton_mix.attnres_mix_triton(src, qw, nw, num_warps=w, prefetch=pf, qv_reload=rl, join=jn)
+        assert torch.equal(out, ref), (w, pf, rl, jn)
 
 
 def test_mix_bf16_weights_and_k3_width_row():

@@ -37,8 +37,8 @@ def _n_sets(bytes_per_call: int, cap: int = 1000) -> int:
     return max(1, min(cap, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
 
 
-def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[tuple[int, bool]],
-              rows: list[dict]) -> None:
+def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict], rows: list[dict],
+              with_eager: bool = True) -> None:
     from ..kernels.attnres.triton_mix import attnres_mix_triton
     from ..layers.attnres import attnres_mix_reference
 
@@ -54,13 +54,15 @@ def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[tupl
         err = rel_err(attnres_mix_triton(sets[0], qw, nw, 1e-5), ref)
         assert err < 1e-2, f"attnres_mix T={T} S={S}: rel err {err}"
         graph = T * d * S * 2 < (64 << 20)
-        eager_ms = _rotating_ms([lambda s=s: attnres_mix_reference(s, qw, nw, 1e-5) for s in sets], graph)
-        for w, pf in variants or [(None, True)]:
-            ms = _rotating_ms([lambda s=s: attnres_mix_triton(s, qw, nw, 1e-5, num_warps=w, prefetch=pf)
-                               for s in sets], graph)
-            tag = "" if w is None else f" warps={w} prefetch={int(pf)}"
+        eager_ms = None
+        if with_eager:
+            eager_ms = _rotating_ms([lambda s=s: attnres_mix_reference(s, qw, nw, 1e-5) for s in sets], graph)
+        for kw in variants or [{}]:
+            ms = _rotating_ms([lambda s=s: attnres_mix_triton(s, qw, nw, 1e-5, **kw) for s in sets], graph)
+            tag = "".join(f" {k}={int(v)}" for k, v in kw.items())
             rows.append({"case": f"mix d={d} T={T} S={S} bf16{tag}", "k3nn_ms": round(ms, 5),
-                         "anchor": "eager torch mix", "anchor_ms": round(eager_ms, 5),
+                         "anchor": "eager torch mix" if eager_ms else None,
+                         "anchor_ms": round(eager_ms, 5) if eager_ms else None,
                          "tbps": round(nbytes / ms / 1e9, 3), "rel_err": err, "graph": graph})
         del sets
         torch.cuda.empty_cache()
@@ -152,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d", type=int, default=7168)
     ap.add_argument("--tokens", default="1,64,8192", help="token counts for the mix")
     ap.add_argument("--sources", default="2,5,9", help="source counts for the mix")
-    ap.add_argument("--variants", default="", help="time these kernel variants instead of the default, "
-                    "as warps:prefetch pairs, e.g. 8:1,16:1,16:0")
+    ap.add_argument("--sweep", default="", help="also time kernel variants warps:prefetch:qv_reload:join "
+                    "(e.g. 8:1:0:0,8:2:1:1) at T=8192 S=5,9 and T=64 S=9")
     ap.add_argument("--block-tokens", default="1,64,2048", help="token counts for the block-of-12 comparison")
     ap.add_argument("--stored", type=int, default=8, help="stored blocks in the block comparison")
     ap.add_argument("--skip-block", action="store_true")
@@ -163,8 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     meta = device_meta()
     rows: list[dict] = []
-    variants = [(int(a), bool(int(b))) for a, b in (v.split(":") for v in args.variants.split(",") if v)]
-    bench_mix(args.d, ints(args.tokens), ints(args.sources), variants, rows)
+    bench_mix(args.d, ints(args.tokens), ints(args.sources), [], rows)
+    if args.sweep:
+        variants = [dict(num_warps=int(w), prefetch=int(p), qv_reload=bool(int(r)), join=bool(int(j)))
+                    for w, p, r, j in (v.split(":") for v in args.sweep.split(","))]
+        for T, S in ((8192, 9), (8192, 5), (64, 9)):
+            bench_mix(args.d, [T], [S], variants, rows, with_eager=False)
     if not args.skip_block:
         bench_block(args.d, ints(args.block_tokens), args.stored, rows, [torch.float32, torch.bfloat16])
     for r in rows:
