@@ -16,8 +16,14 @@ Decode of one MLA layer (``dcp_attention``, head-sharded "ag_rs" flow, 3 collect
 With ``heads="replicated"`` every rank has all heads' queries (no TP): local attention, then all-gather of
 ``(o_r, lse_r)`` and the same exact merge on every rank (2 collectives).
 
-Launch with ``torchrun --nproc-per-node W`` (or any initialised default group). ``python -m
-k3nn.parallel.dcp`` under torchrun runs a layer-level self-check against a single-rank forward.
+Model wiring: per step call ``cache.extend(ids, T)`` once (same on every rank), then per MLA layer
+:func:`dcp_mla_decode_layer`; prompts are prefilled unsharded and stored with :func:`dcp_write_latents`;
+chunked prefill after cached context gathers it with :func:`dcp_gather_context`. Every kernel call gets
+rank-local lengths and causal bounds; a rank owning no token of a request contributes lse = −inf and 0.
+
+Launch with ``torchrun --nproc-per-node W`` (or any initialised default group). ``torchrun ... -m
+k3nn.parallel.dcp`` runs a layer-level self-check against a single-rank forward; ``--bench B,L,H`` times a
+sharded decode step against one device holding the whole cache.
 """
 
 from __future__ import annotations
