@@ -1,8 +1,8 @@
 """kda-prefill: k3nn Triton ``kda_chunk`` vs fla-core ``chunk_kda`` (bf16, K = V = 128), side by side.
 
-Cases: B=1, T 4K–64K, H 32 (Kimi Linear softplus gate) and H 96 (K3 bounded gate: fla runs with
-``safe_gate=True, lower_bound=-5``, its fast path); one packed varlen case; and the cost of exporting two
-checkpoints in the same pass. Each case is checked first: k3nn against the eager token-by-token reference on a
+Cases: B=1, T 4K–64K, H 32 (Kimi Linear softplus gate) and H 96 (K3 bounded gate); fla runs its general path
+(no ``safe_gate``: a first attempt with it ended in an illegal memory access, origin not pinned down); one packed
+varlen case; and the cost of exporting two checkpoints in the same pass. Each case is checked first: k3nn against the eager token-by-token reference on a
 prefix (fp32 math) and against fla on the full shape.
 
     k3nn bench kda-prefill [--quick]
@@ -56,8 +56,8 @@ def main(argv=None):
     gen = torch.Generator(device=dev).manual_seed(0)
     chunk_kda = _fla()
     D = 128
-    cases = [(1, 8192, 96, "lower_bound"), (1, 4096, 32, "softplus"), (1, 8192, 96, "softplus"),
-             (1, 32768, 96, "lower_bound"), (1, 65536, 32, "softplus"), (1, 16384, 32, "softplus")]
+    cases = [(1, 8192, 96, "lower_bound"), (1, 4096, 32, "softplus"), (1, 65536, 32, "softplus"),
+             (1, 32768, 96, "lower_bound"), (1, 8192, 96, "softplus"), (1, 16384, 32, "softplus")]
     if args.quick:
         cases = cases[:2]
     rows = []
@@ -122,7 +122,8 @@ def _cases(cases, rows, chunk_kda, gen, dev, D):
                "ckpt2_overhead": round(ms_ck / ms - 1, 4), "err_ckpt": float(f"{err_ck:.3g}"),
                "mtok_per_s": round(B * T / ms / 1e3, 2)}
         if chunk_kda is not None:
-            kw = dict(safe_gate=True, lower_bound=-5.0) if gate == "lower_bound" else {}
+            print(f"k3nn done: {row['case']}", flush=True)
+            kw = {}  # general path (see the module docstring)
             fq, fk, fv, fg, fb, fh = (t.clone() for t in (q, k, v, g, beta, h0))
             fo, fht = chunk_kda(fq, fk, fv, fg, fb, initial_state=fh, output_final_state=True, **kw)
             row["err_vs_fla"] = float(f"{max(rel_err(o, fo), rel_err(ht, fht)):.3g}")
@@ -155,13 +156,12 @@ def _varlen(rows, chunk_kda, gen, dev, D):
     if chunk_kda is not None:
         cu64 = cu.long()
         fo, fht = chunk_kda(q, k, v.clone(), g.clone(), beta, initial_state=h0.clone(), output_final_state=True,
-                            cu_seqlens=cu64, safe_gate=True, lower_bound=-5.0)
+                            cu_seqlens=cu64)
         row["err_vs_fla"] = float(f"{max(rel_err(o, fo), rel_err(ht, fht)):.3g}")
-        row["anchor"] = "fla-core 0.6.0 chunk_kda safe_gate varlen"
+        row["anchor"] = "fla-core 0.6.0 chunk_kda varlen"
         fv, fg, fh = v.clone(), g.clone(), h0.clone()
         row["anchor_ms"] = round(bench_ms(lambda: chunk_kda(q, k, fv, fg, beta, initial_state=fh,
-                                                            output_final_state=True, cu_seqlens=cu64,
-                                                            safe_gate=True, lower_bound=-5.0)), 4)
+                                                            output_final_state=True, cu_seqlens=cu64)), 4)
         row["speedup"] = round(row["anchor_ms"] / row["k3nn_ms"], 3)
     rows.append(row)
     print(row, flush=True)

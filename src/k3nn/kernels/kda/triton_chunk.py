@@ -54,11 +54,10 @@ def _intra_configs():
     return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
 
 
-def _recur_configs():
+def _recur_configs(stages=(2, 3)):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return [triton.Config({"BV": 32}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s)  # stages 1: fp32 inputs overflow smem otherwise
-            for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)]
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in stages]
 
 
 @triton.jit
@@ -206,9 +205,8 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
              mask=mv[None, :] & (r64[:, None] < 64))
 
 
-@triton.autotune(configs=_recur_configs(), key=["K", "V"])
 @triton.jit
-def _kda_recur(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_hi, export_slot,
+def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_hi, export_slot,
                o, h0, ht, ckpt, H,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CKPT: tl.constexpr):
@@ -255,6 +253,11 @@ def _kda_recur(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_hi, exp
                  mask=(r64[:, None] < L) & mv[None, :])
     if STORE_FINAL:
         tl.store(ht + soff, h, mask=mkv)
+
+
+_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V"])(_kda_recur_kernel)
+# fp32 operands: pipelined stages do not fit in shared memory, so a separate tuner without them
+_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V"])(_kda_recur_kernel)
 
 
 @functools.lru_cache(maxsize=64)
@@ -340,7 +343,8 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
                             K=K, V=V, BK=BK, BVF=BVF, SPAN=_SPAN)
         h0 = initial_state.float().contiguous() if initial_state is not None else qg
         grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
-        _kda_recur[grid](qg, kg, w, u, A, egl, c_start, c_len, s_lo, s_hi, slot,
+        recur = _kda_recur_f32 if dt == torch.float32 else _kda_recur
+        recur[grid](qg, kg, w, u, A, egl, c_start, c_len, s_lo, s_hi, slot,
                          o, h0, ht if ht is not None else qg, ck if ck is not None else qg, H,
                          K=K, V=V, BK=BK, HAS_INIT=initial_state is not None, STORE_FINAL=ht is not None,
                          HAS_CKPT=bool(ckpts))
