@@ -118,4 +118,4 @@ class DSparkTrainer:
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
         self.optimizer.step()
-        return {k: (v.tolist() if v.dim() else float(v)) for k, v in parts.items()}
+        return {k: (v.detach().tolist() if v.dim() else float(v.detach())) for k, v in parts.items()}
