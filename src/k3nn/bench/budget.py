@@ -62,7 +62,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = getattr(KimiK3Config, a.config)()
-    model = KimiK3(cfg, device=device, dtype=dtype, seed=0).eval()
+    model = KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()  # init on CPU (seeded CPU generator), then move
     gen = torch.Generator().manual_seed(0)
 
     def prompts(c: int) -> list[list[int]]:
