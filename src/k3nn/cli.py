@@ -83,6 +83,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"(output is noise; pass --model PATH|REPO for a trained checkpoint)", file=sys.stderr)
         model = KimiK3(preset(), device=device, dtype=dtype, backend=args.backend, seed=args.seed or 0).eval()
         tok_dir = None
+    drafter = None
+    if args.drafter:
+        from k3nn.layers.dspark import DSparkDrafter
+
+        drafter = DSparkDrafter.from_pretrained(args.drafter, target=model, device=device, dtype=dtype).eval()
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(tok_dir, model.config.vocab_size)
     if args.input_ids:
@@ -119,16 +124,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-                         seed=args.seed, streamer=_Stream())
+                         seed=args.seed, streamer=_Stream(), drafter=drafter,
+                         **({"num_assistant_tokens": args.num_assistant_tokens or drafter.config.block_size}
+                            if drafter is not None else {}))
     dt = time.perf_counter() - t1
     n = out.shape[1] - input_ids.shape[1]
     print(f"Prompt: {len(ids)} tokens | Generation: {n} tokens, {n / max(dt, 1e-9):.1f} tokens-per-sec | "
           f"load {load_s:.1f}s | device {device} | backend {args.backend or 'auto'}", file=sys.stderr)
+    if drafter is not None and drafter.last_stats is not None:
+        st = drafter.last_stats
+        print(f"Speculative: acceptance length {st.acceptance_length:.2f} tokens per target forward, "
+              f"acceptance rate {st.acceptance_rate:.2f} (γ={st.gamma})", file=sys.stderr)
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.suite is None:
+        args.parser.print_help()
+        return 0 if args.help else 2
+    if args.help:
+        rest = ["--help"]
+    if args.suite not in SUITES:
+        raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(SUITES)}")
     name = args.suite.replace("-", "_")
     try:
         mod = importlib.import_module(f"k3nn.bench.{name}")
@@ -138,9 +156,14 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         raise SystemExit(f"suite {args.suite!r} needs {e.name!r}: pip install 'k3nn[bench]'") from None
     import torch
 
+    if any(a in ("-h", "--help") for a in rest):  # the suite's own options
+        mod.main(["--help"])
+        return 0
     if not torch.cuda.is_available() and not args.allow_cpu:
-        raise SystemExit("benchmarks measure GPU kernels and need a CUDA device (CPU timings are not results); "
-                         "pass --allow-cpu to run anyway for a smoke test")
+        raise SystemExit(f"k3nn bench {args.suite}: no CUDA device here. The suites time GPU kernels against their "
+                         "anchors (CPU timings are not results); run on a GPU machine with k3nn installed "
+                         "(pip install -e '.[bench]'), or pass --allow-cpu for a smoke run of the code path. "
+                         "Committed H200 results are in bench/results/ and the README's table.")
     mod.main(rest)
     return 0
 
@@ -153,33 +176,63 @@ def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3nn", description="Kimi K3 family models and kernels in PyTorch.")
+    p = argparse.ArgumentParser(
+        prog="k3nn", description="Kimi K3 family models and kernels in PyTorch.",
+        epilog="examples:\n"
+               "  k3nn demo                                   train a small K3 on CPU, then generate (minutes)\n"
+               "  k3nn generate --model DIR --prompt 'def f(x):'\n"
+               "  k3nn info                                   which kernel backends run here\n"
+               "  k3nn bench kda-prefill                      GPU benchmark (results in bench/results/)\n"
+               "'k3nn COMMAND --help' describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choices, loading)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("info", help="versions, device, and which backends run each op here (and why not)")
 
-    g = sub.add_parser("generate", help="generate text from a checkpoint directory or hub repo id")
+    g = sub.add_parser(
+        "generate", help="generate text from a checkpoint directory or hub repo id",
+        description="Stream a completion of --prompt from a checkpoint (a local directory, or a hub repo id "
+                    "read through the Hugging Face cache). The tokenizer is the checkpoint's tokenizer.json or "
+                    "tiktoken.model. Statistics go to stderr.",
+        epilog="examples:\n"
+               "  k3nn generate --model ~/.cache/k3nn/demo/model --offline --prompt 'import os'\n"
+               "  k3nn generate --model ~/.cache/k3nn/demo/model --drafter ~/.cache/k3nn/demo/drafter\n"
+               "  k3nn generate --model moonshotai/Kimi-Linear-48B-A3B-Instruct --device cuda --do-sample --top-p 0.9",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--model", help="checkpoint directory or hub repo id (default: a random --preset model)")
     g.add_argument("--preset", default="small", choices=["tiny", "small"], help="model built when --model is absent")
     g.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
     g.add_argument("--input-ids", help="comma-separated token ids instead of --prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (and random --preset weights)")
     g.add_argument("--eos-token-id", help="comma-separated stop ids")
     g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
-    g.add_argument("--backend", choices=["auto", "eager", "triton", "cuda"], default=None)
+    g.add_argument("--backend", choices=["auto", "eager", "triton", "cuda"], default=None,
+                   help="kernel backend (default auto: the fastest that runs here; see k3nn info)")
+    g.add_argument("--drafter", help="DSpark drafter directory: speculative decoding (k3nn demo trains one)")
+    g.add_argument("--num-assistant-tokens", type=int, default=None,
+                   help="tokens drafted per step with --drafter (default: the drafter's block size)")
     g.add_argument("--revision", help="hub revision")
     g.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE=1)")
 
-    b = sub.add_parser("bench", help=f"run a GPU benchmark suite ({', '.join(SUITES)}); extra args go to the suite")
-    b.add_argument("suite")
-    b.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
+    b = sub.add_parser(
+        "bench", help=f"run a GPU benchmark suite ({', '.join(SUITES)}); extra args go to the suite",
+        description="Time k3nn's kernels against their anchors side by side on a CUDA GPU and write "
+                    "bench/results/<suite>-<date>.json (schema in PERF.md). Needs a GPU and the bench extra "
+                    "(pip install -e '.[bench]': fla-core, matplotlib). 'k3nn bench SUITE --help' lists a suite's "
+                    "options; 'python scripts/make_readme.py' turns committed results into the README table.",
+        add_help=False)
+    b.add_argument("suite", metavar="SUITE", nargs="?", help=f"one of: {', '.join(SUITES)}")
+    b.add_argument("--allow-cpu", action="store_true",
+                   help="run without a GPU anyway: a smoke test of the code path, the timings mean nothing")
+    b.add_argument("-h", "--help", action="store_true", help="this help, or with SUITE the suite's options")
+    b.set_defaults(parser=b)
 
     sub.add_parser("demo", help="train a small K3 on Python source, then generate with and without speculation",
                    add_help=False)
@@ -187,13 +240,30 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="[%(name)s] %(message)s")
-    if args.cmd == "bench":
-        return cmd_bench(args, rest)
-    if args.cmd == "demo":
-        return cmd_demo(args, rest)
-    if rest:
+    if args.cmd not in ("bench", "demo") and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": cmd_info, "generate": cmd_generate}[args.cmd](args)
+    try:
+        if args.cmd == "bench":
+            return cmd_bench(args, rest)
+        if args.cmd == "demo":
+            return cmd_demo(args, rest)
+        return {"info": cmd_info, "generate": cmd_generate}[args.cmd](args)
+    except _user_errors() as e:  # a message, not a traceback (-v shows the traceback)
+        if args.verbose:
+            raise
+        msg = str(e) or type(e).__name__
+        if isinstance(e, ImportError) and e.name and "pip install" not in msg:
+            msg += f" (pip install -e '.[demo,bench]' installs k3nn's optional dependencies)"
+        print(f"k3nn {args.cmd}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message tells a user what to do: printed without a traceback."""
+    from k3nn.checkpoint.io import CheckpointError
+    from k3nn.kernels.registry import BackendUnavailableError
+
+    return (CheckpointError, BackendUnavailableError, FileNotFoundError, ImportError)
 
 
 if __name__ == "__main__":

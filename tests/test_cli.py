@@ -1,0 +1,78 @@
+"""The k3nn command as a new user meets it: help texts, and errors that say what to do (no tracebacks)."""
+
+import pytest
+import torch
+
+from k3nn import cli
+
+
+def run(capsys, *argv):
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse --help / usage errors, and SystemExit(message) from commands
+        rc = e.code if isinstance(e.code, int) else (1 if e.code else 0)
+        if isinstance(e.code, str):
+            print(e.code, file=__import__("sys").stderr)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("argv", [[], ["info"], ["generate"], ["bench"], ["demo"]])
+def test_help_reads_well(capsys, argv):
+    rc, out, _ = run(capsys, *argv, "--help")
+    assert rc == 0
+    assert "usage: k3nn" in out
+    assert "--help" in out or "-h" in out
+    if argv == ["demo"]:
+        for flag in ("--size", "--steps", "--out", "--retrain", "--reuse", "--drafter-steps"):
+            assert flag in out
+    if argv == ["generate"]:
+        for flag in ("--model", "--prompt", "--max-new-tokens", "--drafter", "--offline", "--backend"):
+            assert flag in out
+    if argv == []:
+        for cmd in ("info", "generate", "bench", "demo"):
+            assert cmd in out
+
+
+def test_info_runs(capsys):
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0
+    assert "kda_chunk" in out and "eager" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_without_gpu_says_what_to_do(capsys):
+    rc, _, err = run(capsys, "bench", "kda-prefill")
+    assert rc != 0
+    assert "CUDA" in err and "GPU" in err and "bench/results" in err
+
+
+def test_bench_unknown_suite(capsys):
+    rc, _, err = run(capsys, "bench", "no-such-suite")
+    assert rc != 0 and "suites:" in err and "kda-prefill" in err
+
+
+def test_bench_without_suite_prints_help(capsys):
+    rc, out, _ = run(capsys, "bench")
+    assert rc == 2 and "SUITE" in out
+
+
+def test_generate_missing_dir_is_a_message(capsys):
+    rc, _, err = run(capsys, "generate", "--model", "/nonexistent/k3nn/ckpt")
+    assert rc == 2
+    assert "k3nn generate: error:" in err and "Traceback" not in err
+
+
+def test_generate_offline_hub_miss_is_a_message(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    rc, _, err = run(capsys, "generate", "--model", "nobody/not-a-k3nn-model", "--offline")
+    assert rc == 2
+    assert "offline" in err.lower() or "downloads are off" in err
+    assert "local directory" in err
+
+
+def test_generate_random_tiny(capsys):
+    rc, _, err = run(capsys, "generate", "--preset", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "3")
+    assert rc == 0
+    assert "random weights" in err and "Generation: 3 tokens" in err
