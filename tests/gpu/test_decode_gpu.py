@@ -48,3 +48,23 @@ def test_latency_specialized_graph_equals_standard(model, B):
     info = model.last_decode_info
     assert info["path"] == "latency_specialized" and info["graph"] and info["fallback"] is None, info
     assert torch.equal(a, b)
+
+
+def test_decode_kernels_on_gpu(model, monkeypatch):
+    """The latency path's small Triton kernels (opt-in: K3NN_DECODE_KERNELS) on the GPU: same tokens, and each
+    kernel == its eager form."""
+    from k3nn.decode import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 1, 7168, device="cuda", generator=g).bfloat16()
+    w = torch.randn(7168, device="cuda", generator=g).bfloat16()
+    torch.testing.assert_close(K.rmsnorm(x, w, 1e-5, impl="triton"), K.rmsnorm(x, w, 1e-5, impl="eager"))
+    gu = torch.randn(3, 2 * 3072, device="cuda", generator=g).bfloat16() * 4
+    for act in ("silu", "situ"):
+        torch.testing.assert_close(K.glu(gu, act, impl="triton").float(), K.glu(gu, act, impl="eager").float(),
+                                   atol=2e-2, rtol=1e-2)
+    monkeypatch.setattr(K, "default_impl", "auto")
+    ids = _prompt(2, 8, 21)[0]
+    a = model.generate(ids, max_new_tokens=10, cuda_graph=False)
+    b = model.generate(ids, max_new_tokens=10, decode_backend="latency_specialized")
+    assert model.last_decode_info["graph"] and torch.equal(a, b)

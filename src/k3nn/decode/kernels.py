@@ -8,11 +8,15 @@
 * ``route``: sigmoid router scores, bias-corrected top-k selection, raw-score weights, renormalisation and
   scaling (:func:`k3nn.layers.moe.route` without expert groups) — one launch instead of ~10.
 
-``impl``: None → Triton on CUDA tensors, eager elsewhere; ``"triton"`` forces the kernel (CPU tensors need
-``TRITON_INTERPRET=1``: how the tests check them); ``"eager"`` the plain-PyTorch form (the reference).
+``impl``: ``"triton"`` forces the kernel (CPU tensors need ``TRITON_INTERPRET=1``: how the tests check them);
+``"eager"`` the plain-PyTorch form (the reference); None → ``default_impl``, set from ``$K3NN_DECODE_KERNELS``:
+unset / ``"eager"`` = eager (the default until the kernels have run on a GPU: they are verified under the
+Triton interpreter only), ``"auto"`` = Triton on CUDA tensors, eager elsewhere, ``"triton"`` = always Triton.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -28,15 +32,15 @@ except Exception:  # pragma: no cover - triton missing
     triton = None
 
 
-#: what ``impl=None`` means: None = Triton on CUDA tensors, eager elsewhere; "triton" / "eager" force one
-default_impl: str | None = None
+#: what ``impl=None`` means: "auto" = Triton on CUDA tensors, eager elsewhere; "triton" / "eager" force one
+default_impl: str = os.environ.get("K3NN_DECODE_KERNELS", "eager") or "eager"
 
 
 def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
     impl = impl or default_impl
-    if impl not in (None, "triton", "eager"):
-        raise ValueError(f"impl must be None, 'triton' or 'eager', got {impl!r}")
-    if impl is None:
+    if impl not in ("auto", "triton", "eager"):
+        raise ValueError(f"impl must be None, 'auto', 'triton' or 'eager', got {impl!r}")
+    if impl == "auto":
         return triton is not None and t.is_cuda
     return impl == "triton"
 
