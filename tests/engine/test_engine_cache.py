@@ -241,3 +241,16 @@ def test_long_random_workload_equals_uncached_generation(model):
         assert e.requests[rid].output == reference(model, prompts[i], lens[i]), f"request {i}"
     assert e.prefix.hits > 0
     e.prefix.check_invariants()
+
+
+def test_engine_batch_example_runs(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "engine_batch.py"
+    spec = importlib.util.spec_from_file_location("engine_batch_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = mod.main(["--num-prompts", "5", "--max-new-tokens", "2", "--prompt-len", "64", "--max-num-seqs", "2"])
+    assert m["finished"] == 5 and m["generated_tokens"] == 10
+    assert "cache hit rate" in capsys.readouterr().out
