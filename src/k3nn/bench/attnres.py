@@ -58,6 +58,8 @@ def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict
         if with_eager:
             eager_ms = _rotating_ms([lambda s=s: attnres_mix_reference(s, qw, nw, 1e-5) for s in sets], graph)
         for kw in variants or [{}]:
+            e = rel_err(attnres_mix_triton(sets[0], qw, nw, 1e-5, **kw), ref)
+            assert e < 1e-2, f"attnres_mix T={T} S={S} {kw}: rel err {e}"
             ms = _rotating_ms([lambda s=s: attnres_mix_triton(s, qw, nw, 1e-5, **kw) for s in sets], graph)
             tag = "".join(f" {k}={int(v)}" for k, v in kw.items())
             rows.append({"case": f"mix d={d} T={T} S={S} bf16{tag}", "k3nn_ms": round(ms, 5),

@@ -139,9 +139,18 @@ def _attnres_kernel(
 
 
 def _num_warps(block_d: int) -> int:
-    # One row of accumulator + source per program; measured on the H200 at d = 7168: 8 warps beat 16
-    # (and 4) from 5 sources up, at every token count.
-    return max(1, min(8, block_d // 1024))
+    # One row of accumulator + source per program; 8 warps at d = 7168 (H200: beats 16 and 4 from 5 sources).
+    return max(1, min(16, block_d // 1024))
+
+
+def _mix_config(block_d: int, n_sources: int) -> dict:
+    """Default schedule of the fused mix, from the H200 sweeps in bench/results/attnres-*.json (d = 7168,
+    T = 8192): 2 sources stream best with 4 warps and one row of prefetch (78% of copy BW); from 3 sources
+    on, two rows of prefetch, the query re-read from L1 and one joined reduction per source (S=9: 0.52 ms vs
+    0.61 ms for the plain schedule)."""
+    if n_sources <= 2:
+        return dict(num_warps=max(1, min(16, block_d // 2048)), prefetch=1, qv_reload=False, join=False)
+    return dict(num_warps=_num_warps(block_d), prefetch=2, qv_reload=True, join=True)
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -206,15 +215,20 @@ def phase2_supports(o, m, l, partial, query_weight, norm_weight, eps=1e-5, updat
 
 
 def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float = 1e-5, *, num_warps: int | None = None, prefetch: int = 1,
-                       qv_reload: bool = False, join: bool = False) -> torch.Tensor:
-    """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`)."""
+                       eps: float = 1e-5, *, num_warps: int | None = None, prefetch: int | None = None,
+                       qv_reload: bool | None = None, join: bool | None = None) -> torch.Tensor:
+    """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`).
+    The keyword knobs override the measured default schedule (:func:`_mix_config`); results are identical."""
     d = sources[0].shape[-1]
+    cfg = _mix_config(triton.next_power_of_2(d), len(sources))
+    for k, v in (("num_warps", num_warps), ("prefetch", prefetch), ("qv_reload", qv_reload), ("join", join)):
+        if v is not None:
+            cfg[k] = v
     srcs = [_rows(s, d) for s in sources]
     n = srcs[0].shape[0]
     out = _alloc(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps,
-            num_warps=num_warps, prefetch=prefetch, qv_reload=qv_reload, join=join)
+            **cfg)
     return out
 
 
