@@ -3,7 +3,9 @@
 Grid (B, H, D/32): a program owns a ``[D, 32]`` column block of one request-head's fp32 state, which stays in
 registers across the T tokens and is written back once (small blocks: many programs in flight, so the state
 streams at close to copy bandwidth). The last program of a request-head to finish (an atomic arrival counter)
-applies the gated RMSNorm over the whole head and rewrites the conv state, after every program has read it. Roundings follow the eager
+applies the gated RMSNorm over the whole head and rewrites the conv state, after every program has read it.
+The counters live in one per-device buffer that every call leaves at zero; two calls running concurrently on
+different streams would share it, so issue decode calls of one device from one stream. Roundings follow the eager
 reference (conv output, SiLU output, L2-normed q/k and o are rounded to the activation dtype where the
 reference rounds them) so bf16 results agree closely. See :mod:`.decode` for the contract.
 """
