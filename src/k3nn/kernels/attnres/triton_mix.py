@@ -3,9 +3,11 @@
 One program handles one (query, token row): it walks the S sources with an online softmax over depth,
 holding the fp32 accumulator and the current source row (d ≤ 16384) in registers, so every source row
 is read from memory exactly once and no stacked copy of the sources is ever made (their base pointers
-travel as a tuple argument). Per source: one load, two row reductions (Σv², Σv·q), one rescale::
+travel as a tuple argument). Per source: one load (issued up to two sources ahead), the row sums Σv·q and
+Σv² (optionally as one joined reduction), one rescale::
 
-    s = (v · q) / sqrt(mean(v²) + eps);  M = max(m, s);  acc = e^{m−M} acc + e^{s−M} v;  l = e^{m−M} l + e^{s−M}
+    s = (v · q) / sqrt(mean(v²) + eps);  M = max(m, s)
+    acc = e^{m−M} acc + e^{s−M} v;  l = e^{m−M} l + e^{s−M}
 
 Modes (constexpr): ``attnres_mix`` (normalise and store h), phase 1 (Q queries, store the unnormalised
 state o, m, l; the Q programs of a token are adjacent so its source rows are served from L2 after the
