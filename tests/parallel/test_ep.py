@@ -37,6 +37,7 @@ def _model(kind, mx):
 
 
 def _worker(rank, world, init_file):
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from k3nn.parallel.ep import apply_expert_parallel

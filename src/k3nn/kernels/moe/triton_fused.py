@@ -41,16 +41,21 @@ def _mx_mode(dtype: torch.dtype, mode: str | None) -> int:
     return m
 
 
-def _configs(kind: str):
+_CONFIGS = {  # (BLOCK_N, BLOCK_K, warps, stages), per (kind, kernel); checked for register spills on sm_90
+    ("small", "up"): ((64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3)),  # BLOCK_M 16: weight-bandwidth bound
+    ("small", "down"): ((128, 128, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3)),
+    ("mid", "up"): ((128, 64, 8, 3), (64, 128, 4, 3), (128, 64, 4, 4)),  # BLOCK_M 32 / 64
+    ("mid", "down"): ((128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3)),
+    ("large", "up"): ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)),  # BLOCK_M 128: compute bound
+    ("large", "down"): ((128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 8, 3)),
+}
+
+
+def _configs(kind: str, which: str):
     if _INTERP:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    if not _TUNE:
-        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3)]
-    if kind == "small":  # decode / few rows per expert: weight-bandwidth bound
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                for bn, bk, w, s in ((64, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 3))]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3))]
+    cfgs = _CONFIGS[(kind, which)] if _TUNE else _CONFIGS[(kind, which)][:1]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in cfgs]
 
 
 @triton.jit
@@ -150,7 +155,7 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 def _make_up(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
+    @triton.autotune(configs=_configs(kind, "up"), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
     @triton.jit
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                 NUM_BLOCKS, N, K, top_k, num_pairs,
@@ -212,7 +217,7 @@ def _make_up(kind):
 
 
 def _make_down(kind):
-    @triton.autotune(configs=_configs(kind), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
+    @triton.autotune(configs=_configs(kind, "down"), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
     @triton.jit
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
@@ -259,8 +264,8 @@ def _make_down(kind):
     return _moe_down
 
 
-_UP = {k: _make_up(k) for k in ("small", "large")}
-_DOWN = {k: _make_down(k) for k in ("small", "large")}
+_UP = {k: _make_up(k) for k in ("small", "mid", "large")}
+_DOWN = {k: _make_down(k) for k in ("small", "mid", "large")}
 
 
 @triton.jit
@@ -334,7 +339,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     bm = pick_block_m(P, E)
     al = align if align is not None and align.block_m == bm else moe_align(topk_ids, E, bm)
     nb = al.expert_ids.numel()
-    kind = "small" if bm <= 16 else "large"
+    kind = "small" if bm <= 16 else ("mid" if bm <= 64 else "large")
     mx_mode = _mx_mode(x.dtype, mx_mode)
     afmt = "fp16" if x.dtype == torch.float16 else "bf16"
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no silent TF32)
