@@ -127,3 +127,14 @@ def test_bad_inputs_raise_naming_the_argument():
         ops.kda_fused_decode(*args, S, cs, idx, gate_kind="relu")
     with pytest.raises(ValueError, match="N=1 < B=2"):
         ops.kda_fused_decode(*args, S[:1], cs[:1])
+
+
+def test_cuda_backend_states_why_it_cannot_run_here():
+    from k3nn.kernels.registry import BackendUnavailableError, available_backends
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the reason given on a machine without CUDA")
+    assert "CUDA is not available" in available_backends()["kda_fused_decode"]["cuda"]
+    args, S, cs, idx = make(1, 1, 1, 16, 4, 1, 0)
+    with pytest.raises(BackendUnavailableError, match="cuda: CUDA is not available"), k3nn.backend("cuda"):
+        ops.kda_fused_decode(*args, S, cs, idx)

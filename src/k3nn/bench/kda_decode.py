@@ -15,6 +15,7 @@ import argparse
 import torch
 
 from .. import backend, ops
+from ..kernels.kda import cuda_decode
 from .common import graph_bench_ms, print_table, rel_err, write_results
 
 SUITE = "kda-decode"
@@ -81,6 +82,14 @@ def _cases(cases, rows, fr, gen, D, W):
         state_bytes = 2 * B * H * D * D * 4
         row = {"case": f"B{B} T{T} H{H} D{D} W{W} bf16 fp32-state gate={gate_kind}", "k3nn_ms": round(ms, 5),
                "k3nn_us": round(ms * 1e3, 2), "tbps": round(state_bytes / ms / 1e9, 3), "err_vs_eager": float(f"{err:.3g}")}
+        if cuda_decode.available() is None:  # the CUDA kernel (opt-in: K3NN_KDA_CUDA=1), same inputs
+            S_c, cs_c = S.clone(), cs.clone()
+            with backend("cuda"):
+                y_c = ops.kda_fused_decode(*p.values(), S_c, cs_c, idx, **kw)
+                row["cuda_err_vs_eager"] = float(f"{max(rel_err(y_c, y_r), rel_err(S_c, S_r)):.3g}")
+                ms_c = graph_bench_ms(lambda: ops.kda_fused_decode(*p.values(), S_c, cs_c, idx, **kw))
+            row["cuda_us"] = round(ms_c * 1e3, 2)
+            row["cuda_tbps"] = round(state_bytes / ms_c / 1e9, 3)
         if fr is not None:
             y = p["qkv"].float().reshape(B, T, 3, H, D)
             q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))

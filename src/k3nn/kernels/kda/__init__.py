@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from ..registry import register
 from .api import check_kda_inputs, normalise_checkpoints
+from . import cuda_decode
 from .decode import kda_fused_decode_reference
 from .reference import kda_recurrent_reference
 
 register("kda_chunk", "eager")(kda_recurrent_reference)
 register("kda_recurrent", "eager")(kda_recurrent_reference)
 register("kda_fused_decode", "eager")(kda_fused_decode_reference)
+register("kda_fused_decode", "cuda", supports=cuda_decode.supports,
+         available=cuda_decode.available)(cuda_decode.kda_fused_decode_cuda)  # built on first use
 
 try:  # Triton backends (registration is cheap: nothing compiles until first call)
     import triton  # noqa: F401
