@@ -14,6 +14,7 @@ Routing weights are applied late (after W2), as K3's SiTU contract requires.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -25,6 +26,7 @@ from .align import MoEAlignment, moe_align
 
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
 
+log = logging.getLogger(__name__)
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: autotune over several tile configs on a GPU (K3NN_MOE_TUNE=0: the first config only, e.g. for quick tests)
 _TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
@@ -34,8 +36,13 @@ MX_MODES = {"join": 0, "split": 1, "scaled": 2}
 MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
 
 
+_SCALED_BROKEN = False
+
+
 def _mx_mode(dtype: torch.dtype, mode: str | None) -> int:
     m = MX_MODES[mode or MX_DEFAULT]
+    if m == 2 and _SCALED_BROKEN:
+        m = 1
     if m == 2 and dtype == torch.float32:  # dot_scaled takes bf16/fp16 activations only
         m = 1
     return m
@@ -356,17 +363,32 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     se1 = (s1.stride(0), s1.stride(1)) if mx else (0, 0)
     act = 0 if activation == "silu" else 1
     cap = linear_beta is not None
-    grid_up = lambda meta: (nb * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
-    _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids, al.num_rows,
-                       nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1], h.stride(0),
-                       float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
-                       ACT=act, CAP_UP=cap, MXFP4=mx, MX_MODE=mx_mode, AFMT=afmt, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
     se2 = (s2.stride(0), s2.stride(1)) if mx else (0, 0)
     y2 = y.view(P, D)
+    grid_up = lambda meta: (nb * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
     grid_dn = lambda meta: (nb * triton.cdiv(D, meta["BLOCK_N"]),)  # noqa: E731
-    _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
-                         nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
-                         MXFP4=mx, MX_MODE=mx_mode, AFMT=afmt, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
+
+    def launch(mode: int) -> None:
+        _UP[kind][grid_up](x, p1, p3, s1 if mx else p1, s3 if mx else p3, h, al.sorted_ids, al.expert_ids,
+                           al.num_rows, nb, I, D, k, P, x.stride(0), p1.stride(0), p1.stride(1), se1[0], se1[1],
+                           h.stride(0), float(beta if beta is not None else 1.0), float(linear_beta if cap else 1.0),
+                           ACT=act, CAP_UP=cap, MXFP4=mx, MX_MODE=mode, AFMT=afmt, PREC=prec, BLOCK_M=bm,
+                           GROUP_M=group_m)
+        _DOWN[kind][grid_dn](h, p2, s2 if mx else p2, y2, al.sorted_ids, al.expert_ids, al.num_rows,
+                             nb, D, I, P, h.stride(0), p2.stride(0), p2.stride(1), se2[0], se2[1], y2.stride(0),
+                             MXFP4=mx, MX_MODE=mode, AFMT=afmt, PREC=prec, BLOCK_M=bm, GROUP_M=group_m)
+
+    if mx and mx_mode == 2 and not _INTERP:
+        try:
+            launch(2)
+        except Exception as err:  # a Triton build whose dot_scaled cannot lower this: same numerics via "split"
+            global _SCALED_BROKEN
+            _SCALED_BROKEN = True
+            log.warning("fused MoE: tl.dot_scaled failed to compile (%s: %s); using the 'split' MXFP4 decode",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            launch(1)
+    else:
+        launch(mx_mode)
     return y
 
 
