@@ -180,10 +180,22 @@ def test_decodes_first_and_mixed_steps_use_contiguous_rows(model):
         if len(step) == 2:  # mixed step: the decode batch runs first, on rows [0, D)
             assert decode_rows and decode_rows[0][0] == 0 and step[1][0][0] == len(step[0][0])
         for rows, n, _, _ in step:
-            if max(n) > 1:
-                assert sum(n) <= 100  # the prefill budget of this step
+            assert sum(x for x in n if x > 1) <= 100  # the prefill budget of this step
     assert [e.requests[r].output for r in (ra, rb, rc)] == [reference(model, a, 6), reference(model, b, 3),
                                                             reference(model, c, 3)]
+
+
+def test_short_prefill_chunks_share_the_decode_forward(model):
+    e = engine(model, mixed_forward_max_tokens=64)
+    a, b = rand_ids(30, 33), rand_ids(40, 34)
+    ra = e.add_request(a, max_new_tokens=4)
+    e.step()
+    rb = e.add_request(b, max_new_tokens=2)
+    e.step()
+    rows, n, cached, _ = e.log[-1]
+    assert len(e.log) == 2 and n == [1, 40] and rows == [0, 1] and cached == [30, 0]
+    list(e.stream())
+    assert e.requests[ra].output == reference(model, a, 4) and e.requests[rb].output == reference(model, b, 2)
 
 
 def test_sampling_with_seed_is_reproducible_with_cache(model):

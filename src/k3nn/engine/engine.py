@@ -15,8 +15,9 @@ One :meth:`Engine.step`:
 3. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
    layers then read/write contiguous slices. Rows move only when the membership changes (arrivals,
    completions), not per layer or per forward.
-4. **Run** at most two forwards (decodes ``[D, 1]``; prefills ``[P, T]`` right-padded, KDA states of short rows
-   and planned snapshots exported in the same pass), sample, then **commit**: index the new full pages and
+4. **Run** one mixed forward ``[D + P, T]`` when the prefill chunks are short (≤ ``mixed_forward_max_tokens``),
+   else two (decodes ``[D, 1]``, then prefills ``[P, T]``); rows are right-padded and the KDA state of a short
+   row, like every planned snapshot, is exported inside the same pass. Sample, then **commit**: index the new full pages and
    snapshots (visible to lookups from the next step on), finish requests, free their rows and pages.
 """
 
@@ -49,6 +50,7 @@ class EngineConfig:
     budget: str = "adaptive"  # "adaptive" | "fixed"
     reserve_per_seq: int = 1  # tokens reserved per decode (1 + speculative tokens)
     min_prefill_tokens: int = 64  # the prefill budget never drops below this (no starvation)
+    mixed_forward_max_tokens: int = 16  # prefill chunks up to this run in the decodes' forward (right-padded)
     enable_prefix_caching: bool = True
     retention: str | RetentionPolicy | None = "marconi"
     eviction: str | EvictionPolicy | None = "lru"
@@ -396,14 +398,15 @@ class Engine:
         prefills.sort(key=lambda x: x[0].row)
         outputs: list[RequestOutput] = []
         produced: list[tuple[Request, int]] = []
-        if decodes:
-            logits = self._forward(decodes, [1] * len(decodes), decodes[0].row)
-            produced += [(r, t) for r, t in zip(decodes, self._sample(decodes, logits))
-                         if not (r.prefill_only and r.remaining <= 0 and not r.output)]
-        if prefills:
-            reqs = [r for r, _ in prefills]
-            ns = [n for _, n in prefills]
-            snaps = [self._plan_snapshots(r, n) for r, n in prefills]
+        rows = [(r, 1) for r in decodes] + list(prefills)
+        if prefills and max(n for _, n in prefills) > self.config.mixed_forward_max_tokens and decodes:
+            batches = [rows[:len(decodes)], rows[len(decodes):]]  # decodes first, then the (long) prefills
+        else:
+            batches = [rows]  # one mixed forward: short chunks cost little padding
+        for batch in batches:
+            reqs = [r for r, _ in batch]
+            ns = [n for _, n in batch]
+            snaps = [self._plan_snapshots(r, n) for r, n in batch]
             absolute = [[(r.num_computed + p, s) for p, s in sn] for r, sn in zip(reqs, snaps)]
             logits = self._forward(reqs, ns, reqs[0].row, snaps)
             done = [b for b, r in enumerate(reqs) if r.remaining == 0 and not r.prefill_only]
@@ -411,7 +414,6 @@ class Engine:
                 toks = self._sample([reqs[b] for b in done], logits[done])
                 produced += [(reqs[b], t) for b, t in zip(done, toks)]
             self._commit_prefix(reqs, absolute)
-        self._commit_prefix(decodes, [[] for _ in decodes])  # prompts whose last token ran as a decode
         now = time.perf_counter()
         for r, t in produced:
             r.output.append(int(t))
