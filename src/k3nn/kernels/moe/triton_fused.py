@@ -7,8 +7,12 @@ Pipeline (all on device, no host sync)::
     down    y[f]  = h[r] W2_eᵀ                              scattered back to flat id f = token·k + slot
     final   out[t] = Σ_j w[t,j] y[t,j]  (+ RMSNorm · gain for the latent tail: deferred finalization)
 
-MXFP4 weights (packed u8 [E, N, K/2], E8M0 scale u8 [E, N, K/32]) are decoded in registers: nibbles →
-E2M1 bits → fp32 × 2^(s−127) → the activation dtype, then ``tl.dot`` (Hopper has no FP4 MMA).
+MXFP4 weights (packed u8 [E, N, K/2], E8M0 scale u8 [E, N, K/32]) are decoded in-kernel (Hopper has no FP4
+MMA). Default for bf16/fp16 activations: ``tl.dot_scaled`` (the compiler's E2M1 upcast; note its E8M0 byte 0
+decodes as 0 instead of 2^-127, i.e. weights below 1e-37 flush to zero). fp32 activations, or
+``K3NN_MOE_MX=split``: a hand-written decode (nibbles → E2M1 bits → fp32 × 2^(s−127), exact for every scale)
+feeding two dots per tile (even / odd k). Static SASS count on sm_90 (loop body): ≈12–14 instructions per
+packed weight byte for either, i.e. the decode is issue-bound below the HBM rate.
 Routing weights are applied late (after W2), as K3's SiTU contract requires.
 """
 
