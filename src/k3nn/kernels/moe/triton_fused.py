@@ -11,8 +11,8 @@ MXFP4 weights (packed u8 [E, N, K/2], E8M0 scale u8 [E, N, K/32]) are decoded in
 MMA). Default for bf16/fp16 activations: ``tl.dot_scaled`` (the compiler's E2M1 upcast; note its E8M0 byte 0
 decodes as 0 instead of 2^-127, i.e. weights below 1e-37 flush to zero). fp32 activations, or
 ``K3NN_MOE_MX=split``: a hand-written decode (nibbles → E2M1 bits → fp32 × 2^(s−127), exact for every scale)
-feeding two dots per tile (even / odd k). Static SASS count on sm_90 (loop body): ≈12–14 instructions per
-packed weight byte for either, i.e. the decode is issue-bound below the HBM rate.
+feeding two dots per tile (even / odd k). Static SASS count on sm_90 (loop body, per packed weight byte):
+≈12–14 instructions for ``scaled``, ≈40 for ``split`` — the decode is issue-bound below the HBM rate.
 Routing weights are applied late (after W2), as K3's SiTU contract requires.
 """
 
