@@ -127,6 +127,24 @@ def test_marconi_three_request_sequence(model, retention):
     assert [r.output for r in (r1, r2, r3)] == [reference(model, p, 2) for p in ps]
 
 
+@pytest.mark.parametrize("retain", [True, False])
+def test_next_turn_reuses_the_answer(model, retain):
+    """Decode-state retention: turn 2 = turn-1 prompt + answer + more resumes past the turn-1 prompt (from the
+    state kept when decoding crossed 128), and generates what uncached generation does."""
+    e = engine(model, retain_decode_state=retain)
+    p1 = rand_ids(100, 50)
+    r1 = e.add_request(p1, max_new_tokens=40)
+    list(e.stream())
+    p2 = p1 + e.requests[r1].output + rand_ids(10, 51)
+    r2 = e.add_request(p2, max_new_tokens=3)
+    list(e.stream())
+    assert e.requests[r2].hit_len == (128 if retain else 64)
+    assert e.requests[r2].output == reference(model, p2, 3)
+    assert e.pools.snapshots.num_free == e.pools.snapshots.num_slots - sum(
+        x.snapshot is not None for x in e.prefix.entries.values())  # no leaked private snapshot
+    e.prefix.check_invariants()
+
+
 def test_eviction_under_pressure_never_touches_running_requests(model):
     """A pool too small to keep every prefix: the index evicts (leaves first), running requests keep their
     pages and states, outputs stay exact."""

@@ -32,7 +32,7 @@ import torch
 
 from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
-from ..cache.prefix import PrefixCache, PrefixMatch
+from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
 from ..generation import GenerationConfig, sample_next
 from .request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -51,6 +51,7 @@ class EngineConfig:
     reserve_per_seq: int = 1  # tokens reserved per decode (1 + speculative tokens)
     min_prefill_tokens: int = 64  # the prefill budget never drops below this (no starvation)
     mixed_forward_max_tokens: int = 16  # prefill chunks up to this run in the decodes' forward (right-padded)
+    retain_decode_state: bool = True  # index prompt + answer and the last 64-aligned decode state on finish
     enable_prefix_caching: bool = True
     retention: str | RetentionPolicy | None = "marconi"
     eviction: str | EvictionPolicy | None = "lru"
@@ -165,6 +166,9 @@ class Engine:
         self._release(req, RequestStatus.FINISHED, "exported")
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        if req.decode_snap is not None:
+            self.pools.snapshots.free([req.decode_snap[1]])
+            req.decode_snap = None
         if req.row is not None:
             self.row_owner[req.row] = None
             req.row = None
@@ -414,6 +418,7 @@ class Engine:
                 toks = self._sample([reqs[b] for b in done], logits[done])
                 produced += [(reqs[b], t) for b, t in zip(done, toks)]
             self._commit_prefix(reqs, absolute)
+            self._track_decode_state(reqs)
         now = time.perf_counter()
         for r, t in produced:
             r.output.append(int(t))
@@ -427,6 +432,7 @@ class Engine:
                 finished, reason = True, "length"
             if finished:
                 r.finish_reason = reason
+                self._retain_finished(r)
                 self._release(r, RequestStatus.FINISHED, reason)
             outputs.append(RequestOutput(r.request_id, [int(t)], finished, reason,
                                          list(r.output) if finished else None))
@@ -450,6 +456,42 @@ class Engine:
             for p, slot in snaps:
                 if not self.prefix.add_snapshot(r.keys[p // self.pools.block_size - 1], slot):
                     self.pools.snapshots.free([slot])
+
+    def _track_decode_state(self, reqs: Sequence[Request]) -> None:
+        """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding
+        request completes a 64-token block past its prompt; it is indexed when the request finishes, so the
+        next chat turn (prompt + answer + more) resumes past the answer."""
+        if self.prefix is None or not self.config.retain_decode_state:
+            return
+        U = self.pools.block_size
+        for r in reqs:
+            n = r.num_computed
+            if r.prefill_only or not r.output or n % U or n <= r.num_prompt_tokens:
+                continue
+            if r.decode_snap is None:
+                if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
+                    continue
+                r.decode_snap = (n, self.pools.snapshots.allocate(1)[0])
+            slot = r.decode_snap[1]
+            self.pools.snapshots.copy_([slot], self.pools.running, [r.row])
+            r.decode_snap = (n, slot)
+
+    def _retain_finished(self, r: Request) -> None:
+        """Index the full pages of everything the request fed (prompt + answer) and its last decode state."""
+        if self.prefix is None or not self.config.retain_decode_state or r.prefill_only:
+            return
+        U = self.pools.block_size
+        fed = r.all_tokens()[:r.num_computed]
+        keys = list(r.keys)
+        keys += block_hashes(fed, U, self.prefix.salt, keys[-1] if keys else None, len(keys))
+        full = min(len(keys), r.num_computed // U, len(r.blocks))
+        if full > r.indexed_blocks:
+            self.prefix.insert(keys, r.blocks, full)
+            r.indexed_blocks = full
+        if r.decode_snap is not None:
+            p, slot = r.decode_snap
+            if p // U <= full and self.prefix.add_snapshot(keys[p // U - 1], slot):
+                r.decode_snap = None  # the index owns the slot now
 
     # -- loops ------------------------------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:

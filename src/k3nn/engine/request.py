@@ -55,6 +55,7 @@ class Request:
     kv_len: int = 0
     plan: list[int] = field(default_factory=list)  # absolute snapshot positions still to export
     indexed_blocks: int = 0
+    decode_snap: tuple[int, int] | None = None  # (position, private snapshot slot) of the last aligned decode state
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -77,10 +78,6 @@ class Request:
 
     def tokens_to_feed(self, n: int) -> list[int]:
         return self.all_tokens()[self.num_computed:self.num_computed + n]
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens - (1 if self.prefill_only else 0) and not self.output
 
 
 @dataclass
