@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MoEAlignment", "moe_align", "max_blocks"]
+__all__ = ["MoEAlignment", "moe_align", "moe_align_triton", "max_blocks", "align_for"]
 
 
 class MoEAlignment(NamedTuple):
@@ -48,3 +48,112 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     used = pend[-1:]
     expert_ids = torch.where(bstart < used, expert_ids, -1).to(torch.int32)
     return MoEAlignment(sorted_ids, expert_ids, used.to(torch.int32), block_m)
+
+
+def _align_kernel_src():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _moe_align_small(ids_ptr, sorted_ptr, eid_ptr, num_rows_ptr, scratch_ptr, P, E, S, NB,
+                         BLOCK_M: tl.constexpr, MAX_BPE: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
+        """One program: counts by atomics (the returned old count is the pair's rank inside its expert),
+        padded offsets by cumsum, then block expert ids and the scatter of flat ids."""
+        offs_e = tl.arange(0, BLOCK_E)
+        em = offs_e < E
+        cnt_ptr = scratch_ptr
+        start_ptr = scratch_ptr + BLOCK_E
+        tl.store(cnt_ptr + offs_e, tl.zeros((BLOCK_E,), tl.int32), mask=em)
+        for f0 in range(0, S, BLOCK_F):  # sentinel everywhere first
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            tl.store(sorted_ptr + offs_f, tl.full((BLOCK_F,), 0, tl.int32) + P, mask=offs_f < S)
+        for f0 in range(0, NB, BLOCK_F):
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            tl.store(eid_ptr + offs_f, tl.full((BLOCK_F,), -1, tl.int32), mask=offs_f < NB)
+        tl.debug_barrier()
+        offs_p = tl.arange(0, BLOCK_P)
+        pm = offs_p < P
+        ids = tl.load(ids_ptr + offs_p, mask=pm, other=0).to(tl.int32)
+        rank = tl.atomic_add(cnt_ptr + ids, tl.full((BLOCK_P,), 1, tl.int32), mask=pm)
+        tl.debug_barrier()
+        counts = tl.load(cnt_ptr + offs_e, mask=em, other=0, volatile=True)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pend = tl.cumsum(padded, 0)
+        pstart = pend - padded
+        tl.store(start_ptr + offs_e, pstart, mask=em)
+        for j in range(0, MAX_BPE):
+            tl.store(eid_ptr + pstart // BLOCK_M + j, offs_e, mask=em & (j * BLOCK_M < padded))
+        tl.store(num_rows_ptr, tl.sum(padded, 0))
+        tl.debug_barrier()
+        dest = tl.load(start_ptr + ids, mask=pm, other=0, volatile=True) + rank
+        tl.store(sorted_ptr + dest, offs_p, mask=pm)
+
+    return _moe_align_small
+
+
+_KERNEL = None
+#: the one-program alignment handles up to this many (token, slot) pairs (decode-sized batches)
+SMALL_PAIRS = 1024
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """One-launch alignment for small batches (≤ ``SMALL_PAIRS`` pairs). Pairs of one expert appear in an
+    unspecified order (atomics); every pair appears exactly once, so the expert outputs are unchanged."""
+    import triton
+
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _align_kernel_src()
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    P = flat.numel()
+    if P > SMALL_PAIRS:
+        raise ValueError(f"moe_align_triton: {P} pairs exceed {SMALL_PAIRS}; use moe_align")
+    dev = flat.device
+    nb = max_blocks(P, num_experts, block_m)
+    block_e = triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=dev)
+    _KERNEL[(1,)](flat, sorted_ids, expert_ids, num_rows, scratch, P, num_experts, nb * block_m, nb,
+                  BLOCK_M=block_m, MAX_BPE=-(-P // block_m), BLOCK_P=triton.next_power_of_2(max(P, 16)),
+                  BLOCK_E=block_e, BLOCK_F=1024, num_warps=4)
+    return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
+
+
+_SELF_CHECK: dict[tuple[str, int | None], bool] = {}
+
+
+def _same_alignment(a: MoEAlignment, b: MoEAlignment) -> bool:
+    if not (torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)):
+        return False
+    bm = a.block_m
+    return torch.equal(a.sorted_ids.view(-1, bm).sort(1).values, b.sorted_ids.view(-1, bm).sort(1).values)
+
+
+def _one_launch_ok(dev: torch.device) -> bool:
+    """The one-launch kernel is used on a device once it reproduced ``moe_align`` there (checked on the first
+    call outside graph capture, like autotuning); otherwise the multi-kernel torch path is kept."""
+    key = (dev.type, dev.index)
+    if key not in _SELF_CHECK:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        ids = (torch.arange(60, device=dev).view(15, 4) * 5 + 3) % 7
+        ok = all(_same_alignment(moe_align(ids, 7, bm), moe_align_triton(ids, 7, bm)) for bm in (4, 16))
+        if not ok:
+            import logging
+
+            logging.getLogger(__name__).warning("one-launch MoE alignment disagrees with moe_align on %s; "
+                                                "keeping the torch alignment", dev)
+        _SELF_CHECK[key] = ok
+    return _SELF_CHECK[key]
+
+
+def align_for(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """The alignment the fused kernels use: one launch for decode-sized batches, else :func:`moe_align`."""
+    if topk_ids.numel() <= SMALL_PAIRS and num_experts <= 8192 and _one_launch_ok(topk_ids.device):
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align(topk_ids, num_experts, block_m)

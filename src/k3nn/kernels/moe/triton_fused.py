@@ -2,7 +2,8 @@
 
 Pipeline (all on device, no host sync)::
 
-    align   topk_ids → sorted flat ids padded per expert to BLOCK_M, one expert id per block   (align.py)
+    align   topk_ids → sorted flat ids padded per expert to BLOCK_M, one expert id per block   (align.py;
+            one launch for decode-sized batches)
     up      h[r]  = act(x[tok(r)] W1_eᵀ, x[tok(r)] W3_eᵀ)   rows r in sorted order; SiLU/SiTU in the epilogue
     down    y[f]  = h[r] W2_eᵀ                              scattered back to flat id f = token·k + slot
     final   out[t] = Σ_j w[t,j] y[t,j]  (+ RMSNorm · gain for the latent tail: deferred finalization)
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...quant.mxfp4 import MXFP4Weight
-from .align import MoEAlignment, moe_align
+from .align import MoEAlignment, align_for
 
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
 
@@ -348,7 +349,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     if P == 0:
         return y
     bm = pick_block_m(P, E)
-    al = align if align is not None and align.block_m == bm else moe_align(topk_ids, E, bm)
+    al = align if align is not None and align.block_m == bm else align_for(topk_ids, E, bm)
     nb = al.expert_ids.numel()
     kind = "small" if bm <= 16 else ("mid" if bm <= 64 else "large")
     mx_mode = _mx_mode(x.dtype, mx_mode)
