@@ -16,6 +16,19 @@ def tiny_target(dtype=torch.float32, **overrides) -> KimiK3:
     return KimiK3(KimiK3Config.tiny(**kw), dtype=dtype, backend="eager", seed=0)
 
 
+def structured_target(alpha: float = 0.25) -> KimiK3:
+    """A tiny target whose head is tilted towards a random token permutation: dominant transitions plus context
+    effects, so even an untrained DSpark drafter (sharing embedding and lm_head) gets partial acceptance."""
+    model = KimiK3(KimiK3Config.tiny(), backend="eager", seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        V, d = model.config.vocab_size, model.config.hidden_size
+        E = torch.randn(V, d, generator=g)
+        model.model.embed_tokens.weight.copy_(E)
+        model.lm_head.weight.copy_(alpha * E[torch.randperm(V, generator=g)] + 0.5 * torch.randn(V, d, generator=g))
+    return model
+
+
 class OracleDrafter:
     """Drafts the target's own greedy continuation ``ref`` [B, n] but corrupts draft ``accept[b]`` (0-based) of
     every round, so row b accepts exactly min(accept[b], verified) drafts per round when decoding is correct.

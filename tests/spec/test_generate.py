@@ -7,7 +7,9 @@ import torch
 
 from k3nn.spec import SpecOptions
 
-from .helpers import OracleDrafter, tiny_target
+from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+from .helpers import OracleDrafter, structured_target, tiny_target
 
 GAMMA = 4
 N_NEW = 11
@@ -136,3 +138,19 @@ def test_synthetic_acceptance_length(target, prompt, reference):
 def test_zero_new_tokens(target, prompt):
     d = OracleDrafter(prompt, torch.tensor([6, 6]), (0, 0), target.config.vocab_size)
     assert torch.equal(target.generate(prompt, max_new_tokens=0, drafter=d), prompt)
+
+
+@pytest.mark.parametrize("rollback", ["replay", "slots"])
+def test_dspark_drafter_end_to_end_greedy(rollback):
+    """The real drafter (target hidden states as context, Markov head) with real, partial acceptance."""
+    target = structured_target()
+    drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=1, num_heads=2, block_size=GAMMA,
+                                                    markov_rank=16), target)
+    drafter.spec_options = SpecOptions(rollback=rollback)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 255, (2, 6), generator=g)
+    ref = target.generate(ids, max_new_tokens=14)
+    out = target.generate(ids, max_new_tokens=14, drafter=drafter, num_assistant_tokens=GAMMA)
+    assert torch.equal(out, ref)
+    st = drafter.last_stats
+    assert 0 < st.accepted < st.drafted and 1.0 < st.acceptance_length < GAMMA + 1

@@ -139,7 +139,7 @@ def test_memory_accounting():
     slots = rollback_memory_bytes(cfg, 7, strategy="slots")
     replay = rollback_memory_bytes(cfg, 7, strategy="replay")
     assert slots["committed"] == replay["committed"] == n_kda * (state + 3 * 3 * H * D * 2)
-    assert slots["extra"] == n_kda * (8 * state + 8 * cfg.hidden_size * 2)
+    assert slots["extra"] == n_kda * (9 * state + 8 * cfg.hidden_size * 2)
     assert replay["extra"] == n_kda * (state + 8 * cfg.hidden_size * 2)
     assert slots["extra"] > 7 * replay["extra"]
     assert rollback_memory_bytes(cfg, 7, batch_size=4)["extra"] == 4 * replay["extra"]

@@ -214,10 +214,10 @@ def rollback_memory_bytes(config, gamma: int, batch_size: int = 1, strategy: str
     """Bytes the KDA side of speculative decoding holds per batch, for a verify window of γ + 1 tokens.
 
     ``committed``: the recurrent (fp32) + conv state every request has anyway. ``extra``: what the strategy adds
-    during a window — ``slots``: γ + 1 exported states per KDA layer plus the window inputs used to recompute
-    the conv state; ``replay``: the window inputs (hidden size d per token per KDA layer) plus one transient
-    final state per layer (the op's output, freed at commit). ``mla_extra`` is 0 for both: rejected MLA entries
-    are masked in place and overwritten by the next window.
+    (per KDA layer and request): both keep one working copy of the state that the window writes (so in-place
+    decode kernels never touch the committed state) and the window's layer inputs (hidden size d per token,
+    activation dtype); ``slots`` also holds the γ + 1 states exported by the window. ``mla_extra`` is 0 for
+    both: rejected MLA entries are masked in place and overwritten by the next window.
     """
     if strategy not in ROLLBACK_STRATEGIES:
         raise ValueError(f"unknown rollback strategy {strategy!r}; choose one of {ROLLBACK_STRATEGIES}")
@@ -228,10 +228,7 @@ def rollback_memory_bytes(config, gamma: int, batch_size: int = 1, strategy: str
     conv = (W - 1) * 3 * H * D * act
     T = gamma + 1
     x_rec = T * config.hidden_size * act
-    if strategy == "slots":
-        extra = T * state + x_rec
-    else:
-        extra = state + x_rec
+    extra = state + x_rec + (T * state if strategy == "slots" else 0)
     committed = n_kda * batch_size * (state + conv)
     extra_total = n_kda * batch_size * extra
     return {"committed": committed, "extra": extra_total, "total": committed + extra_total, "mla_extra": 0,
