@@ -120,9 +120,11 @@ class Engine:
         V = self.mcfg.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"prompt has token ids outside [0, vocab_size={V})")
+        if params is not None and sampling:
+            raise TypeError("give a SamplingParams or sampling keyword arguments, not both")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams(**sampling)
-        if sampling and params is not None and not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
         params.validate()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
