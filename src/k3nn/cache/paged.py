@@ -179,13 +179,18 @@ class PagedMLAState:
     """One MLA layer's view: writes the new latents into the requests' pages, returns every visible latent."""
 
     def __init__(self, owner: "PagedHybridCache", layer_idx: int):
-        self.owner, self.pool = owner, owner.pools.mla_pool(layer_idx)
+        self.owner, self.pool_tensor = owner, owner.pools.mla_pool(layer_idx)
+
+    def pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_pool [num_pages, 64, r + dr], block_table [B, n] int32) — the layout ``ops.mla_decode`` reads
+        (same interface as :meth:`k3nn.cache.hybrid.MLAState.pool`); lengths are ``owner.num_cached``."""
+        return self.pool_tensor, self.owner.block_table
 
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask, start: int):
         o = self.owner
         B, T = c.shape[:2]
-        write_latents(self.pool, o.write_slots, c, k_r)
-        rows = gather_latents(self.pool, o.block_table, o.gather_len)
+        write_latents(self.pool_tensor, o.write_slots, c, k_r)
+        rows = gather_latents(self.pool_tensor, o.block_table, o.gather_len)
         r = c.shape[-1]
         return rows[..., :r], rows[..., r:], o.key_mask, o.q_pos
 
