@@ -84,7 +84,10 @@ class DecoderLayer(nn.Module):
         return ops.attnres_mix(sources, proj.weight[0], norm.weight, norm.eps)
 
     def mixer(self, h: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
-        x = self.input_layernorm(h)
+        return self.attention(self.input_layernorm(h), state, attention_mask, positions, start, checkpoint_positions)
+
+    def attention(self, x: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
+        """The token mixer on an already normalised input."""
         if self.is_mla:
             return self.self_attn(x, state, attention_mask, positions, start)
         return self.self_attn(x, state, attention_mask, checkpoint_positions=checkpoint_positions)
@@ -119,6 +122,63 @@ class KimiK3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
 
+    #: inference with AttnRes uses the two-phase form (one batched phase 1 per block of layers, then an
+    #: online-softmax merge per sublayer fused with the residual add and the next RMSNorm); same function,
+    #: different rounding order. Training (grad enabled) and fp64 keep the per-sublayer mix.
+    attn_res_two_phase: bool = True
+
+    def _use_two_phase(self, h: torch.Tensor) -> bool:
+        return (self.config.use_attn_res and self.attn_res_two_phase and not torch.is_grad_enabled()
+                and h.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+    def _block_queries(self, s: int, e: int):
+        """Stacked pseudo-queries of layers [s, e) in call order (+ the output query after the last layer)."""
+        projs, norms = [], []
+        for i in range(s, e):
+            lay = self.layers[i]
+            projs += [lay.self_attention_res_proj, lay.mlp_res_proj]
+            norms += [lay.self_attention_res_norm, lay.mlp_res_norm]
+        if e == len(self.layers):
+            projs.append(self.output_attn_res_proj)
+            norms.append(self.output_attn_res_norm)
+        return torch.stack([p.weight[0] for p in projs]), torch.stack([n.weight for n in norms]), norms[0].eps
+
+    def _two_phase(self, h, cache, attention_mask, positions, start, output_layers, checkpoint_positions):
+        """Block AttnRes, two-phase (paper Algorithm 1): the stored blocks change only at block starts, so all
+        queries of a block are scored against them once; each sublayer then merges the intra-block partial."""
+        bs, L = self.config.attn_res_block_size, len(self.layers)
+        blocks: list[torch.Tensor] = []
+        partial, pending = h, None
+        captured = []
+        for s in range(0, L, bs):
+            e = min(s + bs, L)
+            if pending is not None:
+                partial, pending = partial + pending, None
+            blocks.append(partial)  # mix before push: the attention query of layer s sees exactly these
+            partial = None
+            W, G, eps = self._block_queries(s, e)
+            o, m, l = ops.attnres_phase1(blocks, W, G, eps)
+            k = 0
+            for i in range(s, e):
+                lay = self.layers[i]
+                state = cache.layers[i] if cache is not None else None
+                r = ops.attnres_phase2(o[k], m[k], l[k], partial, W[k], G[k], eps, update=pending,
+                                       post_norm_weight=lay.input_layernorm.weight,
+                                       post_norm_eps=lay.input_layernorm.eps, dtype=h.dtype)
+                partial = r.partial
+                pending = lay.attention(r.normed, state, attention_mask, positions, start, checkpoint_positions)
+                r = ops.attnres_phase2(o[k + 1], m[k + 1], l[k + 1], partial, W[k + 1], G[k + 1], eps,
+                                       update=pending, post_norm_weight=lay.post_attention_layernorm.weight,
+                                       post_norm_eps=lay.post_attention_layernorm.eps, dtype=h.dtype)
+                partial = r.partial
+                pending = lay.ffn(r.normed)
+                k += 2
+                if output_layers is not None and i in output_layers:
+                    captured.append(partial + pending)
+        r = ops.attnres_phase2(o[k], m[k], l[k], partial, W[k], G[k], eps, update=pending,
+                               post_norm_weight=self.norm.weight, post_norm_eps=self.norm.eps, dtype=h.dtype)
+        return r.normed, captured
+
     def forward(self, input_ids=None, inputs_embeds=None, cache: HybridCache | None = None, attention_mask=None,
                 output_layers: list[int] | None = None, checkpoint_positions=None):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -129,6 +189,12 @@ class KimiK3Model(nn.Module):
             start = 0
             m = torch.ones(B, T, dtype=torch.long, device=h.device) if attention_mask is None else attention_mask.long()
             positions = (m.cumsum(1) - 1).clamp_min(0)
+        if self._use_two_phase(h):
+            out, captured = self._two_phase(h, cache, attention_mask, positions, start, output_layers,
+                                            checkpoint_positions)
+            if cache is not None:
+                cache.commit(T, attention_mask)
+            return out, captured
         rs = ResidualState(h)
         captured = []
         for i, layer in enumerate(self.layers):

@@ -136,3 +136,26 @@ def test_float64_gradients_flow_through_every_layer():
     dead = [n for n, p in m.named_parameters() if p.grad is None]
     # layer 0's attention pseudo-query exists in K3 checkpoints but has nothing to mix (one source)
     assert dead == ["model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"]
+
+
+@pytest.mark.parametrize("layers, mla, block", [(4, [1, 3], 2), (5, [1, 4], 2), (4, [1, 3], 3), (3, [2], 12)])
+def test_attnres_two_phase_inference_equals_per_sublayer_mix(layers, mla, block):
+    cfg = KimiK3Config.tiny(num_hidden_layers=layers, mla_layers=mla, attn_res_block_size=block)
+    m = KimiK3(cfg, seed=1).eval()
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # non-zero pseudo-queries, so the softmax over depth is not uniform
+        for name, p in m.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ids = torch.randint(0, 256, (2, 9), generator=g)
+    with torch.no_grad():
+        two = m(ids, output_hidden_layers=[0, layers - 1])
+        cache = m.new_cache(2, 9)
+        inc = torch.cat([m(ids[:, :5], cache=cache).logits, m(ids[:, 5:6], cache=cache).logits,
+                         m(ids[:, 6:], cache=cache).logits], 1)
+        m.model.attn_res_two_phase = False
+        one = m(ids, output_hidden_layers=[0, layers - 1])
+    torch.testing.assert_close(two.logits, one.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inc, one.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(two.hidden_states, one.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
