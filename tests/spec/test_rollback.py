@@ -84,7 +84,16 @@ def test_window_rollback_bit_exact_per_row(strategy, data):
 @given(T=st.integers(1, 5), a=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_replay_bit_exact_with_generic_weights(T, a, seed):
     """ReplaySSM rebuilds with the layer itself on the same rows: bit-exact without any special weights."""
-    a = min(a, T)
+    _replay_generic(T, min(a, T), seed)
+
+
+@pytest.mark.parametrize("a", [1, 9, 18])
+def test_replay_long_window_chunk_path(a):
+    """A window longer than the fused decode limit goes through the chunked op (not in place)."""
+    _replay_generic(18, a, 7)
+
+
+def _replay_generic(T, a, seed):
     cfg = KimiK3Config.tiny(num_hidden_layers=1, mla_layers=[], use_attn_res=False)
     model = KimiK3(cfg, backend="eager", seed=1)
     kda = model.model.layers[0].self_attn

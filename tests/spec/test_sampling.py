@@ -21,7 +21,9 @@ def setup():
     drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=1, num_heads=2, block_size=2,
                                                     markov_rank=8), target)
     with torch.no_grad():  # a drafter whose q clearly differs from p, so both accept and reject paths run
-        drafter.markov_proj.weight.normal_(0, 2.0, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        drafter.markov_proj.weight.normal_(0, 2.0, generator=g)
+        drafter.confidence.weight.normal_(0, 1.0, generator=g)  # confidences spread around 0.5
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     return target, drafter, prompt
 
@@ -55,15 +57,20 @@ def _chi2_pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 6)])
-def test_speculative_sampling_matches_target_marginals(setup, temperature, top_k):
+@pytest.mark.parametrize("temperature,top_k,threshold", [(1.0, 0, 0.0), (0.7, 6, 0.0), (1.0, 0, 0.5)])
+def test_speculative_sampling_matches_target_marginals(setup, temperature, top_k, threshold):
+    """threshold > 0: the verify length stops at the first draft whose confidence (which depends on the sampled
+    previous draft through the Markov embedding) is below it — still lossless."""
     target, drafter, prompt = setup
-    drafter.spec_options = SpecOptions()
+    drafter.spec_options = SpecOptions(confidence_threshold=threshold)
     out = target.generate(prompt.expand(N_ROWS, -1), max_new_tokens=4, do_sample=True, temperature=temperature,
                           top_k=top_k, seed=123, drafter=drafter, num_assistant_tokens=2)
+    drafter.spec_options = None
     st = drafter.last_stats
     assert 0.05 < st.acceptance_rate < 0.95  # both the accept and the residual paths were exercised
     assert st.position_tried[1] > 0 and 0 < st.position_accepted[1] < st.position_tried[1]
+    if threshold:  # the confidence cut removed some verifications at each position
+        assert st.drafted < 2 * st.row_rounds and st.position_tried[1] < st.position_accepted[0]
     p1, p2, p3 = _exact_marginals(target, prompt, temperature, top_k)
     new = out[:, prompt.shape[1]:]
     for i, p in enumerate((p1, p2, p3)):
