@@ -34,8 +34,8 @@ def triton_chunk(*a, **kw):
         return ops.kda_chunk(*a, **kw)
 
 
-@given(B=st.integers(1, 2), T=st.integers(1, 130), H=st.integers(1, 2), K=st.sampled_from([16, 32, 24]),
-       V=st.sampled_from([16, 32, 20]), gate=st.sampled_from(["softplus", "lower_bound"]),
+@given(B=st.integers(1, 2), T=st.integers(1, 130), H=st.integers(1, 2), K=st.sampled_from([16, 32, 24, 48]),
+       V=st.sampled_from([16, 32, 20, 48]), gate=st.sampled_from(["softplus", "lower_bound"]),
        with_h0=st.booleans(), data=st.data(), seed=st.integers(0, 2 ** 16))
 def test_chunk_fwd_matches_reference(B, T, H, K, V, gate, with_h0, data, seed):
     cps = [sorted(data.draw(st.lists(st.integers(0, T), max_size=3))) for _ in range(B)]
@@ -95,16 +95,28 @@ def test_gradient_without_initial_state_and_without_final_state():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("decay", [30.0, 300.0])
-def test_unbounded_gate_large_decay_is_finite_and_exact(decay):
+@pytest.mark.parametrize("decay,K", [(30.0, 16), (300.0, 16), (30.0, 64)])
+def test_unbounded_gate_large_decay_is_finite_and_exact(decay, K):
     # softplus gate scaled so that a 16-token block spans hundreds of nats: the pairwise diagonal path
-    q, k, v, g, beta, h0 = make(1, 80, 2, 16, 16, 3, decay=decay)
+    # (K = 64: two key-channel blocks, each deciding its own path)
+    q, k, v, g, beta, h0 = make(1, 80, 2, K, 16, 3, decay=decay)
     g[:, :, 0, :4] = -1e-3  # and some channels that barely decay, mixed with the fast ones
     o, ht = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     ro, rht = kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     torch.testing.assert_close(o, ro, **TOL)
     torch.testing.assert_close(ht, rht, **TOL)
+
+
+def test_several_key_and_value_blocks():
+    """K = V = 80: three key blocks and three value blocks of 32 in the intra kernel, the last one partial."""
+    q, k, v, g, beta, h0 = make(1, 100, 1, 80, 80, 4, gate="lower_bound")
+    o, ht, ck = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, checkpoint_positions=[50])
+    ro, rht, rck = kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                           checkpoint_positions=[50])
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(ht, rht, **TOL)
+    torch.testing.assert_close(ck, rck, **TOL)
 
 
 def test_length_one_and_empty():

@@ -89,76 +89,96 @@ def _put(X_ptr, ro: tl.constexpr, co: tl.constexpr, x):
     tl.store(X_ptr + (ro + r)[:, None] * 64 + co + r[None, :], x)
 
 
+@triton.jit
+def _strip(q, k, g, bos, pid_h, H, L, kb, s: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """Contribution of key channels [kb, kb + BKB) to rows 16s..16s+15 of Akk (unscaled, all 64 columns) and
+    of Aqk; the reference is the strip's first row, the diagonal block pairwise when its decay is too wide."""
+    r64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    rk = kb + tl.arange(0, BKB)
+    mk = rk < K
+    mrow = r64 < L
+    tok = (bos + r64).to(tl.int64)
+    offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
+    G = tl.cumsum(tl.load(g + offk, mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32), 0)
+    k_all = tl.load(k + offk, mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    rs = s * 16 + r16
+    ms2 = (rs < L)[:, None] & mk[None, :]
+    offs = ((bos + rs).to(tl.int64) * H + pid_h)[:, None] * K + rk[None, :]
+    g_s = tl.load(g + offs, mask=ms2, other=0.0).to(tl.float32)
+    pre = tl.sum(tl.where(r64[:, None] == s * 16 - 1, G, 0.0), 0)  # G at the row before the strip
+    G_s = tl.cumsum(g_s, 0) + pre[None, :]
+    c = tl.sum(tl.where(r16[:, None] == 0, G_s, 0.0), 0)
+    q_s = tl.load(q + offs, mask=ms2, other=0.0).to(tl.float32)
+    k_s = tl.load(k + offs, mask=ms2, other=0.0).to(tl.float32)
+    ef = tl.exp(G_s - c[None, :])
+    ex = tl.where(r64[:, None] < (s + 1) * 16, tl.minimum(c[None, :] - G, SPAN), -float("inf"))
+    kc = k_all * tl.exp(ex)
+    cA = tl.dot(k_s * ef, tl.trans(kc))
+    cQ = tl.dot(q_s * ef, tl.trans(kc))
+    span = tl.max(tl.max(c[None, :] - G_s, 1), 0)
+    if span > SPAN:
+        # pairwise exact diagonal block: e^{G_i - G_j} <= 1 for j <= i, never overflows
+        for j in range(16):
+            sel = r16[:, None] == j
+            kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
+            Gj = tl.sum(tl.where(sel, G_s, 0.0), 0)
+            e = tl.exp(tl.minimum(G_s - Gj[None, :], 0.0))
+            hit = r64[None, :] == s * 16 + j
+            cA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], cA)
+            cQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], cQ)
+    return cA, cQ
+
+
 @triton.autotune(configs=_intra_configs(), key=["K", "V"])
 @triton.jit
 def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
                qg_out, kg_out, w_out, u_out, A_out, egl_out, scratch,
                scale, H,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, SPAN: tl.constexpr):
+               K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
+    # Everything is blocked over key channels (BKB) and value channels (BVB): the decay is per channel, and
+    # only sums over channels (the dots) couple them, so no [64, K] fp32 tile is ever live (no spills).
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     bos = tl.load(chunk_start + pid_c)
     L = tl.load(chunk_len + pid_c)
     r64 = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
-    rk = tl.arange(0, BK)
-    rv = tl.arange(0, BVF)
-    mk = rk < K
-    mv = rv < V
     mrow = r64 < L
     tok = (bos + r64).to(tl.int64)
-    m2 = mrow[:, None] & mk[None, :]
-    offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
-    g_all = tl.load(g + offk, mask=m2, other=0.0).to(tl.float32)
-    G = tl.cumsum(g_all, 0)
-    Gl = tl.sum(tl.where(r64[:, None] == L - 1, G, 0.0), 0)
-    k_all = tl.load(k + offk, mask=m2, other=0.0).to(tl.float32)
-    q_all = tl.load(q + offk, mask=m2, other=0.0).to(tl.float32)
+    ob = (pid_c * H + pid_h).to(tl.int64)
     b_all = tl.load(beta + tok * H + pid_h, mask=mrow, other=0.0).to(tl.float32)
 
-    ob = (pid_c * H + pid_h).to(tl.int64)
-    o64k = ob * 64 * K + r64[:, None] * K + rk[None, :]
-    ok_mask = mk[None, :] & (r64[:, None] < 64)
-    tl.store(qg_out + o64k, (q_all * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=ok_mask)
-    tl.store(kg_out + o64k, (k_all * tl.exp(Gl[None, :] - G)).to(kg_out.dtype.element_ty), mask=ok_mask)
-    tl.store(egl_out + ob * K + rk, tl.exp(Gl), mask=mk)
+    # qg = scale·q·e^G, kg = k·e^{G_last − G}, e^{G_last}
+    for kb in range(0, K, BKB):
+        rk = kb + tl.arange(0, BKB)
+        mk = rk < K
+        m2 = mrow[:, None] & mk[None, :]
+        offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
+        G = tl.cumsum(tl.load(g + offk, mask=m2, other=0.0).to(tl.float32), 0)
+        Gl = tl.sum(tl.where(r64[:, None] == L - 1, G, 0.0), 0)
+        o64k = ob * 64 * K + r64[:, None] * K + rk[None, :]
+        okm = mk[None, :] & (r64[:, None] < 64)
+        q_b = tl.load(q + offk, mask=m2, other=0.0).to(tl.float32)
+        tl.store(qg_out + o64k, (q_b * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=okm)
+        k_b = tl.load(k + offk, mask=m2, other=0.0).to(tl.float32)
+        tl.store(kg_out + o64k, (k_b * tl.exp(Gl[None, :] - G)).to(kg_out.dtype.element_ty), mask=okm)
+        tl.store(egl_out + ob * K + rk, tl.exp(Gl), mask=mk)
 
     Lp = scratch + ob * 2 * 64 * 64
     Xp = Lp + 64 * 64
     Ap = A_out + ob * 64 * 64
     for s in tl.static_range(4):
-        rs = s * 16 + r16
+        accA = tl.zeros([16, 64], dtype=tl.float32)
+        accQ = tl.zeros([16, 64], dtype=tl.float32)
+        for kb in range(0, K, BKB):
+            cA, cQ = _strip(q, k, g, bos, pid_h, H, L, kb, s, K, BKB, SPAN)
+            accA += cA
+            accQ += cQ
+        rs = s * 16 + tl.arange(0, 16)
         ms = rs < L
-        tok_s = (bos + rs).to(tl.int64)
-        offs = tok_s * H + pid_h
-        ms2 = ms[:, None] & mk[None, :]
-        g_s = tl.load(g + offs[:, None] * K + rk[None, :], mask=ms2, other=0.0).to(tl.float32)
-        pre = tl.sum(tl.where(r64[:, None] == s * 16 - 1, G, 0.0), 0)  # G at the row before the strip
-        G_s = tl.cumsum(g_s, 0) + pre[None, :]
-        c = tl.sum(tl.where(r16[:, None] == 0, G_s, 0.0), 0)
-        q_s = tl.load(q + offs[:, None] * K + rk[None, :], mask=ms2, other=0.0).to(tl.float32)
-        k_s = tl.load(k + offs[:, None] * K + rk[None, :], mask=ms2, other=0.0).to(tl.float32)
-        ef = tl.exp(G_s - c[None, :])
-        ex = tl.where(r64[:, None] < (s + 1) * 16, tl.minimum(c[None, :] - G, SPAN), -float("inf"))
-        kc = k_all * tl.exp(ex)
-        Akk = tl.dot(k_s * ef, tl.trans(kc))
-        Aqk = tl.dot(q_s * ef, tl.trans(kc))
-        span = tl.max(tl.max(c[None, :] - G_s, 1), 0)
-        if span > SPAN:
-            # pairwise exact diagonal block: e^{G_i - G_j} <= 1 for j <= i, never overflows
-            for j in range(16):
-                sel = r16[:, None] == j
-                kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
-                Gj = tl.sum(tl.where(sel, G_s, 0.0), 0)
-                e = tl.exp(tl.minimum(G_s - Gj[None, :], 0.0))
-                ck = tl.sum(k_s * kj[None, :] * e, 1)
-                cq = tl.sum(q_s * kj[None, :] * e, 1)
-                hit = r64[None, :] == s * 16 + j
-                Akk = tl.where(hit, ck[:, None], Akk)
-                Aqk = tl.where(hit, cq[:, None], Aqk)
-        b_s = tl.load(beta + tok_s * H + pid_h, mask=ms, other=0.0).to(tl.float32)
-        Lm = tl.where((r64[None, :] < rs[:, None]) & ms[:, None], Akk * b_s[:, None], 0.0)
-        Am = tl.where((r64[None, :] <= rs[:, None]) & ms[:, None], Aqk * scale, 0.0)
+        b_s = tl.load(beta + (bos + rs).to(tl.int64) * H + pid_h, mask=ms, other=0.0).to(tl.float32)
+        Lm = tl.where((r64[None, :] < rs[:, None]) & ms[:, None], accA * b_s[:, None], 0.0)
+        Am = tl.where((r64[None, :] <= rs[:, None]) & ms[:, None], accQ * scale, 0.0)
         tl.store(Lp + rs[:, None] * 64 + r64[None, :], Lm)
         tl.store(Ap + rs[:, None] * 64 + r64[None, :], Am.to(A_out.dtype.element_ty))
     tl.debug_barrier()
@@ -195,14 +215,26 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
     tl.debug_barrier()
     X = tl.load(Xp + r64[:, None] * 64 + r64[None, :], mask=(r64[None, :] // 16) <= (r64[:, None] // 16),
                 other=0.0)
-    kb = k_all * tl.exp(G) * b_all[:, None]
-    w = tl.dot(X, kb)
-    tl.store(w_out + o64k, w.to(w_out.dtype.element_ty), mask=ok_mask)
-    offv = (tok * H + pid_h)[:, None] * V + rv[None, :]
-    v_all = tl.load(v + offv, mask=mrow[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    u = tl.dot(X, v_all * b_all[:, None])
-    tl.store(u_out + ob * 64 * V + r64[:, None] * V + rv[None, :], u.to(u_out.dtype.element_ty),
-             mask=mv[None, :] & (r64[:, None] < 64))
+
+    # w = X (β ⊙ k ⊙ e^G), u = X (β ⊙ v)
+    for kb in range(0, K, BKB):
+        rk = kb + tl.arange(0, BKB)
+        mk = rk < K
+        m2 = mrow[:, None] & mk[None, :]
+        offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
+        G = tl.cumsum(tl.load(g + offk, mask=m2, other=0.0).to(tl.float32), 0)
+        k_b = tl.load(k + offk, mask=m2, other=0.0).to(tl.float32)
+        w = tl.dot(X, k_b * tl.exp(G) * b_all[:, None])
+        tl.store(w_out + ob * 64 * K + r64[:, None] * K + rk[None, :], w.to(w_out.dtype.element_ty),
+                 mask=mk[None, :] & (r64[:, None] < 64))
+    for vb in range(0, V, BVB):
+        rv = vb + tl.arange(0, BVB)
+        mv = rv < V
+        v_b = tl.load(v + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=mrow[:, None] & mv[None, :],
+                      other=0.0).to(tl.float32)
+        u = tl.dot(X, v_b * b_all[:, None])
+        tl.store(u_out + ob * 64 * V + r64[:, None] * V + rv[None, :], u.to(u_out.dtype.element_ty),
+                 mask=mv[None, :] & (r64[:, None] < 64))
 
 
 @triton.jit
@@ -340,7 +372,7 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
         egl = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
         scratch = torch.empty(NC, H, 2, 64, 64, dtype=torch.float32, device=dev)
         _kda_intra[(NC, H)](q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H,
-                            K=K, V=V, BK=BK, BVF=BVF, SPAN=_SPAN)
+                            K=K, V=V, BKB=min(32, BK), BVB=min(32, BVF), SPAN=_SPAN)
         h0 = initial_state.float().contiguous() if initial_state is not None else qg
         grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
         recur = _kda_recur_f32 if dt == torch.float32 else _kda_recur
