@@ -96,11 +96,15 @@ class KimiDeltaAttention(nn.Module):
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
         """fla / Megatron init: A_log = log U[1, 16] (0 for the bounded gate), dt_bias = softplus⁻¹(dt)."""
+        # drawn on the CPU (where the generator lives), then copied to the parameters' device
+        def uniform(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=torch.float32).uniform_(lo, hi, generator=generator).to(t.device)
+
         if self.gate_kind == "softplus":
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16, generator=generator).log())
+            self.A_log.copy_(uniform(self.A_log, 1, 16).log())
         else:
             self.A_log.zero_()
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
+        dt = uniform(self.dt_bias, math.log(1e-3), math.log(1e-1)).exp()
         dt = dt.clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
