@@ -112,7 +112,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     cap = T0 + min(B, gamma + 1) * n_new + gamma + 2
     cache = model.new_cache(B, cap)
     dstate = drafter.new_state(B, cap)
-    out = torch.full((B, n_new), pad, dtype=torch.long, device=dev)
+    out = torch.full((B, n_new + 1), pad, dtype=torch.long, device=dev)  # + a spare column for masked writes
     n_out = torch.zeros(B, dtype=torch.long, device=dev)
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     streamed = 0
@@ -129,9 +129,8 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             valid &= j <= first[:, None]
             finished |= is_eos.any(1)
         valid &= (n_out[:, None] + j) < n_new
-        cols = (n_out[:, None] + j).clamp(max=n_new - 1)
-        rows = torch.arange(B, device=dev)[:, None].expand_as(cols)
-        out[rows[valid], cols[valid]] = tokens[valid]
+        cols = torch.where(valid, n_out[:, None] + j, n_new)  # invalid writes land in the spare last column
+        out.scatter_(1, cols, tokens)
         n_out.add_(valid.sum(1))
         finished |= n_out >= n_new
 
@@ -210,6 +209,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     stats.drafted, stats.accepted = int(drafted), int(accepted)
     stats.emitted = int(n_out.sum()) - B
     stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
+    out = out[:, :n_new]
     if eos.numel():
         has = torch.isin(out, eos)
         if bool(has.any(1).all()):
