@@ -35,8 +35,8 @@ def test_demo_end_to_end_and_reuse(tmp_path, capsys):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["unigram_loss"] > 0 and res["heldout_loss"] > 0
     assert res["identical"] is True  # greedy speculative == plain greedy
-    assert res["acceptance_length_heldout"] >= 1.0
-    assert "[3/5] target: KimiK3" in first and "speculative (DSpark)" in first
+    assert res["acceptance_length_heldout_greedy"] >= 1.0 and res["acceptance_length_heldout_sampled"] >= 1.0
+    assert "[3/5] target: KimiK3" in first and "speculative greedy:" in first and "speculative sampled:" in first
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -35,8 +35,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DemoSize", "SIZES", "Corpus", "load_corpus", "train_tokenizer", "encode_docs", "unigram_loss",
-           "model_config", "train_model", "heldout_loss", "train_drafter", "acceptance_on_heldout", "main"]
+__all__ = ["EOS", "MASK", "DemoSize", "SIZES", "Corpus", "load_corpus", "is_heldout", "train_tokenizer",
+           "encode_docs", "unigram_loss", "eval_windows", "batches", "model_config", "chunked_eager_kda",
+           "train_model", "heldout_loss", "train_drafter", "timed_generate", "acceptance_on_heldout",
+           "default_out_dir", "main"]
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 DEFAULT_PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n'
@@ -67,7 +69,7 @@ SIZES = {
                     drafter_steps=2, gamma=3, lr=3e-3, corpus_mb=0.2),
     # the default: a few minutes on 2 CPU cores
     "small": DemoSize(vocab=2048, hidden=128, layers=4, heads=4, experts=8, seq_len=128, batch=16, steps=300,
-                      drafter_steps=150, gamma=5, lr=3e-3, corpus_mb=4.0),
+                      drafter_steps=300, gamma=5, lr=6e-3, corpus_mb=4.0),
     # ~4x the compute of "small": better samples, ~20 min on 2 cores
     "base": DemoSize(vocab=4096, hidden=256, layers=8, heads=8, experts=16, seq_len=192, batch=16, steps=600,
                      drafter_steps=300, gamma=6, lr=2e-3, corpus_mb=8.0),
@@ -355,25 +357,32 @@ def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed:
 
 
 # ------------------------------------------------------------------------------------------- generation
+SAMPLING = {"do_sample": True, "temperature": 1.0}  # the DSpark papers' acceptance numbers are at T = 1
+
+
 @torch.no_grad()
-def timed_generate(model, ids: list[int], n: int, drafter=None) -> tuple[list[int], float]:
+def timed_generate(model, ids: list[int], n: int, drafter=None, sample: bool = False,
+                   seed: int = 0) -> tuple[list[int], float]:
+    """Greedy (or T = 1 sampled) generation of n tokens → (new ids, seconds)."""
     x = torch.tensor([ids])
+    kw = dict(SAMPLING, seed=seed) if sample else {"do_sample": False}
+    if drafter is not None:
+        kw.update(drafter=drafter, num_assistant_tokens=drafter.config.block_size)
     t = time.perf_counter()
-    kw = {} if drafter is None else {"drafter": drafter, "num_assistant_tokens": drafter.config.block_size}
-    out = model.generate(x, max_new_tokens=n, do_sample=False, **kw)
+    out = model.generate(x, max_new_tokens=n, **kw)
     return out[0, len(ids):].tolist(), time.perf_counter() - t
 
 
 @torch.no_grad()
-def acceptance_on_heldout(model, drafter, tok, docs: list[tuple[str, str]], n_prompts: int = 4,
-                          prompt_tokens: int = 48, new_tokens: int = 48) -> dict:
-    """Greedy speculative decoding from the starts of held-out files: acceptance length over all rounds."""
+def acceptance_on_heldout(model, drafter, tok, docs: list[tuple[str, str]], n_prompts: int = 6,
+                          prompt_tokens: int = 48, new_tokens: int = 48, sample: bool = False) -> dict:
+    """Speculative decoding (greedy, or T = 1 sampling) from the starts of held-out files: acceptance length
+    (tokens per target forward, bonus included) and per-position conditional acceptance over all rounds."""
     accepted = rounds = 0
     per_pos_a, per_pos_t = None, None
-    for _, text in docs[:n_prompts]:
+    for i, (_, text) in enumerate(docs[:n_prompts]):
         ids = tok.encode(text).ids[:prompt_tokens]
-        model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, drafter=drafter,
-                       num_assistant_tokens=drafter.config.block_size)
+        timed_generate(model, ids, new_tokens, drafter, sample=sample, seed=i)
         s = drafter.last_stats
         accepted += s.accepted
         rounds += s.row_rounds
@@ -467,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "base (8 layers, ~4x the compute)")
     p.add_argument("--steps", type=int, default=None, help="target training steps (default: 300 for small)")
     p.add_argument("--drafter-steps", type=int, default=None,
-                   help="drafter training steps (default: 150 for small; 0: no drafter, no speculative decoding)")
+                   help="drafter training steps (default: 300 for small; 0: no drafter, no speculative decoding)")
     p.add_argument("--out", type=Path, default=None,
                    help="where model/, drafter/, loss.png and results.json go (default: ~/.cache/k3nn/demo, "
                         "or $K3NN_HOME/demo)")
@@ -607,32 +616,44 @@ def main(argv: list[str] | None = None) -> int:
     ids = ktok.encode(args.prompt)
     if not ids:
         raise SystemExit("--prompt is empty")
-    say(f"[5/5] generate: greedy, {args.max_new_tokens} new tokens, eager backend on CPU")
+    say(f"[5/5] generate: {args.max_new_tokens} new tokens, eager backend on CPU")
     timed_generate(model, ids, 4)  # warm-up
     plain, dt_plain = timed_generate(model, ids, args.max_new_tokens)
-    bar = "-" * 100
-    say(f"{bar}\n{args.prompt}{ktok.decode(plain)}\n{bar}")
+    rule = "-" * 100
+    say(f"greedy:\n{rule}\n{args.prompt}{ktok.decode(plain)}\n{rule}")
     results = {"heldout_loss": held, "unigram_loss": uni, "train_seconds": hist["seconds"],
                "plain_tokens_per_s": len(plain) / dt_plain}
-    say(f"plain decoding:        {len(plain)} tokens in {dt_plain:.2f}s = {len(plain) / dt_plain:.1f} tokens/s")
+    say(f"plain greedy:          {len(plain) / dt_plain:6.1f} tokens/s")
     if drafter is not None:
         spec, dt_spec = timed_generate(model, ids, args.max_new_tokens, drafter=drafter)
         st = drafter.last_stats
         same = spec == plain
-        say(f"speculative (DSpark):  {len(spec)} tokens in {dt_spec:.2f}s = {len(spec) / dt_spec:.1f} tokens/s "
-            f"({dt_plain / dt_spec:.2f}x), acceptance length {st.acceptance_length:.2f} tokens per target forward "
-            f"(γ={st.gamma}), output {'identical to plain greedy' if same else 'DIFFERS from plain greedy'}")
-        acc = acceptance_on_heldout(model, drafter, tok, corpus.heldout, n_prompts=4 if args.size != "toy" else 1,
-                                    new_tokens=48 if args.size != "toy" else 8)
-        pos = " ".join(f"{p:.2f}" for p in acc["position_acceptance"])
-        say(f"held-out files:        acceptance length {acc['acceptance_length']:.2f} over {acc['rounds']} rounds; "
-            f"per-position acceptance {pos}")
-        results.update(spec_tokens_per_s=len(spec) / dt_spec, speedup=dt_plain / dt_spec,
-                       acceptance_length_prompt=st.acceptance_length, identical=same,
-                       acceptance_length_heldout=acc["acceptance_length"],
-                       position_acceptance_heldout=acc["position_acceptance"])
+        say(f"speculative greedy:    {len(spec) / dt_spec:6.1f} tokens/s ({dt_plain / dt_spec:.2f}x), acceptance length "
+            f"{st.acceptance_length:.2f} (γ={st.gamma}); output "
+            f"{'identical to plain greedy' if same else 'DIFFERS from plain greedy'}")
+        _, dt_ps = timed_generate(model, ids, args.max_new_tokens, sample=True, seed=args.seed)
+        samp, dt_ss = timed_generate(model, ids, args.max_new_tokens, drafter=drafter, sample=True, seed=args.seed)
+        st_s = drafter.last_stats
+        say(f"plain sampled (T=1):   {args.max_new_tokens / dt_ps:6.1f} tokens/s")
+        say(f"speculative sampled:   {len(samp) / dt_ss:6.1f} tokens/s ({dt_ps / dt_ss:.2f}x), acceptance length "
+            f"{st_s.acceptance_length:.2f} (lossless rejection sampling: same distribution as plain sampling)")
+        say(f"sampled (T=1, speculative):\n{rule}\n{args.prompt}{ktok.decode(samp)}\n{rule}")
+        n_p = 6 if args.size != "toy" else 1
+        n_new = 48 if args.size != "toy" else 8
+        acc_g = acceptance_on_heldout(model, drafter, tok, corpus.heldout, n_p, new_tokens=n_new)
+        acc_s = acceptance_on_heldout(model, drafter, tok, corpus.heldout, n_p, new_tokens=n_new, sample=True)
+        fmt = lambda acc: " ".join("-" if p != p else f"{p:.2f}" for p in acc["position_acceptance"])  # noqa: E731
+        say(f"held-out files ({n_p} prompts x {n_new} tokens): acceptance length greedy "
+            f"{acc_g['acceptance_length']:.2f} (per position {fmt(acc_g)}), T=1 sampling "
+            f"{acc_s['acceptance_length']:.2f} (per position {fmt(acc_s)})")
+        results.update(spec_tokens_per_s=len(spec) / dt_spec, speedup_greedy=dt_plain / dt_spec,
+                       speedup_sampled=dt_ps / dt_ss, acceptance_length_prompt=st.acceptance_length,
+                       identical=same, acceptance_length_heldout_greedy=acc_g["acceptance_length"],
+                       acceptance_length_heldout_sampled=acc_s["acceptance_length"],
+                       position_acceptance_heldout_greedy=acc_g["position_acceptance"],
+                       position_acceptance_heldout_sampled=acc_s["position_acceptance"])
     else:
-        say("speculative decoding:  not run (no drafter)")
+        say("speculative decoding: not run (no drafter)")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     say(f"done in {time.perf_counter() - T0:.0f}s. Try: k3nn generate --model {mdir} --offline "
         f"--prompt 'import os' --max-new-tokens 64")
