@@ -23,6 +23,7 @@ from ..ops.moe import check_finite_on_device
 from ..config import KimiK3Config
 from ..quant.mxfp4 import BLOCK, MXFP4Weight
 from .mlp import MLP
+from ..utils import upcast
 from .norm import RMSNorm
 
 __all__ = ["Router", "Experts", "MoE", "route"]
@@ -60,7 +61,7 @@ class Router(nn.Module):
         self.num_group, self.topk_group = config.num_expert_group, config.topk_group
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.weight.float().t()
+        return upcast(x) @ upcast(self.weight).t()  # fp32 (fp64 when checking in fp64)
 
     def forward(self, x: torch.Tensor):
         return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,

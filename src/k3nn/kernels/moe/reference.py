@@ -52,8 +52,10 @@ def moe_expert_outputs_reference(x, w1, w3, w2, topk_ids, activation="silu", bet
 
 
 def moe_latent_finalize_reference(expert_out, topk_weights, norm_weight=None, eps=1e-5, out_dtype=None):
-    """``u = Σ_j w_j y_j`` in fp32; with ``norm_weight``: ``u · rsqrt(mean(u²) + eps) · norm_weight``."""
-    u = (expert_out.float() * topk_weights.float()[..., None]).sum(1)
+    """``u = Σ_j w_j y_j`` in fp32 (fp64 for fp64 inputs); with ``norm_weight``: ``u · rsqrt(mean(u²) + eps) · norm_weight``."""
+    from ...utils import upcast
+
+    u = (upcast(expert_out) * upcast(topk_weights)[..., None]).sum(1)
     if norm_weight is not None:
-        u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * upcast(norm_weight)
     return u.to(out_dtype or expert_out.dtype)
