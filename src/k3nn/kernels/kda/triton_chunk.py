@@ -57,7 +57,9 @@ def _intra_configs():
 def _recur_configs(stages=(2, 3)):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return [triton.Config({"BV": 32}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in stages]
+    cfgs = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in stages]
+    # BV 16: four times the programs of BV 64, for few heads (the chunk loop is sequential per program)
+    return cfgs + [triton.Config({"BV": 16}, num_warps=4, num_stages=s) for s in stages]
 
 
 @triton.jit
@@ -287,9 +289,9 @@ def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_
         tl.store(ht + soff, h, mask=mkv)
 
 
-_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V"])(_kda_recur_kernel)
+_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V", "H"])(_kda_recur_kernel)
 # fp32 operands: pipelined stages do not fit in shared memory, so a separate tuner without them
-_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V"])(_kda_recur_kernel)
+_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V", "H"])(_kda_recur_kernel)
 
 
 @functools.lru_cache(maxsize=64)
