@@ -28,6 +28,7 @@ dots on the GPU).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -51,7 +52,11 @@ def _interp() -> bool:
 def _intra_configs():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
+    cfgs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
+    if "maxnreg" in inspect.signature(triton.Config.__init__).parameters:
+        # 8 warps need ~240 registers (one CTA per SM); capped at 128 ptxas spills ~120 bytes and two CTAs fit
+        cfgs.append(triton.Config({}, num_warps=8, num_stages=1, maxnreg=128))
+    return cfgs
 
 
 def _recur_configs(stages=(2, 3)):
