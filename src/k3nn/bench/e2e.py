@@ -6,7 +6,8 @@ Modes, side by side in one run on the same prefilled cache (cloned per mode):
 * ``eager``: every op on the eager backend, standard decode step, no graph (the anchor);
 * ``triton``: the auto backend (Triton kernels where they exist), standard step, no graph;
 * ``triton+graphs``: the same step captured in a CUDA graph and replayed;
-* ``latency_specialized``: the fused per-layer decode (:mod:`k3nn.decode.fused`) in a CUDA graph.
+* ``latency_specialized``: the fused per-layer decode (:mod:`k3nn.decode.fused`) in a CUDA graph;
+* ``latency_specialized+kernels``: the same with its small Triton kernels (:mod:`k3nn.decode.kernels`).
 
 Each mode's first-step logits are compared with eager's (relative error) and its greedy tokens with eager's
 (agreement up to the first difference: bf16 kernels may flip near-ties). Kernel launches per step are counted
@@ -37,6 +38,8 @@ MODES = {  # name: (backend, cuda_graph, decode_backend)
     "triton": ("auto", False, "auto"),
     "triton+graphs": ("auto", True, "auto"),
     "latency_specialized": ("auto", True, "latency_specialized"),
+    # the same with the path's small Triton kernels (router, GLU, norms, gate: opt-in until measured)
+    "latency_specialized+kernels": ("auto", True, "latency_specialized+kernels"),
 }
 
 
@@ -128,9 +131,22 @@ def count_launches(fn, dev) -> tuple[int, list[dict]]:
 
 
 def run_mode(model, base: HybridCache, first: torch.Tensor, mode: str, steps: int, warm: int = 3):
+    from ..decode import kernels
+
     backend, graph, dec = MODES[mode]
     dev = base.device
     model.backend = backend
+    impl = kernels.default_impl
+    if dec.endswith("+kernels"):
+        dec, kernels.default_impl = dec[: -len("+kernels")], "auto"
+    try:
+        return _run_mode(model, base, first, backend, graph, dec, steps, warm, dev)
+    finally:
+        kernels.default_impl = impl
+        model.backend = None
+
+
+def _run_mode(model, base, first, backend, graph, dec, steps, warm, dev):
     cache = clone_cache(base)
     runner = make_decode_runner(model, cache, cuda_graph=graph, decode_backend=dec)
     nxt, toks, logits0 = first, [], None
@@ -161,7 +177,6 @@ def run_mode(model, base: HybridCache, first: torch.Tensor, mode: str, steps: in
     cache.set_static(runner.mode != "standard")
     n, top = count_launches(lambda: step_fn(nxt[:, None]), dev)
     cache.set_static(False)
-    model.backend = None
     return ms, torch.stack(toks, 1), logits0, info, n, top
 
 
@@ -215,7 +230,7 @@ def main(argv=None):
                     row.update(anchor="k3nn eager", anchor_ms=round(ref[0], 4),
                                speedup=round(ref[0] / ms, 2), logits_rel_err_vs_eager=float(f"{rel_err(l0, ref[2]):.3g}"),
                                greedy_steps_equal_to_eager=int(same.cumprod(0).sum()), greedy_steps=toks.shape[1])
-                if mode == "latency_specialized":
+                if mode.startswith("latency_specialized"):
                     row["top_kernels"] = top
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
