@@ -16,6 +16,7 @@ launches / layers; the latency-specialized rows carry the top kernels by device 
 
     k3nn bench e2e [--batches 1,8,64] [--steps 16] [--ctx 128] [--budget-s 400]
     k3nn bench e2e --allow-cpu --config tiny   (CPU smoke run: timings are not results)
+    torchrun --nproc-per-node 2 -m k3nn.bench.e2e --tp   (tensor parallel over 2 GPUs: e2e-tp-*.json)
 """
 
 from __future__ import annotations
@@ -180,6 +181,17 @@ def _run_mode(model, base, first, backend, graph, dec, steps, warm, dev):
     return ms, torch.stack(toks, 1), logits0, info, n, top
 
 
+def _over_budget(local: bool, tp: bool, dev) -> bool:
+    """Rank 0 decides for every rank (ranks that disagree would deadlock in the collectives)."""
+    if not tp:
+        return local
+    import torch.distributed as dist
+
+    t = torch.tensor([int(local)], device=dev)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
 @torch.no_grad()
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="k3nn bench e2e")
@@ -189,37 +201,53 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=128, help="prompt tokens prefilled before decoding")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
+    ap.add_argument("--tp", action="store_true",
+                    help="under torchrun: shard the model over the ranks (k3nn.parallel.tp); rank 0 writes")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = 0, 1
+    if args.tp:
+        import torch.distributed as dist
+
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = getattr(KimiK3Config, args.config)()
-    model = build_model(cfg, str(dev), dtype)
+    model = build_model(cfg, str(dev), dtype)  # same seed on every rank: the same full weights
+    if args.tp:
+        from ..parallel.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model)
     L = cfg.num_hidden_layers
-    print(f"built {args.config} on {dev} in {time.perf_counter() - t_start:.1f}s", flush=True)
+    tag = f" tp{world}" if args.tp else ""
+    print(f"built {args.config}{tag} on {dev} in {time.perf_counter() - t_start:.1f}s", flush=True)
     rows: list[dict] = []
     modes = [m for m in args.modes.split(",") if m]
     try:
         for B in [int(b) for b in args.batches.split(",")]:
             gen = torch.Generator(device=dev).manual_seed(B)
             ids = torch.randint(0, cfg.vocab_size, (B, args.ctx), generator=gen, device=dev)
-            base = HybridCache(cfg, B, args.ctx + args.steps + 8, dtype, dev, mla_pool=True)
+            base = HybridCache(model.config, B, args.ctx + args.steps + 8, dtype, dev, mla_pool=True)
             logits = model(ids, cache=base, logits_to_keep=1).logits[:, -1]
             first = logits.argmax(-1)
             ref = None
             for mode in modes:
-                if time.perf_counter() - t_start > args.budget_s:
+                if _over_budget(time.perf_counter() - t_start > args.budget_s, args.tp, dev):
                     print(f"budget reached: skipping B={B} {mode}", flush=True)
                     continue
                 t0 = time.perf_counter()
                 try:
                     ms, toks, l0, info, n, top = run_mode(model, base, first, mode, args.steps)
                 except Exception as e:  # record and go on: one broken mode must not lose the others
-                    rows.append({"case": f"{args.config} B{B} ctx{args.ctx} {mode}", "error": f"{type(e).__name__}: {e}"[:400]})
+                    rows.append({"case": f"{args.config}{tag} B{B} ctx{args.ctx} {mode}", "error": f"{type(e).__name__}: {e}"[:400]})
                     print(rows[-1], flush=True)
                     model.backend = None
                     continue
-                row = {"case": f"{args.config} B{B} ctx{args.ctx} {str(dtype)[6:]} {mode}", "mode": mode, "batch": B,
+                row = {"case": f"{args.config}{tag} B{B} ctx{args.ctx} {str(dtype)[6:]} {mode}", "mode": mode, "batch": B,
                        "k3nn_ms": round(ms, 4), "tokens_per_s": round(B * 1e3 / ms, 1),
                        "launches_per_step": n, "launches_per_layer": round(n / L, 1), **info,
                        "wall_s": round(time.perf_counter() - t0, 1)}
@@ -238,11 +266,17 @@ def main(argv=None):
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        meta = {"suite": SUITE, "config": args.config, "layers": L, "ctx": args.ctx, "steps": args.steps,
+        meta = {"suite": SUITE, "config": args.config, "tp": world, "layers": L, "ctx": args.ctx, "steps": args.steps,
                 "note": "tokens/s = B / step time; a step = one-token forward + greedy argmax"}
         if os.environ.get("K3NN_COMMIT"):  # the device copy has no .git: the caller passes the commit
             meta["commit"] = os.environ["K3NN_COMMIT"]
-        path = write_results(SUITE, rows, meta) if rows else None
+        path = write_results(SUITE + ("-tp" if args.tp else ""), rows, meta) if rows and rank == 0 else None
+        if args.tp:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        if rank:
+            return rows
         print_table(rows, ["case", "k3nn_ms", "tokens_per_s", "speedup", "launches_per_layer", "graph",
                            "logits_rel_err_vs_eager", "greedy_steps_equal_to_eager"])
         print(f"wrote {path}")
