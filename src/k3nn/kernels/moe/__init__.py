@@ -55,22 +55,23 @@ def _triton_available() -> str | None:
     return None
 
 
-def _moe_experts_triton(*args, **kwargs):
+# Lazy wrappers (importing the Triton module compiles nothing but costs time); signatures mirror the references.
+def _moe_experts_triton(x, w1, w3, w2, topk_ids, topk_weights, activation="silu", beta=4.0, linear_beta=25.0):
     from .triton_fused import fused_moe_experts
 
-    return fused_moe_experts(*args, **kwargs)
+    return fused_moe_experts(x, w1, w3, w2, topk_ids, topk_weights, activation, beta, linear_beta)
 
 
-def _moe_expert_outputs_triton(*args, **kwargs):
+def _moe_expert_outputs_triton(x, w1, w3, w2, topk_ids, activation="silu", beta=4.0, linear_beta=25.0, **tuning):
     from .triton_fused import fused_expert_outputs
 
-    return fused_expert_outputs(*args, **kwargs)
+    return fused_expert_outputs(x, w1, w3, w2, topk_ids, activation, beta, linear_beta, **tuning)
 
 
-def _moe_latent_finalize_triton(*args, **kwargs):
+def _moe_latent_finalize_triton(expert_out, topk_weights, norm_weight=None, eps=1e-5, out_dtype=None, out=None):
     from .triton_fused import moe_finalize_triton
 
-    return moe_finalize_triton(*args, **kwargs)
+    return moe_finalize_triton(expert_out, topk_weights, norm_weight, eps, out_dtype, out)
 
 
 register("moe_experts", "eager")(moe_experts_reference)
