@@ -76,3 +76,37 @@ def test_generate_random_tiny(capsys):
     rc, _, err = run(capsys, "generate", "--preset", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "3")
     assert rc == 0
     assert "random weights" in err and "Generation: 3 tokens" in err
+
+
+# ----------------------------------------------------------------------- README performance table generator
+def test_perf_report_is_robust(tmp_path):
+    import json
+
+    from k3nn.bench import report
+
+    res = tmp_path / "bench" / "results"
+    res.mkdir(parents=True)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Performance\n\n<!-- perf-table:begin -->\nold\n<!-- perf-table:end -->\n\ntail\n")
+    argv = ["--root", str(tmp_path), "--plot", str(tmp_path / "docs" / "perf.png")]
+    assert report.main(argv) == 0  # no results yet: a note, not a crash
+    assert "No benchmark results" in readme.read_text() and "tail" in readme.read_text()
+
+    row = {"case": "B=1 | T=8", "k3nn_ms": 0.05, "anchor": "fla", "anchor_ms": 0.1, "speedup": 2.0, "tbps": 3.1,
+           "frac_copy_bw": 0.73}
+    (res / "kda-decode-2026-11-01.json").write_text(json.dumps({"meta": {"gpu": "H200", "date": "2026-11-01"},
+                                                                "rows": [dict(row, speedup=1.0)]}))
+    (res / "kda-decode-2026-11-02-120000.json").write_text(json.dumps(
+        {"meta": {"gpu": "H200", "date": "2026-11-02", "copy_tbps": 4.25},
+         "rows": [row, {"case": "no anchor", "k3nn_ms": 1.5, "anchor": None}, {"no": "case"}]}))
+    (res / "moe-2026-11-02.json").write_text("{not json")
+    (res / "attnres-2026-11-02.json").write_text(json.dumps({"meta": {}, "rows": "oops"}))
+    assert report.main(argv) == 0
+    text = readme.read_text()
+    assert text.count("<!-- perf-table:begin -->") == 1 and "old" not in text and text.endswith("tail\n")
+    assert "**kda-decode**" in text and "2026-11-02-120000" in text and "newest of 2 runs" in text
+    assert "B=1 \\| T=8" in text and "50.0 µs" in text and "2.00×" in text and "| 73 |" in text
+    assert "| no anchor | – | 1.500 ms |" in text
+    assert report.main(argv + ["--check"]) == 0
+    readme.write_text(readme.read_text().replace("2.00×", "9.99×"))
+    assert report.main(argv + ["--check"]) == 1

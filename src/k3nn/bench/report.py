@@ -84,11 +84,11 @@ def _num(x, fmt: str) -> str:
 def _ms(x) -> str:
     if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
         return "–"
-    return f"{x:.3f}" if x >= 0.1 else f"{x * 1000:.1f} µs"
+    return f"{x:.3f} ms" if x >= 0.1 else f"{x * 1000:.1f} µs"
 
 
 def _cell(s) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
+    return "–" if s is None or s == "" else str(s).replace("|", "\\|").replace("\n", " ")
 
 
 def render_table(results: list[Result], root: Path | None = None) -> str:
@@ -102,7 +102,7 @@ def render_table(results: list[Result], root: Path | None = None) -> str:
         m = r.meta
         older = sum(1 for x in results if x.suite == r.suite) - 1
         rel = r.path.relative_to(root) if root and r.path.is_relative_to(root) else r.path
-        info = ", ".join(str(x) for x in (m.get("gpu"), m.get("date"), f"commit {m['commit']}" if m.get("commit")
+        info = ", ".join(str(x) for x in (m.get("gpu"), m.get("date"), f"commit {m['commit']}" if m.get("commit") not in (None, "", "unknown")
                                            else None, f"torch {m['torch']}" if m.get("torch") else None,
                                            f"triton {m['triton']}" if m.get("triton") else None) if x)
         ceil = []
@@ -113,7 +113,7 @@ def render_table(results: list[Result], root: Path | None = None) -> str:
         lines.append(f"**{r.suite}** ({info}; ceilings measured in the same run: {', '.join(ceil) or 'not recorded'}) "
                      f"from [`{rel}`]({rel})" + (f", newest of {older + 1} runs" if older else ""))
         lines.append("")
-        lines.append("| case | anchor | k3nn ms | anchor ms | speedup | TB/s | % of copy BW | TFLOP/s |")
+        lines.append("| case | anchor | k3nn | anchor time | speedup | TB/s | % of copy BW | TFLOP/s |")
         lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
         for row in r.rows:
             sp = row.get("speedup")
@@ -122,7 +122,7 @@ def render_table(results: list[Result], root: Path | None = None) -> str:
                 sp = row["anchor_ms"] / row["k3nn_ms"]
             frac = row.get("frac_copy_bw")
             lines.append("| " + " | ".join([
-                _cell(row.get("case", "")), _cell(row.get("anchor", "–")), _ms(row.get("k3nn_ms")),
+                _cell(row.get("case")), _cell(row.get("anchor")), _ms(row.get("k3nn_ms")),
                 _ms(row.get("anchor_ms")), _num(sp, ".2f") + ("×" if isinstance(sp, (int, float)) else ""),
                 _num(row.get("tbps"), ".2f"), _num(frac * 100 if isinstance(frac, (int, float)) else None, ".0f"),
                 _num(row.get("tflops"), ".0f")]) + " |")
