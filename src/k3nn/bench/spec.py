@@ -175,3 +175,7 @@ def main(argv=None):
         print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "acceptance_length"])
         print(f"wrote {path}")
     return rows
+
+
+if __name__ == "__main__":
+    main()
