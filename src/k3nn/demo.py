@@ -61,18 +61,19 @@ class DemoSize:
     gamma: int  # drafter block length (tokens drafted per step)
     lr: float
     corpus_mb: float  # training text read (MB); the model sees steps·batch·seq_len tokens of it
+    distill: int = 512  # target continuations generated as drafter training data
 
 
 SIZES = {
     # CI: seconds, learns nothing useful
     "toy": DemoSize(vocab=320, hidden=32, layers=2, heads=1, experts=4, seq_len=32, batch=2, steps=3,
-                    drafter_steps=2, gamma=3, lr=3e-3, corpus_mb=0.2),
+                    drafter_steps=2, gamma=3, lr=3e-3, corpus_mb=0.2, distill=16),
     # the default: a few minutes on 2 CPU cores
     "small": DemoSize(vocab=2048, hidden=128, layers=4, heads=4, experts=8, seq_len=128, batch=16, steps=300,
-                      drafter_steps=300, gamma=5, lr=6e-3, corpus_mb=4.0),
+                      drafter_steps=500, gamma=5, lr=6e-3, corpus_mb=4.0),
     # ~4x the compute of "small": better samples, ~20 min on 2 cores
     "base": DemoSize(vocab=4096, hidden=256, layers=8, heads=8, experts=16, seq_len=192, batch=16, steps=600,
-                     drafter_steps=300, gamma=6, lr=2e-3, corpus_mb=8.0),
+                     drafter_steps=300, gamma=6, lr=2e-3, corpus_mb=8.0, distill=1024),
 }
 
 
@@ -318,10 +319,29 @@ def train_model(model, stream: torch.Tensor, size: DemoSize, steps: int, heldout
     return hist
 
 
+@torch.no_grad()
+def target_continuations(model, stream: torch.Tensor, n: int, prompt_len: int, new_tokens: int,
+                         seed: int = 0, batch: int = 16) -> torch.Tensor:
+    """Self-distillation data for the drafter: the target's own continuations of random training prompts, half
+    greedy and half sampled at T = 1 → [n, prompt_len + new_tokens]. A drafter trained only on human text meets
+    unfamiliar contexts once the target writes (greedy decoding of a small model repeats itself)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with chunked_eager_kda():
+        for i in range(max(1, math.ceil(n / batch))):
+            starts = torch.randint(0, stream.numel() - prompt_len - 1, (batch,), generator=g)
+            prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])
+            kw = dict(SAMPLING, seed=seed + i) if i % 2 else {"do_sample": False}
+            out.append(model.generate(prompts, max_new_tokens=new_tokens, **kw))
+    return torch.cat(out)[:n]
+
+
 def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed: int = 0, quiet: bool = False,
-                  log=print, mask_token_id: int | None = None):
-    """A DSpark drafter (1 layer, block γ = ``size.gamma``) trained on the frozen target. Returns
-    (drafter, history [(step, loss, tau)])."""
+                  log=print, mask_token_id: int | None = None, distill_sequences: int = 512,
+                  distill_fraction: float = 0.75):
+    """A DSpark drafter (1 layer, block γ = ``size.gamma``) trained on the frozen target, on a mix of training
+    text and the target's own continuations (``distill_fraction`` of each batch; see
+    :func:`target_continuations`). Returns (drafter, history [(step, loss, tau)])."""
     from .layers.dspark import DSparkConfig, DSparkDrafter
     from .spec import DSparkTrainer
 
@@ -330,9 +350,17 @@ def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed:
     drafter = DSparkDrafter(dcfg, target=model)
     opt = torch.optim.AdamW(drafter.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
     trainer = DSparkTrainer(model, drafter, opt, num_anchors=max(4, size.seq_len // 8), seed=seed)
-    data = batches(stream, size.seq_len, max(1, size.batch // 2), seed + 1)
-    hist = []
+    bsz = max(1, size.batch // 2)
+    n_gen = int(round(bsz * distill_fraction)) if distill_sequences > 0 else 0
     t0 = time.perf_counter()
+    if n_gen:
+        prompt = max(4, size.seq_len // 4)
+        gen = target_continuations(model, stream, distill_sequences, prompt, size.seq_len - prompt, seed + 2)
+        log(f"  {gen.shape[0]} target continuations ({gen.shape[1] - prompt} tokens each, half greedy, half "
+            f"sampled) as self-distillation data ({time.perf_counter() - t0:.0f}s)")
+    pick = torch.Generator().manual_seed(seed + 3)
+    data = batches(stream, size.seq_len, bsz - n_gen, seed + 1) if bsz > n_gen else None
+    hist = []
     bar = _progress(range(steps), "train drafter", steps, quiet)
     tau_ema = None
     try:
@@ -340,7 +368,11 @@ def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed:
             for step in bar:
                 for gr in opt.param_groups:
                     gr["lr"] = _lr(step, steps, 2e-3, warmup=max(1, min(20, steps // 10)))
-                parts = trainer.step(next(data)[:, :-1])
+                x = next(data)[:, :-1] if data is not None else None
+                if n_gen:
+                    g = gen[torch.randint(0, gen.shape[0], (n_gen,), generator=pick)]
+                    x = g if x is None else torch.cat([x, g])
+                parts = trainer.step(x)
                 tau = float(parts["tau"])
                 tau_ema = tau if tau_ema is None else 0.95 * tau_ema + 0.05 * tau
                 hist.append((step + 1, float(parts["loss"]), tau))
@@ -476,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "base (8 layers, ~4x the compute)")
     p.add_argument("--steps", type=int, default=None, help="target training steps (default: 300 for small)")
     p.add_argument("--drafter-steps", type=int, default=None,
-                   help="drafter training steps (default: 300 for small; 0: no drafter, no speculative decoding)")
+                   help="drafter training steps (default: 500 for small; 0: no drafter, no speculative decoding)")
     p.add_argument("--out", type=Path, default=None,
                    help="where model/, drafter/, loss.png and results.json go (default: ~/.cache/k3nn/demo, "
                         "or $K3NN_HOME/demo)")
@@ -589,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
 
         dmeta_path = ddir / "demo.json"
         dmeta = json.loads(dmeta_path.read_text()) if dmeta_path.is_file() else None
-        dsettings = {"steps": dsteps, "gamma": size.gamma, "target": settings}
+        dsettings = {"steps": dsteps, "gamma": size.gamma, "distill": size.distill, "target": settings}
         if dmeta is not None and reuse and (args.reuse or dmeta.get("settings") == dsettings):
             drafter = DSparkDrafter.from_pretrained(ddir, target=model).eval()
             dhist = dmeta["history"]
@@ -598,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             say(f"[4/5] drafter: DSpark, 1 layer, γ={size.gamma}, {dsteps} steps on the frozen target")
             drafter, dhist = train_drafter(model, train_ids, size, dsteps, seed=args.seed, quiet=args.quiet,
-                                           log=say, mask_token_id=tok.token_to_id(MASK))
+                                           log=say, mask_token_id=tok.token_to_id(MASK),
+                                           distill_sequences=size.distill)
             say(f"      conditioned on target layer(s) {drafter.target_layers}; "
                 f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params (embedding and lm_head shared)")
             drafter.save_pretrained(ddir)
