@@ -27,6 +27,7 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,7 +365,9 @@ def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed:
     bar = _progress(range(steps), "train drafter", steps, quiet)
     tau_ema = None
     try:
-        with chunked_eager_kda():
+        with chunked_eager_kda(), warnings.catch_warnings():
+            # DSparkTrainer.step converts its (grad-carrying) loss parts to floats: harmless, and noisy here
+            warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
             for step in bar:
                 for gr in opt.param_groups:
                     gr["lr"] = _lr(step, steps, 2e-3, warmup=max(1, min(20, steps // 10)))
