@@ -162,34 +162,40 @@ def plot_results(results: list[Result], path: Path) -> bool:
         for row in r.rows:
             sp = row.get("speedup")
             if isinstance(sp, (int, float)) and not isinstance(sp, bool) and sp > 0 and math.isfinite(sp):
-                bars.append((f"{row.get('case', '')}\nvs {row.get('anchor', '?')}", float(sp)))
+                anchor = str(row.get("anchor") or "?")
+                anchor = anchor if len(anchor) <= 48 else anchor[:47] + "…"
+                bars.append((f"{row.get('case', '')}\nvs {anchor}", float(sp)))
         if bars:
             panels.append((r, bars))
     if not panels:
         return False
     heights = [max(1.5, 0.42 * len(b) + 0.8) for _, b in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, (r, bars) in zip(axes[:, 0], panels):
         labels, vals = zip(*bars)
         y = range(len(vals))
-        ax.barh(list(y), vals, color=["C2" if v >= 1 else "C3" for v in vals])
+        # bars grow from 1× (parity): right = k3nn faster, left = slower
+        ax.barh(list(y), [v - 1 for v in vals], left=1.0, color=["C2" if v >= 1 else "C3" for v in vals])
         ax.set_yticks(list(y), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xscale("log")
         fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×")
+        lo, hi = min(min(vals), 1.0), max(max(vals), 1.0)
+        ax.set_xlim(lo / 1.25, hi * 1.35)
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(fmt)
-        ax.xaxis.set_minor_formatter(fmt)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.tick_params(axis="x", which="both", labelsize=7)
         ax.axvline(1.0, color="k", lw=0.8)
         for i, v in enumerate(vals):
-            ax.text(v, i, f" {v:.2f}×", va="center", fontsize=7)
+            ax.text(v, i, f" {v:.2f}× ", va="center", ha="left" if v >= 1 else "right", fontsize=7)
         ax.set_title(f"{r.suite}: speedup of k3nn vs anchor ({r.meta.get('gpu', '?')}, {r.meta.get('date', '')})",
                      fontsize=9)
         ax.grid(axis="x", alpha=0.3, which="both")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
