@@ -110,3 +110,11 @@ def test_perf_report_is_robust(tmp_path):
     assert report.main(argv + ["--check"]) == 0
     readme.write_text(readme.read_text().replace("2.00×", "9.99×"))
     assert report.main(argv + ["--check"]) == 1
+
+
+def test_demo_without_the_demo_extra_says_what_to_install(capsys, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if `tokenizers` were not installed
+    rc, _, err = run(capsys, "demo", "--size", "toy", "--out", str(tmp_path))
+    assert rc != 0 and "k3nn[demo]" in err and "tokenizers" in err

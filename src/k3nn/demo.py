@@ -542,8 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be >= 1")
     out = Path(args.out) if args.out is not None else default_out_dir()
     mdir, ddir = out / "model", out / "drafter"
-    torch.set_num_threads(_threads(args.threads))
     _need("tokenizers")
+    torch.set_num_threads(_threads(args.threads))
 
     from . import KimiK3, __version__
     from .tokenizer import load_tokenizer
