@@ -47,11 +47,7 @@ def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
 
 if triton is not None:
 
-    @triton.jit
-    def _tanh(x):
-        t = tl.exp(-2.0 * tl.abs(x))
-        y = (1.0 - t) / (1.0 + t)
-        return tl.where(x < 0, -y, y)
+    from ..kernels.tl_math import tanh as _tanh
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tl_math import tanh as _tanh
+
 from ...quant.mxfp4 import MXFP4Weight
 from .align import MoEAlignment, align_for
 
@@ -68,14 +70,6 @@ def _configs(kind: str, which: str):
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     cfgs = _CONFIGS[(kind, which)] if _TUNE else _CONFIGS[(kind, which)][:1]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in cfgs]
-
-
-@triton.jit
-def _tanh(x):
-    # tanh without libdevice: sign(x)·(1 − e^{−2|x|}) / (1 + e^{−2|x|})
-    t = tl.exp(-2.0 * tl.abs(x))
-    y = (1.0 - t) / (1.0 + t)
-    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
