@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choices, loading)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    sub.add_parser("info", help="versions, device, and which backends run each op here (and why not)")
+    sub.add_parser("info", help="versions, device, and which backends run each op here (and why not)",
+                   description="Print the versions (k3nn, torch, triton, CUDA), the device, whether the Triton "
+                               "interpreter is on, and a table of ops x backends (eager / triton / cuda) with the "
+                               "reason each unavailable backend is refused on this machine.")
 
     g = sub.add_parser(
         "generate", help="generate text from a checkpoint directory or hub repo id",
