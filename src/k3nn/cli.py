@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         msg = str(e) or type(e).__name__
         if isinstance(e, ImportError) and e.name and "pip install" not in msg:
-            msg += f" (pip install -e '.[demo,bench]' installs k3nn's optional dependencies)"
+            msg += " (pip install -e '.[demo,bench]' installs k3nn's optional dependencies)"
         print(f"k3nn {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

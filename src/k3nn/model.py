@@ -14,7 +14,6 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn

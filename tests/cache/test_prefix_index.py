@@ -3,7 +3,7 @@
 import pytest
 import torch
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from k3nn import KimiK3Config
 from k3nn.cache.paged import HybridPools

@@ -1,7 +1,6 @@
 """save_pretrained / from_pretrained round trips, strictness, hub resolution, Kimi Linear parity."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3nn import KimiK3, KimiK3Config
-from k3nn.cache.transfer import (Lease, RequestState, acknowledge, config_fingerprint, export_request_state,
+from k3nn.cache.transfer import (RequestState, acknowledge, config_fingerprint, export_request_state,
                                  import_request_state, recv_request_state, send_request_state)
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 

@@ -25,7 +25,6 @@ layers; :func:`enable_state_capture` installs it (idempotent; :class:`k3nn.engin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch

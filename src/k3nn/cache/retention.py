@@ -19,7 +19,7 @@ Eviction orders candidates (:class:`LRU`, or :class:`MarconiEviction`'s ``recenc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ..config import KimiK3Config

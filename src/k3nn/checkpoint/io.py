@@ -12,7 +12,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm

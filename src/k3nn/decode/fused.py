@@ -201,14 +201,7 @@ class LatencySpecializedDecoder:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         ids, w = K.route(moe.gate.logits(xf), moe.gate)
-        if moe.latent:
-            z = moe.routed_expert_down_proj(xf)
-            norm = moe.routed_expert_norm
-            u = ops.moe_latent_finalize(moe.experts.outputs(z, ids), w, None if norm is None else norm.weight,
-                                        1e-5 if norm is None else norm.eps, out_dtype=z.dtype)
-            y = moe.routed_expert_up_proj(u)
-        else:
-            y = moe.experts(xf, ids, w)
+        y = moe.routed(xf, ids, w)
         if moe.shared_experts is not None:
             y = y + self._mlp(moe.shared_experts, xf)
         return y.view(shape)

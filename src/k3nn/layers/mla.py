@@ -17,7 +17,6 @@ The cache stores per token only ``c`` [r] and ``k_r`` [dr].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..utils import upcast

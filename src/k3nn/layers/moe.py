@@ -122,6 +122,18 @@ class MoE(nn.Module):
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
         self.record_routing = False
 
+    def routed(self, xf: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed part for tokens xf [N, d] already routed to (ids, w) [N, k]: Σ_k w·E(x), or for the latent
+        kind ``W_up RMSNorm(Σ_k w·E(W_down x))``."""
+        if not self.latent:
+            return self.experts(xf, ids, w)
+        # deferred finalization: top-k weighting + reduction fused with the latent RMSNorm
+        z = self.routed_expert_down_proj(xf)
+        norm = self.routed_expert_norm
+        u = ops.moe_latent_finalize(self.experts.outputs(z, ids), w, None if norm is None else norm.weight,
+                                    1e-5 if norm is None else norm.eps, out_dtype=z.dtype)
+        return self.routed_expert_up_proj(u)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -130,15 +142,7 @@ class MoE(nn.Module):
                        self.gate.scaling, self.gate.num_group, self.gate.topk_group, self.gate.score_func)
         if self.record_routing:
             self.last_routing = (logits.detach(), ids)
-        if self.latent:
-            # deferred finalization: top-k weighting + reduction fused with the latent RMSNorm
-            z = self.routed_expert_down_proj(xf)
-            norm = self.routed_expert_norm
-            u = ops.moe_latent_finalize(self.experts.outputs(z, ids), w, None if norm is None else norm.weight,
-                                        1e-5 if norm is None else norm.eps, out_dtype=z.dtype)
-            y = self.routed_expert_up_proj(u)
-        else:
-            y = self.experts(xf, ids, w)
+        y = self.routed(xf, ids, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
         return y.view(shape)

@@ -32,7 +32,6 @@ NCCL on GPU) and are CUDA-graph capturable on NCCL.
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable
 
 import torch
 import torch.distributed as dist

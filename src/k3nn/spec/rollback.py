@@ -21,15 +21,13 @@ kept prefix, so the next window overwrites the rejected tail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import ops
 from ..cache.hybrid import HybridCache, KDAState
 from ..kernels.registry import backend as use_backend
-from ..layers.kda import KimiDeltaAttention, short_conv
+from ..layers.kda import KimiDeltaAttention
 
 __all__ = ["SpecKDAState", "WindowRollback", "ROLLBACK_STRATEGIES", "rollback_memory_bytes"]
 
