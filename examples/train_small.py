@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from k3nn import KimiK3
-from k3nn.demo import (EOS, SIZES, batches, chunked_eager_kda, encode_docs, eval_windows, heldout_loss,
+from k3nn.demo import (EOS, SIZES, batches, encode_docs, eval_windows, heldout_loss,
                        load_corpus, model_config, train_tokenizer, unigram_loss)
 from k3nn.layers.moe import MoE
 from k3nn.training import QuantileBalancer
@@ -52,22 +52,21 @@ def main() -> None:
     qb = QuantileBalancer(m for m in model.modules() if isinstance(m, MoE))  # router biases, no aux loss
     data = batches(train_ids, size.seq_len, size.batch, seed=0)
 
-    with chunked_eager_kda():  # chunk-parallel KDA in PyTorch: same math as the per-token reference, faster
-        bar = tqdm(range(steps))
-        for step in bar:
-            frac = step / max(1, steps - 1)
-            for g in opt.param_groups:  # linear warmup, cosine decay to 10%
-                g["lr"] = lr * min(1.0, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-            x = next(data)  # [batch, seq_len + 1]
-            loss = F.cross_entropy(model(x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            qb.step()  # new router biases from this step's routing (quantile balancing)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if (step + 1) % 100 == 0 or step + 1 == steps:
-                bar.write(f"step {step + 1}: held-out loss {heldout_loss(model, held):.3f}")
+    bar = tqdm(range(steps))
+    for step in bar:
+        frac = step / max(1, steps - 1)
+        for g in opt.param_groups:  # linear warmup, cosine decay to 10%
+            g["lr"] = lr * min(1.0, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        x = next(data)  # [batch, seq_len + 1]
+        loss = F.cross_entropy(model(x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        qb.step()  # new router biases from this step's routing (quantile balancing)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            bar.write(f"step {step + 1}: held-out loss {heldout_loss(model, held):.3f}")
 
     model.save_pretrained(args.out)  # config.json + safetensors; tokenizer.json is already there
     print(f"saved {args.out}; try: k3nn generate --model {args.out} --offline --prompt 'import os'")

@@ -18,7 +18,6 @@ The pieces are functions so that ``examples/train_small.py`` and the tests can r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["EOS", "MASK", "DemoSize", "SIZES", "Corpus", "load_corpus", "is_heldout", "train_tokenizer",
-           "encode_docs", "unigram_loss", "eval_windows", "batches", "model_config", "chunked_eager_kda",
+           "encode_docs", "unigram_loss", "eval_windows", "batches", "model_config",
            "train_model", "heldout_loss", "train_drafter", "timed_generate", "acceptance_on_heldout",
            "default_out_dir", "main"]
 
@@ -207,34 +206,6 @@ def batches(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Iterat
 
 
 # --------------------------------------------------------------------------------------------- training
-def _kda_chunk_torch(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, checkpoint_positions=None):
-    from .kernels.kda.chunk_torch import kda_chunk_torch
-    from .kernels.kda.reference import kda_recurrent_reference
-
-    if checkpoint_positions is not None:
-        return kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                       checkpoint_positions)
-    o, S = kda_chunk_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    return o, S if output_final_state else None
-
-
-@contextlib.contextmanager
-def chunked_eager_kda() -> Iterator[None]:
-    """Within the block, the eager ``kda_chunk`` runs the chunk-parallel PyTorch form (16-token chunks, same math
-    as the per-token reference up to rounding, differentiable) instead of the per-token loop: ~5× faster
-    training on CPU. Restored on exit."""
-    from .kernels.registry import Impl, get_op
-
-    op = get_op("kda_chunk")
-    old = op.impls["eager"]
-    op.impls["eager"] = Impl("kda_chunk", "eager", _kda_chunk_torch)
-    try:
-        yield
-    finally:
-        op.impls["eager"] = old
-
-
 def _progress(iterable, desc: str, total: int, quiet: bool):
     from tqdm.auto import tqdm
 
@@ -249,12 +220,11 @@ def heldout_loss(model, windows: torch.Tensor, batch: int = 8) -> float:
     was = model.training
     model.eval()
     tot, n = 0.0, 0
-    with chunked_eager_kda():
-        for i in range(0, windows.shape[0], batch):
-            w = windows[i:i + batch]
-            logits = model(w[:, :-1]).logits
-            tot += float(F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].reshape(-1), reduction="sum"))
-            n += w[:, 1:].numel()
+    for i in range(0, windows.shape[0], batch):
+        w = windows[i:i + batch]
+        logits = model(w[:, :-1]).logits
+        tot += float(F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].reshape(-1), reduction="sum"))
+        n += w[:, 1:].numel()
     model.train(was)
     return tot / n
 
@@ -287,30 +257,29 @@ def train_model(model, stream: torch.Tensor, size: DemoSize, steps: int, heldout
     ema = None
     bar = _progress(range(steps), "train target", steps, quiet)
     try:
-        with chunked_eager_kda():
-            for step in bar:
-                for gr in opt.param_groups:
-                    gr["lr"] = _lr(step, steps, size.lr, warmup=max(1, min(30, steps // 10)))
-                x = next(data)
-                logits = model(x[:, :-1]).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].reshape(-1))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                if qb is not None:
-                    qb.step()
-                v = loss.item()
-                if not math.isfinite(v):
-                    raise RuntimeError(f"training diverged at step {step} (loss {v}); try a lower --lr")
-                hist["train"].append((step + 1, v))
-                ema = v if ema is None else 0.95 * ema + 0.05 * v
-                bar.set_postfix(loss=f"{ema:.3f}")
-                if (step + 1) % eval_every == 0 or step + 1 == steps:
-                    h = heldout_loss(model, heldout)
-                    hist["heldout"].append((step + 1, h))
-                    log(f"  step {step + 1:>4}/{steps}  train {ema:.3f}  held-out {h:.3f}  "
-                        f"({time.perf_counter() - t0:.0f}s)")
+        for step in bar:
+            for gr in opt.param_groups:
+                gr["lr"] = _lr(step, steps, size.lr, warmup=max(1, min(30, steps // 10)))
+            x = next(data)
+            logits = model(x[:, :-1]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            if qb is not None:
+                qb.step()
+            v = loss.item()
+            if not math.isfinite(v):
+                raise RuntimeError(f"training diverged at step {step} (loss {v}); try a lower --lr")
+            hist["train"].append((step + 1, v))
+            ema = v if ema is None else 0.95 * ema + 0.05 * v
+            bar.set_postfix(loss=f"{ema:.3f}")
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                h = heldout_loss(model, heldout)
+                hist["heldout"].append((step + 1, h))
+                log(f"  step {step + 1:>4}/{steps}  train {ema:.3f}  held-out {h:.3f}  "
+                    f"({time.perf_counter() - t0:.0f}s)")
     finally:
         if qb is not None:
             qb.detach()
@@ -328,12 +297,11 @@ def target_continuations(model, stream: torch.Tensor, n: int, prompt_len: int, n
     unfamiliar contexts once the target writes (greedy decoding of a small model repeats itself)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    with chunked_eager_kda():
-        for i in range(max(1, math.ceil(n / batch))):
-            starts = torch.randint(0, stream.numel() - prompt_len - 1, (batch,), generator=g)
-            prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])
-            kw = dict(SAMPLING, seed=seed + i) if i % 2 else {"do_sample": False}
-            out.append(model.generate(prompts, max_new_tokens=new_tokens, **kw))
+    for i in range(max(1, math.ceil(n / batch))):
+        starts = torch.randint(0, stream.numel() - prompt_len - 1, (batch,), generator=g)
+        prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])
+        kw = dict(SAMPLING, seed=seed + i) if i % 2 else {"do_sample": False}
+        out.append(model.generate(prompts, max_new_tokens=new_tokens, **kw))
     return torch.cat(out)[:n]
 
 
@@ -365,7 +333,7 @@ def train_drafter(model, stream: torch.Tensor, size: DemoSize, steps: int, seed:
     bar = _progress(range(steps), "train drafter", steps, quiet)
     tau_ema = None
     try:
-        with chunked_eager_kda(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # DSparkTrainer.step converts its (grad-carrying) loss parts to floats: harmless, and noisy here
             warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
             for step in bar:

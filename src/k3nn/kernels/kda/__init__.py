@@ -6,9 +6,12 @@ from ..registry import register
 from .api import check_kda_inputs, normalise_checkpoints
 from . import cuda_decode
 from .decode import kda_fused_decode_reference
+from .chunk_torch import kda_chunk_eager
 from .reference import kda_recurrent_reference
 
-register("kda_chunk", "eager")(kda_recurrent_reference)
+# eager prefill runs the chunk-parallel PyTorch form; the per-token loop stays the reference (and the
+# eager decode-shaped op), which every backend, this one included, is tested against
+register("kda_chunk", "eager")(kda_chunk_eager)
 register("kda_recurrent", "eager")(kda_recurrent_reference)
 register("kda_fused_decode", "eager")(kda_fused_decode_reference)
 register("kda_fused_decode", "cuda", supports=cuda_decode.supports,

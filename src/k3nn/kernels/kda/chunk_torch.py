@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .triton_chunk import kda_chunk_triton_fwd
+from .api import normalise_checkpoints, seq_lengths
 
-__all__ = ["kda_chunk_torch", "KDAChunkFunction", "kda_chunk_triton"]
+__all__ = ["kda_chunk_torch", "kda_chunk_eager", "KDAChunkFunction", "kda_chunk_triton"]
 
 
 def _one(q, k, v, g, beta, scale, S, C):
@@ -85,11 +85,45 @@ def kda_chunk_torch(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     return o.to(v.dtype), torch.cat(Ss, 0)
 
 
+def kda_chunk_eager(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    checkpoint_positions=None):
+    """The eager ``kda_chunk``: the chunk-parallel PyTorch form (same function as the per-token reference up to
+    rounding; differentiable; several times faster on CPU). Checkpoints cut each sequence into segments at the
+    requested positions and carry the state across them, so they come out of the same single pass."""
+    if checkpoint_positions is None:
+        o, S = kda_chunk_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        return o, (S if output_final_state else None)
+    B, T, H, K = q.shape
+    lengths = seq_lengths(T, B, cu_seqlens)
+    wanted = normalise_checkpoints(checkpoint_positions, lengths)
+    starts = [0] * B if cu_seqlens is None else cu_seqlens.tolist()[:-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    finals, states = [], {}
+    for n, L in enumerate(lengths):
+        b, base = (n, 0) if cu_seqlens is None else (0, starts[n])
+        S = (initial_state[n:n + 1].to(acc) if initial_state is not None
+             else q.new_zeros(1, H, K, v.shape[-1], dtype=acc))
+        cuts = sorted({p for m, p in wanted if m == n} | {0, L})
+        states[(n, 0)] = S
+        for a, e in zip(cuts, cuts[1:]):
+            sl = slice(base + a, base + e)
+            seg = lambda x: x[b:b + 1, sl]  # noqa: E731
+            o_seg, S = kda_chunk_torch(seg(q), seg(k), seg(v), seg(g), seg(beta), scale=scale, initial_state=S)
+            o[b:b + 1, sl] = o_seg
+            states[(n, e)] = S
+        finals.append(S)
+    ck = torch.cat([states[w] for w in wanted]) if wanted else q.new_empty(0, H, K, v.shape[-1], dtype=acc)
+    return o, (torch.cat(finals) if output_final_state else None), ck
+
+
 class KDAChunkFunction(torch.autograd.Function):
     """Triton forward; backward = autograd through :func:`kda_chunk_torch` (recompute, exact)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, checkpoint_positions):
+        from .triton_chunk import kda_chunk_triton_fwd  # needs triton; the eager form above does not
+
         o, ht, ck = kda_chunk_triton_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                          output_final_state=True, cu_seqlens=cu_seqlens,
                                          checkpoint_positions=checkpoint_positions)
@@ -125,6 +159,8 @@ class KDAChunkFunction(torch.autograd.Function):
 def kda_chunk_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, checkpoint_positions=None):
     """The registered Triton ``kda_chunk``: plain forward without grad, autograd Function otherwise."""
+    from .triton_chunk import kda_chunk_triton_fwd
+
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     if not grad:
