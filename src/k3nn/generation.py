@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationConfig", "GenerationMixin", "sample_next", "process_logits"]
+__all__ = ["GenerationConfig", "GenerationMixin", "sample_next", "process_logits", "loop_setup"]
 
 
 @dataclass
@@ -98,6 +98,20 @@ def _check_left_padded(mask: torch.Tensor) -> None:
         raise ValueError("attention_mask: a row has no tokens (empty prompt)")
 
 
+def loop_setup(model, cfg: GenerationConfig, input_ids: torch.Tensor, streamer, n_new: int):
+    """The start shared by every decoding loop: hand the prompt to the streamer; then None when there is nothing
+    to generate (the streamer is ended), else ``(generator, eos ids [E] long, pad id)``."""
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    if n_new == 0:
+        if streamer is not None:
+            streamer.end()
+        return None
+    eos = torch.tensor(cfg.eos_ids, device=model.device, dtype=torch.long)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids[0] if cfg.eos_ids else 0)
+    return model._make_generator(cfg.seed), eos, pad
+
+
 class GenerationMixin:
     sync_every = 16  # GPU: how often the loop checks whether every row has finished
 
@@ -149,15 +163,10 @@ class GenerationMixin:
             from .spec import speculative_generate
 
             return speculative_generate(self, drafter, input_ids, attention_mask, cfg, n_new, streamer)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        if n_new == 0:
-            if streamer is not None:
-                streamer.end()
+        setup = loop_setup(self, cfg, input_ids, streamer, n_new)
+        if setup is None:
             return input_ids
-        gen = self._make_generator(cfg.seed)
-        eos = torch.tensor(cfg.eos_ids, device=self.device, dtype=torch.long)
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids[0] if cfg.eos_ids else 0)
+        gen, eos, pad = setup
         from .decode.runner import make_decode_runner
 
         decode_backend = decode_backend or getattr(self, "decode_backend", None) or "auto"

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from ..config import KimiK3Config
 from ..engine import Engine, EngineConfig
+from .common import bench_model
 
 __all__ = ["main", "run_batch"]
 
@@ -57,12 +57,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-seconds", type=float, default=120.0, help="skip the remaining concurrencies after this")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
-    from ..model import KimiK3
-
     device = torch.device(a.device)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = getattr(KimiK3Config, a.config)()
-    model = KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()  # init on CPU (seeded CPU generator), then move
+    cfg, model = bench_model(a.config, device, a.dtype)
     gen = torch.Generator().manual_seed(0)
 
     def prompts(c: int) -> list[list[int]]:
@@ -93,7 +89,7 @@ def main(argv=None) -> list[dict]:
                      "tpot_ms": {"adaptive": round(ad["tpot_ms"], 3), "fixed": round(f["tpot_ms"], 3)},
                      "prefill_budget_tokens": {"adaptive_idle": engines["adaptive"].prefill_budget(0),
                                                "fixed": engines["fixed"].prefill_budget(0)}})
-    meta = {"model": a.config, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+    meta = {"model": a.config, "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
             "max_num_batched_tokens": a.max_batched_tokens, "max_num_seqs": a.max_seqs,
             "reserve_per_seq": a.reserve, "new_tokens": a.new_tokens, "reps": a.reps,
             "targets": "adaptive TTFT better than fixed, goal -50% (PERF.md)"}

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "write_results", "results_dir", "rel_err"]
+__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "write_results", "results_dir", "rel_err",
+           "bench_model"]
 
 
 def _commit() -> str:
@@ -129,3 +130,15 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "")) for c in cols))
+
+
+def bench_model(preset: str, device: str | torch.device, dtype_name: str | None = None):
+    """A seeded ``KimiK3Config.<preset>()`` model on ``device`` (bf16 on CUDA, fp32 on CPU unless ``dtype_name``);
+    initialised on the CPU generator, then moved. Returns (config, model)."""
+    from ..config import KimiK3Config
+    from ..model import KimiK3
+
+    device = torch.device(device)
+    dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = getattr(KimiK3Config, preset)()
+    return cfg, KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ..config import KimiK3Config
 from ..engine import Engine, EngineConfig
+from .common import bench_model
 
 __all__ = ["main", "measure_ttft"]
 
@@ -56,12 +56,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-seconds", type=float, default=90.0, help="lower --reps to fit this budget")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
-    from ..model import KimiK3
-
     device = torch.device(a.device)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = getattr(KimiK3Config, a.config)()
-    model = KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()  # init on CPU (seeded CPU generator), then move
+    cfg, model = bench_model(a.config, device, a.dtype)
     N, P = a.prompt_len, a.prefix_len
     if not 0 < P < N:
         raise ValueError("need 0 < prefix-len < prompt-len")
@@ -124,7 +120,7 @@ def main(argv=None) -> list[dict]:
         {"case": f"ttft_{N}_prefix_{P}_marconi_third_request", "k3nn_ms": med(mar_ms), "anchor": "cold",
          "anchor_ms": c, "prompt_tokens": N, "cached_tokens": min(mar_hits)},
     ]
-    meta = {"model": a.config, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "reps": a.reps,
+    meta = {"model": a.config, "dtype": str(model.dtype).removeprefix("torch."), "device": str(device), "reps": a.reps,
             "samples_ms": {"cold": cold, "cold_snap": cold_snap, "boundary": warm_ms, "marconi": mar_ms},
             "targets": "prefix TTFT speedup floor 4x, goal 8x (PERF.md)"}
     if not a.no_write:

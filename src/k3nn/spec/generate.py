@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import sample_next
+from ..generation import loop_setup, sample_next
 from .rollback import WindowRollback
 from .verify import greedy_accept, rejection_accept, synthetic_accept
 
@@ -97,15 +97,10 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     B, T0 = input_ids.shape
     stats = SpecStats(gamma=gamma, position_tried=[0] * gamma, position_accepted=[0] * gamma)
     drafter.last_stats = stats
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    if n_new == 0:
-        if streamer is not None:
-            streamer.end()
+    setup = loop_setup(model, cfg, input_ids, streamer, n_new)
+    if setup is None:
         return input_ids
-    gen = model._make_generator(cfg.seed)
-    eos = torch.tensor(cfg.eos_ids, device=dev, dtype=torch.long)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids[0] if cfg.eos_ids else 0)
+    gen, eos, pad = setup
     taps = list(drafter.target_layers)
     # rejected window entries stay as masked holes in rows that kept fewer tokens than the longest row:
     # the shared write position advances by the longest kept prefix per round (≤ γ + 1, ≤ Σ rows' emissions)
