@@ -1,37 +1,68 @@
 #!/usr/bin/env bash
 # One planned device run: GPU correctness tests and benchmark suites, each in its own process with its own
-# time limit (a device error in one cannot take the others down), most important first, all inside one
-# overall budget. Results land in $K3NN_RESULTS_DIR (JSON per suite); the full log in $K3NN_RESULTS_DIR/log.txt.
-#   K3NN_RESULTS_DIR=/tmp/out K3NN_SUITE_SECONDS=480 bash bench/h200_suite.sh
+# time limit (a device error in one cannot take the others down), in the order given, all inside one overall
+# budget. Results land in $K3NN_RESULTS_DIR (JSON per suite); the full log in $K3NN_RESULTS_DIR/log.txt.
+#   K3NN_RESULTS_DIR=/tmp/out K3NN_SUITE_SECONDS=480 bash bench/h200_suite.sh [STEP ...]
+# Named steps run in the order named; with no STEP, every step below runs in the listed order. `bash bench/h200_suite.sh --list` prints them.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 K3NN_TEST_GPU=1 K3NN_DISABLE_PROGRESS_BARS=1
 OUTDIR=${K3NN_RESULTS_DIR:-bench/results}
+PY="python3"
+PYTEST="python3 -m pytest -m gpu -q -p no:cacheprovider"
+
+# name | limit (s) | command
+STEPS=(
+  "diag-decode|150|$PY bench/gpu/diag_decode.py"
+  "kda-intra|120|$PY bench/gpu/kda_intra.py"
+  "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
+  "mla-decode-variants|120|$PY bench/gpu/mla_decode.py"
+  "moe-mx-variants|120|$PY bench/gpu/moe_mx.py"
+  "attnres-variants|90|$PY bench/gpu/attnres.py"
+  "kda-prefill|150|$PY -m k3nn.bench.kda_prefill --quick"
+  "kda-decode|90|$PY -m k3nn.bench.kda_decode --quick"
+  "mla-decode|120|$PY -m k3nn.bench.mla_decode"
+  "moe|120|$PY -m k3nn.bench.moe --tokens 2048 8192 --mx-tokens 1 16"
+  "attnres|90|$PY -m k3nn.bench.attnres"
+  "spec|100|$PY -m k3nn.bench.spec --configs small --reps 2 --budget-s 70"
+  "prefix|100|$PY -m k3nn.bench.prefix --max-seconds 70"
+  "budget|90|$PY -m k3nn.bench.budget --max-seconds 60"
+  "e2e|240|$PY -m k3nn.bench.e2e --batches 1,8,64 --budget-s 200"
+  "kda-gpu-tests|120|$PYTEST tests/gpu/test_kda_gpu.py"
+  "decode-gpu-tests|100|$PYTEST tests/gpu/test_decode_gpu.py"
+  "attnres-gpu-tests|80|$PYTEST tests/gpu/test_attnres_gpu.py"
+  "moe-gpu-tests|80|$PYTEST tests/gpu/test_moe_gpu.py"
+  "mla-gpu-tests|80|$PYTEST tests/gpu/test_mla_gpu.py"
+)
+
+if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
 mkdir -p "$OUTDIR"
 LOG="$OUTDIR/log.txt"
 END=$(( SECONDS + ${K3NN_SUITE_SECONDS:-480} ))
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
 
-step() {  # step NAME LIMIT_S CMD...
-  local name=$1 limit=$2 left; shift 2
+step() {  # step NAME LIMIT CMD
+  local name=$1 limit=$2 cmd=$3 left
   left=$(( END - SECONDS ))
   if (( left < 25 )); then echo "== $name: skipped (suite budget spent)" | tee -a "$LOG"; return; fi
   (( limit > left )) && limit=$left
   echo "== $name (limit ${limit}s, t=${SECONDS}s)" | tee -a "$LOG"
-  timeout -s INT -k 15 "$limit" "$@" >> "$LOG" 2>&1
+  timeout -s INT -k 15 "$limit" $cmd >> "$LOG" 2>&1
   local rc=$?
   echo "== $name: rc=$rc, t=${SECONDS}s" | tee -a "$LOG"
   # the last lines of each step (tables, test summary) also go to stdout
-  tac "$LOG" | sed -n "1,/^== $name (limit/p" | tac | grep -vE "^\s*$" | tail -n 18
+  tac "$LOG" | sed -n "1,/^== $name (limit/p" | tac | grep -vE "^\s*$" | tail -n "${K3NN_TAIL_LINES:-18}"
 }
 
-step kda-prefill     110 python3 -m k3nn.bench.kda_prefill --quick
-step kda-gpu-tests    70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_kda_gpu.py
-step moe              90 python3 -m k3nn.bench.moe --tokens 2048 8192 --mx-tokens 1 16
-step decode-gpu-tests 45 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_gpu.py
-step attnres-gpu-tests 35 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_attnres_gpu.py
-step spec             60 python3 -m k3nn.bench.spec --configs small --reps 2 --budget-s 35
-step prefix           45 python3 -m k3nn.bench.prefix --max-seconds 30
-step moe-gpu-tests    50 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_moe_gpu.py
-step mla-gpu-tests    40 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py -k "not nccl"
+# the steps named on the command line, in that order (all of them, in the listed order, when none is named)
+want=("$@")
+(( ${#want[@]} )) || for s in "${STEPS[@]}"; do want+=("${s%%|*}"); done
+for w in "${want[@]}"; do
+  found=0
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name limit cmd <<< "$s"
+    if [[ "$name" == "$w" ]]; then step "$name" "$limit" "$cmd"; found=1; fi
+  done
+  (( found )) || echo "== $w: no such step" | tee -a "$LOG"
+done
 echo "== suite done at ${SECONDS}s" | tee -a "$LOG"

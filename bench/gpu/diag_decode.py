@@ -1,0 +1,116 @@
+"""GPU diagnosis: one k3_slice decode step, triton backend vs eager, per row and per module.
+
+For each dtype (fp32, bf16) and batch (1, 64): the same prefilled cache (eager prefill), one decode step under
+each backend, forward hooks on every layer's attention, FFN and router. Prints, in layer order, the relative
+error of each module output vs eager, the fraction of tokens whose top-k expert set differs, and the logits'
+per-row error (median / max) and argmax agreement. fp32 isolates kernel bugs from bf16 rounding; a bf16 run
+with the MXFP4 decode forced to the exact ``split`` mode isolates ``tl.dot_scaled``.
+
+    PYTHONPATH=src python3 bench/gpu/diag_decode.py [--config k3_slice] [--batches 1,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from k3nn.bench.e2e import build_model, clone_cache
+from k3nn.cache.hybrid import HybridCache
+from k3nn.config import KimiK3Config
+from k3nn.layers.moe import Router
+
+
+def _hooks(model, store):
+    hs = []
+    for i, layer in enumerate(model.model.layers):
+        mods = [("attn", layer.self_attn), ("ffn", layer.ffn)]
+        mods += [("router", m) for m in layer.ffn.modules() if isinstance(m, Router)]
+        for name, m in mods:
+            def h(mod, inp, out, key=f"L{i}.{name}"):
+                store[key] = out[0].detach().clone() if isinstance(out, tuple) else out.detach().float().clone()
+            hs.append(m.register_forward_hook(h))
+    return hs
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@torch.no_grad()
+def step(model, base, nxt, backend):
+    model.backend = backend
+    store = {}
+    hs = _hooks(model, store)
+    try:
+        cache = clone_cache(base)
+        logits = model(nxt[:, None], cache=cache, logits_to_keep=1).logits[:, -1].float()
+    finally:
+        for h in hs:
+            h.remove()
+        model.backend = None
+    if logits.is_cuda:
+        torch.cuda.synchronize()
+    return logits, store
+
+
+def report(tag, ref, out):
+    (lr, sr), (lo, so) = ref, out
+    per_row = ((lo - lr).norm(dim=-1) / lr.norm(dim=-1)).cpu()
+    agree = (lo.argmax(-1) == lr.argmax(-1)).float().mean().item()
+    print(f"-- {tag}: logits rel {_rel(lo, lr):.3g}  per-row median {per_row.median():.3g} max {per_row.max():.3g} "
+          f" argmax agree {agree:.3f}", flush=True)
+    parts = []
+    for k in sr:
+        if k.endswith("router"):
+            a, b = sr[k], so[k]
+            flip = (a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item()
+            parts.append(f"{k} flips {flip:.2f}")
+        else:
+            parts.append(f"{k} {_rel(so[k], sr[k]):.2g}")
+    print("   " + " | ".join(parts), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="k3_slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--ctx", type=int, default=32)
+    args = ap.parse_args()
+    from k3nn.kernels.moe import triton_fused
+
+    cfg = getattr(KimiK3Config, args.config)()
+    dev = args.device
+    for dtype in (torch.float32, torch.bfloat16):
+        t0 = time.perf_counter()
+        model = build_model(cfg, dev, dtype)
+        print(f"== {dtype}: built in {time.perf_counter() - t0:.1f}s", flush=True)
+        for B in [int(b) for b in args.batches.split(",")]:
+            gen = torch.Generator(device=dev).manual_seed(B)
+            ids = torch.randint(0, cfg.vocab_size, (B, args.ctx), generator=gen, device=dev)
+            base = HybridCache(cfg, B, args.ctx + 8, dtype, dev, mla_pool=True)
+            model.backend = "eager"
+            nxt = model(ids, cache=base, logits_to_keep=1).logits[:, -1].argmax(-1)
+            model.backend = None
+            ref = step(model, base, nxt, "eager")
+            report(f"{dtype} B={B} auto", ref, step(model, base, nxt, "auto"))
+            again = step(model, base, nxt, "auto")
+            report(f"{dtype} B={B} auto (2nd run; vs eager)", ref, again)
+            if dtype == torch.bfloat16:
+                old = triton_fused.MX_DEFAULT
+                triton_fused.MX_DEFAULT = "split"
+                try:
+                    report(f"{dtype} B={B} auto, MXFP4 split decode", ref, step(model, base, nxt, "auto"))
+                finally:
+                    triton_fused.MX_DEFAULT = old
+            del base
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
