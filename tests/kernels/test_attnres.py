@@ -111,13 +111,18 @@ def test_mix_many_sources_noncontiguous_and_empty():
 
 
 def test_mix_kernel_variants_agree():
-    """The tuning knobs (warps, load prefetch) change the schedule, never the result."""
-    src = make((3, 96), torch.bfloat16, 8, 5)
-    qw, nw = weights(96, 8)
-    ref = triton_mix.attnres_mix_triton(src, qw, nw)
-    for w, pf, rl, jn in ((1, 0, False, False), (2, 2, True, False), (4, 1, False, True), (2, 2, True, True)):
-        out = triton_mix.attnres_mix_triton(src, qw, nw, num_warps=w, prefetch=pf, qv_reload=rl, join=jn)
-        assert torch.equal(out, ref), (w, pf, rl, jn)
+    """The tuning knobs (warps, load ring depth, query reload, joined reduction, eviction hint, pinned load
+    order, accumulate fence) change the schedule, never the result: bit-identical outputs."""
+    for S, d in ((5, 96), (9, 75), (2, 33)):
+        src = make((3, d), torch.bfloat16, 8 + S, S)
+        qw, nw = weights(d, 8 + S)
+        ref = triton_mix.attnres_mix_triton(src, qw, nw)
+        for w, pf, rl, jn, od, fn in ((1, 0, False, False, False, 0), (2, 2, True, False, True, 1),
+                                       (4, 1, False, True, False, 1), (2, 8, True, True, True, 2),
+                                       (2, 3, False, True, True, 1), (1, 4, False, False, False, 2)):
+            out = triton_mix.attnres_mix_triton(src, qw, nw, num_warps=w, prefetch=pf, qv_reload=rl, join=jn,
+                                                ordered=od, fence=fn, evict=pf % 2 == 0)
+            assert torch.equal(out, ref), (S, d, w, pf, rl, jn, od, fn)
 
 
 def test_mix_bf16_weights_and_k3_width_row():

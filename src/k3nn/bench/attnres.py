@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d", type=int, default=7168)
     ap.add_argument("--tokens", default="1,64,8192", help="token counts for the mix")
     ap.add_argument("--sources", default="2,5,9", help="source counts for the mix")
-    ap.add_argument("--sweep", default="", help="also time kernel variants warps:prefetch:qv_reload:join "
-                    "(e.g. 8:1:0:0,8:2:1:1) at T=8192 S=5,9 and T=64 S=9")
+    ap.add_argument("--sweep", default="", help="also time kernel variants warps:prefetch:qv_reload:join"
+                    "[:ordered:fence] (e.g. 8:2:1:1,16:3:0:1:1:1) at T=8192 S=5,9 and T=64 S=9")
     ap.add_argument("--block-tokens", default="1,64,2048", help="token counts for the block-of-12 comparison")
     ap.add_argument("--stored", type=int, default=8, help="stored blocks in the block comparison")
     ap.add_argument("--skip-block", action="store_true")
@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     bench_mix(args.d, ints(args.tokens), ints(args.sources), [], rows)
     if args.sweep:
-        variants = [dict(num_warps=int(w), prefetch=int(p), qv_reload=bool(int(r)), join=bool(int(j)))
-                    for w, p, r, j in (v.split(":") for v in args.sweep.split(","))]
+        keys = ("num_warps", "prefetch", "qv_reload", "join", "ordered", "fence")
+        variants = [{k: (int(x) if k in ("num_warps", "prefetch", "fence") else bool(int(x)))
+                     for k, x in zip(keys, v.split(":"))} for v in args.sweep.split(",")]
         for T, S in ((8192, 9), (8192, 5), (64, 9)):
             bench_mix(args.d, [T], [S], variants, rows, with_eager=False)
     if not args.skip_block:

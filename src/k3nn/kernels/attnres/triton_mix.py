@@ -3,8 +3,8 @@
 One program handles one (query, token row): it walks the S sources with an online softmax over depth,
 holding the fp32 accumulator and the current source row (d ≤ 16384) in registers, so every source row
 is read from memory exactly once and no stacked copy of the sources is ever made (their base pointers
-travel as a tuple argument). Per source: one load (issued up to two sources ahead), the row sums Σv·q and
-Σv² (optionally as one joined reduction), one rescale::
+travel as a tuple argument). Per source: one load (issued from a ring up to 8 sources ahead, optionally pinned
+in that order), the row sums Σv·q and Σv² (optionally as one joined reduction), one rescale::
 
     s = (v · q) / sqrt(mean(v²) + eps);  M = max(m, s)
     acc = e^{m−M} acc + e^{s−M} v;  l = e^{m−M} l + e^{s−M}
@@ -16,6 +16,8 @@ apply the following RMSNorm to h). fp32 math throughout; bf16 / fp16 / fp32 I/O.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,7 +31,9 @@ __all__ = ["attnres_mix_triton", "attnres_phase1_triton", "attnres_phase2_triton
 
 MAX_D = 16384  # the whole row (accumulator + current source) lives in registers
 MAX_SOURCES = 32
+MAX_PREFETCH = 8  # load-ring slots in the kernel
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no inline asm under the interpreter
 _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
 
 
@@ -46,6 +50,15 @@ def _cast(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _ld(base, offs, mask, EVICT: tl.constexpr):
+    """One source row (base: scalar pointer to the row, offs: int32 lane offsets)."""
+    if EVICT:  # streamed exactly once: let it leave L2 first
+        return tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        return tl.load(base + offs, mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["N", "Q"])  # one compile for decode (N = 1) and prefill
 def _attnres_kernel(
     src,  # tuple of S pointers, each to [N, D] rows with row stride D
     upd_ptr, newp_ptr,  # HAS_UPDATE: the last source becomes round(src[S-1] + upd), stored to newp
@@ -57,61 +70,115 @@ def _attnres_kernel(
     N, D, Q, eps,
     S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UPDATE: tl.constexpr, HAS_STATE: tl.constexpr,
     NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr, PREFETCH: tl.constexpr,
-    QV_RELOAD: tl.constexpr, JOIN: tl.constexpr,
+    QV_RELOAD: tl.constexpr, JOIN: tl.constexpr, EVICT: tl.constexpr, ORDERED: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q = pid % Q
-    row = (pid // Q).to(tl.int64)
+    row = pid // Q
+    # Row offsets are scalars (int64: N·D may pass 2^31); the per-lane offsets stay int32, so the address
+    # of every lane is one scalar base plus a small vector (no 64-bit vector index math, fewer registers).
+    rbase = row.to(tl.int64) * D
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    roff = row * D + offs
-    qoff = q * q_stride + offs
+    qbase = q * q_stride
     if not QV_RELOAD:
-        qv = tl.load(qw_ptr + qoff, mask=mask, other=0.0).to(tl.float32)
-        qv = qv * tl.load(nw_ptr + qoff, mask=mask, other=0.0).to(tl.float32)
+        qv = tl.load(qw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
+        qv = qv * tl.load(nw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
 
     if HAS_STATE:
-        acc = tl.load(o_ptr + roff, mask=mask, other=0.0).to(tl.float32)
+        acc = _ld(o_ptr + rbase, offs, mask, EVICT).to(tl.float32)
         m = tl.load(m_ptr + row).to(tl.float32)
         l = tl.load(l_ptr + row).to(tl.float32)
+    # Load ring: source s lives in slot s % (PREFETCH + 1); the load of source j + PREFETCH is issued before
+    # the reductions of source j (which end in a barrier), so PREFETCH + 1 rows are in flight per program.
+    # PREFETCH = S - 1 issues every load up front. At most 8 sources ahead (slots b0..b8).
+    # The compiler treats the loads as free to move and, left alone, hoists every one to the top (S rows of
+    # registers live at once: 255 registers at S = 9, 8 warps). ORDERED pins the ring: the row offset of the
+    # load issued in step j carries a zero that the compiler cannot prove, derived from the sum of squares of
+    # step j - 1 (ss ≥ 0, so ss < 0 is always false), so it cannot be issued before that reduction is done.
+    dep = rbase * 0
+    for i in tl.static_range(PREFETCH):
+        if i < S:
+            x = _ld(src[i] + rbase, offs, mask, EVICT)
+            if i == 0:
+                b0 = x
+            elif i == 1:
+                b1 = x
+            elif i == 2:
+                b2 = x
+            elif i == 3:
+                b3 = x
+            elif i == 4:
+                b4 = x
+            elif i == 5:
+                b5 = x
+            elif i == 6:
+                b6 = x
+            else:
+                b7 = x
     for j in tl.static_range(S):
-        # Loads of the next PREFETCH sources are issued before this source's reductions (which end in a
-        # barrier), so several rows are in flight per program.
-        if PREFETCH == 0:
-            cur = tl.load(src[j] + roff, mask=mask, other=0.0)
-        elif PREFETCH == 1:
-            if j == 0:
-                cur = tl.load(src[0] + roff, mask=mask, other=0.0)
+        if j + PREFETCH < S:
+            x = _ld(src[j + PREFETCH] + (rbase + dep), offs, mask, EVICT)
+            if (j + PREFETCH) % (PREFETCH + 1) == 0:
+                b0 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 1:
+                b1 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 2:
+                b2 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 3:
+                b3 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 4:
+                b4 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 5:
+                b5 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 6:
+                b6 = x
+            elif (j + PREFETCH) % (PREFETCH + 1) == 7:
+                b7 = x
             else:
-                cur = nxt1
-            if j + 1 < S:
-                nxt1 = tl.load(src[j + 1] + roff, mask=mask, other=0.0)
+                b8 = x
+        if j % (PREFETCH + 1) == 0:
+            cur = b0
+        elif j % (PREFETCH + 1) == 1:
+            cur = b1
+        elif j % (PREFETCH + 1) == 2:
+            cur = b2
+        elif j % (PREFETCH + 1) == 3:
+            cur = b3
+        elif j % (PREFETCH + 1) == 4:
+            cur = b4
+        elif j % (PREFETCH + 1) == 5:
+            cur = b5
+        elif j % (PREFETCH + 1) == 6:
+            cur = b6
+        elif j % (PREFETCH + 1) == 7:
+            cur = b7
         else:
-            if j == 0:
-                cur = tl.load(src[0] + roff, mask=mask, other=0.0)
-                if S > 1:
-                    nxt1 = tl.load(src[1] + roff, mask=mask, other=0.0)
-            else:
-                cur = nxt1
-                if j + 1 < S:
-                    nxt1 = nxt2
-            if j + 2 < S:
-                nxt2 = tl.load(src[j + 2] + roff, mask=mask, other=0.0)
+            cur = b8
         if QV_RELOAD:  # fewer live registers (higher occupancy); the query row stays in L1
-            qv = tl.load(qw_ptr + qoff, mask=mask, other=0.0).to(tl.float32)
-            qv = qv * tl.load(nw_ptr + qoff, mask=mask, other=0.0).to(tl.float32)
+            qv = tl.load(qw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
+            qv = qv * tl.load(nw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
         v = cur.to(tl.float32)
         if HAS_UPDATE and j == S - 1:
-            u = tl.load(upd_ptr + roff, mask=mask, other=0.0).to(tl.float32)
+            u = _ld(upd_ptr + rbase, offs, mask, EVICT).to(tl.float32)
             vr = _cast(v + u, newp_ptr.dtype.element_ty)
-            tl.store(newp_ptr + roff, vr, mask=mask)
+            tl.store(newp_ptr + rbase + offs, vr, mask=mask)
             v = vr.to(tl.float32)
+        sq = v * v
+        if FENCE == 1 and (j > 0 or HAS_STATE):
+            # The compiler may otherwise sink every accumulate to the end of the kernel, keeping all S rows
+            # live. acc · 0 (= ±0 for finite acc; not folded without fast-math) ties the previous
+            # accumulate into this reduction; adding ±0 to v² ≥ 0 leaves ss bit-identical.
+            sq = sq + acc * 0.0
         if JOIN:  # both row sums in one reduction (one cross-warp exchange instead of two)
-            dot, ss = tl.split(tl.sum(tl.join(v * qv, v * v), axis=0))
+            dot, ss = tl.split(tl.sum(tl.join(v * qv, sq), axis=0))
         else:
             dot = tl.sum(v * qv, axis=0)
-            ss = tl.sum(v * v, axis=0)
+            ss = tl.sum(sq, axis=0)
         s = dot * tl.rsqrt(ss / D + eps)
+        if ORDERED:
+            dep = (ss < 0).to(tl.int64) * 16  # a multiple of 16 keeps the loads 16-byte vectorised
         if j == 0 and not HAS_STATE:
             m = s
             l = tl.full([], 1.0, tl.float32)
@@ -123,36 +190,42 @@ def _attnres_kernel(
             acc = acc * alpha + v * beta
             l = l * alpha + beta
             m = m_new
+        if FENCE == 2:  # a side-effecting identity: the accumulate must be done before the next barrier
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
+                                            pack=1)
 
-    ooff = (q * N + row) * D + offs
+    obase = (q * N + row).to(tl.int64) * D
     if NORMALISE:
         h = _cast(acc / l, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + ooff, h, mask=mask)
+        tl.store(out_ptr + obase + offs, h, mask=mask)
         if POST_NORM:
             hf = h.to(tl.float32)
             xn = _cast(hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + post_eps), out_ptr.dtype.element_ty)
             w = tl.load(pw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + ooff, _cast(xn.to(tl.float32) * w, y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + obase + offs, _cast(xn.to(tl.float32) * w, y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + ooff, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + obase + offs, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
     if WRITE_STATE:
         tl.store(m_out_ptr + q * N + row, m)
         tl.store(l_out_ptr + q * N + row, l)
 
 
 def _num_warps(block_d: int) -> int:
-    # One row of accumulator + source per program; 8 warps at d = 7168 (H200: beats 16 and 4 from 5 sources).
+    # One row of accumulator + source per program; 8 warps at d = 7168 (phase 2: one source + the state).
     return max(1, min(16, block_d // 1024))
 
 
 def _mix_config(block_d: int, n_sources: int) -> dict:
-    """Default schedule of the fused mix, from the H200 sweeps in bench/results/attnres-*.json (d = 7168,
-    T = 8192): 2 sources stream best with 4 warps and one row of prefetch (78% of copy BW); from 3 sources
-    on, two rows of prefetch, the query re-read from L1 and one joined reduction per source (S=9: 0.52 ms vs
-    0.61 ms for the plain schedule)."""
+    """Default schedule (d = 7168 reasoning, register counts from ptxas for sm_90; see bench/gpu/attnres.py).
+
+    Up to 2 sources: 4 warps, one row of prefetch (H200: 78% of copy BW). From 3 sources on: 16 warps, a
+    pinned ring of 3 rows ahead (ORDERED) with the accumulate tied to the next reduction (FENCE = 1): about
+    110 registers, no spills, four 14 KB rows in flight per SM. Unpinned, the compiler hoists every load and
+    sinks every accumulate (S rows live: 255 registers at 8 warps, spills at 16)."""
     if n_sources <= 2:
         return dict(num_warps=max(1, min(16, block_d // 2048)), prefetch=1, qv_reload=False, join=False)
-    return dict(num_warps=_num_warps(block_d), prefetch=2, qv_reload=True, join=True)
+    return dict(num_warps=max(1, min(16, block_d // 512)), prefetch=3, qv_reload=False, join=True, ordered=True,
+                fence=1)
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -161,7 +234,7 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=None, state_out=None,
             post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None, prefetch=1, qv_reload=False,
-            join=False):
+            join=False, evict=None, ordered=False, fence=0, maxnreg=None):
     block_d = triton.next_power_of_2(d)
     if n == 0:
         return
@@ -173,7 +246,10 @@ def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=Non
         out, m_out, l_out, post, y, float(post_eps), n, d, q, float(eps),
         S=len(srcs), BLOCK_D=block_d, HAS_UPDATE=upd is not None, HAS_STATE=state is not None,
         NORMALISE=normalise, WRITE_STATE=state_out is not None, POST_NORM=post is not None,
-        PREFETCH=int(prefetch), QV_RELOAD=qv_reload, JOIN=join, num_warps=num_warps or _num_warps(block_d))
+        PREFETCH=max(0, min(int(prefetch), MAX_PREFETCH, len(srcs) - 1)), QV_RELOAD=bool(qv_reload), JOIN=bool(join),
+        EVICT=(q == 1) if evict is None else bool(evict), ORDERED=bool(ordered),
+        FENCE=1 if fence == 2 and _INTERPRET else int(fence),
+        num_warps=num_warps or _num_warps(block_d), **({"maxnreg": int(maxnreg)} if maxnreg else {}))
 
 
 # --------------------------------------------------------------------------------------------- supports
@@ -218,12 +294,15 @@ def phase2_supports(o, m, l, partial, query_weight, norm_weight, eps=1e-5, updat
 
 def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float = 1e-5, *, num_warps: int | None = None, prefetch: int | None = None,
-                       qv_reload: bool | None = None, join: bool | None = None) -> torch.Tensor:
+                       qv_reload: bool | None = None, join: bool | None = None, evict: bool | None = None,
+                       ordered: bool | None = None, fence: int | None = None, maxnreg: int | None = None
+                       ) -> torch.Tensor:
     """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`).
     The keyword knobs override the measured default schedule (:func:`_mix_config`); results are identical."""
     d = sources[0].shape[-1]
     cfg = _mix_config(triton.next_power_of_2(d), len(sources))
-    for k, v in (("num_warps", num_warps), ("prefetch", prefetch), ("qv_reload", qv_reload), ("join", join)):
+    for k, v in (("num_warps", num_warps), ("prefetch", prefetch), ("qv_reload", qv_reload), ("join", join),
+                 ("evict", evict), ("ordered", ordered), ("fence", fence), ("maxnreg", maxnreg)):
         if v is not None:
             cfg[k] = v
     srcs = [_rows(s, d) for s in sources]
@@ -245,8 +324,11 @@ def attnres_phase1_triton(sources: list[torch.Tensor], query_weight: torch.Tenso
     o = _alloc((nq, *shape), dtype=out_dtype, device=dev)
     m = _alloc((nq, *shape[:-1]), dtype=torch.float32, device=dev)
     l = _alloc((nq, *shape[:-1]), dtype=torch.float32, device=dev)
+    cfg = _mix_config(triton.next_power_of_2(d), len(srcs))
+    if num_warps is not None:
+        cfg["num_warps"] = num_warps
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), o, n=n, d=d, q=nq, eps=eps,
-            state_out=(m, l), normalise=False, num_warps=num_warps)
+            state_out=(m, l), normalise=False, **cfg)
     return o, m, l
 
 
@@ -276,5 +358,5 @@ def attnres_phase2_triton(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor, par
     _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), h, n=n, d=d, eps=eps,
             upd=None if update is None else _rows(update, d), newp=new_partial,
             state=(_rows(o, d), m.contiguous(), l.contiguous()), post=post_norm_weight, post_eps=post_norm_eps,
-            y=y, num_warps=num_warps)
+            y=y, num_warps=num_warps, prefetch=0, fence=1)
     return AttnResPhase2Output(h, y, new_partial if new_partial is not None else partial)
