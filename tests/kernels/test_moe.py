@@ -191,3 +191,85 @@ def test_bad_inputs_raise_clear_errors():
         xb = x.bfloat16()
         d = [torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 64, 32).bfloat16()]
         ops.moe_experts(xb, *d, ids, wts)
+
+
+# --- MXFP4 decode GEMV (triton_mx_gemv): the weight-streaming path used at decode batch sizes ---------------
+
+_GEMV_CFGS = [(16, 64, 16, 4, True, 0, False), (8, 32, 8, 2, False, 0, True), (32, 128, 4, 4, True, 1, False),
+              (16, 64, 8, 4, False, 1, True)]
+
+
+@given(N=st.integers(1, 6), E=st.integers(1, 6), k=st.integers(1, 4), D=st.sampled_from([32, 64, 96]),
+       I=st.sampled_from([32, 96]), act=st.sampled_from(["silu", "situ"]), cap=st.booleans(), skew=st.booleans(),
+       cfg=st.sampled_from(_GEMV_CFGS), seed=st.integers(0, 2**31 - 1))
+def test_mx_gemv_matches_eager(N, E, k, D, I, act, cap, skew, cfg, seed):
+    from k3nn.kernels.moe.triton_mx_gemv import GemvConfig
+
+    k = min(k, E)
+    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} skew={skew} cfg={cfg}")
+    x, w1, w3, w2, ids, _ = _problem(N, D, I, E, k, seed, skew, mx=True)
+    lin = 25.0 if cap else None
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, act, 4.0, lin)
+    y = poison(N, k, D)
+    c = GemvConfig(*cfg)
+    fused_expert_outputs(x, w1, w3, w2, ids, act, 4.0, lin, out=y, mx_mode="gemv", gemv_cfg=(c, c))
+    _close(y, ref)
+
+
+@pytest.mark.parametrize("case", ["one_token", "zero_token_experts", "rows_per_expert_4", "many_rows_one_expert"])
+def test_mx_gemv_edge_cases(case):
+    """Block sizes 1/2/4 (picked from pairs per touched expert), experts without tokens, partial blocks."""
+    from k3nn.kernels.moe.triton_mx_gemv import gemv_block_m
+
+    N, E, k = {"one_token": (1, 8, 3), "zero_token_experts": (5, 8, 2), "rows_per_expert_4": (8, 4, 2),
+               "many_rows_one_expert": (7, 3, 1)}[case]
+    x, w1, w3, w2, ids, wts = _problem(N, 64, 32, E, k, seed=5, mx=True)
+    if case == "zero_token_experts":
+        ids = torch.tensor([[1, 6]] * 3 + [[6, 2]] * 2)  # experts 0, 3, 4, 5, 7 get nothing; expert 6 gets 5 rows
+    if case == "many_rows_one_expert":
+        ids = torch.tensor([[2]] * 6 + [[0]])  # 6 rows on expert 2 (a partial second block), 1 on expert 0
+    assert gemv_block_m(ids.numel(), E) == {"one_token": 1, "zero_token_experts": 1, "rows_per_expert_4": 4,
+                                            "many_rows_one_expert": 2}[case]
+    y = poison(N, k, 64)
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y, mx_mode="gemv")
+    _close(y, moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0))
+    out = poison(N, 64)
+    moe_finalize_triton(y, wts, out=out)
+    _close(out, moe_experts_reference(x, w1, w3, w2, ids, wts, "situ", 4.0, 25.0))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 6·2^126 overflows fp32, as in mxfp4_dequantize
+@pytest.mark.parametrize("bm,cfg", [(1, (16, 64, 16, 4, True, 0, True)), (2, (8, 32, 8, 2, False, 1, False)),
+                                    (4, (16, 64, 4, 4, True, 0, True))])
+def test_mx_gemv_decode_is_exact_for_every_scale(bm, cfg):
+    """Unit-vector activations read the decoded weights back: bit-exact vs mxfp4_dequantize, E8M0 byte 0 = 2^-127
+    (fp32 subnormal products) and the largest finite scales (no overflow in the 2^14 fold)."""
+    from k3nn.kernels.moe.triton_mx_gemv import GemvConfig, mx_gemv_linear
+    from k3nn.quant.mxfp4 import mxfp4_dequantize
+
+    g = torch.Generator().manual_seed(bm)
+    N, K = 12, 64
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    vals = torch.tensor([0, 1, 2, 100, 127, 200, 240, 241, 250, 253], dtype=torch.uint8)
+    scale = vals[torch.randint(0, len(vals), (N, K // 32), generator=g)]
+    scale[0, 0] = 0
+    got = mx_gemv_linear(torch.eye(K), MXFP4Weight(packed, scale), GemvConfig(*cfg), bm)
+    want = mxfp4_dequantize(packed, scale).T
+    assert torch.equal(got, want)
+    nz = want[:32, 0][want[:32, 0] != 0].abs()
+    assert nz.numel() == 0 or nz.max() <= 6 * 2.0 ** -127  # the byte-0 group really decodes at 2^-127
+
+
+def test_mx_gemv_is_the_default_at_decode_sizes(monkeypatch):
+    """No mx_mode + few pairs → the GEMV; an explicit grouped-GEMM mode keeps the old path (same numbers)."""
+    import k3nn.kernels.moe.triton_mx_gemv as gm
+
+    x, w1, w3, w2, ids, _ = _problem(2, 64, 32, 6, 3, seed=9, mx=True)
+    calls = []
+    orig = gm.mx_gemv_experts
+    monkeypatch.setattr(gm, "mx_gemv_experts", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    y = fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+    assert calls == [1]
+    y2 = fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, mx_mode="split")
+    assert calls == [1]
+    _close(y, y2)

@@ -10,6 +10,8 @@ Shapes: K3 routed experts in latent width (3584 → 3072 → 3584, SiTU-GLU β 4
 * ``moe-mxfp4`` rows — MXFP4 expert weights decoded in-kernel at 1–16 tokens, timed in a CUDA graph:
   ``k3nn_ms`` = the two expert GEMMs (alignment precomputed), bandwidth = bytes of the experts actually
   touched (packed + scales) / that time; ``layer_ms`` = the whole layer (route, align, GEMMs, finalize).
+  ``--mx-modes``: ``auto`` (the dispatcher: the CUDA-core GEMV of triton_mx_gemv at ≤ GEMV_MAX_PAIRS pairs),
+  ``gemv``, or a grouped-GEMM decode (``scaled``, ``split``, ``join``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from ..kernels.moe.reference import moe_experts_reference
 from ..kernels.moe.align import moe_align
-from ..kernels.moe.triton_fused import fused_expert_outputs, moe_finalize_triton, pick_block_m
+from ..kernels.moe.triton_fused import block_m_for, fused_expert_outputs, moe_finalize_triton
 from ..layers.mlp import situ_glu
 from ..layers.moe import route
 from ..quant.mxfp4 import MXFP4Weight, mxfp4_quantize
@@ -80,7 +82,8 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", type=int, nargs="*", default=[256, 1024, 4096, 8192])
     ap.add_argument("--mx-tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--mx-modes", nargs="*", choices=["scaled", "split", "join"], default=["scaled"])
+    ap.add_argument("--mx-modes", nargs="*", choices=["auto", "gemv", "scaled", "split", "join"],
+                    default=["auto", "scaled"], help="auto: what the layer uses (the GEMV at decode sizes)")
     ap.add_argument("--skip-bf16", action="store_true")
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "the moe benchmark needs a CUDA GPU"
@@ -154,19 +157,20 @@ def _run(args, rows):
             ids, _ = route(logits, bias, TOPK, True, 1.0)
             nbytes = _touched_bytes(ids, q1, q3, q2)
             ref = reference_layer(logits, bias, z, q1, q3, q2, gain)
-            for sp in args.mx_modes:
+            for mode in args.mx_modes:
+                sp = None if mode == "auto" else mode
                 out = k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_mode=sp)
                 err = rel_err(out, ref)
                 if not err < 2e-2:
-                    print(f"MISMATCH mxfp4 T={T} {sp}: rel_err {err}; not timed")
+                    print(f"MISMATCH mxfp4 T={T} {mode}: rel_err {err}; not timed")
                     continue
                 # weight bandwidth of the two expert GEMMs (alignment precomputed), and the whole layer
-                al = moe_align(ids, E, pick_block_m(ids.numel(), E))
+                al = moe_align(ids, E, block_m_for(ids.numel(), E, True, sp))
                 ms = graph_bench_ms(lambda: fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN_BETA,
                                                                  align=al, mx_mode=sp))
                 layer_ms = graph_bench_ms(lambda: k3nn_layer(logits, bias, z, q1, q3, q2, gain, mx_mode=sp))
                 rows.append({"case": f"moe-mxfp4 T={T} E={E} k={TOPK} experts_touched={torch.unique(ids).numel()} "
-                                     f"decode={sp} (expert GEMMs)",
+                                     f"decode={mode} (expert GEMMs)",
                              "suite": "moe-mxfp4", "k3nn_ms": round(ms, 4), "layer_ms": round(layer_ms, 4),
                              "bytes": nbytes, "tbps": round(nbytes / ms / 1e9, 3), "rel_err": err})
                 print(rows[-1])

@@ -31,7 +31,8 @@ from ..tl_math import tanh as _tanh
 from ...quant.mxfp4 import MXFP4Weight
 from .align import MoEAlignment, align_for
 
-__all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m"]
+__all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m", "block_m_for",
+           "use_gemv"]
 
 log = logging.getLogger(__name__)
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -41,6 +42,9 @@ _TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
 #: even/odd-k halves decoded by hand (two dots per tile), "join" = nibbles interleaved in registers
 MX_MODES = {"join": 0, "split": 1, "scaled": 2}
 MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
+#: MXFP4 with at most this many (token, slot) pairs and no explicit ``mx_mode``: the CUDA-core weight-streaming
+#: GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs (0 disables it)
+GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "256"))
 
 
 _SCALED_BROKEN = False
@@ -323,6 +327,25 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 128
 
 
+_GEMV_BROKEN = False
+
+
+def use_gemv(num_pairs: int, mxfp4: bool, mx_mode: str | None = None) -> bool:
+    """Whether ``fused_expert_outputs`` takes the decode GEMV (triton_mx_gemv) for this call."""
+    if _GEMV_BROKEN and mx_mode != "gemv":
+        return False
+    return mxfp4 and (mx_mode == "gemv" or (mx_mode is None and num_pairs <= GEMV_MAX_PAIRS))
+
+
+def block_m_for(num_pairs: int, num_experts: int, mxfp4: bool, mx_mode: str | None = None) -> int:
+    """The alignment block size ``fused_expert_outputs`` uses (pass a matching ``align`` to skip re-aligning)."""
+    if use_gemv(num_pairs, mxfp4, mx_mode):
+        from .triton_mx_gemv import gemv_block_m
+
+        return gemv_block_m(num_pairs, num_experts)
+    return pick_block_m(num_pairs, num_experts)
+
+
 def _wparts(w):
     if isinstance(w, MXFP4Weight):
         return w.packed, w.scale, True
@@ -332,8 +355,11 @@ def _wparts(w):
 def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, activation: str = "silu",
                          beta: float = 4.0, linear_beta: float | None = 25.0,
                          align: MoEAlignment | None = None, out: torch.Tensor | None = None,
-                         mx_mode: str | None = None) -> torch.Tensor:
-    """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype."""
+                         mx_mode: str | None = None, gemv_cfg=None) -> torch.Tensor:
+    """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype.
+
+    MXFP4 weights at decode sizes (``mx_mode="gemv"``, or no ``mx_mode`` and ≤ ``GEMV_MAX_PAIRS`` pairs) go to
+    the weight-streaming GEMV (``triton_mx_gemv``); ``gemv_cfg``: its (up, down) ``GemvConfig`` pair."""
     N, D = x.shape
     k = topk_ids.shape[1]
     E, I = w1.shape[0], w1.shape[1]
@@ -342,6 +368,28 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     y = torch.empty(N, k, D, dtype=x.dtype, device=x.device) if out is None else out
     if P == 0:
         return y
+    if mx_mode not in (None, "gemv") and mx_mode not in MX_MODES:
+        raise ValueError(f"fused MoE: unknown mx_mode {mx_mode!r}")
+    if use_gemv(P, isinstance(w1, MXFP4Weight), mx_mode):
+        from .triton_mx_gemv import mx_gemv_experts
+
+        gbm = block_m_for(P, E, True, mx_mode)
+        al = align if align is not None and align.block_m == gbm else align_for(topk_ids, E, gbm)
+        cu, cd = gemv_cfg if gemv_cfg is not None else (None, None)
+        try:
+            mx_gemv_experts(x, w1, w3, w2, al, y.view(P, D), P, k, 0 if activation == "silu" else 1,
+                            linear_beta is not None, float(beta if beta is not None else 1.0),
+                            float(linear_beta if linear_beta is not None else 1.0), cu, cd)
+            return y
+        except Exception as err:  # a Triton build that cannot compile it: the grouped GEMMs, same contract
+            if mx_mode == "gemv" or _INTERP or isinstance(err, ValueError):
+                raise
+            global _GEMV_BROKEN
+            _GEMV_BROKEN = True
+            log.warning("fused MoE: the MXFP4 decode GEMV failed (%s: %s); using the grouped GEMMs",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    if mx_mode == "gemv":
+        mx_mode = None
     bm = pick_block_m(P, E)
     al = align if align is not None and align.block_m == bm else align_for(topk_ids, E, bm)
     nb = al.expert_ids.numel()

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""MXFP4 expert weight bandwidth at decode batch sizes (issue 5), one self-contained GPU check.
+
+    PYTHONPATH=src python3 bench/gpu/moe_mx.py
+
+K3 routed experts (3584 → 3072 gate+up → 3584, SiTU-GLU β 4/25), 128 experts, top-16, bf16 activations, random
+MXFP4 weights. For 1, 4 and 16 tokens:
+
+1. correctness of every variant vs the eager reference on dequantised bf16 weights (rel. Frobenius error and
+   max |diff| / max |ref|);
+2. copy bandwidth measured in this process, then each variant timed in a CUDA graph (alignment precomputed):
+   µs, TB/s of the packed weight + scale bytes of the experts actually touched, fraction of copy bandwidth.
+
+Variants: ``old`` = the grouped tensor-core GEMMs (tl.dot_scaled, autotuned), ``gemv*`` = triton_mx_gemv with
+(BLOCK_N, BLOCK_K, VEC, warps, prefetch, decode, split_a) and rows per program ``bm``. Stops starting new variants after
+``K3NN_MX_BUDGET_S`` seconds (default 95) so the whole run stays under two minutes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+T_START = time.time()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+
+import torch
+
+from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
+from k3nn.kernels.moe.align import align_for
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference
+from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
+from k3nn.kernels.moe.triton_mx_gemv import GemvConfig, gemv_block_m, mx_gemv_experts
+from k3nn.quant.mxfp4 import MXFP4Weight
+
+print = functools.partial(print, flush=True)
+
+E, D, I, TOPK = 128, 3584, 3072, 16
+BETA, LIN = 4.0, 25.0
+TOKENS = (1, 4, 16)
+BUDGET_S = float(os.environ.get("K3NN_MX_BUDGET_S", "95"))
+
+# name → (GemvConfig or None for the old path, rows per program: None = what the dispatcher picks)
+VARIANTS = [
+    ("old(scaled)", None, None),
+    ("gemv n16 k512 v16 w4", GemvConfig(16, 512, 16, 4, True, 0), None),  # the default
+    ("gemv ... no-prefetch", GemvConfig(16, 512, 16, 4, False, 0), None),
+    ("gemv ... arith-decode", GemvConfig(16, 512, 16, 4, True, 1), None),
+    ("gemv n32 k512 v16 w8", GemvConfig(32, 512, 16, 8, True, 0), None),
+    ("gemv n16 k256 v8 w4", GemvConfig(16, 256, 8, 4, True, 0), None),
+    ("gemv ... split-a", GemvConfig(16, 512, 16, 4, True, 0, True), None),
+    ("gemv n8 k512 v16 w2", GemvConfig(8, 512, 16, 2, True, 0), None),
+    ("gemv default bm=4", GemvConfig(16, 512, 16, 4, True, 0), 4),
+]
+
+
+def elapsed() -> float:
+    return time.time() - T_START
+
+
+def make_weights(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def mx(n, k):  # random codes, scales 2^-9..2^-6: O(1) outputs for O(1) inputs
+        packed = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
+        scale = torch.randint(118, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+        return MXFP4Weight(packed, scale)
+
+    return mx(I, D), mx(I, D), mx(D, I)
+
+
+def run_variant(cfg, bm, z, q1, q3, q2, ids):
+    """A zero-argument callable computing the expert outputs y [T, k, D] with alignment precomputed."""
+    T = z.shape[0]
+    P = T * TOPK
+    y = torch.empty(T, TOPK, D, dtype=z.dtype, device=z.device)
+    if cfg is None:
+        al = align_for(ids, E, pick_block_m(P, E))
+        return (lambda: fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN, align=al, out=y,
+                                             mx_mode="scaled")), y
+    al = align_for(ids, E, bm or gemv_block_m(P, E))
+    y2 = y.view(P, D)
+    return (lambda: mx_gemv_experts(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg)), y
+
+
+def main():
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dev = "cuda"
+    meta = device_meta()
+    copy = meta["copy_tbps"]
+    print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']}: copy {copy} TB/s, "
+          f"bf16 {meta['bf16_tflops']} TFLOP/s  [t={elapsed():.0f}s]")
+    q1, q3, q2 = make_weights(dev)
+    per_expert = sum(w[0].nbytes() for w in (q1, q3, q2))
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for T in TOKENS:
+        z = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.randn(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices
+        touched = torch.unique(ids).numel()
+        nbytes = touched * per_expert
+        ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float()
+        print(f"-- T={T}: {touched} experts touched, {nbytes / 1e6:.1f} MB of weights; gemv block_m "
+              f"{gemv_block_m(T * TOPK, E)}  [t={elapsed():.0f}s]")
+        for name, cfg, bm in VARIANTS:
+            if bm is not None and (T < 16 or bm == gemv_block_m(T * TOPK, E)):
+                continue  # only where it differs from the dispatcher's choice and rows per expert can reach it
+            if elapsed() > BUDGET_S:
+                print(f"   {name}: skipped (time budget)")
+                continue
+            try:
+                fn, y = run_variant(cfg, bm, z, q1, q3, q2, ids)
+                fn()
+                torch.cuda.synchronize()
+                err = rel_err(y.float(), ref)
+                mx_err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                ok = err < 2e-2
+                us = graph_bench_ms(fn, inner=20, rep=10) * 1e3 if ok else float("nan")
+            except Exception as ex:  # a variant that fails to compile must not hide the others
+                print(f"   {name}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
+                continue
+            tbps = nbytes / us / 1e6 if ok else float("nan")
+            rows.append((T, name, us, tbps, tbps / copy, err, mx_err, ok))
+            print(f"   {name:24s} {us:9.1f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy  "
+                  f"rel_err {err:.2e} max_rel {mx_err:.2e}{'' if ok else '  MISMATCH (not timed)'}"
+                  f"  [t={elapsed():.0f}s]")
+    print(f"\nMXFP4 experts, K3 dims, E={E} top-{TOPK}, copy {copy} TB/s (floor 60%, goal 80%)")
+    print(f"{'T':>3} | {'variant':24s} | {'us':>9} | {'TB/s':>6} | {'frac':>6} | {'rel_err':>8} | {'max_rel':>8}")
+    for T, name, us, tbps, frac, err, mx_err, ok in rows:
+        print(f"{T:>3} | {name:24s} | {us:9.1f} | {tbps:6.3f} | {frac:6.1%} | {err:8.1e} | {mx_err:8.1e}"
+              f"{'' if ok else ' MISMATCH'}")
+    for T in TOKENS:
+        best = [r for r in rows if r[0] == T and r[7] and r[1] != "old(scaled)"]
+        old = [r for r in rows if r[0] == T and r[1] == "old(scaled)" and r[7]]
+        if best:
+            b = min(best, key=lambda r: r[2])
+            print(f"best T={T}: {b[1]} {b[4]:.1%} of copy" + (f" ({old[0][2] / b[2]:.2f}x vs old)" if old else ""))
+    print(f"done in {elapsed():.0f}s")
+
+
+if __name__ == "__main__":
+    main()

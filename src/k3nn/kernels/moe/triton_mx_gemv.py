@@ -1,0 +1,293 @@
+"""MXFP4 expert GEMV for decode-sized batches: weight streaming on CUDA cores, no tensor cores.
+
+At 1–16 tokens each touched expert sees 1–3 rows, so the expert GEMMs are a stream over the packed weights
+(packed u8 [E, N, K/2], E8M0 scales u8 [E, N, K/32]) with almost no reuse. This kernel gives every program a
+narrow output tile (``BLOCK_N`` weight rows) of one ``BM``-row block of the alignment (``align.py`` with
+``block_m = BM``, 1, 2 or 4) and walks K in ``BLOCK_K`` steps; there are E_touched · blocks · N/BLOCK_N
+programs, thousands at K3 shapes, so enough bytes are in flight without split-K.
+
+Data flow per K step (one weight matrix; the up kernel does w1 and w3 together and shares the activations)::
+
+    bytes  [BLOCK_N, SG, VEC] u8         VEC contiguous bytes per thread (one 16-byte load when VEC = 16),
+                                          SG = BLOCK_K / (2·VEC) sub-groups; a scale group is 16 bytes
+    lo/hi  nibbles → fp16 bit patterns → fp32, each value · 2^-14 (exact: E2M1 is a 2-bit-exponent float,
+           placed in fp16's exponent/mantissa; code 1 is the fp16 subnormal 2^-15)
+    part   Σ_VEC lo·a_even + hi·a_odd     per row, within the thread (FMA chain, no shuffles)
+    acc   += part · 2^(s-113)              the scale (and the 2^14) once per sub-group and row;
+                                          s > 240: · 2^14 · 2^(s-127) (two exact steps, no overflow)
+
+and after the loop one cross-thread sum over SG. The epilogue applies the GLU activation (up: SiLU/SiTU,
+``triton_fused._act``) and stores h in the sorted row order, or (down) scatters y to flat pair ids — the
+same buffers and contract as the grouped-GEMM kernels, which stay in use for prefill.
+
+Scales decode exactly for every byte: 0 → 2^-127, 255 → NaN. ``DECODE=1`` uses the arithmetic E2M1 decode
+of ``triton_fused`` instead of the fp16 bit pattern (an A/B switch for the GPU; same values).
+``PREFETCH`` double-buffers the weight bytes in registers (next K step loaded before the current one is used).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fused import _act, _e2m1_to_f32
+
+__all__ = ["GemvConfig", "mx_gemv_experts", "mx_gemv_linear", "gemv_block_m", "DEFAULT_CONFIG"]
+
+
+class GemvConfig(tuple):
+    """(BLOCK_N, BLOCK_K, VEC, num_warps, PREFETCH, DECODE, SPLIT_A) for one kernel. SPLIT_A: activations
+    loaded as contiguous 2·VEC runs and split into even/odd k in registers (vector loads) instead of two
+    stride-2 gathers."""
+
+    __slots__ = ()
+
+    def __new__(cls, block_n=16, block_k=512, vec=16, num_warps=4, prefetch=True, decode=0, split_a=False):
+        return super().__new__(cls, (block_n, block_k, vec, num_warps, prefetch, decode, split_a))
+
+    block_n = property(lambda s: s[0])
+    block_k = property(lambda s: s[1])
+    vec = property(lambda s: s[2])
+    num_warps = property(lambda s: s[3])
+    prefetch = property(lambda s: s[4])
+    decode = property(lambda s: s[5])
+    split_a = property(lambda s: s[6])
+
+
+#: (16, 512, 16, 4): ≈ 3–4 thousand programs of 4 warps per kernel at K3 shapes and one token; each thread
+#: loads two 16-byte runs of one weight matrix per K step. The interpreter gets wider, shorter tiles (fewer programs).
+DEFAULT_CONFIG = GemvConfig(64, 64, 16, 4) if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else GemvConfig()
+
+
+def gemv_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per program: ≈ the mean rows per touched expert, as 1, 2 or 4."""
+    per = num_pairs / max(1, min(num_experts, num_pairs))
+    return 1 if per <= 1.25 else (2 if per <= 2.5 else 4)
+
+
+@triton.jit
+def _nibble(b, HI: tl.constexpr, DECODE: tl.constexpr):
+    """E2M1 nibble (low or high) of each byte → its value · 2^-14 in fp32, exactly."""
+    b = b.to(tl.int32)
+    if DECODE == 0:
+        if HI:
+            h = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)  # magnitude bits 4-6 → 9-11, sign bit 7 → 15
+        else:
+            h = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        code = (b >> 4) if HI else (b & 15)
+        return _e2m1_to_f32(code) * 0.00006103515625
+
+
+@triton.jit
+def _tile(w_ptr, s_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+          SG: tl.constexpr, VEC: tl.constexpr):
+    """Packed bytes [BN, SG, VEC] of K step k0 and the scale byte of each sub-group [BN, SG]."""
+    nm = offs_n < N
+    col = k0 // 2 + kk  # [SG, VEC] byte columns
+    b = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + col[None, :, :],
+                mask=nm[:, None, None] & (col[None, :, :] < K // 2), other=0)
+    g = (k0 // 2 + tl.arange(0, SG) * VEC) // 16  # [SG]: the scale group of each sub-group
+    s = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + g[None, :],
+                mask=nm[:, None] & (g[None, :] < K // 32), other=127)
+    return b, s
+
+
+@triton.jit
+def _scales(s):
+    """E8M0 byte → (pre, post) with value·2^-14 · pre · post = value · 2^(s-127), both steps exact."""
+    s = s.to(tl.int32)
+    big = s > 240
+    post = tl.where(s == 255, 0x7FC00000, tl.where(big, s, s + 14) << 23).to(tl.float32, bitcast=True)
+    pre = tl.where(big, 16384.0, 1.0)
+    return pre, post
+
+
+@triton.jit
+def _row_part(a_row, ok, k0, K, kk, lo, hi, SG: tl.constexpr, VEC: tl.constexpr, SPLIT_A: tl.constexpr):
+    """Σ over each thread's VEC bytes of lo·a_even + hi·a_odd for one activation row: [BN, SG]."""
+    if SPLIT_A:
+        kc = k0 + tl.arange(0, SG)[:, None] * (2 * VEC) + tl.arange(0, 2 * VEC)[None, :]  # [SG, 2·VEC] contiguous
+        a = tl.load(a_row + kc, mask=kc < tl.where(ok, K, 0), other=0.0).to(tl.float32)
+        ae, ao = tl.split(tl.reshape(a, (SG, VEC, 2)))
+    else:
+        ke = k0 + 2 * kk
+        m = ke < tl.where(ok, K, 0)
+        ae = tl.load(a_row + ke, mask=m, other=0.0).to(tl.float32)
+        ao = tl.load(a_row + ke + 1, mask=m, other=0.0).to(tl.float32)
+    return tl.sum(lo * ae[None, :, :] + hi * ao[None, :, :], axis=2)
+
+
+@triton.jit
+def _row_ptrs(a_ptr, sorted_ptr, row, top_k, num_pairs, stride_am, A_BY_TOKEN: tl.constexpr):
+    flat = tl.load(sorted_ptr + row)
+    ok = flat < num_pairs
+    arow = (flat // top_k).to(tl.int64) if A_BY_TOKEN else row.to(tl.int64)
+    return a_ptr + arow * stride_am, flat, ok
+
+
+@triton.jit
+def _store_row(o_ptr, row, flat, ok, offs_n, N, stride_om, g, u, GLU: tl.constexpr, ACT: tl.constexpr,
+               CAP_UP: tl.constexpr, beta, linear_beta):
+    if GLU:  # up: h in sorted-row order (padding rows are never read by the down kernel)
+        v = _act(tl.sum(g, 1), tl.sum(u, 1), ACT, beta, linear_beta, CAP_UP)
+        tl.store(o_ptr + row.to(tl.int64) * stride_om + offs_n, v.to(o_ptr.dtype.element_ty), mask=offs_n < N)
+    else:  # down: y at the flat pair id
+        v = tl.sum(g, 1)
+        tl.store(o_ptr + flat.to(tl.int64) * stride_om + offs_n, v.to(o_ptr.dtype.element_ty),
+                 mask=offs_n < tl.where(ok, N, 0))
+
+
+@triton.jit
+def _mx_gemv_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
+                    NB, N, K, top_k, num_pairs,
+                    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                    beta, linear_beta,
+                    GLU: tl.constexpr, A_BY_TOKEN: tl.constexpr, ACT: tl.constexpr, CAP_UP: tl.constexpr,
+                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                    PREFETCH: tl.constexpr, DECODE: tl.constexpr, SPLIT_A: tl.constexpr):
+    pid = tl.program_id(0)
+    blk = pid % NB  # neighbouring programs: neighbouring blocks (same expert) of one N tile → L2 reuse
+    pid_n = pid // NB
+    if blk * BM >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(eid_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    SG: tl.constexpr = BLOCK_K // (2 * VEC)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, SG)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [SG, VEC] byte offsets in a K step
+    r0 = blk * BM
+    a0, f0, ok0 = _row_ptrs(a_ptr, sorted_ptr, r0, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    a1, f1, ok1 = a0, f0, ok0
+    a2, f2, ok2 = a0, f0, ok0
+    a3, f3, ok3 = a0, f0, ok0
+    if BM > 1:
+        a1, f1, ok1 = _row_ptrs(a_ptr, sorted_ptr, r0 + 1, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    if BM > 2:
+        a2, f2, ok2 = _row_ptrs(a_ptr, sorted_ptr, r0 + 2, top_k, num_pairs, stride_am, A_BY_TOKEN)
+        a3, f3, ok3 = _row_ptrs(a_ptr, sorted_ptr, r0 + 3, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    z = tl.zeros((BLOCK_N, SG), dtype=tl.float32)
+    g0, g1, g2, g3 = z, z, z, z
+    u0, u1, u2, u3 = z, z, z, z
+    if PREFETCH:
+        nb1, ns1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, 0, N, K, stride_we, stride_wn, stride_se, stride_sn, SG, VEC)
+        nb3, ns3 = nb1, ns1
+        if GLU:
+            nb3, ns3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, 0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                             SG, VEC)
+    for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:
+            b1, sb1, b3, sb3 = nb1, ns1, nb3, ns3
+            nb1, ns1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, k0 + BLOCK_K, N, K, stride_we, stride_wn, stride_se,
+                             stride_sn, SG, VEC)
+            if GLU:
+                nb3, ns3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, k0 + BLOCK_K, N, K, stride_we, stride_wn,
+                                 stride_se, stride_sn, SG, VEC)
+        else:
+            b1, sb1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                            SG, VEC)
+            b3, sb3 = b1, sb1
+            if GLU:
+                b3, sb3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se,
+                                stride_sn, SG, VEC)
+        lo1 = _nibble(b1, False, DECODE)
+        hi1 = _nibble(b1, True, DECODE)
+        pre1, post1 = _scales(sb1)
+        g0 += _row_part(a0, ok0, k0, K, kk, lo1, hi1, SG, VEC, SPLIT_A) * pre1 * post1
+        if BM > 1:
+            g1 += _row_part(a1, ok1, k0, K, kk, lo1, hi1, SG, VEC, SPLIT_A) * pre1 * post1
+        if BM > 2:
+            g2 += _row_part(a2, ok2, k0, K, kk, lo1, hi1, SG, VEC, SPLIT_A) * pre1 * post1
+            g3 += _row_part(a3, ok3, k0, K, kk, lo1, hi1, SG, VEC, SPLIT_A) * pre1 * post1
+        if GLU:
+            lo3 = _nibble(b3, False, DECODE)
+            hi3 = _nibble(b3, True, DECODE)
+            pre3, post3 = _scales(sb3)
+            u0 += _row_part(a0, ok0, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
+            if BM > 1:
+                u1 += _row_part(a1, ok1, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
+            if BM > 2:
+                u2 += _row_part(a2, ok2, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
+                u3 += _row_part(a3, ok3, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
+    _store_row(o_ptr, r0, f0, ok0, offs_n, N, stride_om, g0, u0, GLU, ACT, CAP_UP, beta, linear_beta)
+    if BM > 1:
+        _store_row(o_ptr, r0 + 1, f1, ok1, offs_n, N, stride_om, g1, u1, GLU, ACT, CAP_UP, beta, linear_beta)
+    if BM > 2:
+        _store_row(o_ptr, r0 + 2, f2, ok2, offs_n, N, stride_om, g2, u2, GLU, ACT, CAP_UP, beta, linear_beta)
+        _store_row(o_ptr, r0 + 3, f3, ok3, offs_n, N, stride_om, g3, u3, GLU, ACT, CAP_UP, beta, linear_beta)
+
+
+def _check_cfg(cfg: GemvConfig) -> None:
+    bn, bk, vec = cfg.block_n, cfg.block_k, cfg.vec
+    for v in (bn, bk, vec):
+        if v & (v - 1):
+            raise ValueError(f"mx_gemv: BLOCK_N/BLOCK_K/VEC must be powers of two, got {cfg}")
+    if not (vec <= 16 and 16 % vec == 0 and bk >= 2 * vec and bk % 32 == 0):
+        raise ValueError(f"mx_gemv: need VEC | 16 and BLOCK_K ≥ max(32, 2·VEC), got {cfg}")
+
+
+def mx_gemv_experts(x: torch.Tensor, w1, w3, w2, al, y2: torch.Tensor, num_pairs: int, top_k: int,
+                    act: int, cap: bool, beta: float, linear_beta: float,
+                    cfg_up: GemvConfig | None = None, cfg_down: GemvConfig | None = None) -> None:
+    """Up (GLU) and down expert GEMVs over alignment ``al`` (block_m ∈ {1, 2, 4}); writes y2 [P, D]."""
+    bm = al.block_m
+    if bm not in (1, 2, 4):
+        raise ValueError(f"mx_gemv: block_m must be 1, 2 or 4, got {bm}")
+    cu, cd = cfg_up or DEFAULT_CONFIG, cfg_down or DEFAULT_CONFIG
+    _check_cfg(cu)
+    _check_cfg(cd)
+    for w in (w1, w3, w2):
+        if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1:
+            raise ValueError("mx_gemv: packed weights and scales must be contiguous in their last dim")
+    if w1.packed.stride() != w3.packed.stride() or w1.scale.stride() != w3.scale.stride():
+        raise ValueError("mx_gemv: w1 and w3 must share strides")
+    nb = al.expert_ids.numel()
+    I, D = w1.packed.shape[1], w2.packed.shape[1]
+    K1 = w1.packed.shape[2] * 2
+    h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)
+    p1, s1, p3, s3, p2, s2 = w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale
+    _mx_gemv_kernel[(nb * triton.cdiv(I, cu.block_n),)](
+        x, p1, s1, p3, s3, h, al.sorted_ids, al.expert_ids, al.num_rows, nb, I, K1, top_k, num_pairs,
+        x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), beta, linear_beta,
+        GLU=True, A_BY_TOKEN=True, ACT=act, CAP_UP=cap, BM=bm, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k,
+        VEC=cu.vec, PREFETCH=cu.prefetch, DECODE=cu.decode, SPLIT_A=cu.split_a, num_warps=cu.num_warps, num_stages=1)
+    _mx_gemv_kernel[(nb * triton.cdiv(D, cd.block_n),)](
+        h, p2, s2, p2, s2, y2, al.sorted_ids, al.expert_ids, al.num_rows, nb, D, I, top_k, num_pairs,
+        h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), y2.stride(0), beta, linear_beta,
+        GLU=False, A_BY_TOKEN=False, ACT=act, CAP_UP=cap, BM=bm, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k,
+        VEC=cd.vec, PREFETCH=cd.prefetch, DECODE=cd.decode, SPLIT_A=cd.split_a, num_warps=cd.num_warps, num_stages=1)
+
+
+def mx_gemv_linear(a: torch.Tensor, w, cfg: GemvConfig | None = None, block_m: int = 1) -> torch.Tensor:
+    """``a @ W.T`` for one MXFP4 matrix W [N, K] (a [M, K], any float dtype) through the down kernel: the
+    decode/accumulate path on its own, for tests and micro-benchmarks."""
+    from .align import MoEAlignment
+
+    if block_m not in (1, 2, 4):
+        raise ValueError(f"mx_gemv: block_m must be 1, 2 or 4, got {block_m}")
+    cfg = cfg or DEFAULT_CONFIG
+    _check_cfg(cfg)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    M = a.shape[0]
+    p, s = w.packed[None], w.scale[None]
+    N, K = p.shape[1], p.shape[2] * 2
+    nb = max(1, -(-M // block_m))
+    dev = a.device
+    sorted_ids = torch.full((nb * block_m,), M, dtype=torch.int32, device=dev)
+    sorted_ids[:M] = torch.arange(M, dtype=torch.int32, device=dev)
+    al = MoEAlignment(sorted_ids, torch.zeros(nb, dtype=torch.int32, device=dev),
+                      torch.tensor([nb * block_m], dtype=torch.int32, device=dev), block_m)
+    out = torch.empty(M, N, dtype=a.dtype, device=dev)
+    if M == 0:
+        return out
+    _mx_gemv_kernel[(nb * triton.cdiv(N, cfg.block_n),)](
+        a, p, s, p, s, out, al.sorted_ids, al.expert_ids, al.num_rows, nb, N, K, 1, M,
+        a.stride(0), p.stride(0), p.stride(1), s.stride(0), s.stride(1), out.stride(0), 1.0, 1.0,
+        GLU=False, A_BY_TOKEN=False, ACT=0, CAP_UP=False, BM=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        VEC=cfg.vec, PREFETCH=cfg.prefetch, DECODE=cfg.decode, SPLIT_A=cfg.split_a, num_warps=cfg.num_warps, num_stages=1)
+    return out
