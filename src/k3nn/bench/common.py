@@ -134,11 +134,16 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
 
 def bench_model(preset: str, device: str | torch.device, dtype_name: str | None = None):
     """A seeded ``KimiK3Config.<preset>()`` model on ``device`` (bf16 on CUDA, fp32 on CPU unless ``dtype_name``);
-    initialised on the CPU generator, then moved. Returns (config, model)."""
+    ``tiny``/``small`` initialised on the CPU generator then moved, larger presets (``k3_slice``) drawn on the
+    device. Returns (config, model)."""
     from ..config import KimiK3Config
     from ..model import KimiK3
 
     device = torch.device(device)
     dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = getattr(KimiK3Config, preset)()
-    return cfg, KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()
+    if preset in ("tiny", "small"):
+        return cfg, KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()
+    from .e2e import build_model  # K3 widths: random weights drawn on the device (a CPU init takes minutes)
+
+    return cfg, build_model(cfg, str(device), dtype)

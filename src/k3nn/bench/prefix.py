@@ -47,7 +47,7 @@ def measure_ttft(engine: Engine, prompt: list[int], boundaries=()) -> tuple[floa
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="k3nn bench prefix", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="small", choices=["tiny", "small"])
+    ap.add_argument("--config", default="small", choices=["tiny", "small", "k3_slice"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--prompt-len", type=int, default=8192)
@@ -55,6 +55,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-seconds", type=float, default=90.0, help="lower --reps to fit this budget")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also count the launches and top kernels of each case")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     cfg, model = bench_model(a.config, device, a.dtype)
@@ -109,6 +110,19 @@ def main(argv=None) -> list[dict]:
         mar_ms.append(ms)
         mar_hits.append(hit)
 
+    profile = {}
+    if a.profile:  # where a TTFT goes: launches per request and the top kernels by device time
+        from .e2e import count_launches
+
+        snap_eng.prefix.clear()
+        for label, e, p, kw in (("cold", cold_off, prefix + rand(N - P), {}),
+                                ("cold_with_snapshots", snap_eng, rand(N), {"boundaries": [P]}),
+                                ("prefix_boundary", eng, prefix + rand(N - P), {})):
+            n, top = count_launches(lambda: measure_ttft(e, p, **kw), device)
+            profile[label] = {"launches": n, "top_kernels": top[:8]}
+            print(f"profile {label}: {n} launches; top: " +
+                  ", ".join(f"{t['kernel'][:40]} x{t['count']} {t['device_us']}us" for t in top[:6]))
+
     c = med(cold)
     rows = [
         {"case": f"ttft_cold_{N}", "k3nn_ms": c, "prompt_tokens": N, "cached_tokens": 0},
@@ -122,7 +136,7 @@ def main(argv=None) -> list[dict]:
     ]
     meta = {"model": a.config, "dtype": str(model.dtype).removeprefix("torch."), "device": str(device), "reps": a.reps,
             "samples_ms": {"cold": cold, "cold_snap": cold_snap, "boundary": warm_ms, "marconi": mar_ms},
-            "targets": "prefix TTFT speedup floor 4x, goal 8x (PERF.md)"}
+            "targets": "prefix TTFT speedup floor 4x, goal 8x (PERF.md)", **({"profile": profile} if profile else {})}
     if not a.no_write:
         from .common import write_results
 

@@ -96,9 +96,11 @@ class KimiDeltaAttention(nn.Module):
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
         """fla / Megatron init: A_log = log U[1, 16] (0 for the bounded gate), dt_bias = softplus⁻¹(dt)."""
-        # drawn on the CPU (where the generator lives), then copied to the parameters' device
+        # drawn where the generator lives (the CPU by default), then copied to the parameters' device
+        where = generator.device if generator is not None else "cpu"
+
         def uniform(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=torch.float32).uniform_(lo, hi, generator=generator).to(t.device)
+            return torch.empty(t.shape, dtype=torch.float32, device=where).uniform_(lo, hi, generator=generator).to(t.device)
 
         if self.gate_kind == "softplus":
             self.A_log.copy_(uniform(self.A_log, 1, 16).log())
