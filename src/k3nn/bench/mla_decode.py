@@ -66,7 +66,7 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
     if not (err < 1e-2 and lse_err < 1e-2):
         raise AssertionError(f"k3nn mla_decode wrong at B={B} L={L} H={H} Tq={Tq}: rel err {err:.2e}, "
                              f"lse {lse_err:.2e}")
-    cfg = "BLOCK_H,BLOCK_N,warps,stages,splits=" + ",".join(map(str, triton_decode.LAST_PLAN or ()))
+    cfg = "BLOCK_H,BLOCK_N,warps,stages,lazy,split_v,splits=" + ",".join(map(str, triton_decode.LAST_PLAN or ()))
 
     it = [0]
 
