@@ -16,6 +16,7 @@ import torch
 
 from .. import backend, ops
 from ..kernels.kda import cuda_decode
+from ..kernels.kda.triton_decode import decode_plan
 from .common import graph_bench_ms, print_table, rel_err, write_results
 
 SUITE = "kda-decode"
@@ -80,7 +81,8 @@ def _cases(cases, rows, fr, gen, D, W):
             err = max(rel_err(y_t, y_r), rel_err(S_t, S_r), rel_err(cs_t.float(), cs_r.float()))
             ms = graph_bench_ms(lambda: ops.kda_fused_decode(*p.values(), S_t, cs_t, idx, **kw))
         state_bytes = 2 * B * H * D * D * 4
-        row = {"case": f"B{B} T{T} H{H} D{D} W{W} bf16 fp32-state gate={gate_kind}", "k3nn_ms": round(ms, 5),
+        row = {"case": f"B{B} T{T} H{H} D{D} W{W} bf16 fp32-state gate={gate_kind}",
+               "path": "{}-bv{}-w{}".format(*decode_plan(B, H, D)), "k3nn_ms": round(ms, 5),
                "k3nn_us": round(ms * 1e3, 2), "tbps": round(state_bytes / ms / 1e9, 3), "err_vs_eager": float(f"{err:.3g}")}
         if cuda_decode.available() is None:  # the CUDA kernel (opt-in: K3NN_KDA_CUDA=1), same inputs
             S_c, cs_c = S.clone(), cs.clone()

@@ -2,7 +2,8 @@
 
 Same contract as :mod:`.decode`. One block of 256 threads per (request, head), head dim 128: thread ``tid``
 holds state column ``j = tid % 128`` for rows ``64·(tid // 128) …`` in registers (coalesced loads along V),
-the two row halves meet in shared memory for the two K reductions. Conv + SiLU, L2 norm, gate, β and the
+the two row halves meet in shared memory for the two K reductions. The state load is issued first (before the
+conv prologue) with streaming cache hints, as in the Triton ``head`` path; no cross-block traffic, no atomics. Conv + SiLU, L2 norm, gate, β and the
 gated RMSNorm run in the same block; roundings follow the eager reference (activation dtype where it rounds).
 
 Availability: needs CUDA and nvcc. It is opt-in (``K3NN_KDA_CUDA=1``) until it has been checked against the
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(
   float* Sp = S + (slot * H + h) * (int64_t)D * D;  // [K, V] row-major
   float st[KH];
 #pragma unroll
-  for (int r = 0; r < KH; ++r) st[r] = Sp[(int64_t)(half * KH + r) * D + j];
+  for (int r = 0; r < KH; ++r) st[r] = __ldcs(Sp + (int64_t)(half * KH + r) * D + j);  // streamed: evict first
   const T* xb = qkv + (int64_t)b * Tn * C3;
   T* cs = conv_state + slot * (int64_t)(W - 1) * C3;
   const float a = expf(A_log[h]);
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(
     __syncthreads();  // before the shared vectors are overwritten by the next token
   }
 #pragma unroll
-  for (int r = 0; r < KH; ++r) Sp[(int64_t)(half * KH + r) * D + j] = st[r];
+  for (int r = 0; r < KH; ++r) __stcs(Sp + (int64_t)(half * KH + r) * D + j, st[r]);
   // conv state: new row i = window row Tn + i. Each channel is read and written by one thread, and row Tn + i
   // is never a row already rewritten (Tn >= 1); all reads of the token loop finished at its last barrier.
   for (int c = tid; c < 3 * D; c += NT) {

@@ -1,16 +1,39 @@
 """Triton fused KDA decode: one launch per layer (conv update + SiLU, gate, β, L2 norm, recurrence, gated RMSNorm).
 
-Grid (B, H, D/32): a program owns a ``[D, 32]`` column block of one request-head's fp32 state, which stays in
-registers across the T tokens and is written back once (small blocks: many programs in flight, so the state
-streams at close to copy bandwidth). The last program of a request-head to finish (an atomic arrival counter)
-applies the gated RMSNorm over the whole head and rewrites the conv state, after every program has read it.
-The counters live in one per-device buffer that every call leaves at zero; two calls running concurrently on
-different streams would share it, so issue decode calls of one device from one stream. Roundings follow the eager
-reference (conv output, SiLU output, L2-normed q/k and o are rounded to the activation dtype where the
-reference rounds them) so bf16 results agree closely. See :mod:`.decode` for the contract.
+Two kernels, picked per call by the number of (request, head) pairs B·H (:func:`decode_plan`):
+
+* ``head`` (B·H large, the batched-decode case): grid (B, H), one program owns a whole request-head. Its fp32
+  state ``[D, D]`` streams through registers in column chunks of BV (default 32 with 4 warps: ~150 registers,
+  three programs per SM on sm_90; BV = D holds the whole head at once); the load of the first chunk is issued
+  before anything else, so the conv / L2-norm / gate prologue runs while it is in flight, and each later chunk
+  is loaded while the previous one is updated. q, k, g and β
+  are computed once per token for the whole head (for T = 1 once per program, not once per chunk). The gated
+  RMSNorm (in registers when BV = D; otherwise over the raw outputs this program stored, after a block barrier)
+  and the conv-state rewrite are done by the same program: no atomics, no data read from other programs.
+* ``split`` (B·H small, B = 1 latency): grid (B, H, D/BV), a program owns a ``[D, BV]`` column block (more
+  programs in flight than there are heads). The last program of a request-head to arrive (an atomic arrival
+  counter, acquire-release at GPU scope, after a block barrier so that every thread's stores of the raw output
+  precede it) applies the RMSNorm over the whole head and rewrites the conv state, after every program has read
+  it. Counters live in per-device buffers that every call leaves at zero and that are never freed while the
+  process lives (a CUDA graph captured earlier keeps pointing at a valid, zeroed buffer when a later, larger
+  call needs a new one); two calls running concurrently on different streams would share them, so issue decode
+  calls of one device from one stream.
+
+Streamed state loads and stores carry ``evict_first`` (each state byte is touched once per step); the state's V
+dimension is contiguous and, when D is a power of two, unmasked, so loads and stores are 16-byte vectors.
+
+Roundings follow the eager reference: the conv output, the SiLU output, the L2-normed q and k and the raw
+recurrence output o are rounded to the activation dtype where the reference rounds them; the RMSNorm and the
+sigmoid gate run in fp32 on the rounded o. See :mod:`.decode` for the contract.
+
+Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``head`` | ``split``;
+``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
+``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -18,7 +41,7 @@ import triton.language as tl
 
 from ..registry import triton_ready
 
-__all__ = ["kda_fused_decode_triton", "supports_fused_decode"]
+__all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
 
 
 @triton.jit
@@ -53,10 +76,131 @@ def _silu_rounded(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y, counter,
-                scale, lower_bound, eps, T,
-                H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
-                W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr):
+def _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
+          DT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Token t of one request-head: L2-normed q (times scale) and k, the decay exp(g) over K, and β."""
+    C3: tl.constexpr = 3 * H * D
+    C: tl.constexpr = H * D
+    q = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cq, md, W, C3), DT)
+    k = _silu_rounded(_conv(x_b, cs_b, conv_w, t, ck, md, W, C3), DT)
+    q = (q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)).to(DT).to(tl.float32) * scale
+    k = (k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)).to(DT).to(tl.float32)
+    xg = tl.load(f + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32) + dtb
+    if SOFTPLUS:
+        spl = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
+        gk = -a * spl
+    else:
+        gk = lower_bound * _sigmoid(a * xg)
+    beta = _sigmoid(tl.load(bl + row * H + h).to(tl.float32))
+    return q, k, tl.exp(gk), beta
+
+
+@triton.jit
+def _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D: tl.constexpr, H: tl.constexpr):
+    """norm_weight · RMSNorm(o) · sigmoid(gate) over one full head (o already rounded like the reference)."""
+    o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * nw
+    gt = tl.load(gate + row * (H * D) + h * D + rv, mask=mv, other=0.0).to(tl.float32)
+    return o * _sigmoid(gt)
+
+
+@triton.jit
+def _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, cvf, md, T, C3: tl.constexpr, W: tl.constexpr):
+    """conv state of one request-head: new row j = window row T + j. A barrier between each row's reads and
+    writes (row T + j is never a row already rewritten, as T >= 1). The caller has made sure every read of the
+    old rows (its own, and any other program's) is done."""
+    for j in tl.static_range(W - 1):
+        nq = _tap(x_b, cs_b, T + j, cq, md, C3, W - 1)
+        nk = _tap(x_b, cs_b, T + j, ck, md, C3, W - 1)
+        nv = _tap(x_b, cs_b, T + j, cvf, md, C3, W - 1)
+        tl.debug_barrier()
+        tl.store(cs_b + j * C3 + cq, nq.to(cs_ptr.dtype.element_ty), mask=md)
+        tl.store(cs_b + j * C3 + ck, nk.to(cs_ptr.dtype.element_ty), mask=md)
+        tl.store(cs_b + j * C3 + cvf, nv.to(cs_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
+                     scale, lower_bound, eps, T,
+                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                     EVEN: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    DT = qkv.dtype.element_ty
+    C: tl.constexpr = H * D
+    C3: tl.constexpr = 3 * H * D
+    if HAS_IDX:
+        slot = tl.load(idx + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    rd = tl.arange(0, BD)
+    md = rd < D
+    rb = tl.arange(0, BV)
+    s_b = S_ptr + (slot * H + h) * (D * D)
+    s_off = rd[:, None] * D + rb[None, :]
+    # the state is what this kernel waits for: issue its first chunk before anything else
+    if EVEN:
+        Sn = tl.load(s_b + s_off, eviction_policy="evict_first")
+    else:
+        Sn = tl.load(s_b + s_off, mask=md[:, None] & (rb < D)[None, :], other=0.0, eviction_policy="evict_first")
+    b64 = b.to(tl.int64)
+    cq = h * D + rd
+    ck = C + h * D + rd
+    x_b = qkv + b64 * T * C3
+    cs_b = cs_ptr + slot * (W - 1) * C3
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
+    if T1:  # one token: q, k, g, β once for every chunk
+        q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
+                               DT, H, D, W, SOFTPLUS)
+    for c in tl.static_range(NC):
+        S = Sn
+        if c + 1 < NC:  # next chunk in flight while this one is updated
+            if EVEN:
+                Sn = tl.load(s_b + (c + 1) * BV + s_off, eviction_policy="evict_first")
+            else:
+                Sn = tl.load(s_b + (c + 1) * BV + s_off, mask=md[:, None] & ((c + 1) * BV + rb < D)[None, :],
+                             other=0.0, eviction_policy="evict_first")
+        rv = c * BV + rb
+        mv = rv < D
+        cv = 2 * C + h * D + rv
+        if NC == 1:
+            nw = tl.load(norm_w + rv, mask=mv, other=0.0).to(tl.float32)
+        for t in range(1 if T1 else T):  # T1: a constant trip count, the loop folds away (fewer registers)
+            row = b64 * T + t
+            if not T1:
+                q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale,
+                                       lower_bound, DT, H, D, W, SOFTPLUS)
+            v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, mv, W, C3), DT)
+            S = S * eg[:, None]
+            pred = tl.sum(S * k[:, None], 0)
+            S = S + (beta * k)[:, None] * (v - pred)[None, :]
+            o = tl.sum(S * q[:, None], 0).to(DT).to(tl.float32)  # raw o, rounded like eager
+            if NC == 1:  # the whole head is here: normalise in registers
+                o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
+            tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
+        if EVEN:
+            tl.store(s_b + c * BV + s_off, S, eviction_policy="evict_first")
+        else:
+            tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy="evict_first")
+    # every thread's reads of the old conv rows (and, for NC > 1, stores of raw o) precede what follows
+    tl.debug_barrier()
+    if NC > 1:
+        nwf = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
+        for t in range(1 if T1 else T):
+            row = b64 * T + t
+            o = tl.load(y + (row * H + h) * D + rd, mask=md, other=0.0).to(tl.float32)
+            o = _gated_rmsnorm(o, gate, row, h, rd, md, nwf, eps, D, H)
+            tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
+    _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
+
+
+@triton.jit
+def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y, counter,
+                      scale, lower_bound, eps, T,
+                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                      EVEN: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -71,72 +215,91 @@ def _kda_decode(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr,
     md = rd < D
     rv = sp * BV + tl.arange(0, BV)
     mv = rv < D
+    s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
+    mdv = md[:, None] & mv[None, :]
+    if EVEN:
+        S = tl.load(S_ptr + s_off, eviction_policy="evict_first")
+    else:
+        S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy="evict_first")
+    b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
     cv = 2 * C + h * D + rv
-    x_b = qkv + b.to(tl.int64) * T * C3
+    x_b = qkv + b64 * T * C3
     cs_b = cs_ptr + slot * (W - 1) * C3
-    s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
-    mdv = md[:, None] & mv[None, :]
-    S = tl.load(S_ptr + s_off, mask=mdv, other=0.0)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
-    for t in range(T):
-        q = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cq, md, W, C3), DT)
-        k = _silu_rounded(_conv(x_b, cs_b, conv_w, t, ck, md, W, C3), DT)
+    for t in range(1 if T1 else T):
+        row = b64 * T + t
+        q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
+                               DT, H, D, W, SOFTPLUS)
         v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, mv, W, C3), DT)
-        q = (q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)).to(DT).to(tl.float32) * scale
-        k = (k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)).to(DT).to(tl.float32)
-        row = b.to(tl.int64) * T + t
-        xg = tl.load(f + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32) + dtb
-        if SOFTPLUS:
-            spl = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
-            gk = -a * spl
-        else:
-            gk = lower_bound * _sigmoid(a * xg)
-        beta = _sigmoid(tl.load(bl + row * H + h).to(tl.float32))
-        S = S * tl.exp(gk)[:, None]
+        S = S * eg[:, None]
         pred = tl.sum(S * k[:, None], 0)
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
-    tl.store(S_ptr + s_off, S, mask=mdv)
+    if EVEN:
+        tl.store(S_ptr + s_off, S, eviction_policy="evict_first")
+    else:
+        tl.store(S_ptr + s_off, S, mask=mdv, eviction_policy="evict_first")
     # The last of the NS programs of this (request, head) finishes: RMSNorm over the whole head needs every V
-    # block, and the conv state may only be rewritten once every program has read it.
+    # block, and the conv state may only be rewritten once every program has read it. The barrier puts every
+    # thread's y stores and conv reads before the (single-thread, acq_rel, GPU-scope) arrival.
     tl.debug_barrier()
-    done = tl.atomic_add(counter + b * H + h, 1)
+    done = tl.atomic_add(counter + b * H + h, 1, sem="acq_rel", scope="gpu")
     if done == NS - 1:
         tl.store(counter + b * H + h, 0)  # back to zero for the next call (CUDA-graph safe)
         nw = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
-        for t in range(T):
-            row = b.to(tl.int64) * T + t
+        for t in range(1 if T1 else T):
+            row = b64 * T + t
+            # .cg: from L2, never a stale L1 line of another SM's stores
             o = tl.load(y + (row * H + h) * D + rd, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
-            o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * nw
-            gt = tl.load(gate + row * C + h * D + rd, mask=md, other=0.0).to(tl.float32)
-            tl.store(y + (row * H + h) * D + rd, (o * _sigmoid(gt)).to(y.dtype.element_ty), mask=md)
-        # conv state: new row j = window row T + j; a barrier between each row's reads and writes (row T + j
-        # is never a row already rewritten, as T >= 1)
-        cvf = 2 * C + h * D + rd
-        for j in tl.static_range(W - 1):
-            nq = _tap(x_b, cs_b, T + j, cq, md, C3, W - 1)
-            nk = _tap(x_b, cs_b, T + j, ck, md, C3, W - 1)
-            nv = _tap(x_b, cs_b, T + j, cvf, md, C3, W - 1)
-            tl.debug_barrier()
-            tl.store(cs_b + j * C3 + cq, nq.to(cs_ptr.dtype.element_ty), mask=md)
-            tl.store(cs_b + j * C3 + ck, nk.to(cs_ptr.dtype.element_ty), mask=md)
-            tl.store(cs_b + j * C3 + cvf, nv.to(cs_ptr.dtype.element_ty), mask=md)
+            o = _gated_rmsnorm(o, gate, row, h, rd, md, nw, eps, D, H)
+            tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
+        _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
 
 
 _COUNTERS: dict = {}
+_RETIRED: list = []  # counter buffers outgrown by a larger call: kept alive, a captured graph may point at one
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
     """Per-(request, head) arrival counters, zero between calls (each call resets what it used)."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 2 * (0 if c is None else c.numel()), 1024), dtype=torch.int32, device=device)
+        if c is not None:
+            _RETIRED.append(c)
+        c = torch.zeros(max(n, 2 * (0 if c is None else c.numel()), 1 << 14), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c
+
+
+HEAD_MIN = 256  # B·H from which `auto` takes the head path (B=1 H=96 stays split; B>=3 at H=96 goes head)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name, "")
+    return int(v) if v.strip() else default
+
+
+def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
+    """(path, BV, num_warps) the call takes: path ``head`` | ``split``; see the module docstring."""
+    BD = max(16, triton.next_power_of_2(D))
+    path = os.environ.get("K3NN_KDA_DECODE_PATH", "auto").strip().lower() or "auto"
+    if path not in ("auto", "head", "split"):
+        raise ValueError(f"K3NN_KDA_DECODE_PATH must be auto, head or split, got {path!r}")
+    if path == "auto":
+        path = "head" if B * H >= _env_int("K3NN_KDA_DECODE_HEAD_MIN", HEAD_MIN) else "split"
+    if path == "head":  # [D, 32] chunks, 4 warps: ~150 registers, no spills, 3 programs per SM (sm_90)
+        bv, nw = 32, 4
+    else:
+        bv, nw = 32, 4
+    bv = _env_int("K3NN_KDA_DECODE_BV", bv)
+    nw = _env_int("K3NN_KDA_DECODE_WARPS", nw)
+    bv = min(BD, max(16, triton.next_power_of_2(bv)))
+    nw = max(1, triton.next_power_of_2(nw))
+    return path, bv, nw
 
 
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
@@ -169,13 +332,17 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     qkv, f, b, gate = qkv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous()
     idx = state_indices.contiguous() if state_indices is not None else qkv
     BD = max(16, triton.next_power_of_2(D))
-    BV = min(32, BD)
-    NS = triton.cdiv(D, BV)
-    cnt = _counter(qkv.device, B * H)
-    # no autotune: the kernel updates state in place
-    _kda_decode[(B, H, NS)](qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-                            norm_weight.contiguous(), recurrent_state, conv_state, idx, y, cnt,
-                            scale, float(lower_bound), float(norm_eps), T,
-                            H=H, D=D, BD=BD, BV=BV, NS=NS, W=W,
-                            SOFTPLUS=gate_kind == "softplus", HAS_IDX=state_indices is not None, num_warps=4)
+    path, BV, nw = decode_plan(B, H, D)
+    common = (qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
+              norm_weight.contiguous(), recurrent_state, conv_state, idx, y)
+    consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
+                  HAS_IDX=state_indices is not None, T1=T == 1, EVEN=BD == D, num_warps=nw)
+    # no autotune: the kernels update state in place
+    if path == "head":
+        _kda_decode_head[(B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
+                                 NC=triton.cdiv(D, BV), **consts)
+    else:
+        cnt = _counter(qkv.device, B * H)
+        _kda_decode_split[(B, H, triton.cdiv(D, BV))](*common, cnt, scale, float(lower_bound), float(norm_eps), T,
+                                                     NS=triton.cdiv(D, BV), **consts)
     return y

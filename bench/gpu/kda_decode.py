@@ -1,0 +1,228 @@
+"""GPU check + timing of the fused KDA decode paths (Triton ``head`` / ``split``) against eager and fla-core.
+
+    PYTHONPATH=src python3 bench/gpu/kda_decode.py
+
+1. Correctness: every variant below in bf16 (the main three in fp32 too), B = 1 and 64, T = 1 and 3, shuffled cache slots: max relative
+   error of y, state and conv state vs the eager reference (k3nn.kernels.kda.decode), plus a race detector: the
+   same B=64 bf16 call (T=1 and T=3) run 20 times from the same inputs must give bitwise identical y / state /
+   conv state.
+2. Timing: copy bandwidth measured in this process, then per-layer time of each variant replayed in a CUDA graph
+   at H=96 B=1, 8, 64, 256 and H=32 B=64 (T=1, bf16 activations, fp32 state), and fla-core's
+   ``fused_recurrent_kda`` (bare recurrence: no conv, no output norm) on the same shapes. State traffic counted
+   as read + write 2·B·H·D²·4 bytes.
+
+Variants are picked through the kernel module's environment overrides (read at each call). Stays within ~100 s:
+optional work is skipped (and says so) once the time budget runs low.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+T0 = time.time()
+BUDGET_S = float(os.environ.get("KDA_DECODE_BUDGET_S", "92"))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def left():
+    return BUDGET_S - (time.time() - T0)
+
+
+from k3nn import backend, ops
+from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
+from k3nn.kernels.kda.triton_decode import decode_plan
+
+# name -> env overrides (path, BV, warps); the first of each path is that path's default
+VARIANTS = {  # registers per thread at sm_90 (Triton 3.9, T=1) in brackets
+    "split32w4": ("split", 32, 4),    # split default [94]
+    "split16w2": ("split", 16, 2),    # [114]
+    "head32w4": ("head", 32, 4),      # head default: 4 chunks of [128, 32], next one prefetched [146]
+    "head16w2": ("head", 16, 2),      # [146]
+    "head16w1": ("head", 16, 1),      # one warp, 8 chunks [251]
+    "head64w8": ("head", 64, 8),      # [170]
+    "head128w8": ("head", 128, 8),    # whole head in registers [182]
+    "head128w16": ("head", 128, 16),  # [102]
+}
+FULL = ("split32w4", "head32w4", "head128w8")  # checked in fp32 too (the rest: bf16 only)
+ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS")
+D, W = 128, 4
+
+
+def use(variant):
+    for k in ENV:
+        os.environ.pop(k, None)
+    if variant != "auto":
+        p, bv, nw = VARIANTS[variant]
+        os.environ.update(K3NN_KDA_DECODE_PATH=p, K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(nw))
+
+
+def inputs(B, T, H, dtype, seed, N=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    C = H * D
+    N = N or B + 3
+    p = [r(B, T, 3 * C).to(dtype), r(B, T, C).to(dtype), r(B, T, H).to(dtype), r(B, T, C).to(dtype),
+         (r(3 * C, W) * 0.5).to(dtype), torch.rand(H, generator=g, device="cuda").mul(2.7),
+         r(C), (1 + 0.1 * r(D))]
+    S = r(N, H, D, D) * 0.05
+    cs = r(N, W - 1, 3 * C).to(dtype)
+    idx = torch.randperm(N, generator=g, device="cuda")[:B].to(torch.int32)
+    return p, S, cs, idx
+
+
+def call(be, p, S, cs, idx, kw):
+    with backend(be):
+        return ops.kda_fused_decode(*p, S, cs, idx, **kw)
+
+
+def correctness(variants):
+    log("== correctness vs eager (max rel err of y | state | conv state), shuffled slots ==")
+    worst = {}
+    cases = [(dt, B, T) for dt in (torch.float32, torch.bfloat16) for B in (1, 64) for T in (1, 3)]
+    refs = {}
+    for dt, B, T in cases:
+        gate = "lower_bound" if T == 1 else "softplus"
+        kw = dict(gate_kind=gate, lower_bound=-5.0, norm_eps=1e-5)
+        p, S, cs, idx = inputs(B, T, 96, dt, seed=B * 10 + T)
+        S_r, c_r = S.clone(), cs.clone()
+        y_r = call("eager", p, S_r, c_r, idx, kw)
+        refs[(dt, B, T)] = (p, S, cs, idx, kw, y_r, S_r, c_r)
+    for v in variants:
+        if left() < 55:
+            log(f"  (time budget: correctness of {v} and later variants skipped)")
+            break
+        use(v)
+        errs = []
+        for (dt, B, T), (p, S, cs, idx, kw, y_r, S_r, c_r) in refs.items():
+            if dt == torch.float32 and v not in FULL:  # fewer compilations: fp32 for the main variants only
+                continue
+            S_t, c_t = S.clone(), cs.clone()
+            y_t = call("triton", p, S_t, c_t, idx, kw)
+            e = (rel_err(y_t, y_r), rel_err(S_t, S_r), rel_err(c_t.float(), c_r.float()))
+            errs.append(e)
+            tol = 1e-4 if dt == torch.float32 else 3e-2
+            flag = "" if max(e) <= tol else "   <-- FAIL"
+            log(f"  {v:11s} {str(dt)[6:]:8s} B={B:<3d} T={T}  y {e[0]:.2e}  S {e[1]:.2e}  conv {e[2]:.2e}{flag}")
+        worst[v] = max(max(e) for e in errs)
+    return worst
+
+
+def race_check(variants):
+    log("== race detector: same B=64 H=96 bf16 call 20x from the same inputs, bitwise identical? ==")
+    for T in (1, 3):
+        p, S, cs, idx = inputs(64, T, 96, torch.bfloat16, seed=777 + T)
+        kw = dict(gate_kind="lower_bound", lower_bound=-5.0, norm_eps=1e-5)
+        for v in variants:
+            if left() < 45:
+                log("  (time budget: remaining race checks skipped)")
+                return
+            use(v)
+            first, bad = None, 0
+            for _ in range(20):
+                S_t, c_t = S.clone(), cs.clone()
+                out = (call("triton", p, S_t, c_t, idx, kw), S_t, c_t)
+                if first is None:
+                    first = out
+                elif not all(torch.equal(a, b) for a, b in zip(out, first)):
+                    bad += 1
+            torch.cuda.synchronize()
+            log(f"  {v:11s} T={T}: {'identical' if bad == 0 else f'{bad}/19 runs DIFFER  <-- RACE'}")
+
+
+def fla_fn():
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+        return fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001
+        log(f"fla-core not importable ({type(e).__name__}: {e}); fla column left empty")
+        return None
+
+
+def timing(variants, copy_tbps):
+    log("== per-layer time in a CUDA graph (T=1, bf16 activations, fp32 state, lower_bound gate) ==")
+    fr = fla_fn()
+    shapes = [(1, 96), (8, 96), (64, 96), (256, 96), (64, 32)]
+    summary = []
+    for B, H in shapes:
+        if left() < 8:
+            log(f"  (time budget: B={B} H={H} and later shapes skipped)")
+            break
+        p, S, cs, idx = inputs(B, 1, H, torch.bfloat16, seed=B + H)
+        kw = dict(gate_kind="lower_bound", lower_bound=-5.0, norm_eps=1e-5)
+        nbytes = 2 * B * H * D * D * 4
+        use("auto")
+        auto = decode_plan(B, H, D)
+        row = []
+        for v in ["auto"] + variants:
+            if left() < 6:
+                log("  (time budget: remaining variants skipped)")
+                break
+            use(v)
+            try:
+                ms = graph_bench_ms(lambda a=(p, S, cs, idx, kw): call("triton", *a))
+            except Exception as e:  # noqa: BLE001
+                log(f"  B={B} H={H} {v}: failed {type(e).__name__}: {e}")
+                continue
+            row.append((v if v != "auto" else f"auto={auto[0]}{auto[1]}w{auto[2]}", ms))
+        use("auto")
+        if fr is not None and left() > 4:
+            y = p[0].float().reshape(B, 1, 3, H, D)
+            q, k, v_ = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
+            g = p[1].reshape(B, 1, H, D).contiguous()
+            beta = p[2].contiguous()
+            h0 = S[:B].clone()
+            fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=h0, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       lower_bound=-5.0)
+            try:
+                fr(q, k, v_, g, beta, **fkw)
+                fa = (q, k, v_, g, beta)
+                row.append(("fla fused_recurrent_kda", graph_bench_ms(lambda a=fa, kw_=fkw: fr(*a, **kw_))))
+            except Exception as e:  # noqa: BLE001
+                log(f"  fla failed at B={B} H={H}: {type(e).__name__}: {e}")
+        log(f"  -- B={B} H={H} (state {nbytes / 1e6:.1f} MB moved per call)")
+        log(f"     {'variant':26s} {'us':>8s} {'TB/s':>7s} {'frac_copy':>9s}")
+        for name, ms in row:
+            tb = nbytes / ms / 1e9
+            log(f"     {name:26s} {ms * 1e3:8.2f} {tb:7.3f} {tb / copy_tbps:9.3f}")
+        best = min((r for r in row if not r[0].startswith("fla")), key=lambda r: r[1], default=None)
+        if best:
+            summary.append(f"B={B} H={H}: best {best[0]} {best[1] * 1e3:.2f} us "
+                           f"({nbytes / best[1] / 1e9 / copy_tbps:.3f} of copy BW)")
+        p = S = cs = None
+        torch.cuda.empty_cache()
+    log("== summary ==")
+    for s in summary:
+        log("  " + s)
+
+
+def main():
+    if not torch.cuda.is_available():
+        log("needs a CUDA GPU")
+        return 1
+    import triton
+
+    log(f"torch {torch.__version__}  triton {triton.__version__}  {torch.cuda.get_device_name()}")
+    meta = device_meta()
+    copy_tbps = meta["copy_tbps"]
+    log(f"copy bandwidth {copy_tbps} TB/s (read + write), setup {time.time() - T0:.1f}s")
+    variants = list(VARIANTS)
+    worst = correctness(variants)
+    log("   worst rel err per variant: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    race_check(["split32w4", "head32w4", "head128w8"])
+    log(f"   ({time.time() - T0:.1f}s so far)")
+    timing(variants, copy_tbps)
+    use("auto")
+    log(f"done in {time.time() - T0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
