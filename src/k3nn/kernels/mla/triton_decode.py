@@ -53,7 +53,9 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
+# Integer arguments that vary from shape to shape but never decide vector widths are not specialised on
+# (divisibility by 16 / equality to 1), so a new batch size, head count or split count reuses the compiled kernel.
+@triton.jit(do_not_specialize=["s_btb", "s_visb", "s_lpb", "s_lpm", "s_lb", "s_lt", "Tq", "H", "M", "NUM_SPLITS"])
 def _mla_decode_stage1(
     Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
     s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh,
@@ -177,7 +179,7 @@ def _mla_decode_stage1(
         tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=lse_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_lpb", "s_lpm", "s_lb", "s_lt", "H", "NUM_SPLITS"])
 def _mla_decode_combine(
     O_part, LSE_part, O, LSE,
     s_opb, s_opm, s_ops, s_lpb, s_lpm, s_ob, s_ot, s_oh, s_lb, s_lt,
