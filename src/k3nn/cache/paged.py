@@ -185,6 +185,16 @@ class PagedMLAState:
         (same interface as :meth:`k3nn.cache.hybrid.MLAState.pool`); lengths are ``owner.num_cached``."""
         return self.pool_tensor, self.owner.block_table
 
+    def paged_decode(self, c: torch.Tensor, k_r: torch.Tensor):
+        """Decode-shaped steps (every request adds the same T tokens): store them and return
+        ``(kv_pool, block_table, seq_lens)`` for ``ops.mla_decode``, which reads the pages in place (no gather);
+        None for mixed steps (requests adding different counts), which take :meth:`append`."""
+        o = self.owner
+        if any(n != o.T for n in o.num_new):
+            return None
+        write_latents(self.pool_tensor, o.write_slots, c, k_r)
+        return self.pool_tensor, o.block_table, o.seq_lens
+
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask, start: int):
         o = self.owner
         B, T = c.shape[:2]
@@ -268,7 +278,8 @@ class PagedHybridCache(HybridCache):
         self.block_table = table.to(dev)
         pos = torch.where(t < new[:, None], self.q_pos, torch.full_like(self.q_pos, -1))
         self.write_slots = slot_mapping(self.block_table, pos, pools.block_size)
-        self.key_mask = torch.arange(self.gather_len, device=dev)[None, :] < (cached + new)[:, None]
+        self.seq_lens = cached + new  # tokens of each request once this forward has written its own
+        self.key_mask = torch.arange(self.gather_len, device=dev)[None, :] < self.seq_lens[:, None]
         self.layers = []
         j = 0
         for i in range(self.config.num_hidden_layers):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import ops
 from ..utils import upcast
 
 from ..config import KimiK3Config
@@ -135,6 +136,15 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x, positions)
         c, k_r = self.latents(x, positions)
+        w_uk, w_uv = self.w_uk_uv()
+        if state is not None and start > 0 and T <= self.absorb_max_tokens and hasattr(state, "paged_decode"):
+            paged = state.paged_decode(c, k_r)  # the engine's paged cache: the decode kernel reads the pages
+            if paged is not None:
+                pool, table, seq_lens = paged
+                q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).to(pool.dtype)
+                o_lat, _ = ops.mla_decode(q_lat, q_rope.to(pool.dtype).contiguous(), pool, table, seq_lens,
+                                          self.scale, check=False)
+                return self.finish(x, torch.einsum("bthr,hvr->bthv", upcast(o_lat), upcast(w_uv)).to(x.dtype))
         if state is not None:
             c_all, kr_all, key_mask, q_pos = state.append(c, k_r, attention_mask, start)
         else:
@@ -142,7 +152,6 @@ class MultiHeadLatentAttention(nn.Module):
             q_pos = torch.arange(T, device=x.device).expand(B, T)
         L = c_all.shape[1]
         mask = _mask(q_pos, L, key_mask)
-        w_uk, w_uv = self.w_uk_uv()
         if state is not None and start > 0 and T <= self.absorb_max_tokens:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
             o_lat, _ = absorbed_attention(q_lat, q_rope, c_all, kr_all, mask, self.scale)
