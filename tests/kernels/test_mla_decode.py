@@ -222,3 +222,15 @@ def test_gpu_plans_fill_whole_waves(monkeypatch):
         assert all(len(p) == 7 and 1 <= p[-1] <= 256 for p in cands)
         assert td._default_plan(B, M, dev) in cands
         assert all(p[0] <= max(16, 2 * M) for p in cands)
+
+
+@pytest.mark.parametrize("tile", [(64, 32, 8, 3, True, 1), (64, 32, 4, 3, True, 2), (32, 64, 4, 2, True, 1)])
+def test_gpu_tiles_at_model_dims(tile):
+    """The GPU plans' tiles at K3 dims (512 + 64, page 64) in fp32: a partly filled row group (Tq·H = 80 rows),
+    a split that ends inside a page."""
+    from k3nn.kernels.mla import triton_decode as td
+
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(4, [150, 70], 2, 40, 512, 64, 64)
+    o, lse = poison(2, 2, 40, 512), poison(2, 2, 40)
+    td._launch(tile + (2,), q_lat, q_rope, pool, table, sl, None, o, lse, 0.07, 2, 40, 80, 512, 64)
+    check_vs_layer(o, lse, q_lat, q_rope, c, kr, [150, 70], 0.07, atol=2e-5)
