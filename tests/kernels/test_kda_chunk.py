@@ -119,6 +119,21 @@ def test_several_key_and_value_blocks():
     torch.testing.assert_close(ck, rck, **TOL)
 
 
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_half_precision_inputs_use_low_precision_dots(gate):
+    """fp16 q/k/v: the off-diagonal intra blocks and X·z, X·(βv) run on fp16 operands (bf16 on the GPU; bf16
+    dots are not exact under the interpreter). Compared with the reference on the same rounded inputs."""
+    q, k, v, g, beta, h0 = make(1, 150, 2, 32, 16, 5, gate, dtype=torch.float16)
+    cps = [37, 128]
+    o, ht, ck = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, checkpoint_positions=cps)
+    ro, rht, rck = kda_recurrent_reference(q.float(), k.float(), v.float(), g, beta, initial_state=h0,
+                                           output_final_state=True, checkpoint_positions=cps)
+    assert o.dtype == torch.float16
+    for a, b in ((o, ro), (ht, rht), (ck, rck)):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err < 3e-3, err
+
+
 def test_length_one_and_empty():
     q, k, v, g, beta, h0 = make(3, 1, 1, 16, 16, 1)
     o, ht = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -6,13 +6,21 @@ Two kernels per call:
    cumulative log decay (fp32, in registers only):
 
    * ``Aqk[i, j] = scale · Σ_d q_id k_jd e^{G_id − G_jd}`` (j ≤ i) and ``L[i, j] = β_i Σ_d k_id k_jd e^{G_id − G_jd}``
-     (j < i), computed per 16-row strip ``s`` with the strip's first row ``c_s = G_{16s}`` as reference:
-     row factor ``e^{G_i − c_s} ≤ 1``, column factor ``e^{c_s − G_j}`` (≤ 1 for earlier strips, ≥ 1 only
-     inside the diagonal 16×16 block). When the decay across the diagonal block exceeds ``_SPAN`` nats
-     (only the unbounded softplus gate gets there; K3's bounded gate spans ≤ 75) that block is recomputed
-     pairwise with ``e^{G_i − G_j} ≤ 1``, so no factor can overflow for any gate ≤ 0.
-   * ``X = (I + L)⁻¹`` by forward substitution on the four diagonal 16×16 blocks, merged blockwise.
-   * ``w = X (β ⊙ k ⊙ e^G)``, ``u = X (β ⊙ v)``, ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``.
+     (j < i), as ten 16×16 blocks per matrix. The key channels are walked once in blocks of BKB; per block the
+     four 16-row strips are loaded once and G is built from strip cumsums plus running prefixes (``G_end(s)``,
+     G at the last row of strip s).
+     Off-diagonal block (strip i, strip j < i): ``(x_i e^{G − G_end(i−1)}) · e^{G_end(i−1) − G_end(j)} ·
+     (k_j e^{G_end(j) − G})``: every factor ≤ 1, so these dots take operands in the input dtype (bf16/fp16
+     tensor cores, as fla does) without any risk of overflow.
+     Diagonal block s (fp32 dot): reference ``G_end(s)``, column factor ``e^{G_end(s) − G_j} ≤ 1``, row factor
+     ``e^{G_i − G_end(s)} ≥ 1`` capped at e^SPAN. When the strip's decay exceeds ``_SPAN`` nats (only the
+     unbounded softplus gate gets there; K3's bounded gate spans < 80) that block is recomputed pairwise with
+     ``e^{G_i − G_j} ≤ 1``, so no factor can overflow for any gate ≤ 0.
+   * ``X = (I + L)⁻¹``: each diagonal 16×16 block as ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent; fp32
+     "ieee" dots), the off-diagonal blocks by blockwise substitution, all in registers; X goes once through a
+     per-chunk scratch tile to become one [64, 64] operand.
+   * ``w = X (β ⊙ k ⊙ e^G)`` (the right factor is written to w's buffer in the first pass and multiplied in
+     place), ``u = X (β ⊙ v)``, ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``, ``e^{G_last}``.
 
 2. ``_kda_recur`` (grid: sequences × heads × V blocks). Walks the chunks of one sequence with the state
    ``h [K, BV]`` in fp32 registers: ``v' = u − w h``, ``o = qg h + Aqk v'``, ``h ← e^{G_last} ⊙ h + kgᵀ v'``.
@@ -21,14 +29,14 @@ Two kernels per call:
    the state at a chunk start, stored by the same kernel (masked store; no second pass).
 
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
-the state cast to the input dtype for ``w h`` / ``qg h`` (fla does the same); fp32 inputs stay fp32 (TF32
-dots on the GPU).
+operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
+dtype), and in the recurrence the state cast for ``w h`` / ``qg h`` (fla does the same); the diagonal intra
+blocks and the inverse stay fp32. fp32 inputs stay fp32 (TF32 dots on the GPU; the inverse in full fp32).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 
 import torch
@@ -51,12 +59,10 @@ def _interp() -> bool:
 
 def _intra_configs():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return [triton.Config({}, num_warps=4)]
-    cfgs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
-    if "maxnreg" in inspect.signature(triton.Config.__init__).parameters:
-        # 8 warps need ~240 registers (one CTA per SM); capped at 128 ptxas spills ~120 bytes and two CTAs fit
-        cfgs.append(triton.Config({}, num_warps=8, num_stages=1, maxnreg=128))
-    return cfgs
+        return [triton.Config({"BKB": 32, "BVB": 32}, num_warps=4)]
+    # BKB: key channels per pass-1 step (the live strip tiles scale with it); few configs, compile time counts
+    return [triton.Config({"BKB": bk, "BVB": bv}, num_warps=w, num_stages=1)
+            for bk, bv, w in ((16, 32, 4), (32, 32, 4), (32, 64, 8), (64, 64, 8))]
 
 
 def _recur_configs(stages=(2, 3)):
@@ -68,73 +74,77 @@ def _recur_configs(stages=(2, 3)):
 
 
 @triton.jit
-def _inv16(L_ptr, off: tl.constexpr):
-    """(I + L_bb)⁻¹ for the diagonal 16×16 block at rows/cols ``off`` of a 64×64 strictly lower L (row-major).
-
-    Forward substitution, unrolled, entirely in registers: the block is loaded once (transposed, so that row i
-    of L comes out indexed along X's row axis by a masked reduction)."""
+def _inv16(Lb):
+    """(I + Lb)⁻¹ for a strictly lower 16×16 block in registers: Lb is nilpotent (Lb¹⁶ = 0), so the inverse is
+    (I − Lb)(I + Lb²)(I + Lb⁴)(I + Lb⁸): six dependent fp32 dots instead of 15 sequential substitution steps."""
     r = tl.arange(0, 16)
-    LT = tl.load(L_ptr + (off + r)[None, :] * 64 + off + r[:, None])  # LT[j, i] = L[i, j]
-    X = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
-        a = tl.sum(tl.where(r[None, :] == i, LT, 0.0), 1)  # a[j] = L[i, j] (0 for j >= i)
-        new = -tl.sum(a[:, None] * X, 0)
-        new = tl.where(r == i, 1.0, new)
-        X = tl.where(r[:, None] == i, new[None, :], X)
-    return X
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    L2 = tl.dot(Lb, Lb, input_precision="ieee")
+    L4 = tl.dot(L2, L2, input_precision="ieee")
+    X = tl.dot(eye - Lb, eye + L2, input_precision="ieee")
+    L8 = tl.dot(L4, L4, input_precision="ieee")
+    X = tl.dot(X, eye + L4, input_precision="ieee")
+    return tl.dot(X, eye + L8, input_precision="ieee")
 
 
 @triton.jit
-def _blk(L_ptr, ro: tl.constexpr, co: tl.constexpr):
-    r = tl.arange(0, 16)
-    return tl.load(L_ptr + (ro + r)[:, None] * 64 + co + r[None, :])
+def _ld(x, bos, L, pid_h, H, s: tl.constexpr, kb, D: tl.constexpr, BD: tl.constexpr):
+    """Rows 16s..16s+15 of the chunk, channels [kb, kb + BD) of x [tokens, H, D] as fp32 (zeros outside)."""
+    r = s * 16 + tl.arange(0, 16)
+    rd = kb + tl.arange(0, BD)
+    off = ((bos + r).to(tl.int64) * H + pid_h)[:, None] * D + rd[None, :]
+    return tl.load(x + off, mask=(r < L)[:, None] & (rd < D)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _put(X_ptr, ro: tl.constexpr, co: tl.constexpr, x):
-    r = tl.arange(0, 16)
-    tl.store(X_ptr + (ro + r)[:, None] * 64 + co + r[None, :], x)
+def _st(x, ob, s: tl.constexpr, kb, val, D: tl.constexpr, BD: tl.constexpr):
+    """Store a [16, BD] strip into rows 16s.. of the per-chunk buffer x [chunk·H, 64, D]."""
+    r = s * 16 + tl.arange(0, 16)
+    rd = kb + tl.arange(0, BD)
+    tl.store(x + ob * 64 * D + r[:, None] * D + rd[None, :], val.to(x.dtype.element_ty),
+             mask=(r < 64)[:, None] & (rd < D)[None, :])
 
 
 @triton.jit
-def _strip(q, k, g, bos, pid_h, H, L, kb, s: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
-    """Contribution of key channels [kb, kb + BKB) to rows 16s..16s+15 of Akk (unscaled, all 64 columns) and
-    of Aqk; the reference is the strip's first row, the diagonal block pairwise when its decay is too wide."""
-    r64 = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
-    rk = kb + tl.arange(0, BKB)
-    mk = rk < K
-    mrow = r64 < L
-    tok = (bos + r64).to(tl.int64)
-    offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
-    G = tl.cumsum(tl.load(g + offk, mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32), 0)
-    k_all = tl.load(k + offk, mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    rs = s * 16 + r16
-    ms2 = (rs < L)[:, None] & mk[None, :]
-    offs = ((bos + rs).to(tl.int64) * H + pid_h)[:, None] * K + rk[None, :]
-    g_s = tl.load(g + offs, mask=ms2, other=0.0).to(tl.float32)
-    pre = tl.sum(tl.where(r64[:, None] == s * 16 - 1, G, 0.0), 0)  # G at the row before the strip
-    G_s = tl.cumsum(g_s, 0) + pre[None, :]
-    c = tl.sum(tl.where(r16[:, None] == 0, G_s, 0.0), 0)
-    q_s = tl.load(q + offs, mask=ms2, other=0.0).to(tl.float32)
-    k_s = tl.load(k + offs, mask=ms2, other=0.0).to(tl.float32)
-    ef = tl.exp(G_s - c[None, :])
-    ex = tl.where(r64[:, None] < (s + 1) * 16, tl.minimum(c[None, :] - G, SPAN), -float("inf"))
-    kc = k_all * tl.exp(ex)
-    cA = tl.dot(k_s * ef, tl.trans(kc))
-    cQ = tl.dot(q_s * ef, tl.trans(kc))
-    span = tl.max(tl.max(c[None, :] - G_s, 1), 0)
-    if span > SPAN:
-        # pairwise exact diagonal block: e^{G_i - G_j} <= 1 for j <= i, never overflows
+def _blk_st(x, ro: tl.constexpr, co: tl.constexpr, val):
+    r = tl.arange(0, 16)
+    tl.store(x + (ro + r)[:, None] * 64 + co + r[None, :], val.to(x.dtype.element_ty))
+
+
+@triton.jit
+def _strip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, w_out, ob, s: tl.constexpr, kb, scale,
+           K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """One 16-row strip of one key block. ``pre``: G at the row before the strip, ``r``: G at its last row.
+
+    Writes qg = scale·q·e^G, kg = k·e^{G_last − G} and z = β·k·e^G (into w_out; turned into w after the
+    inverse). Returns the off-diagonal operands ``ka = k·e^{G − pre}``, ``qa = q·e^{G − pre}`` (row side of
+    later strips' blocks, ≤ 1) and ``kb = k·e^{r − G}`` (column side, ≤ 1), and the diagonal 16×16 block of
+    Akk and Aqk (fp32; reference r, so the row factor is ≥ 1 and capped at e^SPAN; pairwise exact when the
+    strip's decay exceeds SPAN)."""
+    ea = tl.exp(G_s - pre[None, :])
+    eb = tl.exp(r[None, :] - G_s)
+    epre = tl.exp(pre)
+    _st(qg_out, ob, s, kb, q_s * ea * (epre * scale)[None, :], K, BKB)
+    _st(kg_out, ob, s, kb, k_s * eb * tl.exp(Gl - r)[None, :], K, BKB)
+    ka = k_s * ea
+    _st(w_out, ob, s, kb, ka * (epre[None, :] * b_s[:, None]), K, BKB)
+    qa = q_s * ea
+    kbb = k_s * eb
+    ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
+    dA = tl.dot(ka * ed, tl.trans(kbb))
+    dQ = tl.dot(qa * ed, tl.trans(kbb))
+    if tl.max(pre - r, 0) > SPAN:
+        # pairwise exact diagonal block: e^{G_i − G_j} ≤ 1 for j ≤ i, never overflows
+        r16 = tl.arange(0, 16)
         for j in range(16):
             sel = r16[:, None] == j
             kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
             Gj = tl.sum(tl.where(sel, G_s, 0.0), 0)
             e = tl.exp(tl.minimum(G_s - Gj[None, :], 0.0))
-            hit = r64[None, :] == s * 16 + j
-            cA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], cA)
-            cQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], cQ)
-    return cA, cQ
+            hit = r16[None, :] == j
+            dA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], dA)
+            dQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], dQ)
+    return ka, qa, kbb, dA, dQ
 
 
 @triton.autotune(configs=_intra_configs(), key=["K", "V"])
@@ -143,103 +153,169 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
                qg_out, kg_out, w_out, u_out, A_out, egl_out, scratch,
                scale, H,
                K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
-    # Everything is blocked over key channels (BKB) and value channels (BVB): the decay is per channel, and
-    # only sums over channels (the dots) couple them, so no [64, K] fp32 tile is ever live (no spills).
+    # One program per (chunk, head). Pass 1 walks the key channels in blocks of BKB: the four 16-row strips
+    # are loaded once, their cumulative decay G built from strip cumsums plus running prefixes, and every
+    # 16×16 block of Akk/Aqk accumulated from them (ten blocks each; nothing recomputed per strip). The
+    # off-diagonal blocks (i > j) use the end of strip j as reference, so both factors are ≤ 1 and the dots
+    # run on the input dtype (tensor cores for bf16/fp16); the diagonal blocks stay fp32.
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     bos = tl.load(chunk_start + pid_c)
     L = tl.load(chunk_len + pid_c)
-    r64 = tl.arange(0, 64)
-    mrow = r64 < L
-    tok = (bos + r64).to(tl.int64)
     ob = (pid_c * H + pid_h).to(tl.int64)
-    b_all = tl.load(beta + tok * H + pid_h, mask=mrow, other=0.0).to(tl.float32)
-
-    # qg = scale·q·e^G, kg = k·e^{G_last − G}, e^{G_last}
+    cd = q.dtype.element_ty
+    r16 = tl.arange(0, 16)
+    b0 = tl.load(beta + (bos + r16).to(tl.int64) * H + pid_h, mask=r16 < L, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + (bos + 16 + r16).to(tl.int64) * H + pid_h, mask=16 + r16 < L, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + (bos + 32 + r16).to(tl.int64) * H + pid_h, mask=32 + r16 < L, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + (bos + 48 + r16).to(tl.int64) * H + pid_h, mask=48 + r16 < L, other=0.0).to(tl.float32)
+    z16 = tl.zeros([16, 16], dtype=tl.float32)
+    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = z16, z16, z16, z16, z16, z16, z16, z16, z16, z16
+    Q00, Q11, Q22, Q33, Q10, Q20, Q21, Q30, Q31, Q32 = z16, z16, z16, z16, z16, z16, z16, z16, z16, z16
     for kb in range(0, K, BKB):
+        g0 = _ld(g, bos, L, pid_h, H, 0, kb, K, BKB)
+        g1 = _ld(g, bos, L, pid_h, H, 1, kb, K, BKB)
+        g2 = _ld(g, bos, L, pid_h, H, 2, kb, K, BKB)
+        g3 = _ld(g, bos, L, pid_h, H, 3, kb, K, BKB)
+        r0 = tl.sum(g0, 0)
+        r1 = r0 + tl.sum(g1, 0)
+        r2 = r1 + tl.sum(g2, 0)
+        r3 = r2 + tl.sum(g3, 0)  # = G at the chunk's last row (rows past L load g = 0)
         rk = kb + tl.arange(0, BKB)
-        mk = rk < K
-        m2 = mrow[:, None] & mk[None, :]
-        offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
-        G = tl.cumsum(tl.load(g + offk, mask=m2, other=0.0).to(tl.float32), 0)
-        Gl = tl.sum(tl.where(r64[:, None] == L - 1, G, 0.0), 0)
-        o64k = ob * 64 * K + r64[:, None] * K + rk[None, :]
-        okm = mk[None, :] & (r64[:, None] < 64)
-        q_b = tl.load(q + offk, mask=m2, other=0.0).to(tl.float32)
-        tl.store(qg_out + o64k, (q_b * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=okm)
-        k_b = tl.load(k + offk, mask=m2, other=0.0).to(tl.float32)
-        tl.store(kg_out + o64k, (k_b * tl.exp(Gl[None, :] - G)).to(kg_out.dtype.element_ty), mask=okm)
-        tl.store(egl_out + ob * K + rk, tl.exp(Gl), mask=mk)
+        tl.store(egl_out + ob * K + rk, tl.exp(r3), mask=rk < K)
+        p0 = tl.zeros_like(r0)
+        q0 = _ld(q, bos, L, pid_h, H, 0, kb, K, BKB)
+        k0 = _ld(k, bos, L, pid_h, H, 0, kb, K, BKB)
+        G0 = tl.cumsum(g0, 0)
+        _ka0, _qa0, kb0, d, e = _strip(q0, k0, G0, p0, r0, r3, b0,
+                                       qg_out, kg_out, w_out, ob, 0, kb, scale, K, BKB, SPAN)
+        A00 += d
+        Q00 += e
+        q1 = _ld(q, bos, L, pid_h, H, 1, kb, K, BKB)
+        k1 = _ld(k, bos, L, pid_h, H, 1, kb, K, BKB)
+        G1 = tl.cumsum(g1, 0) + r0[None, :]
+        ka1, qa1, kb1, d, e = _strip(q1, k1, G1, r0, r1, r3, b1,
+                                       qg_out, kg_out, w_out, ob, 1, kb, scale, K, BKB, SPAN)
+        A11 += d
+        Q11 += e
+        q2 = _ld(q, bos, L, pid_h, H, 2, kb, K, BKB)
+        k2 = _ld(k, bos, L, pid_h, H, 2, kb, K, BKB)
+        G2 = tl.cumsum(g2, 0) + r1[None, :]
+        ka2, qa2, kb2, d, e = _strip(q2, k2, G2, r1, r2, r3, b2,
+                                       qg_out, kg_out, w_out, ob, 2, kb, scale, K, BKB, SPAN)
+        A22 += d
+        Q22 += e
+        q3 = _ld(q, bos, L, pid_h, H, 3, kb, K, BKB)
+        k3 = _ld(k, bos, L, pid_h, H, 3, kb, K, BKB)
+        G3 = tl.cumsum(g3, 0) + r2[None, :]
+        ka3, qa3, _kb3, d, e = _strip(q3, k3, G3, r2, r3, r3, b3,
+                                       qg_out, kg_out, w_out, ob, 3, kb, scale, K, BKB, SPAN)
+        A33 += d
+        Q33 += e
+        # block (i, j), i > j: (x e^{G − Gend(i−1)}) (e^{Gend(i−1) − Gend(j)}) (k e^{Gend(j) − G}), all ≤ 1
+        c0 = tl.trans(kb0.to(cd))
+        c1 = tl.trans(kb1.to(cd))
+        c2 = tl.trans(kb2.to(cd))
+        f = tl.exp(r1 - r0)[None, :]
+        c20 = tl.trans((kb0 * f).to(cd))
+        f = tl.exp(r2 - r1)[None, :]
+        c31 = tl.trans((kb1 * f).to(cd))
+        f = tl.exp(r2 - r0)[None, :]
+        c30 = tl.trans((kb0 * f).to(cd))
+        ka1 = ka1.to(cd)
+        qa1 = qa1.to(cd)
+        ka2 = ka2.to(cd)
+        qa2 = qa2.to(cd)
+        ka3 = ka3.to(cd)
+        qa3 = qa3.to(cd)
+        A10 += tl.dot(ka1, c0)
+        Q10 += tl.dot(qa1, c0)
+        A20 += tl.dot(ka2, c20)
+        Q20 += tl.dot(qa2, c20)
+        A21 += tl.dot(ka2, c1)
+        Q21 += tl.dot(qa2, c1)
+        A30 += tl.dot(ka3, c30)
+        Q30 += tl.dot(qa3, c30)
+        A31 += tl.dot(ka3, c31)
+        Q31 += tl.dot(qa3, c31)
+        A32 += tl.dot(ka3, c2)
+        Q32 += tl.dot(qa3, c2)
 
-    Lp = scratch + ob * 2 * 64 * 64
-    Xp = Lp + 64 * 64
+    # Aqk (scaled, causal) out; the upper blocks are written as zeros
     Ap = A_out + ob * 64 * 64
-    for s in tl.static_range(4):
-        accA = tl.zeros([16, 64], dtype=tl.float32)
-        accQ = tl.zeros([16, 64], dtype=tl.float32)
-        for kb in range(0, K, BKB):
-            cA, cQ = _strip(q, k, g, bos, pid_h, H, L, kb, s, K, BKB, SPAN)
-            accA += cA
-            accQ += cQ
-        rs = s * 16 + tl.arange(0, 16)
-        ms = rs < L
-        b_s = tl.load(beta + (bos + rs).to(tl.int64) * H + pid_h, mask=ms, other=0.0).to(tl.float32)
-        Lm = tl.where((r64[None, :] < rs[:, None]) & ms[:, None], accA * b_s[:, None], 0.0)
-        Am = tl.where((r64[None, :] <= rs[:, None]) & ms[:, None], accQ * scale, 0.0)
-        tl.store(Lp + rs[:, None] * 64 + r64[None, :], Lm)
-        tl.store(Ap + rs[:, None] * 64 + r64[None, :], Am.to(A_out.dtype.element_ty))
-    tl.debug_barrier()
+    causal = r16[:, None] >= r16[None, :]
+    _blk_st(Ap, 0, 0, tl.where(causal, Q00 * scale, 0.0))
+    _blk_st(Ap, 16, 16, tl.where(causal, Q11 * scale, 0.0))
+    _blk_st(Ap, 32, 32, tl.where(causal, Q22 * scale, 0.0))
+    _blk_st(Ap, 48, 48, tl.where(causal, Q33 * scale, 0.0))
+    _blk_st(Ap, 16, 0, Q10 * scale)
+    _blk_st(Ap, 32, 0, Q20 * scale)
+    _blk_st(Ap, 32, 16, Q21 * scale)
+    _blk_st(Ap, 48, 0, Q30 * scale)
+    _blk_st(Ap, 48, 16, Q31 * scale)
+    _blk_st(Ap, 48, 32, Q32 * scale)
+    _blk_st(Ap, 0, 16, z16)
+    _blk_st(Ap, 0, 32, z16)
+    _blk_st(Ap, 0, 48, z16)
+    _blk_st(Ap, 16, 32, z16)
+    _blk_st(Ap, 16, 48, z16)
+    _blk_st(Ap, 32, 48, z16)
 
-    X00 = _inv16(Lp, 0)
-    X11 = _inv16(Lp, 16)
-    X22 = _inv16(Lp, 32)
-    X33 = _inv16(Lp, 48)
-    L10 = _blk(Lp, 16, 0)
-    L20 = _blk(Lp, 32, 0)
-    L21 = _blk(Lp, 32, 16)
-    L30 = _blk(Lp, 48, 0)
-    L31 = _blk(Lp, 48, 16)
-    L32 = _blk(Lp, 48, 32)
+    # X = (I + L)⁻¹, L = β ⊙ strictly lower Akk: diagonal blocks by _inv16, the rest by block substitution
+    strict = r16[:, None] > r16[None, :]
+    X00 = _inv16(tl.where(strict, A00 * b0[:, None], 0.0))
+    X11 = _inv16(tl.where(strict, A11 * b1[:, None], 0.0))
+    X22 = _inv16(tl.where(strict, A22 * b2[:, None], 0.0))
+    X33 = _inv16(tl.where(strict, A33 * b3[:, None], 0.0))
+    L10 = A10 * b1[:, None]
+    L20 = A20 * b2[:, None]
+    L21 = A21 * b2[:, None]
+    L30 = A30 * b3[:, None]
+    L31 = A31 * b3[:, None]
+    L32 = A32 * b3[:, None]
     X10 = -tl.dot(X11, tl.dot(L10, X00, input_precision="ieee"), input_precision="ieee")
     X21 = -tl.dot(X22, tl.dot(L21, X11, input_precision="ieee"), input_precision="ieee")
+    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision="ieee"), input_precision="ieee")
     X20 = -tl.dot(X22, tl.dot(L20, X00, input_precision="ieee") + tl.dot(L21, X10, input_precision="ieee"),
                   input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision="ieee"), input_precision="ieee")
     X31 = -tl.dot(X33, tl.dot(L31, X11, input_precision="ieee") + tl.dot(L32, X21, input_precision="ieee"),
                   input_precision="ieee")
     X30 = -tl.dot(X33, tl.dot(L30, X00, input_precision="ieee") + tl.dot(L31, X10, input_precision="ieee")
                   + tl.dot(L32, X20, input_precision="ieee"), input_precision="ieee")
-    _put(Xp, 0, 0, X00)
-    _put(Xp, 16, 16, X11)
-    _put(Xp, 32, 32, X22)
-    _put(Xp, 48, 48, X33)
-    _put(Xp, 16, 0, X10)
-    _put(Xp, 32, 0, X20)
-    _put(Xp, 32, 16, X21)
-    _put(Xp, 48, 0, X30)
-    _put(Xp, 48, 16, X31)
-    _put(Xp, 48, 32, X32)
-    tl.debug_barrier()
+    # through scratch into one [64, 64] tile, so that w and u are single 64-row dots
+    Xp = scratch + ob * 64 * 64
+    _blk_st(Xp, 0, 0, X00)
+    _blk_st(Xp, 16, 16, X11)
+    _blk_st(Xp, 32, 32, X22)
+    _blk_st(Xp, 48, 48, X33)
+    _blk_st(Xp, 16, 0, X10)
+    _blk_st(Xp, 32, 0, X20)
+    _blk_st(Xp, 32, 16, X21)
+    _blk_st(Xp, 48, 0, X30)
+    _blk_st(Xp, 48, 16, X31)
+    _blk_st(Xp, 48, 32, X32)
+    tl.debug_barrier()  # also orders pass 1's z stores before the loads below
+    r64 = tl.arange(0, 64)
     X = tl.load(Xp + r64[:, None] * 64 + r64[None, :], mask=(r64[None, :] // 16) <= (r64[:, None] // 16),
-                other=0.0)
+                other=0.0).to(cd)
+    b_all = tl.load(beta + (bos + r64).to(tl.int64) * H + pid_h, mask=r64 < L, other=0.0).to(tl.float32)
 
-    # w = X (β ⊙ k ⊙ e^G), u = X (β ⊙ v)
+    # w = X z with z = β ⊙ k ⊙ e^G (stored by pass 1 in w's place), u = X (β ⊙ v)
     for kb in range(0, K, BKB):
         rk = kb + tl.arange(0, BKB)
-        mk = rk < K
-        m2 = mrow[:, None] & mk[None, :]
-        offk = (tok * H + pid_h)[:, None] * K + rk[None, :]
-        G = tl.cumsum(tl.load(g + offk, mask=m2, other=0.0).to(tl.float32), 0)
-        k_b = tl.load(k + offk, mask=m2, other=0.0).to(tl.float32)
-        w = tl.dot(X, k_b * tl.exp(G) * b_all[:, None])
-        tl.store(w_out + ob * 64 * K + r64[:, None] * K + rk[None, :], w.to(w_out.dtype.element_ty),
-                 mask=mk[None, :] & (r64[:, None] < 64))
+        ow = ob * 64 * K + r64[:, None] * K + rk[None, :]
+        mw = (rk < K)[None, :] & (r64 < 64)[:, None]
+        z = tl.load(w_out + ow, mask=mw, other=0.0)
+        w = tl.dot(X, z.to(cd))
+        tl.debug_barrier()  # every thread has read this block of z before any overwrites it
+        tl.store(w_out + ow, w.to(w_out.dtype.element_ty), mask=mw)
+    tok = (bos + r64).to(tl.int64)
     for vb in range(0, V, BVB):
         rv = vb + tl.arange(0, BVB)
         mv = rv < V
-        v_b = tl.load(v + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=mrow[:, None] & mv[None, :],
+        v_b = tl.load(v + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=(r64 < L)[:, None] & mv[None, :],
                       other=0.0).to(tl.float32)
-        u = tl.dot(X, v_b * b_all[:, None])
+        u = tl.dot(X, (v_b * b_all[:, None]).to(cd))
         tl.store(u_out + ob * 64 * V + r64[:, None] * V + rv[None, :], u.to(u_out.dtype.element_ty),
                  mask=mv[None, :] & (r64[:, None] < 64))
 
@@ -351,6 +427,28 @@ def supports_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_
     return None
 
 
+def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None):
+    """Run ``_kda_intra`` over NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl). ``config``: a
+    ``triton.Config`` to run instead of the autotuned choice (benchmarks time each variant this way)."""
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    dt, dev = q.dtype, q.device
+    qg = torch.empty(NC, H, 64, K, dtype=dt, device=dev)
+    kg = torch.empty_like(qg)
+    w = torch.empty_like(qg)
+    u = torch.empty(NC, H, 64, V, dtype=dt, device=dev)
+    A = torch.empty(NC, H, 64, 64, dtype=dt, device=dev)
+    egl = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
+    scratch = torch.empty(NC, H, 64, 64, dtype=torch.float32, device=dev)
+    args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H)
+    if config is None:
+        _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
+    else:
+        _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
+                               num_stages=config.num_stages)
+    return qg, kg, w, u, A, egl
+
+
 def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None, checkpoint_positions=None, _force_final=False):
     """Forward only (no autograd); see :func:`k3nn.ops.kda_chunk` for the contract."""
@@ -365,21 +463,12 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
     g, beta = g.contiguous(), beta.contiguous()
     dt = q.dtype
     BK = max(16, triton.next_power_of_2(K))
-    BVF = max(16, triton.next_power_of_2(V))
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
     need_final = output_final_state or _force_final or any(p == lengths[n] for n, p in ckpts)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if need_final else None
     ck = torch.empty(max(len(uniq), 1), H, K, V, dtype=torch.float32, device=dev) if ckpts else None
     if NC > 0:
-        qg = torch.empty(NC, H, 64, K, dtype=dt, device=dev)
-        kg = torch.empty_like(qg)
-        w = torch.empty_like(qg)
-        u = torch.empty(NC, H, 64, V, dtype=dt, device=dev)
-        A = torch.empty(NC, H, 64, 64, dtype=dt, device=dev)
-        egl = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
-        scratch = torch.empty(NC, H, 2, 64, 64, dtype=torch.float32, device=dev)
-        _kda_intra[(NC, H)](q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H,
-                            K=K, V=V, BKB=min(32, BK), BVB=min(32, BVF), SPAN=_SPAN)
+        qg, kg, w, u, A, egl = _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len)
         h0 = initial_state.float().contiguous() if initial_state is not None else qg
         grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
         recur = _kda_recur_f32 if dt == torch.float32 else _kda_recur
