@@ -1,30 +1,19 @@
 """Triton absorbed MLA decode over the paged latent cache, split along the sequence (split-KV).
 
-Stage 1 (grid ``[row groups × SPLIT_V, splits, B]``): a program takes ``BLOCK_H`` query rows of one request
-(rows are ``(t, h)`` pairs of its ``Tq`` query tokens × ``H`` heads, so all heads share every key tile it loads —
-MQA with one 576-wide key row per token) and one contiguous slice of the request's keys. Per key tile it loads
-the ``[BLOCK_N, r + dr]`` rows through the block table once and uses them for both products:
-``s = q_lat·cᵀ + q_rope·k_ropeᵀ`` (the 576-long reduction split into the latent and the rope chunk) and
-``acc += p·c`` (the value is the first ``r`` columns of the same tile), with an online softmax in base 2 (the
-scale is pre-multiplied by log2 e). With ``SPLIT_V = 2`` the ``r`` output columns are halved between two
-programs that run next to each other (the second read of a tile hits L2): each computes the full scores but
-keeps only half of the accumulator, which halves its registers. Rows that see no key of the slice end with
-lse = −inf and o = 0.
+Stage 1 (grid ``[row groups, splits, B]``): a program takes ``BLOCK_H`` query rows of one request (rows are
+``(t, h)`` pairs of its ``Tq`` query tokens × ``H`` heads, so all heads share every key tile it loads — MQA
+with one 576-wide key row per token) and one contiguous slice of the request's keys. Per key tile it loads
+the ``[BLOCK_N, r + dr]`` rows through the block table, computes ``s = q_lat·cᵀ + q_rope·k_ropeᵀ`` and runs an
+online softmax in base 2 with the value being the first ``r`` columns of the same tile. Rows that see no key
+of the slice end with lse = −inf and o = 0.
 
 Stage 2 (only when there is more than one split): exact LSE merge of the per-split partials
 (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). With one split stage 1 writes the final result.
 
-The plan (``BLOCK_H`` rows × ``BLOCK_N`` keys, warps, stages, rescaling, ``SPLIT_V``, splits) depends only on
-``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a call can be captured in a
-CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first call of a shape (outside
-graph capture) times a few plans on its own inputs and keeps the fastest (``K3NN_MLA_NO_TUNE=1``: the
-heuristic plan; ``K3NN_MLA_TUNE_VERBOSE=1`` prints the timings).
-
-Why these plans: a decode is bound by reading the cache (576 bf16 per token), so each tile should be read from
-HBM once for all heads of its request. With 64 heads in one program (``BLOCK_H = 64``) the dots have M = 64 and
-can use the Hopper warp-group MMA with the tile read from shared memory once per product; 8 warps keep the
-[64, 512] fp32 accumulator at 128 registers a thread. Smaller row groups re-read each tile per group (from L2)
-and pay shared-memory bandwidth per group. Split counts are chosen to fill whole waves of programs.
+The tile (``BLOCK_H`` rows × ``BLOCK_N`` keys, warps, stages) and the split count depend only on ``B``,
+``Tq·H``, the dims and the device (never on lengths read from the device), so a call can be captured in a CUDA
+graph; each request's keys are divided evenly among its splits. On a GPU the first call of a shape times a few
+(tile, splits) plans on its own inputs and keeps the fastest (set ``K3NN_MLA_NO_TUNE=1`` for the heuristic).
 """
 
 from __future__ import annotations
@@ -46,16 +35,6 @@ _LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _mm(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-# Integer arguments that vary from shape to shape but never decide vector widths are not specialised on
-# (divisibility by 16 / equality to 1), so a new batch size, head count or split count reuses the compiled kernel.
-@triton.jit(do_not_specialize=["s_btb", "s_visb", "s_lpb", "s_lpm", "s_lb", "s_lt", "Tq", "H", "M", "NUM_SPLITS"])
 def _mla_decode_stage1(
     Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
     s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh,
@@ -65,14 +44,9 @@ def _mla_decode_stage1(
     qk_scale_log2, Tq, H, M, NUM_SPLITS,
     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_VIS: tl.constexpr, FINAL: tl.constexpr, IEEE: tl.constexpr,
-    LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_V: tl.constexpr,
+    LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    BV: tl.constexpr = BLOCK_R // SPLIT_V  # output columns of this program
-    EVEN_R: tl.constexpr = BLOCK_R == R  # no column masks: loads stay 16-byte vectors
-    EVEN_DR: tl.constexpr = BLOCK_DR == DR
-    pid_g = tl.program_id(0)
-    pid_m = pid_g // SPLIT_V
-    pid_v = pid_g % SPLIT_V
+    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -90,59 +64,47 @@ def _mla_decode_stage1(
     start = pid_s * chunk
     end = tl.minimum(start + chunk, tl.minimum(seq_len, tl.max(lim, 0)))
 
-    # Own output columns (value and accumulator) and, with SPLIT_V = 2, the other half (scores only).
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    q_row = Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh
-    if EVEN_R:
-        q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None], other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    if BLOCK_R == R:
+        r_ok = offs_r < BLOCK_R  # all true, known at compile time: keeps loads vectorised
     else:
-        q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < R), other=0.0)
-    if SPLIT_V == 2:
-        offs_w = (1 - pid_v) * BV + tl.arange(0, BV)
-        if EVEN_R:
-            q2 = tl.load(q_row + offs_w[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            q2 = tl.load(q_row + offs_w[None, :], mask=m_ok[:, None] & (offs_w[None, :] < R), other=0.0)
+        r_ok = offs_r < R
+    q = tl.load(Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh + offs_r[None, :],
+                mask=m_ok[:, None] & r_ok[None, :], other=0.0)
     if HAS_ROPE:
         offs_d = tl.arange(0, BLOCK_DR)
-        qr_row = Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh
-        if EVEN_DR:
-            qr = tl.load(qr_row + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        if BLOCK_DR == DR:
+            d_ok = offs_d < BLOCK_DR
         else:
-            qr = tl.load(qr_row + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
+            d_ok = offs_d < DR
+        qr = tl.load(Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh + offs_d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Running max in base 2. Finite start value so that "no key yet" needs no special case; with LAZY the
     # accumulator is rescaled only when some row's max grows by more than 8 (p then stays below 2^8).
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BV], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         if PAGE % BLOCK_N == 0:  # the whole tile sits in one page: one block id
             blk = tl.load(BT + b * s_btb + n0 // PAGE).to(tl.int64)
-            row = blk * s_kvb + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
+            row = blk * s_kvb + (offs_n % PAGE) * s_kvr
         else:
             blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
             row = blk * s_kvb + (offs_n % PAGE) * s_kvr
-        kv_row = KV + row[:, None]
-        if EVEN_R:
-            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
+        c = tl.load(KV + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")
         else:
-            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
-        s = _mm(q, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
-        if SPLIT_V == 2:
-            if EVEN_R:
-                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
-            s = _mm(q2, tl.trans(c2), s, IEEE)
+            s = tl.dot(q, tl.trans(c))
         if HAS_ROPE:
-            if EVEN_DR:
-                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            kr = tl.load(KV + row[:, None] + R + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
-                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
-            s = _mm(qr, tl.trans(kr), s, IEEE)
+                s += tl.dot(qr, tl.trans(kr))
         s = s * qk_scale_log2
         s = tl.where((offs_n[None, :] < lim[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -154,32 +116,34 @@ def _mla_decode_stage1(
                 m_i = m_new
             p = tl.exp2(s - m_i[:, None])
             l_i = l_i + tl.sum(p, 1)
-            acc = _mm(p.to(c.dtype), c, acc, IEEE)
+            if IEEE:
+                acc += tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(c.dtype), c)
         else:
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _mm(p.to(c.dtype), c, acc * alpha[:, None], IEEE)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
             m_i = m_new
 
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse_ok = m_ok & ((tl.zeros([BLOCK_H], tl.int32) + pid_v) == 0)  # one writer per row
-    if EVEN_R:
-        o_mask = m_ok[:, None]
-    else:
-        o_mask = m_ok[:, None] & (offs_v[None, :] < R)
     if FINAL:
-        tl.store(O + b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_v[None, :],
-                 o.to(O.dtype.element_ty), mask=o_mask)
-        tl.store(LSE + b * s_lb + t * s_lt + h, lse, mask=lse_ok)
+        tl.store(O + b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_r[None, :],
+                 o.to(O.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+        tl.store(LSE + b * s_lb + t * s_lt + h, lse, mask=m_ok)
     else:
-        tl.store(O_part + b * s_opb + offs_m[:, None] * s_opm + pid_s * s_ops + offs_v[None, :], o, mask=o_mask)
-        tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=lse_ok)
+        tl.store(O_part + b * s_opb + offs_m[:, None] * s_opm + pid_s * s_ops + offs_r[None, :], o,
+                 mask=m_ok[:, None] & r_ok[None, :])
+        tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["s_lpb", "s_lpm", "s_lb", "s_lt", "H", "NUM_SPLITS"])
+@triton.jit
 def _mla_decode_combine(
     O_part, LSE_part, O, LSE,
     s_opb, s_opm, s_ops, s_lpb, s_lpm, s_ob, s_ot, s_oh, s_lb, s_lt,
@@ -216,72 +180,45 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Tiles (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy rescale, SPLIT_V) the GPU tuner chooses among; a plan is
-# a tile plus the split count. Earlier H200 runs (bench/results/mla-decode-*): 32×64 lazy tiles with 4 warps
-# reached 1.9 TB/s at B=64 L=8K H=64 and 64×32 with 8 warps / 3 stages fit and ran. The 64-row tiles give the
-# dots M = 64 (one Hopper warp-group MMA per 64 rows) and read each tile once for 64 heads.
-_GPU_TILES = [
-    (64, 32, 8, 3, True, 1),   # all 64 heads, [64, 512] accumulator over 8 warps; 2 × 36 KB tiles in flight
-    (64, 64, 8, 2, True, 1),   # same, bigger tile (72 KB a stage)
-    (64, 32, 4, 3, True, 2),   # one warp group, half the output columns; the column pair shares reads in L2
-    (32, 64, 4, 2, True, 1),   # the previous best
-    (16, 64, 4, 2, True, 1),   # few rows (Tq·H ≤ 16, e.g. heads sharded by tensor parallelism)
-]
-_INTERP_TILE = (16, 16, 4, 1, True, 1)
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy rescale) tried on the GPU; the interpreter uses a small one.
+# Measured on the H200 (bench/results/mla-decode-*): 32×64 lazy tiles win at B=64; 64×32 with 3 stages is
+# close at B=1; 64-row tiles with 8 warps and eager rescaling lose everywhere.
+_GPU_TILES = [(16, 64, 4, 2, False), (16, 64, 4, 2, True), (32, 64, 4, 2, True), (32, 64, 4, 3, True),
+              (32, 64, 8, 2, True), (64, 32, 8, 3, True)]
+_INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
-LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy, SPLIT_V, splits) of the latest call
+LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy, splits) of the latest call
 
 
-def _programs_per_split(B: int, rows: int, block_h: int, split_v: int = 1) -> int:
-    return B * triton.cdiv(rows, block_h) * split_v
-
-
-def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: int = 2,
-                      split_v: int = 1) -> int:
-    """Splits per request so that stage 1 fills about ``waves`` whole waves of programs, one program per SM
-    (1 under the interpreter). Rounded down so that the last wave is full rather than nearly empty."""
+def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: int = 2) -> int:
+    """Splits per request so that about ``waves`` waves of programs cover the GPU (1 under the interpreter)."""
     if device.type != "cuda":
         return 1
-    per = _programs_per_split(B, rows, block_h, split_v)
-    target = waves * _sm_count(device.index or 0)
-    return max(1, min(160, (target + per // 8) // per))
-
-
-def _default_tile(M):
-    return _GPU_TILES[0] if M >= 48 else _GPU_TILES[3] if M > 16 else _GPU_TILES[4]
+    groups = B * triton.cdiv(rows, block_h)
+    return max(1, min(128, triton.cdiv(waves * _sm_count(device.index or 0), groups)))
 
 
 def _default_plan(B, M, dev):
-    """Heuristic plan (graph capture without a tuned entry, or K3NN_MLA_NO_TUNE)."""
     if dev.type != "cuda":
         return _INTERP_TILE + (1,)
-    tile = _default_tile(M)
-    return tile + (choose_num_splits(B, M, dev, tile[0], waves=1, split_v=tile[5]),)
-
-
-def _candidate_tiles(M):
-    """(tile, waves) pairs the tuner times for Tq·H = M rows."""
-    cap = max(16, triton.next_power_of_2(M))
-    out = []
-    for tile in _GPU_TILES:
-        if tile[0] > cap or (tile[0] < 32 and M > 32) or (tile[5] > 1 and M < 48):
-            continue
-        out += [(tile, 1), (tile, 2)]
-    return out
+    bh = 32 if M >= 32 else 16
+    tile = (bh, 64, 4, 2, True)
+    return tile + (choose_num_splits(B, M, dev, bh),)
 
 
 def _candidates(B, M, dev):
-    """Distinct plans (tile + split count) of :func:`_candidate_tiles` for batch ``B``."""
     out = []
-    for tile, w in _candidate_tiles(M):
-        p = tile + (choose_num_splits(B, M, dev, tile[0], waves=w, split_v=tile[5]),)
-        if p not in out:
-            out.append(p)
+    for tile in _GPU_TILES:
+        if tile[0] > max(16, triton.next_power_of_2(M)):
+            continue
+        s1 = choose_num_splits(B, M, dev, tile[0], waves=1)
+        for s in sorted({s1, choose_num_splits(B, M, dev, tile[0], waves=2)}):
+            out.append(tile + (s,))
     return out
 
 
 def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
-    bh, bn, warps, stages, lazy, sv, S = plan
+    bh, bn, warps, stages, lazy, S = plan
     B = q_lat.shape[0]
     dev = q_lat.device
     final = S == 1
@@ -292,19 +229,17 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
         o_part = torch.empty(B, M, S, R, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
-    block_r = triton.next_power_of_2(R)
-    sv = sv if block_r >= 32 else 1
-    _mla_decode_stage1[(triton.cdiv(M, bh) * sv, S, B)](
+    _mla_decode_stage1[(triton.cdiv(M, bh), S, B)](
         q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
         *sp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         float(scale) * _LOG2E, Tq, H, M, S,
-        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=block_r,
+        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R),
         BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
         HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
-        LAZY=lazy, BLOCK_H=bh, BLOCK_N=bn, SPLIT_V=sv, num_warps=warps, num_stages=stages,
+        LAZY=lazy, BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
     if not final:
         bsz = max(2, triton.next_power_of_2(S))
@@ -327,41 +262,37 @@ def _time_plan(fn) -> float:
 
 
 def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
-    """Plan for this shape. On a GPU the first call of a (row count, batch size class, ...) key, outside graph
-    capture, times the candidates on its own inputs and keeps the fastest tile and wave count; the split count
-    then follows the actual ``B``. ``num_splits`` pins the split count."""
+    """Tile and split count for this shape. On a GPU the first call of a shape (outside graph capture) times
+    the candidates on its own inputs and keeps the fastest; ``num_splits`` pins the split count."""
     dev = q_lat.device
-    pin = int(num_splits) if num_splits else None
     if dev.type != "cuda":
-        return _INTERP_TILE + (pin or 1,)
-
-    def plan_of(tile, w):
-        return tile + (pin or choose_num_splits(B, M, dev, tile[0], waves=w, split_v=tile[5]),)
-
-    key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), pin)
+        p = _INTERP_TILE + (1,)
+        return p[:5] + (int(num_splits),) if num_splits else p
+    key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits)
     if key in _TUNED:
-        return plan_of(*_TUNED[key])
+        return _TUNED[key]
+    cands = _candidates(B, M, dev)
+    if num_splits:
+        cands = sorted({c[:5] + (int(num_splits),) for c in cands})
     if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
-        return plan_of(_default_tile(M), 1)
+        p = _default_plan(B, M, dev)
+        return p[:5] + (int(num_splits),) if num_splits else p
     torch.cuda.synchronize()  # the timing runs on a side stream: inputs must be ready
-    best, best_ms, seen = None, float("inf"), set()
-    for tile, w in _candidate_tiles(M):
-        c = plan_of(tile, w)
-        if c in seen:
-            continue
-        seen.add(c)
+    best, best_ms = None, float("inf")
+    for c in cands:
         try:
-            ms = _time_plan(lambda c=c: run(c))
+            ms = _time_plan(lambda: run(c))
         except Exception:  # a tile that does not fit this GPU (shared memory / registers)
             continue
         if os.environ.get("K3NN_MLA_TUNE_VERBOSE"):
             print(f"mla_decode tune B={B} M={M}: plan {c} {ms * 1e3:.1f} us", flush=True)
         if ms < best_ms:
-            best, best_ms = (tile, w), ms
+            best, best_ms = c, ms
     if best is None:  # nothing could be timed: keep the heuristic (its launch reports any real error)
-        best = (_default_tile(M), 1)
+        best = _default_plan(B, M, dev)
+        best = best[:5] + (int(num_splits),) if num_splits else best
     _TUNED[key] = best
-    return plan_of(*best)
+    return best
 
 
 def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None,
