@@ -154,3 +154,118 @@ def test_dspark_drafter_end_to_end_greedy(rollback):
     assert torch.equal(out, ref)
     st = drafter.last_stats
     assert 0 < st.accepted < st.drafted and 1.0 < st.acceptance_length < GAMMA + 1
+
+
+# -- the graph-safe ("static") round: fixed windows of γ + 1, device-side acceptance / commit ------------------
+def _spec_static(target, prompt, ref_new, accept, cuda_graph="static", **kw):
+    out, d = _spec(target, prompt, ref_new, accept, **kw)  # eager (cuda_graph defaults to auto → eager on CPU)
+    assert d.last_stats.mode == "eager"
+    lengths = prompt.shape[1] if kw.get("mask") is None else kw["mask"].sum(1)
+    d2 = OracleDrafter(ref_new, torch.as_tensor(lengths).expand(prompt.shape[0]), accept,
+                       target.config.vocab_size)
+    d2.spec_options = SpecOptions(cuda_graph=cuda_graph)
+    kw2 = {k: v for k, v in kw.items() if k not in ("mask",)}
+    n_new = kw2.pop("n_new", N_NEW)
+    out2 = target.generate(prompt, max_new_tokens=n_new, drafter=d2, num_assistant_tokens=kw2.pop("gamma", GAMMA),
+                           attention_mask=kw.get("mask"), **kw2)
+    assert d2.last_stats.mode == "static"
+    return out, d, out2, d2
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("accept", [(0, 0), (GAMMA, GAMMA), (1, 3), (0, GAMMA), (GAMMA - 1, 2)])
+def test_static_round_identical_to_eager_and_plain(target, prompt, reference, accept, batch):
+    p, ref = prompt[:batch], reference[:batch]
+    out, d, out2, d2 = _spec_static(target, p, ref[:, p.shape[1]:], accept[:batch])
+    assert torch.equal(out, ref) and torch.equal(out2, ref)
+    a, b = d.last_stats, d2.last_stats
+    assert (a.rounds, a.drafted, a.accepted, a.position_tried, a.position_accepted) == \
+        (b.rounds, b.drafted, b.accepted, b.position_tried, b.position_accepted)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_round_eos_inside_the_window(target, prompt, reference, batch):
+    p = prompt[:batch]
+    new = reference[:batch, p.shape[1]:]
+    eos = int(new[0, 5])
+    plain = target.generate(p, max_new_tokens=N_NEW, eos_token_id=eos, pad_token_id=7)
+    for accept in [(GAMMA, GAMMA), (2, GAMMA), (0, 1)]:
+        out, _, out2, _ = _spec_static(target, p, plain[:, p.shape[1]:], accept[:batch], eos_token_id=eos,
+                                       pad_token_id=7)
+        assert torch.equal(out, plain) and torch.equal(out2, plain), accept
+
+
+def test_static_round_all_rows_hit_eos(target, prompt, reference):
+    new = reference[:, prompt.shape[1]:]
+    eos = [int(new[0, 3]), int(new[1, 2])]
+    plain = target.generate(prompt, max_new_tokens=N_NEW, eos_token_id=eos)
+    _, _, out2, _ = _spec_static(target, prompt, plain[:, prompt.shape[1]:], (GAMMA, 1), eos_token_id=eos)
+    assert torch.equal(out2, plain)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("n_new", [1, 2, GAMMA + 2, 2 * GAMMA + 1])
+def test_static_round_max_new_tokens_inside_the_window(target, prompt, reference, n_new, batch):
+    p = prompt[:batch]
+    _, _, out2, _ = _spec_static(target, p, reference[:batch, p.shape[1]:], (GAMMA, 2)[:batch], n_new=n_new)
+    assert torch.equal(out2, reference[:batch, : p.shape[1] + n_new])
+
+
+def test_static_round_left_padded_batch_and_streamer(target):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 255, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=9)
+    _, _, out2, _ = _spec_static(target, ids, ref[:, 7:], (GAMMA, 1), mask=mask, n_new=9)
+    assert torch.equal(out2, ref)
+
+    class Rec:
+        def __init__(self):
+            self.puts = []
+
+        def put(self, t):
+            self.puts.append(t.clone())
+
+        def end(self):
+            pass
+
+    a, b = Rec(), Rec()
+    target.generate(ids, attention_mask=mask, max_new_tokens=9, streamer=a)
+    d = OracleDrafter(ref[:, 7:], mask.sum(1), (3, 1), target.config.vocab_size)
+    d.spec_options = SpecOptions(cuda_graph="static")
+    target.generate(ids, attention_mask=mask, max_new_tokens=9, drafter=d, num_assistant_tokens=GAMMA, streamer=b)
+    assert len(a.puts) == len(b.puts) and all(torch.equal(x, y) for x, y in zip(a.puts, b.puts))
+
+
+def test_static_round_confidence_and_synthetic_acceptance(target, prompt, reference):
+    d = OracleDrafter(reference[:, prompt.shape[1]:], torch.tensor([6, 6]), (GAMMA, GAMMA),
+                      target.config.vocab_size, confidence=[0.9, 0.8, 0.3, 0.9])
+    d.spec_options = SpecOptions(confidence_threshold=0.5, cuda_graph="static")
+    out = target.generate(prompt, max_new_tokens=10, drafter=d, num_assistant_tokens=GAMMA)
+    assert torch.equal(out, reference[:, :16])
+    assert d.last_stats.position_tried[2:] == [0, 0] and d.last_stats.acceptance_length == 3.0
+    d = OracleDrafter(reference[:, prompt.shape[1]:], torch.tensor([6, 6]), (0, 0), target.config.vocab_size)
+    d.spec_options = SpecOptions(synthetic_acceptance_length=3, cuda_graph="static")
+    out = target.generate(prompt, max_new_tokens=1 + 3 * 3, drafter=d, num_assistant_tokens=GAMMA)
+    st = d.last_stats
+    assert out.shape == (2, 16) and st.rounds == 3 and st.acceptance_length == 3.0
+
+
+def test_static_round_dspark_drafter_and_slots_fallback():
+    target = structured_target()
+    drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=1, num_heads=2, block_size=GAMMA,
+                                                    markov_rank=16), target)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 255, (2, 6), generator=g)
+    ref = target.generate(ids, max_new_tokens=14)
+    drafter.spec_options = SpecOptions(cuda_graph="static")
+    assert torch.equal(target.generate(ids, max_new_tokens=14, drafter=drafter, num_assistant_tokens=GAMMA), ref)
+    assert drafter.last_stats.mode == "static" and 0 < drafter.last_stats.accepted
+    drafter.spec_options = SpecOptions(cuda_graph="static", rollback="slots")
+    assert torch.equal(target.generate(ids, max_new_tokens=14, drafter=drafter, num_assistant_tokens=GAMMA), ref)
+    assert drafter.last_stats.mode == "eager" and "slots" in drafter.last_stats.fallback
+    drafter.spec_options = SpecOptions(cuda_graph="bogus")
+    with pytest.raises(ValueError):
+        target.generate(ids, max_new_tokens=3, drafter=drafter, num_assistant_tokens=GAMMA)

@@ -6,7 +6,10 @@ Per config (``small`` by default, then ``k3_slice`` when the time budget allows)
 * ``dspark γ=7, accept A/7, <rollback>``: ``generate(..., drafter=DSparkDrafter)`` in synthetic-acceptance mode:
   the drafter (random weights, 1 layer) runs its full backbone + Markov sampling every round and every window is
   verified by one target forward, but each round keeps exactly A drafts (+ the target's token), so the numbers
-  measure the machinery at a fixed acceptance, not a drafter's quality.
+  measure the machinery at a fixed acceptance, not a drafter's quality. On CUDA the rounds run as replayed CUDA
+  graphs (``cuda_graph`` auto); each row reports ``spec_mode`` / ``graphs`` (which steps were captured) and
+  ``graph_fallback`` (why a capture failed or the graph path was not taken); one ``cuda_graph=False`` row keeps
+  the eager round for comparison.
 
 Decode time = time(N new tokens) − time(1 new token) (the prefill and first token cancel), median of ``--reps``.
 Before timing, the lossless path is checked in the same run: speculative greedy with drafts taken from plain
@@ -110,32 +113,38 @@ def run_config(name: str, dev, dtype, args, rows: list[dict]) -> None:
     same = (chk[0, args.ctx:] == ref[0, args.ctx:]).long()
     agree = int(same.cumprod(0).sum())
     check_al = rd.last_stats.acceptance_length
+    chk_st = rd.last_stats
     print(f"{name}: spec greedy (reference drafts) agrees with plain greedy on {agree}/{N} tokens, "
-          f"acceptance length {check_al:.2f}", flush=True)
+          f"acceptance length {check_al:.2f}, mode {chk_st.mode}, graphs {chk_st.graphs}, "
+          f"fallback {chk_st.fallback}", flush=True)
     plain(2)
     t_one = _time(lambda: plain(1), dev, args.reps)
     t_plain = _time(lambda: plain(N), dev, args.reps) - t_one
     ms_plain = t_plain / (N - 1)
     meta_case = f"{name} B=1 ctx={args.ctx} new={N}"
     rows.append({"case": f"{meta_case} plain", "k3nn_ms": round(ms_plain, 4),
-                 "tokens_per_s": round(1e3 / ms_plain, 1), "greedy_agree_tokens": agree,
-                 "greedy_check_acceptance_length": round(check_al, 3)})
-    variants = [(6, "replay"), (6, "slots"), (5, "replay")]
-    for acc, rb in variants:
+                 "tokens_per_s": round(1e3 / ms_plain, 1),
+                 "greedy_agree_tokens": agree, "greedy_check_acceptance_length": round(check_al, 3),
+                 "greedy_check_spec_mode": chk_st.mode, "greedy_check_graph_fallback": chk_st.fallback})
+    variants = [(6, "replay", None), (6, "slots", None), (5, "replay", None), (6, "replay", False)]
+    for acc, rb, cg in variants:
         if time.perf_counter() - args.t_start > args.budget_s:
-            print(f"budget reached: skipping {name} accept {acc} {rb}", flush=True)
+            print(f"budget reached: skipping {name} accept {acc} {rb} cuda_graph={cg}", flush=True)
             continue
-        opts = SpecOptions(rollback=rb, synthetic_acceptance_length=acc + 1)
+        opts = SpecOptions(rollback=rb, synthetic_acceptance_length=acc + 1, cuda_graph=cg)
         spec(N, opts)
         t_one = _time(lambda: spec(1, opts), dev, args.reps)
         t = _time(lambda: spec(N, opts), dev, args.reps) - t_one
         st = drafter.last_stats
         if t <= 0:  # timing noise larger than the decode time (CPU smoke runs): no number
-            rows.append({"case": f"{meta_case} dspark accept={acc}/{GAMMA} rollback={rb}", "error": "noise"})
+            rows.append({"case": f"{meta_case} dspark accept={acc}/{GAMMA} rollback={rb} cuda_graph={cg}",
+                         "error": "noise", "spec_mode": st.mode, "graph_fallback": st.fallback})
             continue
         ms = t / (N - 1)
         mem = rollback_memory_bytes(cfg, GAMMA, 1, rb, dtype)
-        rows.append({"case": f"{meta_case} dspark gamma={GAMMA} accept={acc}/{GAMMA} rollback={rb}",
+        rows.append({"case": f"{meta_case} dspark gamma={GAMMA} accept={acc}/{GAMMA} rollback={rb}"
+                             + ("" if cg is None else f" cuda_graph={cg}"),
+                     "spec_mode": st.mode, "graphs": st.graphs, "graph_fallback": st.fallback,
                      "k3nn_ms": round(ms, 4), "anchor": "plain decode (no speculation)",
                      "anchor_ms": round(ms_plain, 4), "speedup": round(ms_plain / ms, 3),
                      "tokens_per_s": round(1e3 / ms, 1), "acceptance_length": round(st.acceptance_length, 3),
@@ -172,7 +181,8 @@ def main(argv=None):
     finally:
         path = write_results(SUITE, rows, {"gamma": GAMMA, "drafter_layers": 1, "batch": 1,
                                            "acceptance_mode": "synthetic (accept A of gamma drafts per round)"})
-        print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "acceptance_length"])
+        print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "acceptance_length", "spec_mode",
+                           "graph_fallback"])
         print(f"wrote {path}")
     return rows
 

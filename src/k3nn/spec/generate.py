@@ -18,15 +18,20 @@ output has the target's distribution.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..generation import loop_setup, sample_next
+from ..kernels.registry import backend as use_backend
 from .rollback import WindowRollback
 from .verify import greedy_accept, rejection_accept, synthetic_accept
 
 __all__ = ["SpecOptions", "SpecStats", "speculative_generate"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,11 +43,15 @@ class SpecOptions:
         cut depends on drafter outputs only, so it stays lossless.
     synthetic_acceptance_length: benchmark mode — every round accepts exactly L − 1 drafts (L counts the bonus
         token) whatever they are; the output is then NOT the target's.
+    cuda_graph: the round's execution path when ``speculative_generate`` is not given one (``generate()``
+        passes none): None / ``"auto"`` → CUDA graphs on CUDA devices, eager elsewhere; True → graphs (the
+        static path off CUDA); ``"static"`` → the graph-safe path without capture (any device); False → eager.
     """
 
     rollback: str = "replay"
     confidence_threshold: float = 0.0
     synthetic_acceptance_length: int | None = None
+    cuda_graph: bool | str | None = None
 
 
 @dataclass
@@ -59,6 +68,9 @@ class SpecStats:
     emitted: int = 0  # tokens emitted by the rounds (excludes the prefill token)
     position_tried: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    mode: str = "eager"  # round execution path: "eager" | "static" | "graph"
+    graphs: dict = field(default_factory=dict)  # graph mode: step name → captured (True) / not (False)
+    fallback: str | None = None  # why a capture failed or the graph path was not taken (None: no fallback)
 
     @property
     def acceptance_length(self) -> float:
@@ -76,7 +88,8 @@ class SpecStats:
         return {"gamma": self.gamma, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_length": round(self.acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4),
-                "position_acceptance": [round(x, 4) for x in self.position_acceptance]}
+                "position_acceptance": [round(x, 4) for x in self.position_acceptance],
+                "mode": self.mode, "graphs": dict(self.graphs), "fallback": self.fallback}
 
 
 def _leading_confident(conf: torch.Tensor | None, threshold: float, n: int, B: int, device) -> torch.Tensor:
@@ -87,20 +100,39 @@ def _leading_confident(conf: torch.Tensor | None, threshold: float, n: int, B: i
 
 @torch.no_grad()
 def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cfg,
-                         n_new: int, streamer=None, options: SpecOptions | None = None) -> torch.Tensor:
+                         n_new: int, streamer=None, options: SpecOptions | None = None,
+                         cuda_graph: bool | str | None = None) -> torch.Tensor:
     """Speculative decoding with ``drafter`` (a :class:`~k3nn.layers.dspark.DSparkDrafter` or any object with
     ``target_layers``, ``new_state``, ``extend``, ``propose``). Arguments as passed by ``generate()``; the
-    statistics land in ``drafter.last_stats`` (:class:`SpecStats`)."""
+    statistics land in ``drafter.last_stats`` (:class:`SpecStats`).
+
+    ``cuda_graph`` (default: ``options.cuda_graph``, else auto): None / ``"auto"`` → on CUDA the verify forward
+    and the KDA commit of each round replay captured CUDA graphs (fixed window T = γ + 1, cache in static mode,
+    acceptance and MLA rewind on device tensors, one host read per round), eager elsewhere; True → graphs on
+    CUDA, the static path elsewhere; ``"static"`` → the same graph-safe round without capture (any device);
+    False → the eager round (window of 1 + max n_b tokens). A failed capture is logged and the round goes on
+    with the graph-safe step run eagerly (same tokens). ``rollback="slots"`` stays eager-only (the static path
+    needs ``"replay"``); the drafter runs eagerly in every mode. The path taken lands in ``last_stats.mode`` /
+    ``.graphs`` / ``.fallback``.
+    """
     opts = options or getattr(drafter, "spec_options", None) or SpecOptions()
     gamma = int(cfg.num_assistant_tokens)
     dev = model.device
     B, T0 = input_ids.shape
     stats = SpecStats(gamma=gamma, position_tried=[0] * gamma, position_accepted=[0] * gamma)
     drafter.last_stats = stats
+    mode = _resolve_mode(opts.cuda_graph if cuda_graph is None else cuda_graph, dev)
+    if mode != "eager" and opts.rollback != "replay":
+        stats.fallback = f"rollback={opts.rollback!r} runs eagerly (the static round needs 'replay')"
+        mode = "eager"
     setup = loop_setup(model, cfg, input_ids, streamer, n_new)
     if setup is None:
         return input_ids
     gen, eos, pad = setup
+    if mode != "eager":
+        stats.mode = mode
+        return _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts, stats,
+                                gen, eos, pad, graphs=mode == "graph")
     taps = list(drafter.target_layers)
     # rejected window entries stay as masked holes in rows that kept fewer tokens than the longest row:
     # the shared write position advances by the longest kept prefix per round (≤ γ + 1, ≤ Σ rows' emissions)
@@ -204,6 +236,11 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     stats.drafted, stats.accepted = int(drafted), int(accepted)
     stats.emitted = int(n_out.sum()) - B
     stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
+    return _finish(input_ids, out, n_new, eos, streamer, streamed)
+
+
+def _finish(input_ids, out, n_new, eos, streamer, streamed) -> torch.Tensor:
+    """Trim like generate() (all rows hit eos → cut after the last row's eos), flush the streamer."""
     out = out[:, :n_new]
     if eos.numel():
         has = torch.isin(out, eos)
@@ -218,3 +255,230 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             streamer.put(out[:, c].cpu())
         streamer.end()
     return torch.cat([input_ids, out[:, :steps]], dim=1)
+
+
+def _resolve_mode(cuda_graph, dev: torch.device) -> str:
+    on_cuda = dev.type == "cuda"
+    if cuda_graph in (None, "auto"):
+        return "graph" if on_cuda else "eager"
+    if cuda_graph == "static":
+        return "static"
+    if cuda_graph is True:
+        return "graph" if on_cuda else "static"
+    if cuda_graph is False:
+        return "eager"
+    raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
+
+
+class _GraphStep:
+    """A graph-safe function of no arguments (it reads and writes persistent device tensors) run eagerly, or
+    (``capture=True``) as a CUDA graph, like :class:`k3nn.decode.runner.DecodeRunner`: the first call warms up
+    on a side stream, the second captures and replays, later calls replay. A failed capture is logged, its
+    reason kept in ``fallback_reason``, and the function keeps running eagerly (same results).
+    ``on_capture_failure`` undoes host-side effects of the aborted capture pass."""
+
+    def __init__(self, fn: Callable, name: str, capture: bool, on_capture_failure: Callable | None = None):
+        self.fn, self.name, self.capture = fn, name, capture
+        self.on_capture_failure = on_capture_failure
+        self.graph = None
+        self.out = None
+        self.calls = 0
+        self.fallback_reason: str | None = None
+
+    def __call__(self):
+        self.calls += 1
+        if not self.capture or self.fallback_reason is not None:
+            return self.fn()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        if self.calls == 1:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out = self.fn()
+            torch.cuda.current_stream().wait_stream(s)
+            return out
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                self.out = self.fn()
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.fallback_reason = f"{self.name}: {type(e).__name__}: {e}"
+            self.out = None
+            log.warning("speculative round: graph capture of %s failed (%s); continuing eagerly", self.name,
+                        self.fallback_reason.splitlines()[0])
+            torch.cuda.synchronize()
+            if self.on_capture_failure is not None:
+                self.on_capture_failure()
+            return self.fn()
+        self.graph = g
+        g.replay()
+        return self.out
+
+
+@torch.no_grad()
+def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts: SpecOptions,
+                     stats: SpecStats, gen, eos, pad, graphs: bool) -> torch.Tensor:
+    """The graph-safe round: every window has T = γ + 1 tokens, the cache is in static mode, acceptance, emission,
+    statistics and the MLA rewind run on device tensors; the host reads [B] acceptance + finished flags once per
+    round (termination, which KDA commit functions to run, the host write position)."""
+    gamma = int(cfg.num_assistant_tokens)
+    T = gamma + 1
+    dev = model.device
+    B, T0 = input_ids.shape
+    taps = list(drafter.target_layers)
+    # fixed windows write T slots past the shared position even in the last rounds: room for B + 1 more windows
+    cap = T0 + min(B, T) * n_new + (B + 2) * (T + 1)
+    cache = model.new_cache(B, cap)
+    dstate = drafter.new_state(B, cap)
+    out = torch.full((B, n_new + 1), pad, dtype=torch.long, device=dev)
+    n_out = torch.zeros(B, dtype=torch.long, device=dev)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    long0 = dict(dtype=torch.long, device=dev)
+    # persistent round buffers (read / written in place by the graph-safe steps)
+    window = torch.zeros(B, T, **long0)
+    n_b = torch.zeros(B, **long0)
+    anchor_pos = torch.zeros(B, **long0)
+    wstart = torch.zeros((), **long0)
+    kacc = torch.zeros(B, **long0)
+    ext_pos = torch.zeros(B, T, **long0)
+    ext_mask = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    sync_buf = torch.zeros(2 * B, **long0)
+    counters = torch.zeros(4, **long0)  # row_rounds, drafted, accepted, (unused)
+    pos_tried = torch.zeros(gamma, **long0)
+    pos_acc = torch.zeros(gamma, **long0)
+    jT = torch.arange(T, device=dev)
+    kG = torch.arange(gamma, device=dev)[None, :]
+    box: dict = {}  # host-side references written by the steps' Python (window refs, draft probs)
+    streamed = 0
+
+    def stream() -> None:
+        nonlocal streamed
+        if streamer is None or bool(finished.all()):
+            return
+        ready = int(torch.where(finished, torch.full_like(n_out, n_new), n_out).min())
+        for c in range(streamed, ready):
+            streamer.put(out[:, c].cpu())
+        streamed = max(streamed, ready)
+
+    def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        k = tokens.shape[1]
+        j = torch.arange(k, device=dev)[None, :]
+        valid = (j < counts[:, None]) & ~finished[:, None]
+        if eos.numel():
+            is_eos = torch.isin(tokens, eos) & valid
+            first = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(counts, k))
+            valid &= j <= first[:, None]
+            finished.logical_or_(is_eos.any(1))
+        valid &= (n_out[:, None] + j) < n_new
+        cols = torch.where(valid, n_out[:, None] + j, n_new)
+        out.scatter_(1, cols, tokens)
+        n_out.add_(valid.sum(1))
+        finished.logical_or_(n_out >= n_new)
+
+    with WindowRollback(model, cache, "replay") as rb:
+        res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
+                    output_hidden_layers=taps)
+        m0 = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool())
+        pos0 = (m0.long().cumsum(1) - 1).clamp_min(0)
+        drafter.extend(dstate, res.hidden_states, pos0, m0, start=0)
+        pending = sample_next(res.logits[:, -1], cfg, gen)
+        emit(pending[:, None], torch.ones(B, **long0))
+        stream()
+        cache.set_static(True)
+
+        def verify():
+            wstart.copy_(cache.write_pos)
+            rb.begin_static()
+            with use_backend(model.backend):
+                h, hid = model.model(window, None, cache, None, taps, None)
+                logits = model.lm_head(h)
+            box["refs"] = rb.end_static()
+            return logits, hid
+
+        def post():
+            logits = verify_step.out if verify_step.graph is not None else box["logits"]
+            drafts = window[:, 1:]
+            if opts.synthetic_acceptance_length is not None:
+                m, nxt = synthetic_accept(logits, drafts, n_b, opts.synthetic_acceptance_length, cfg, gen)
+            elif cfg.do_sample:
+                m, nxt = rejection_accept(logits, drafts, box.get("q"), n_b, cfg, gen)
+            else:
+                m, nxt = greedy_accept(logits, drafts, n_b)
+            active = ~finished
+            keep = torch.where(active, m + 1, torch.ones_like(m))
+            kacc.copy_(torch.where(active, keep, torch.zeros_like(keep)))  # finished rows: KDA state untouched
+            # MLA / shared bookkeeping: mask the rejected tail, count only kept tokens, rewind the write position
+            idx = wstart + jT
+            cache.key_mask.index_copy_(1, idx, cache.key_mask.index_select(1, idx) & (jT[None, :] < keep[:, None]))
+            cache.valid_counts.sub_(T - keep)
+            cache.write_pos.copy_(wstart + keep.max())
+            ext_pos.copy_(anchor_pos[:, None] + jT)
+            ext_mask.copy_(jT[None, :] < keep[:, None])
+            act = active.long()
+            counters[0] += act.sum()
+            counters[1] += (n_b * act).sum()
+            counters[2] += (m * act).sum()
+            tried = (n_b[:, None] > kG) & (m[:, None] >= kG) & active[:, None]
+            pos_tried.add_(tried.long().sum(0))
+            pos_acc.add_((tried & (m[:, None] > kG)).long().sum(0))
+            toks = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
+            toks.scatter_(1, m[:, None], nxt[:, None])
+            emit(toks, m + 1)
+            pending.copy_(nxt)
+            sync_buf[:B].copy_(kacc)
+            sync_buf[B:].copy_(finished.long())
+            return sync_buf
+
+        def undo_verify_capture():  # the aborted capture pass ran the Python side of begin/commit
+            cache.seen_tokens = box["start"]
+            for _, st in rb.kda:
+                st.end_window()
+
+        verify_step = _GraphStep(verify, "verify", graphs, undo_verify_capture)
+        # sampling draws from a host generator inside acceptance: keep that step eager
+        post_step = _GraphStep(post, "accept", graphs and not cfg.do_sample)
+        commit_steps: dict[int, _GraphStep] = {}
+        rounds = 0
+        done = bool(finished.all())
+        while not done:
+            remaining = n_new - n_out
+            n_b.copy_(torch.where(finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, gamma)))
+            anchor_pos.copy_(cache.valid_counts)
+            prop = drafter.propose(dstate, pending, anchor_pos, gamma, cfg, gen)
+            n_b.copy_(torch.minimum(n_b, _leading_confident(prop.confidence, opts.confidence_threshold, gamma, B,
+                                                            dev)))
+            box["q"] = prop.probs
+            window[:, 0].copy_(pending)
+            window[:, 1:].copy_(prop.tokens[:, :gamma])
+            start = box["start"] = cache.seen_tokens
+            logits, hid = verify_step()
+            box["logits"] = logits
+            cache.seen_tokens = start + T
+            # the later steps read the verify step's outputs: they are captured only once those are a graph's
+            # static outputs (else a capture would keep one round's tensors)
+            graphed = verify_step.graph is not None
+            vals = (post_step() if graphed else post()).tolist()  # the one host read of the round
+            acc, fin = vals[:B], vals[B:]
+            cache.seen_tokens = start + max(1, max(acc))
+            for a in sorted(set(acc) - {0}):
+                if a not in commit_steps:
+                    commit_steps[a] = _GraphStep(rb.static_commit_fn(a, T, kacc, lambda: box["refs"]),
+                                                 f"commit[{a}]", graphs)
+                step = commit_steps[a]
+                step() if graphed else step.fn()
+            drafter.extend(dstate, hid, ext_pos, ext_mask, start=start)
+            rounds += 1
+            done = all(fin)
+            stream()
+        cache.set_static(False)
+    steps = [verify_step, post_step, *commit_steps.values()]
+    stats.graphs = {s.name: s.graph is not None for s in steps if s.capture}
+    reasons = [s.fallback_reason for s in steps if s.fallback_reason]
+    stats.fallback = "; ".join(reasons) if reasons else None
+    c = counters.tolist()
+    stats.rounds, stats.row_rounds, stats.drafted, stats.accepted = rounds, c[0], c[1], c[2]
+    stats.emitted = int(n_out.sum()) - B
+    stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
+    return _finish(input_ids, out, n_new, eos, streamer, streamed)

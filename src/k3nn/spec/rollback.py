@@ -17,6 +17,14 @@ KDA strategies (``strategy=``):
 MLA (contiguous :class:`~k3nn.cache.HybridCache`): the rejected entries of a row are masked out (``key_mask``),
 ``valid_counts`` (rope positions) counts only kept tokens, and the shared write position rewinds to the longest
 kept prefix, so the next window overwrites the rejected tail.
+
+Graph-safe form (``replay`` only; used by the static / CUDA-graph speculative loop): :meth:`WindowRollback.begin_static`
++ :meth:`WindowRollback.end_static` around a fixed-width window forward (the committed-state copies run on the
+device, the Python bookkeeping only records which tensors hold the window's inputs and final state), then
+:meth:`WindowRollback.static_commit_fn` gives, per accepted length ``a``, a fixed-shape function that folds the
+first ``a`` window inputs into the committed state of the rows whose device acceptance equals ``a`` (rows with
+``a = T`` take the window's final state). No host sync inside; the caller picks which ``a`` to run from the one
+host read per round. The MLA side (mask, valid counts, device write position) is done by the caller.
 """
 
 from __future__ import annotations
@@ -154,6 +162,49 @@ class WindowRollback:
         cache.seen_tokens = self.start + max(acc_list)
         if getattr(cache, "static", False):
             cache.write_pos.fill_(cache.seen_tokens)
+
+    # -- graph-safe (static) form ------------------------------------------------------------------------
+    def begin_static(self) -> None:
+        """Graph-safe :meth:`begin`: device copies of the committed KDA state into the window scratch."""
+        if self.strategy != "replay":
+            raise ValueError("the static (graph-safe) window rollback supports strategy='replay' only")
+        for _, st in self.kda:
+            st.begin_window()
+
+    def end_static(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """After the window forward: per KDA layer (window inputs x [B, T, d], final recurrent, final conv). The
+        tensors are the forward's own (under a captured graph: its static outputs, refilled by each replay)."""
+        refs = []
+        for _, st in self.kda:
+            fin = st.window_final if st.window_final is not None else st.recurrent
+            fconv = st.window_conv if st.window_conv is not None else st.conv
+            refs.append((st.window_x, fin, fconv))
+            st.end_window()
+        return refs
+
+    def static_commit_fn(self, a: int, T: int, kacc: torch.Tensor, refs):
+        """A graph-safe function committing the rows b with ``kacc[b] == a`` (1 ≤ a ≤ T): a = T copies the
+        window's final state, a < T replays the first a window inputs from the committed state. ``kacc`` is read
+        at run time; ``refs`` (what :meth:`end_static` returned, or a callable giving it) when the function runs
+        (a captured graph keeps the tensors it saw at capture)."""
+        backend = getattr(self.model, "backend", None)
+
+        def fn() -> None:
+            sel = kacc == a
+            window = refs() if callable(refs) else refs
+            with use_backend(backend):
+                for (mod, st), (x, fin, fconv) in zip(self.kda, window):
+                    rec, conv = st.committed_recurrent, st.committed_conv
+                    if a == T:
+                        new_rec, new_conv = fin, fconv
+                    else:
+                        tmp = KDAState(rec.clone(), conv.clone())
+                        mod(x[:, :a], tmp)
+                        new_rec, new_conv = tmp.recurrent, tmp.conv
+                    rec.copy_(torch.where(sel[:, None, None, None], new_rec.to(rec.dtype), rec))
+                    conv.copy_(torch.where(sel[:, None, None], new_conv.to(conv.dtype), conv))
+
+        return fn
 
     def _commit_kda(self, mod: KimiDeltaAttention, st: SpecKDAState, acc: list[int], T: int) -> None:
         if st.window_final is None:  # the layer wrote the scratch in place without calling update()
