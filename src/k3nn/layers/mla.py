@@ -17,9 +17,11 @@ The cache stores per token only ``c`` [r] and ``k_r`` [dr].
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..kernels.registry import current_backend
 from ..utils import upcast
 
 from ..config import KimiK3Config
@@ -160,5 +162,12 @@ class MultiHeadLatentAttention(nn.Module):
             k_nope = torch.einsum("blr,hdr->blhd", c_all, w_uk)
             v = torch.einsum("blr,hvr->blhv", c_all, w_uv)
             k = torch.cat([k_nope, kr_all[:, :, None].expand(-1, -1, self.num_heads, -1)], -1)
-            o = decompressed_attention(torch.cat([q_nope, q_rope], -1), k, v, mask, self.scale)
+            q = torch.cat([q_nope, q_rope], -1)
+            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and current_backend() != "eager":
+                # fused attention (fp32 softmax inside, no [H, T, L] score tensor); eager keeps the reference
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
+                                                   v.to(q.dtype).transpose(1, 2), attn_mask=mask,
+                                                   scale=self.scale).transpose(1, 2)
+            else:
+                o = decompressed_attention(q, k, v, mask, self.scale)
         return self.finish(x, o)
