@@ -398,7 +398,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             return logits, hid
 
         def post():
-            logits = verify_step.out if verify_step.graph is not None else box["logits"]
+            logits = verify_step.out[0] if verify_step.graph is not None else box["logits"]  # (logits, hid)
             drafts = window[:, 1:]
             if opts.synthetic_acceptance_length is not None:
                 m, nxt = synthetic_accept(logits, drafts, n_b, opts.synthetic_acceptance_length, cfg, gen)
