@@ -79,12 +79,13 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--ctx", type=int, default=32)
+    ap.add_argument("--dtypes", default="bfloat16", help="comma list; float32 eager k3_slice needs most of an H200")
     args = ap.parse_args()
     from k3nn.kernels.moe import triton_fused
 
     cfg = getattr(KimiK3Config, args.config)()
     dev = args.device
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, n) for n in args.dtypes.split(",")]:
         if dtype == torch.float32 and args.config == "k3_slice":
             # fp32 eager dequantises the experts: 32 of them keep it inside the GPU's memory
             cfg = KimiK3Config.k3_slice(num_experts=32)
