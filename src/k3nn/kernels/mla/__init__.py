@@ -17,10 +17,12 @@ def _triton_supports(q_lat, q_rope, kv_pool, block_table, seq_lens, *args, **kwa
         q_lat, q_rope, kv_pool, block_table, seq_lens, *args, **kwargs)
 
 
-def _triton_decode(*args, **kwargs):
-    from .triton_decode import mla_decode_triton
+def _triton_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
+                   out_dtype=None, out=None):
+    from .triton_decode import mla_decode_triton  # lazy: importing triton kernels costs time
 
-    return mla_decode_triton(*args, **kwargs)
+    return mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=visible_lens,
+                             num_splits=num_splits, out_dtype=out_dtype, out=out)
 
 
 register("mla_decode", "triton", supports=_triton_supports)(_triton_decode)
