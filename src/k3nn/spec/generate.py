@@ -19,8 +19,8 @@ output has the target's distribution.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -145,21 +145,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     streamed = 0
 
     def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append tokens [B, k] (the first counts[b] of row b) to the output, cut at eos and the budget."""
-        nonlocal finished
-        k = tokens.shape[1]
-        j = torch.arange(k, device=dev)[None, :]
-        valid = (j < counts[:, None]) & ~finished[:, None]
-        if eos.numel():
-            is_eos = torch.isin(tokens, eos) & valid
-            first = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(counts, k))
-            valid &= j <= first[:, None]
-            finished |= is_eos.any(1)
-        valid &= (n_out[:, None] + j) < n_new
-        cols = torch.where(valid, n_out[:, None] + j, n_new)  # invalid writes land in the spare last column
-        out.scatter_(1, cols, tokens)
-        n_out.add_(valid.sum(1))
-        finished |= n_out >= n_new
+        _emit(out, n_out, finished, tokens, counts, eos, n_new)
 
     def stream() -> None:
         nonlocal streamed
@@ -270,6 +256,25 @@ def _resolve_mode(cuda_graph, dev: torch.device) -> str:
     raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
 
 
+def _emit(out: torch.Tensor, n_out: torch.Tensor, finished: torch.Tensor, tokens: torch.Tensor,
+          counts: torch.Tensor, eos: torch.Tensor, n_new: int) -> None:
+    """Append tokens [B, k] (the first counts[b] of row b) to ``out``, cut at eos and the budget; ``n_out`` and
+    ``finished`` are updated in place (graph-safe: no host sync). ``out`` has a spare last column that takes
+    the invalid writes."""
+    k = tokens.shape[1]
+    j = torch.arange(k, device=tokens.device)[None, :]
+    valid = (j < counts[:, None]) & ~finished[:, None]
+    if eos.numel():
+        is_eos = torch.isin(tokens, eos) & valid
+        first = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(counts, k))
+        valid &= j <= first[:, None]
+        finished.logical_or_(is_eos.any(1))
+    valid &= (n_out[:, None] + j) < n_new
+    out.scatter_(1, torch.where(valid, n_out[:, None] + j, n_new), tokens)
+    n_out.add_(valid.sum(1))
+    finished.logical_or_(n_out >= n_new)
+
+
 class _GraphStep:
     """A graph-safe function of no arguments (it reads and writes persistent device tensors) run eagerly, or
     (``capture=True``) as a CUDA graph, like :class:`k3nn.decode.runner.DecodeRunner`: the first call warms up
@@ -335,7 +340,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
     out = torch.full((B, n_new + 1), pad, dtype=torch.long, device=dev)
     n_out = torch.zeros(B, dtype=torch.long, device=dev)
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    long0 = dict(dtype=torch.long, device=dev)
+    long0 = {"dtype": torch.long, "device": dev}
     # persistent round buffers (read / written in place by the graph-safe steps)
     window = torch.zeros(B, T, **long0)
     n_b = torch.zeros(B, **long0)
@@ -363,19 +368,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         streamed = max(streamed, ready)
 
     def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        k = tokens.shape[1]
-        j = torch.arange(k, device=dev)[None, :]
-        valid = (j < counts[:, None]) & ~finished[:, None]
-        if eos.numel():
-            is_eos = torch.isin(tokens, eos) & valid
-            first = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(counts, k))
-            valid &= j <= first[:, None]
-            finished.logical_or_(is_eos.any(1))
-        valid &= (n_out[:, None] + j) < n_new
-        cols = torch.where(valid, n_out[:, None] + j, n_new)
-        out.scatter_(1, cols, tokens)
-        n_out.add_(valid.sum(1))
-        finished.logical_or_(n_out >= n_new)
+        _emit(out, n_out, finished, tokens, counts, eos, n_new)
 
     with WindowRollback(model, cache, "replay") as rb:
         res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
