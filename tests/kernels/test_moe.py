@@ -260,9 +260,13 @@ def test_mx_gemv_decode_is_exact_for_every_scale(bm, cfg):
     assert nz.numel() == 0 or nz.max() <= 6 * 2.0 ** -127  # the byte-0 group really decodes at 2^-127
 
 
-def test_mx_gemv_is_the_default_at_decode_sizes(monkeypatch):
-    """No mx_mode + few pairs → the GEMV; an explicit grouped-GEMM mode keeps the old path (same numbers)."""
+def test_mx_gemv_dispatch_at_decode_sizes(monkeypatch):
+    """With GEMV_MAX_PAIRS set (opt-in), no mx_mode + few pairs → the GEMV; an explicit grouped-GEMM mode keeps
+    the old path (same numbers)."""
+    import k3nn.kernels.moe.triton_fused as tf
     import k3nn.kernels.moe.triton_mx_gemv as gm
+
+    monkeypatch.setattr(tf, "GEMV_MAX_PAIRS", 64)
 
     x, w1, w3, w2, ids, _ = _problem(2, 64, 32, 6, 3, seed=9, mx=True)
     calls = []

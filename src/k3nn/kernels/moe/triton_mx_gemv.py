@@ -59,7 +59,7 @@ class GemvConfig(tuple):
 
 #: (8, 512, 16, 2): the fastest of eight schedules on the H200 at K3 shapes and 1–4 tokens (bench/gpu/moe_mx.py:
 #: 30% of copy bandwidth at one token against 24% for the grouped tl.dot_scaled kernel; 16 tokens stay on the
-#: grouped kernel, see ``GEMV_MAX_PAIRS``). The interpreter gets wider, shorter tiles (fewer programs).
+#: grouped kernel, see ``GEMV_MAX_PAIRS``, opt-in for now). The interpreter gets wider, shorter tiles (fewer programs).
 DEFAULT_CONFIG = (GemvConfig(64, 64, 16, 4) if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
                   else GemvConfig(8, 512, 16, 2))
 
