@@ -61,3 +61,24 @@ def test_route(n, e_k, seed, renorm):
         assert a.keys() == c.keys()
         for e in a:
             assert abs(a[e] - c[e]) < 1e-5
+
+
+@given(n=st.integers(1, 4), e_k=st.sampled_from([(8, 2), (32, 4), (128, 16), (12, 1)]), seed=st.integers(0, 2 ** 16),
+       renorm=st.booleans(), scaling=st.sampled_from([1.0, 2.5]))
+def test_route_eager_equals_reference(n, e_k, seed, renorm, scaling):
+    """The path's eager router (no finite check, unsorted top-k) == layers.moe.route, bit for bit per expert."""
+    from k3nn.layers.moe import route
+
+    E, k = e_k
+    cfg = KimiK3Config.tiny(num_experts=E, num_experts_per_token=k, moe_renormalize=renorm,
+                            routed_scaling_factor=scaling)
+    r = Router(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        r.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    logits = torch.randn(n, E, generator=g) * 2
+    ids_r, w_r = route(logits, r.e_score_correction_bias, k, renorm, scaling)
+    ids_e, w_e = K.route(logits, r, impl="eager")
+    for b in range(n):
+        a, c = dict(zip(ids_r[b].tolist(), w_r[b].tolist())), dict(zip(ids_e[b].tolist(), w_e[b].tolist()))
+        assert a == c

@@ -7,13 +7,18 @@ Per decoder layer (x_BD: the layer's normed input, one token per row)::
           o = ops.kda_fused_decode(qkv, f, b, gate, ...)   (conv, gate, β, L2 norm, recurrence, gated norm;
           cache state updated in place)  →  o_proj
     MLA   y = x W_inᵀ  (W_in = [W_qa | W_q; W_kva; W_g])  →  q = W_qb RMSNorm(qa),  c = RMSNorm(c)
-          q_lat = W_UKᵀ q_nope  (one bmm)   →  (c, k_r) written at the device position of the static pool
+          (W_qb's / W_q's rows permuted at plan time to [nope | rope]: q_rope is a contiguous slice, no copy)
+          q_lat = W_UKᵀ q_nope  (one bmm)   →  (c, k_r) index_copy'd at the device position of the static pool
+          (the position and MLA's key count computed once per step, shared by the MLA layers)
           o_lat = ops.mla_decode(q_lat, q_rope, pool, identity block table)  →  W_UV o_lat  →  ⊙ σ(g) → o_proj
     AttnRes  ops.attnres_phase1 once per block (every query that sees that set of blocks, batched), then per
           sublayer ops.attnres_phase2 merging the running partial, with the residual add and the following
-          RMSNorm fused (input_layernorm / post_attention_layernorm / the final norm)
-    FFN   MoE: router GEMM → one-launch top-k routing (:mod:`k3nn.decode.kernels`) → fused routed experts →
-          deferred latent finalization; shared experts and the dense MLP as one gate|up GEMM + one GLU kernel.
+          RMSNorm fused (input_layernorm / post_attention_layernorm / the final norm); the FFN output is not
+          added to the residual on its own: it is the ``update`` of the next merge (no separate add)
+    FFN   MoE: router GEMM → one-launch top-k routing (:mod:`k3nn.decode.kernels`; its eager form: unsorted
+          top-k, no NaN check) → fused routed experts → deferred latent finalization; shared experts and the
+          dense MLP as one gate|up GEMM + one GLU kernel; the shared experts' down projection accumulates onto
+          the routed output in its GEMM (addmm: no separate add).
     Norms outside AttnRes (MLA's q_a / kv_a norms, plain-residual models) and the MLA output gate are one
     kernel each.
 
@@ -53,8 +58,9 @@ class _KDAPlan:
 
 @dataclass
 class _MLAPlan:
-    w_in: torch.Tensor  # [(q_lora | H·dq) + r + dr (+ H·dv), d]
+    w_in: torch.Tensor  # [(q_lora | H·dq) + r + dr (+ H·dv), d]; without q_lora its q rows are nope | rope
     splits: list[int]
+    w_qb: torch.Tensor | None  # q_b_proj with its rows permuted to [all heads' nope | all heads' rope]
     w_uk: torch.Tensor  # [H, dn, r]
     w_uv_t: torch.Tensor  # [H, r, dv]
 
@@ -121,12 +127,24 @@ class LatencySpecializedDecoder:
         ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, *gate, a.f_a_proj.weight, a.b_proj.weight]
         return _KDAPlan(torch.cat(ws, 0).contiguous(), [w.shape[0] for w in ws], a.conv_weight().contiguous())
 
+    @staticmethod
+    def _nope_rope_rows(w: torch.Tensor, H: int, dn: int, dr: int) -> torch.Tensor:
+        """q weight [H·(dn+dr), k] → rows [H·dn nope | H·dr rope]: q_nope and q_rope come out as two contiguous
+        slices (no copy before the kernels; the same dot products, only their order in the output)."""
+        w = w.view(H, dn + dr, -1)
+        return torch.cat([w[:, :dn].reshape(H * dn, -1), w[:, dn:].reshape(H * dr, -1)], 0).contiguous()
+
     def _mla_plan(self, a) -> _MLAPlan:
-        ws = [a.q_proj.weight if a.q_lora_rank is None else a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
+        H, dn, dr = a.num_heads, a.dn, a.dr
+        wq = a.q_proj.weight if a.q_lora_rank is None else a.q_a_proj.weight
+        if a.q_lora_rank is None:
+            wq = self._nope_rope_rows(wq, H, dn, dr)
+        ws = [wq, a.kv_a_proj_with_mqa.weight]
         if a.use_output_gate:
             ws.append(a.g_proj.weight)
         w_uk, w_uv = a.w_uk_uv()
-        return _MLAPlan(torch.cat(ws, 0).contiguous(), [w.shape[0] for w in ws], w_uk.contiguous(),
+        w_qb = None if a.q_lora_rank is None else self._nope_rope_rows(a.q_b_proj.weight, H, dn, dr)
+        return _MLAPlan(torch.cat(ws, 0).contiguous(), [w.shape[0] for w in ws], w_qb, w_uk.contiguous(),
                         w_uv.transpose(1, 2).contiguous())
 
     def _attnres_plan(self) -> _AttnResPlan:
@@ -169,18 +187,21 @@ class LatencySpecializedDecoder:
         B = x.shape[0]
         H, dn, dr, r = a.num_heads, a.dn, a.dr, a.kv_lora_rank
         parts = F.linear(x, plan.w_in).split(plan.splits, -1)
-        q = parts[0] if a.q_lora_rank is None else a.q_b_proj(_norm(a.q_a_layernorm, parts[0]))
-        q_nope, q_rope = q.view(B, 1, H, dn + dr).split([dn, dr], -1)
+        q = parts[0] if a.q_lora_rank is None else F.linear(_norm(a.q_a_layernorm, parts[0]), plan.w_qb)
+        q_nope, q_rope = q.split([H * dn, H * dr], -1)  # plan rows: nope | rope (contiguous at B = 1)
+        q_rope = q_rope.reshape(B, 1, H, dr)
         c, k_r = parts[1].split([r, dr], -1)
         c = _norm(a.kv_a_layernorm, c)
         if not a.use_nope and dr:
             q_rope, k_r = apply_rope(q_rope, positions, a.rope_theta), apply_rope(k_r, positions, a.rope_theta)
         q_lat = torch.bmm(q_nope.reshape(B, H, dn).transpose(0, 1), plan.w_uk).transpose(0, 1)  # [B, H, r]
-        state.write_static(c, k_r)
+        # the new token at the device write position (HybridCache.write_static without its per-layer index)
+        idx = cache.write_pos.view(1)
+        state.latent.index_copy_(1, idx, c.to(state.latent.dtype))
+        state.rope.index_copy_(1, idx, k_r.to(state.rope.dtype))
         pool, table = state.pool()
-        seq_lens = (cache.write_pos + 1).expand(B)
-        o_lat, _ = ops.mla_decode(q_lat.reshape(B, 1, H, r), q_rope.contiguous(), pool, table, seq_lens, a.scale,
-                                  check=False)
+        o_lat, _ = ops.mla_decode(q_lat.reshape(B, 1, H, r), q_rope.contiguous(), pool, table, self._seq_lens,
+                                  a.scale, check=False)
         o = torch.bmm(o_lat.reshape(B, H, r).transpose(0, 1), plan.w_uv_t).transpose(0, 1)  # [B, H, dv]
         o = o.reshape(B, 1, H * a.dv)
         if a.use_output_gate:
@@ -188,9 +209,12 @@ class LatencySpecializedDecoder:
         return a.o_proj(o)
 
     # -- FFN: fused gate|up GEMM + one activation kernel; MoE with the one-launch router ----------------
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        w = self.glu_weights[id(mlp)]
-        return mlp.down_proj(K.glu(F.linear(x, w), mlp.act, mlp.beta, mlp.linear_beta))
+    def _mlp(self, mlp, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """mlp(x), or ``acc + mlp(x)`` with the add in the down projection's GEMM (acc [N, d], x [N, d])."""
+        h = K.glu(F.linear(x, self.glu_weights[id(mlp)]), mlp.act, mlp.beta, mlp.linear_beta)
+        if acc is None:
+            return mlp.down_proj(h)
+        return torch.addmm(acc, h, mlp.down_proj.weight.t())
 
     def _ffn(self, layer, x: torch.Tensor) -> torch.Tensor:
         if not layer.is_moe:
@@ -203,7 +227,7 @@ class LatencySpecializedDecoder:
         ids, w = K.route(moe.gate.logits(xf), moe.gate)
         y = moe.routed(xf, ids, w)
         if moe.shared_experts is not None:
-            y = y + self._mlp(moe.shared_experts, xf)
+            y = self._mlp(moe.shared_experts, xf, acc=y)
         return y.view(shape)
 
     def _mixer(self, i: int, layer, x, cache, positions):
@@ -226,6 +250,7 @@ class LatencySpecializedDecoder:
         m = self.model.model
         h = m.embed_tokens(ids)
         _, positions = cache.begin(1, None)
+        self._seq_lens = (cache.write_pos + 1).expand(ids.shape[0])  # MLA's key count, shared by its layers
         if self.attnres is None:
             for i, layer in enumerate(m.layers):
                 h = h + self._mixer(i, layer, _norm(layer.input_layernorm, h), cache, positions)
@@ -250,10 +275,14 @@ class LatencySpecializedDecoder:
                                       post_norm_eps=norm.eps)
 
         group = -1
+        pending = None  # the previous FFN output: added to the partial inside the next merge (no separate add)
         for i, layer in enumerate(m.layers):
             if blocks:
-                x = merge("attn", i, partial, None, layer.input_layernorm).normed
+                r = merge("attn", i, partial, pending, layer.input_layernorm)
+                x, partial, pending = r.normed, r.partial, None
             else:
+                if pending is not None:
+                    partial, pending = partial + pending, None
                 x = _norm(layer.input_layernorm, partial)
             if i % self.config.attn_res_block_size == 0:
                 blocks.append(partial)
@@ -262,5 +291,5 @@ class LatencySpecializedDecoder:
                 state = ops.attnres_phase1(blocks, plan.qw[group], plan.nw[group], plan.eps[group])
             a = self._mixer(i, layer, x, cache, positions)
             r = merge("mlp", i, partial, a, layer.post_attention_layernorm)
-            partial = r.partial + self._ffn(layer, r.normed)
-        return merge("final", -1, partial, None, m.norm).normed
+            partial, pending = r.partial, self._ffn(layer, r.normed)
+        return merge("final", -1, partial, pending, m.norm).normed
