@@ -101,6 +101,71 @@ def test_markov_head_biases_the_next_draft(target):
     assert toks[0] % r == (16 + 1) % r and all(int(toks[k + 1]) % r == (int(toks[k]) + 1) % r for k in range(3))
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_graph_safe_extend_and_propose_match_the_eager_ones(target, batch, causal):
+    """Several speculative-like rounds: ``extend_at`` (device write position, no host sync) and the split
+    ``draft_logits`` + ``markov_draft`` give bit-identical caches, drafts, probs and confidence to ``extend`` /
+    ``propose`` (left-padded prompt, partial keeps, rejected tails overwritten by the next round)."""
+    d = _drafter(target, causal_block=causal)
+    G, cap, T0 = 4, 48, 6
+    g = torch.Generator().manual_seed(5 + batch)
+    ids = torch.randint(0, 63, (2, T0), generator=g)[:batch]
+    m0 = torch.ones_like(ids, dtype=torch.bool)
+    if batch == 2:
+        m0[1, :2] = False  # left padding
+    pos0 = (m0.long().cumsum(1) - 1).clamp_min(0)
+    taps = _taps(target, ids, d)
+    se, ss = d.new_state(batch, cap), d.new_state(batch, cap)
+    d.extend(se, taps, pos0, m0, start=0)
+    d.extend_at(ss, taps, pos0, m0, torch.tensor(0))
+    start, valid = T0, m0.sum(1)
+    anchor = ids[:, -1]
+    sample = type("Cfg", (), dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0))()
+    for r in range(5):
+        eg = d.propose(se, anchor, valid.clone(), G)
+        h, base = d.draft_logits(ss, anchor, valid.clone(), G)
+        st = d.markov_draft(h, base, anchor)
+        assert torch.equal(eg.tokens, st.tokens) and torch.equal(eg.confidence, st.confidence), r
+        assert eg.probs is None and st.probs is None
+        ge, gs = (torch.Generator().manual_seed(r) for _ in range(2))
+        pe = d.propose(se, anchor, valid.clone(), G, sample, ge)
+        ps = d.markov_draft(h, base, anchor, sample, gs)
+        assert torch.equal(pe.tokens, ps.tokens) and torch.equal(pe.probs, ps.probs)
+        assert torch.equal(pe.confidence, ps.confidence)
+        # verify window [anchor, drafts]: each row keeps a different prefix
+        keep = torch.randint(1, G + 2, (batch,), generator=g)
+        j = torch.arange(G + 1)
+        win_taps = [torch.randn(batch, G + 1, t.shape[-1], generator=g) for t in taps]
+        pos, mask = valid[:, None] + j, j[None, :] < keep[:, None]
+        d.extend(se, win_taps, pos, mask, start=start)
+        d.extend_at(ss, win_taps, pos, mask, torch.tensor(start))
+        for a, b in zip(se.k + se.v + [se.key_mask], ss.k + ss.v + [ss.key_mask]):
+            assert torch.equal(a, b), r
+        start += int(keep.max())
+        assert se.length == start
+        valid = valid + keep
+        anchor = eg.tokens[torch.arange(batch), (keep - 1).clamp(max=G - 1)]
+
+
+def test_block_attends_only_to_committed_context(target):
+    """Full-capacity attention: keys past the committed context (stale rejected rows, never-written rows) do not
+    change the block (bit for bit), and it matches attending over the committed prefix only."""
+    d = _drafter(target)
+    ids = torch.randint(0, 63, (2, 8), generator=torch.Generator().manual_seed(6))
+    taps = _taps(target, ids, d)
+    state = d.new_state(2, 24)
+    d.extend(state, taps, torch.arange(8).expand(2, 8))
+    anchor, apos = ids[:, -1], torch.full((2,), 8)
+    h = d.block_hidden(state, anchor, apos, 4)
+    for t in state.k + state.v:
+        t[:, 8:] = torch.randn(t[:, 8:].shape) * 50  # masked garbage
+    assert torch.equal(d.block_hidden(state, anchor, apos, 4), h)
+    short = d.new_state(2, 8)
+    d.extend(short, taps, torch.arange(8).expand(2, 8))
+    torch.testing.assert_close(d.block_hidden(short, anchor, apos, 4), h, rtol=1e-5, atol=1e-5)
+
+
 def test_save_load_round_trip(target, tmp_path):
     d = _drafter(target)
     d.save_pretrained(tmp_path)

@@ -272,12 +272,85 @@ def test_static_round_dspark_drafter_and_slots_fallback():
 
 
 def test_graph_round_control_flow_with_emulated_capture(target, prompt, reference, monkeypatch):
-    """The CUDA-graph round's control flow on the CPU: capture emulated (the capture pass runs the function once,
-    a replay re-runs it and copies into the captured outputs, as a replay rewrites a graph's static outputs)."""
+    """The CUDA-graph round's control flow on the CPU with an emulated capture (see :func:`_emulate_capture`); a
+    drafter without the graph-safe methods keeps drafting eagerly."""
+    _emulate_capture(monkeypatch)
+    p, ref = prompt[:2], reference[:2]
+    d = OracleDrafter(ref[:, p.shape[1]:], torch.as_tensor(p.shape[1]).expand(2), (1, 3), target.config.vocab_size)
+    out = target.generate(p, max_new_tokens=N_NEW, drafter=d, num_assistant_tokens=GAMMA)
+    assert torch.equal(out, ref)
+    st = d.last_stats
+    assert st.mode == "graph" and st.fallback is None and st.graphs["verify"] and st.graphs["accept"], st
+    assert "draft" not in st.graphs and "extend" not in st.graphs
+
+
+class _EagerDrafter:
+    """Wraps a DSparkDrafter behind the plain drafter interface only (no graph-safe methods): the static round
+    then runs its eager propose / extend."""
+
+    def __init__(self, drafter, options):
+        self.d, self.spec_options, self.last_stats = drafter, options, None
+        self.target_layers = drafter.target_layers
+
+    def new_state(self, batch_size, capacity):
+        return self.d.new_state(batch_size, capacity)
+
+    def extend(self, *a, **kw):
+        return self.d.extend(*a, **kw)
+
+    def propose(self, *a, **kw):
+        return self.d.propose(*a, **kw)
+
+
+def _dspark(target):
+    return DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=1, num_heads=2, block_size=GAMMA,
+                                                 markov_rank=16), target)
+
+
+def _stats_tuple(st):
+    return (st.rounds, st.row_rounds, st.drafted, st.accepted, st.position_tried, st.position_accepted)
+
+
+def _padded_ids(batch):
+    ids = torch.randint(0, 255, (2, 7), generator=torch.Generator().manual_seed(8))[:batch]
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        mask[1, :3] = 0
+        ids[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("sample", [False, True])
+def test_static_round_graph_safe_drafter_matches_its_eager_calls(batch, sample):
+    """The static round with the graph-safe drafter steps (draft_logits / markov_draft / extend_at on persistent
+    buffers) drafts exactly what the eager propose / extend draft: same tokens, same acceptance pattern."""
+    target = structured_target()
+    drafter = _dspark(target)
+    ids, mask = _padded_ids(batch)
+    kw = dict(max_new_tokens=15, num_assistant_tokens=GAMMA, attention_mask=mask)
+    if sample:
+        kw.update(do_sample=True, temperature=0.7, seed=11)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=15)
+    drafter.spec_options = SpecOptions(cuda_graph="static")
+    out = target.generate(ids, drafter=drafter, **kw)
+    wrapped = _EagerDrafter(drafter, SpecOptions(cuda_graph="static"))
+    out2 = target.generate(ids, drafter=wrapped, **kw)
+    assert torch.equal(out, out2)
+    if not sample:
+        assert torch.equal(out, ref)
+    a, b = drafter.last_stats, wrapped.last_stats
+    assert a.mode == b.mode == "static" and _stats_tuple(a) == _stats_tuple(b)
+    assert 0 < a.accepted < a.drafted
+
+
+def _emulate_capture(monkeypatch):
+    """CUDA-graph capture emulated on the CPU: the capture pass runs the function once, a replay re-runs it and
+    copies into the captured outputs, as a replay rewrites a graph's static outputs."""
     import k3nn.spec.generate as G
 
     def copy_into(dst, src):
-        if dst is None:  # a step without outputs (the KDA commits)
+        if dst is None:  # a step without outputs (the KDA commits, the drafter's extend)
             return
         if isinstance(dst, torch.Tensor):
             dst.copy_(src)
@@ -298,10 +371,32 @@ def test_graph_round_control_flow_with_emulated_capture(target, prompt, referenc
         return self.out
 
     monkeypatch.setattr(G._GraphStep, "__call__", call)
-    monkeypatch.setattr(G, "_resolve_mode", lambda want, dev: "graph")
-    p, ref = prompt[:2], reference[:2]
-    d = OracleDrafter(ref[:, p.shape[1]:], torch.as_tensor(p.shape[1]).expand(2), (1, 3), target.config.vocab_size)
-    out = target.generate(p, max_new_tokens=N_NEW, drafter=d, num_assistant_tokens=GAMMA)
-    assert torch.equal(out, ref)
-    st = d.last_stats
-    assert st.mode == "graph" and st.fallback is None and st.graphs["verify"] and st.graphs["accept"], st
+    monkeypatch.setattr(G, "_resolve_mode", lambda want, dev: "graph" if want is not False and want != "static"
+                        else "static")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("sample", [False, True])
+def test_graph_round_captures_the_drafter_steps(monkeypatch, batch, sample):
+    """Emulated capture with the DSpark drafter: the draft and extend steps are captured (greedy: with the Markov
+    heads; sampling: the backbone, the heads eager) and the round gives the static round's tokens and stats."""
+    _emulate_capture(monkeypatch)
+    target = structured_target()
+    drafter = _dspark(target)
+    ids, mask = _padded_ids(batch)
+    kw = dict(max_new_tokens=15, num_assistant_tokens=GAMMA, attention_mask=mask)
+    if sample:
+        kw.update(do_sample=True, temperature=0.7, seed=11)
+    drafter.spec_options = SpecOptions(cuda_graph="static")
+    ref = target.generate(ids, drafter=drafter, **kw)
+    ref_stats = drafter.last_stats
+    drafter.spec_options = SpecOptions(cuda_graph=True)
+    out = target.generate(ids, drafter=drafter, **kw)
+    st = drafter.last_stats
+    assert torch.equal(out, ref) and _stats_tuple(st) == _stats_tuple(ref_stats)
+    assert st.mode == "graph" and st.fallback is None, st
+    assert st.graphs["draft"] and st.graphs["extend"] and st.graphs["verify"], st.graphs
+    assert st.rounds >= 4  # the drafter steps are replayed, not only captured
+    assert ("accept" in st.graphs) != sample
+    if not sample:
+        assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=15))

@@ -167,7 +167,9 @@ class DraftLayer(nn.Module):
 class DraftState:
     """Per-request draft cache: each layer's projected-context K/V [B, cap, H, Dh], key mask, rope positions.
 
-    Only context (committed target positions) is cached; block K/V are recomputed every round."""
+    Only context (committed target positions) is cached; block K/V are recomputed every round. The block attends
+    over the whole capacity through ``key_mask``; ``length`` (host-side end of the written columns) is
+    bookkeeping for :meth:`DSparkDrafter.extend`'s default position."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -331,7 +333,8 @@ class DSparkDrafter(nn.Module):
                mask: torch.Tensor | None = None, start: int | None = None) -> None:
         """Append committed target rows: taps [B, T, d] each, rope positions [B, T], mask [B, T] (False = not a
         committed token, e.g. padding or a rejected draft). Written at ``start`` (default: the end); the cache
-        then ends after the last column any row keeps (like the target cache's shared write position)."""
+        then ends after the last column any row keeps (like the target cache's shared write position).
+        Host-synchronising (capacity check, ``length``); :meth:`extend_at` is the graph-safe variant."""
         ctx = self.project_context(taps)
         B, T, _ = ctx.shape
         s = state.length if start is None else start
@@ -350,32 +353,59 @@ class DSparkDrafter(nn.Module):
             state.length = s + (int(cols.max()) + 1 if cols.numel() else 0)
 
     @torch.no_grad()
+    def extend_at(self, state: DraftState, taps: list[torch.Tensor], positions: torch.Tensor, mask: torch.Tensor,
+                  start: torch.Tensor) -> None:
+        """Graph-safe :meth:`extend`: the rows land at the device position ``start`` (0-dim long tensor),
+        columns ``start … start + T − 1``, and every key from ``start + T`` on is masked, as in :meth:`extend`.
+        Same K/V, mask and layout as ``extend(state, taps, positions, mask, start=int(start))``; no host sync,
+        so no capacity check (the caller sizes the cache) and ``state.length`` is left to the caller."""
+        ctx = self.project_context(taps)
+        T = ctx.shape[1]
+        dev = ctx.device
+        idx = start + torch.arange(T, device=dev)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, positions)
+            state.k[i].index_copy_(1, idx, k.to(state.k[i].dtype))
+            state.v[i].index_copy_(1, idx, v.to(state.v[i].dtype))
+        state.key_mask.logical_and_(torch.arange(state.capacity, device=dev)[None, :] < start + T)
+        state.key_mask.index_copy_(1, idx, mask.bool())
+
+    @torch.no_grad()
     def block_hidden(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor, n: int) -> torch.Tensor:
-        """Backbone over the block [anchor, MASK×(n−1)] at positions anchor_pos + k → normed hidden [B, n, d]."""
+        """Backbone over the block [anchor, MASK×(n−1)] at positions anchor_pos + k → normed hidden [B, n, d].
+
+        The block attends over the whole context capacity, the key mask hiding every uncommitted column (no
+        host-side length): graph-safe, and the same arithmetic whatever ``state.length`` is."""
         c = self.config
         B, dev = anchor.shape[0], anchor.device
         ids = torch.full((B, n), c.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchor
         pos = anchor_pos[:, None] + torch.arange(n, device=dev)
-        L = state.length
+        L = state.capacity
         vis_blk = torch.ones(n, n, dtype=torch.bool, device=dev)
         if c.causal_block:
             vis_blk = torch.tril(vis_blk)
-        mask = torch.cat([state.key_mask[:, None, :L].expand(B, n, L), vis_blk.expand(B, n, n)], -1)
-        kv = [(state.k[i][:, :L], state.v[i][:, :L]) for i in range(len(self.layers))]
+        mask = torch.cat([state.key_mask[:, None, :].expand(B, n, L), vis_blk.expand(B, n, n)], -1)
+        kv = list(zip(state.k, state.v))
         return self.backbone(self.embed(ids).to(self.fc.weight.dtype), pos, kv, mask)
 
     @torch.no_grad()
-    def propose(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor, n: int,
-                sample_cfg=None, generator: torch.Generator | None = None) -> DraftProposal:
-        """Draft ``n`` tokens after ``anchor`` [B] (at rope position ``anchor_pos`` [B]) in one backbone pass,
-        then the serial Markov sampling. ``sample_cfg``: a GenerationConfig (``do_sample``, temperature,
-        top-k/p; None or greedy → argmax drafts and ``probs=None``)."""
+    def draft_logits(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                     n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backbone part of :meth:`propose` (graph-safe): normed block hidden [B, n, d] and base logits
+        ``U`` [B, n, V] fp32."""
+        h = self.block_hidden(state, anchor, anchor_pos, n)
+        return h, self.lm_head(h.to(self.target.lm_head.weight.dtype)).float()
+
+    @torch.no_grad()
+    def markov_draft(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, sample_cfg=None,
+                     generator: torch.Generator | None = None) -> DraftProposal:
+        """The serial Markov / confidence heads of :meth:`propose` over :meth:`draft_logits`' outputs.
+        Graph-safe when greedy (``sample_cfg`` None or not sampling); sampling draws from ``generator``."""
         from ..generation import process_logits
 
-        h = self.block_hidden(state, anchor, anchor_pos, n)
-        base = self.lm_head(h.to(self.target.lm_head.weight.dtype)).float()  # [B, n, V]
-        B, dev = anchor.shape[0], anchor.device
+        B, n = base.shape[:2]
+        dev = anchor.device
         sampling = sample_cfg is not None and sample_cfg.do_sample
         toks = torch.empty(B, n, dtype=torch.long, device=dev)
         probs = torch.empty_like(base) if sampling else None
@@ -393,6 +423,16 @@ class DSparkDrafter(nn.Module):
                 prev = z.argmax(-1)
             toks[:, k] = prev
         return DraftProposal(toks, probs, conf)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor, n: int,
+                sample_cfg=None, generator: torch.Generator | None = None) -> DraftProposal:
+        """Draft ``n`` tokens after ``anchor`` [B] (at rope position ``anchor_pos`` [B]) in one backbone pass,
+        then the serial Markov sampling. ``sample_cfg``: a GenerationConfig (``do_sample``, temperature,
+        top-k/p; None or greedy → argmax drafts and ``probs=None``). Graph-safe when greedy
+        (:meth:`draft_logits` then :meth:`markov_draft`)."""
+        h, base = self.draft_logits(state, anchor, anchor_pos, n)
+        return self.markov_draft(h, base, anchor, sample_cfg, generator)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> None:

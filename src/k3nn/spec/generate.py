@@ -112,8 +112,11 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     CUDA, the static path elsewhere; ``"static"`` → the same graph-safe round without capture (any device);
     False → the eager round (window of 1 + max n_b tokens). A failed capture is logged and the round goes on
     with the graph-safe step run eagerly (same tokens). ``rollback="slots"`` stays eager-only (the static path
-    needs ``"replay"``); the drafter runs eagerly in every mode. The path taken lands in ``last_stats.mode`` /
-    ``.graphs`` / ``.fallback``.
+    needs ``"replay"``). A drafter with the graph-safe methods ``draft_logits`` / ``markov_draft`` /
+    ``extend_at`` (:class:`~k3nn.layers.dspark.DSparkDrafter`) has its per-round work captured too (steps
+    ``draft`` and ``extend``; with sampling only the backbone is: the Markov draft sampling draws from the
+    call's generator, which the graphs do not own, so it runs eagerly); other drafters run eagerly. The path taken lands in ``last_stats.mode`` / ``.graphs`` /
+    ``.fallback``.
     """
     opts = options or getattr(drafter, "spec_options", None) or SpecOptions()
     gamma = int(cfg.num_assistant_tokens)
@@ -327,12 +330,14 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
                      stats: SpecStats, gen, eos, pad, graphs: bool) -> torch.Tensor:
     """The graph-safe round: every window has T = γ + 1 tokens, the cache is in static mode, acceptance, emission,
     statistics and the MLA rewind run on device tensors; the host reads [B] acceptance + finished flags once per
-    round (termination, which KDA commit functions to run, the host write position)."""
+    round (termination, which KDA commit functions to run, the host write position). A graph-safe drafter
+    (``draft_logits``, ``markov_draft``, ``extend_at``) drafts and extends from the same persistent buffers."""
     gamma = int(cfg.num_assistant_tokens)
     T = gamma + 1
     dev = model.device
     B, T0 = input_ids.shape
     taps = list(drafter.target_layers)
+    graph_draft = all(callable(getattr(drafter, a, None)) for a in ("draft_logits", "markov_draft", "extend_at"))
     # fixed windows write T slots past the shared position even in the last rounds: room for B + 1 more windows
     cap = T0 + min(B, T) * n_new + (B + 2) * (T + 1)
     cache = model.new_cache(B, cap)
@@ -424,6 +429,29 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             sync_buf[B:].copy_(finished.long())
             return sync_buf
 
+        def round_inputs():  # per-row verify budget and the pending token's rope position
+            remaining = n_new - n_out
+            n_b.copy_(torch.where(finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, gamma)))
+            anchor_pos.copy_(cache.valid_counts)
+
+        def set_window(prop) -> None:
+            n_b.copy_(torch.minimum(n_b, _leading_confident(prop.confidence, opts.confidence_threshold, gamma, B,
+                                                            dev)))
+            window[:, 0].copy_(pending)
+            window[:, 1:].copy_(prop.tokens[:, :gamma])
+
+        def draft():  # graph-safe drafter: backbone (+ the greedy Markov heads) on persistent buffers
+            round_inputs()
+            h, base = drafter.draft_logits(dstate, pending, anchor_pos, gamma)
+            if cfg.do_sample:
+                return h, base  # the sampling heads run eagerly on these
+            set_window(drafter.markov_draft(h, base, pending))
+            return None
+
+        def extend():  # reads the verify step's hidden states (its static outputs once it is a graph)
+            hid = verify_step.out[1] if verify_step.graph is not None else box["hid"]
+            drafter.extend_at(dstate, hid, ext_pos, ext_mask, wstart)
+
         def undo_verify_capture():  # the aborted capture pass ran the Python side of begin/commit
             cache.seen_tokens = box["start"]
             for _, st in rb.kda:
@@ -432,22 +460,26 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         verify_step = _GraphStep(verify, "verify", graphs, undo_verify_capture)
         # sampling draws from a host generator inside acceptance: keep that step eager
         post_step = _GraphStep(post, "accept", graphs and not cfg.do_sample)
+        draft_step = _GraphStep(draft, "draft", graphs and graph_draft)
+        extend_step = _GraphStep(extend, "extend", graphs and graph_draft)
         commit_steps: dict[int, _GraphStep] = {}
         rounds = 0
         done = bool(finished.all())
         while not done:
-            remaining = n_new - n_out
-            n_b.copy_(torch.where(finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, gamma)))
-            anchor_pos.copy_(cache.valid_counts)
-            prop = drafter.propose(dstate, pending, anchor_pos, gamma, cfg, gen)
-            n_b.copy_(torch.minimum(n_b, _leading_confident(prop.confidence, opts.confidence_threshold, gamma, B,
-                                                            dev)))
-            box["q"] = prop.probs
-            window[:, 0].copy_(pending)
-            window[:, 1:].copy_(prop.tokens[:, :gamma])
+            if graph_draft:
+                hb = draft_step()
+                if cfg.do_sample:
+                    prop = drafter.markov_draft(hb[0], hb[1], pending, cfg, gen)
+                    set_window(prop)
+                    box["q"] = prop.probs
+            else:
+                round_inputs()
+                prop = drafter.propose(dstate, pending, anchor_pos, gamma, cfg, gen)
+                set_window(prop)
+                box["q"] = prop.probs
             start = box["start"] = cache.seen_tokens
             logits, hid = verify_step()
-            box["logits"] = logits
+            box["logits"], box["hid"] = logits, hid
             cache.seen_tokens = start + T
             # the later steps read the verify step's outputs: they are captured only once those are a graph's
             # static outputs (else a capture would keep one round's tensors)
@@ -461,12 +493,16 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
                                                  f"commit[{a}]", graphs)
                 step = commit_steps[a]
                 step() if graphed else step.fn()
-            drafter.extend(dstate, hid, ext_pos, ext_mask, start=start)
+            if graph_draft:
+                extend_step() if graphed else extend()
+                dstate.length = cache.seen_tokens
+            else:
+                drafter.extend(dstate, hid, ext_pos, ext_mask, start=start)
             rounds += 1
             done = all(fin)
             stream()
         cache.set_static(False)
-    steps = [verify_step, post_step, *commit_steps.values()]
+    steps = [draft_step, verify_step, post_step, extend_step, *commit_steps.values()]
     stats.graphs = {s.name: s.graph is not None for s in steps if s.capture}
     reasons = [s.fallback_reason for s in steps if s.fallback_reason]
     stats.fallback = "; ".join(reasons) if reasons else None
