@@ -164,12 +164,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     pos_tried = torch.zeros(gamma, dtype=torch.long, device=dev)
     pos_acc = torch.zeros(gamma, dtype=torch.long, device=dev)
     with WindowRollback(model, cache, opts.rollback) as rb:
-        res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
-                    output_hidden_layers=taps)
-        m0 = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool())
-        pos0 = (m0.long().cumsum(1) - 1).clamp_min(0)
-        drafter.extend(dstate, res.hidden_states, pos0, m0, start=0)
-        pending = sample_next(res.logits[:, -1], cfg, gen)
+        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen)
         emit(pending[:, None], torch.ones(B, dtype=torch.long, device=dev))
         stream()
         while not bool(finished.all()):
@@ -257,6 +252,14 @@ def _resolve_mode(cuda_graph, dev: torch.device) -> str:
     if cuda_graph is False:
         return "eager"
     raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
+
+
+def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen) -> torch.Tensor:
+    """The prompt through the target (hidden states of the drafter's taps into its context); the first token."""
+    res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1, output_hidden_layers=taps)
+    m0 = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    drafter.extend(dstate, res.hidden_states, (m0.long().cumsum(1) - 1).clamp_min(0), m0, start=0)
+    return sample_next(res.logits[:, -1], cfg, gen)
 
 
 def _emit(out: torch.Tensor, n_out: torch.Tensor, finished: torch.Tensor, tokens: torch.Tensor,
@@ -376,12 +379,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         _emit(out, n_out, finished, tokens, counts, eos, n_new)
 
     with WindowRollback(model, cache, "replay") as rb:
-        res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
-                    output_hidden_layers=taps)
-        m0 = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool())
-        pos0 = (m0.long().cumsum(1) - 1).clamp_min(0)
-        drafter.extend(dstate, res.hidden_states, pos0, m0, start=0)
-        pending = sample_next(res.logits[:, -1], cfg, gen)
+        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen)
         emit(pending[:, None], torch.ones(B, **long0))
         stream()
         cache.set_static(True)
