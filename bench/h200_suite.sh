@@ -37,6 +37,8 @@ STEPS=(
   "attnres-gpu-tests|80|$PYTEST tests/gpu/test_attnres_gpu.py"
   "moe-gpu-tests|80|$PYTEST tests/gpu/test_moe_gpu.py"
   "mla-gpu-tests|150|$PYTEST tests/gpu/test_mla_gpu.py"
+  "spec-gpu-tests|120|$PYTEST tests/gpu/test_spec_gpu.py"
+  "engine-gpu-tests|90|$PYTEST tests/gpu/test_engine_gpu.py"
 )
 
 if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
