@@ -260,6 +260,64 @@ def test_mx_gemv_decode_is_exact_for_every_scale(bm, cfg):
     assert nz.numel() == 0 or nz.max() <= 6 * 2.0 ** -127  # the byte-0 group really decodes at 2^-127
 
 
+# DECODE=2: 32-bit word decode (two fp16 patterns per lane), both activation loads, tails, block sizes 1/2/4
+_GEMV_WORD_CFGS = [(16, 64, 16, 4, True, 2, False), (8, 32, 8, 2, False, 2, True), (32, 128, 4, 4, True, 2, True),
+                   (4, 128, 16, 1, False, 2, False)]
+
+
+@given(N=st.integers(1, 6), E=st.integers(1, 6), k=st.integers(1, 4), D=st.sampled_from([32, 64, 96]),
+       I=st.sampled_from([32, 96]), act=st.sampled_from(["silu", "situ"]), cap=st.booleans(), skew=st.booleans(),
+       cfg=st.sampled_from(_GEMV_WORD_CFGS), seed=st.integers(0, 2**31 - 1))
+def test_mx_gemv_word_decode_matches_eager(N, E, k, D, I, act, cap, skew, cfg, seed):
+    from k3nn.kernels.moe.triton_mx_gemv import GemvConfig
+
+    k = min(k, E)
+    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} skew={skew} cfg={cfg}")
+    x, w1, w3, w2, ids, _ = _problem(N, D, I, E, k, seed, skew, mx=True)
+    lin = 25.0 if cap else None
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, act, 4.0, lin)
+    y = poison(N, k, D)
+    c = GemvConfig(*cfg)
+    fused_expert_outputs(x, w1, w3, w2, ids, act, 4.0, lin, out=y, mx_mode="gemv", gemv_cfg=(c, c))
+    _close(y, ref)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("bm,cfg", [(1, (16, 64, 16, 4, True, 2, False)), (2, (8, 32, 8, 2, False, 2, True)),
+                                    (4, (16, 64, 4, 4, True, 2, True)), (1, (4, 128, 16, 1, False, 2, True))])
+@pytest.mark.parametrize("K", [32, 64, 96])
+def test_mx_gemv_word_decode_is_exact_for_every_scale(bm, cfg, K):
+    """DECODE=2 reads back exactly what mxfp4_dequantize gives (every nibble position of a word, scale bytes
+    0..253, K tails shorter than BLOCK_K); a row stride that is not a multiple of 4 bytes takes the byte
+    fallback with the same result."""
+    from k3nn.kernels.moe.triton_mx_gemv import GemvConfig, _word_aligned, mx_gemv_linear
+    from k3nn.quant.mxfp4 import mxfp4_dequantize
+
+    g = torch.Generator().manual_seed(bm + K)
+    N = 12
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    vals = torch.tensor([0, 1, 2, 100, 127, 200, 240, 241, 250, 253], dtype=torch.uint8)
+    scale = vals[torch.randint(0, len(vals), (N, K // 32), generator=g)]
+    scale[0, 0] = 0
+    assert _word_aligned(packed[None])
+    want = mxfp4_dequantize(packed, scale).T
+    got = mx_gemv_linear(torch.eye(K), MXFP4Weight(packed, scale), GemvConfig(*cfg), bm)
+    assert torch.equal(got, want)
+    odd = torch.zeros(N, K // 2 + 1, dtype=torch.uint8)
+    odd[:, :K // 2] = packed
+    view = odd[:, :K // 2]
+    assert not _word_aligned(view[None])
+    assert torch.equal(mx_gemv_linear(torch.eye(K), MXFP4Weight(view, scale), GemvConfig(*cfg), bm), want)
+
+
+def test_mx_gemv_word_decode_needs_vec4():
+    from k3nn.kernels.moe.triton_mx_gemv import GemvConfig, mx_gemv_linear
+
+    w = mxfp4_quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="DECODE"):
+        mx_gemv_linear(torch.randn(1, 64), w, GemvConfig(8, 64, 2, 1, False, 2))
+
+
 def test_mx_gemv_dispatch_at_decode_sizes(monkeypatch):
     """With GEMV_MAX_PAIRS set (opt-in), no mx_mode + few pairs → the GEMV; an explicit grouped-GEMM mode keeps
     the old path (same numbers)."""
