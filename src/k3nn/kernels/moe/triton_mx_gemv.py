@@ -150,6 +150,22 @@ def _row_ptrs(a_ptr, sorted_ptr, row, top_k, num_pairs, stride_am, A_BY_TOKEN: t
 
 
 @triton.jit
+def _block_rows(a_ptr, sorted_ptr, r0, top_k, num_pairs, stride_am, A_BY_TOKEN: tl.constexpr, BM: tl.constexpr):
+    """Activation pointers, flat ids and validity of the (up to 4) rows of the block starting at sorted row r0;
+    rows past BM repeat row 0 (their results are never stored)."""
+    a0, f0, ok0 = _row_ptrs(a_ptr, sorted_ptr, r0, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    a1, f1, ok1 = a0, f0, ok0
+    a2, f2, ok2 = a0, f0, ok0
+    a3, f3, ok3 = a0, f0, ok0
+    if BM > 1:
+        a1, f1, ok1 = _row_ptrs(a_ptr, sorted_ptr, r0 + 1, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    if BM > 2:
+        a2, f2, ok2 = _row_ptrs(a_ptr, sorted_ptr, r0 + 2, top_k, num_pairs, stride_am, A_BY_TOKEN)
+        a3, f3, ok3 = _row_ptrs(a_ptr, sorted_ptr, r0 + 3, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    return a0, f0, ok0, a1, f1, ok1, a2, f2, ok2, a3, f3, ok3
+
+
+@triton.jit
 def _store_row(o_ptr, row, flat, ok, offs_n, N, stride_om, g, u, GLU: tl.constexpr, ACT: tl.constexpr,
                CAP_UP: tl.constexpr, beta, linear_beta):
     if GLU:  # up: h in sorted-row order (padding rows are never read by the down kernel)
@@ -181,15 +197,8 @@ def _mx_gemv_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_ptr, ei
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, SG)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [SG, VEC] byte offsets in a K step
     r0 = blk * BM
-    a0, f0, ok0 = _row_ptrs(a_ptr, sorted_ptr, r0, top_k, num_pairs, stride_am, A_BY_TOKEN)
-    a1, f1, ok1 = a0, f0, ok0
-    a2, f2, ok2 = a0, f0, ok0
-    a3, f3, ok3 = a0, f0, ok0
-    if BM > 1:
-        a1, f1, ok1 = _row_ptrs(a_ptr, sorted_ptr, r0 + 1, top_k, num_pairs, stride_am, A_BY_TOKEN)
-    if BM > 2:
-        a2, f2, ok2 = _row_ptrs(a_ptr, sorted_ptr, r0 + 2, top_k, num_pairs, stride_am, A_BY_TOKEN)
-        a3, f3, ok3 = _row_ptrs(a_ptr, sorted_ptr, r0 + 3, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    a0, f0, ok0, a1, f1, ok1, a2, f2, ok2, a3, f3, ok3 = _block_rows(a_ptr, sorted_ptr, r0, top_k, num_pairs,
+                                                                     stride_am, A_BY_TOKEN, BM)
     z = tl.zeros((BLOCK_N, SG), dtype=tl.float32)
     g0, g1, g2, g3 = z, z, z, z
     u0, u1, u2, u3 = z, z, z, z
@@ -344,15 +353,8 @@ def _mx_gemv_words_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kw = tl.arange(0, SG)[:, None] * W + tl.arange(0, W)[None, :]  # [SG, W] word offsets in a K step
     r0 = blk * BM
-    a0, f0, ok0 = _row_ptrs(a_ptr, sorted_ptr, r0, top_k, num_pairs, stride_am, A_BY_TOKEN)
-    a1, f1, ok1 = a0, f0, ok0
-    a2, f2, ok2 = a0, f0, ok0
-    a3, f3, ok3 = a0, f0, ok0
-    if BM > 1:
-        a1, f1, ok1 = _row_ptrs(a_ptr, sorted_ptr, r0 + 1, top_k, num_pairs, stride_am, A_BY_TOKEN)
-    if BM > 2:
-        a2, f2, ok2 = _row_ptrs(a_ptr, sorted_ptr, r0 + 2, top_k, num_pairs, stride_am, A_BY_TOKEN)
-        a3, f3, ok3 = _row_ptrs(a_ptr, sorted_ptr, r0 + 3, top_k, num_pairs, stride_am, A_BY_TOKEN)
+    a0, f0, ok0, a1, f1, ok1, a2, f2, ok2, a3, f3, ok3 = _block_rows(a_ptr, sorted_ptr, r0, top_k, num_pairs,
+                                                                     stride_am, A_BY_TOKEN, BM)
     z = tl.zeros((BLOCK_N, SG), dtype=tl.float32)
     g0, g1, g2, g3 = z, z, z, z
     u0, u1, u2, u3 = z, z, z, z
