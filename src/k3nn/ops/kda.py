@@ -8,7 +8,7 @@ import torch
 from ..kernels import kda as _kda  # noqa: F401  (registers the backends)
 from ..kernels.kda.api import check_kda_inputs, normalise_checkpoints, seq_lengths
 from ..kernels.kda.decode import check_fused_decode
-from ..kernels.registry import dispatch
+from ..kernels.registry import dispatch, resolve
 
 __all__ = ["kda_chunk", "kda_recurrent", "kda_fused_decode"]
 
@@ -22,7 +22,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
               checkpoint_positions=None):
-    """Chunked KDA forward (and backward where the backend has one).
+    """Chunked KDA forward and backward (eager: autograd through the chunked PyTorch form; triton: Triton
+    kernels both ways, or with ``K3NN_KDA_BWD=torch`` autograd through the PyTorch form for the backward).
 
     Args:
         q, k: ``[B, T, H, K]`` (already L2-normalised); v: ``[B, T, H, V]``.
@@ -38,9 +39,14 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         (in the order given) when ``checkpoint_positions`` is not None.
     """
     _validate(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_positions)
-    return dispatch("kda_chunk", q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    checkpoint_positions=checkpoint_positions)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, checkpoint_positions=checkpoint_positions)
+    impl = resolve("kda_chunk", (q, k, v, g, beta), kw)
+    if impl.backend == "triton":  # Triton forward; Triton backward unless K3NN_KDA_BWD=torch
+        from ..kernels.kda.triton_chunk_bwd import kda_chunk_triton_autograd
+
+        return kda_chunk_triton_autograd(q, k, v, g, beta, **kw)
+    return impl.fn(q, k, v, g, beta, **kw)
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

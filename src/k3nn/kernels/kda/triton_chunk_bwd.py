@@ -1,0 +1,492 @@
+"""Triton backward of the chunked KDA (chunk 64), varlen, initial / final state gradients.
+
+Per 64-token chunk and head, with ``G`` the chunk-local cumulative log decay and ``h`` the state at the chunk
+start, the forward (:mod:`.triton_chunk`) computes::
+
+    Aqk = scale · tril((q ⊙ e^G)(k ⊙ e^-G)ᵀ)          L = diag(β) · strict_tril((k ⊙ e^G)(k ⊙ e^-G)ᵀ)
+    X   = (I + L)⁻¹,  z = β ⊙ k ⊙ e^G,  w = X z,  u = X (β ⊙ v)
+    qg  = scale · q ⊙ e^G,  kg = k ⊙ e^{G_last − G}
+    v'  = u − w h,   o = qg h + Aqk v',   h⁺ = e^{G_last} ⊙ h + kgᵀ v'
+
+What is saved: only the inputs. The backward recomputes everything else (as fla does), which keeps the
+training memory at the inputs' size instead of one fp32 ``[K, V]`` state per chunk and head:
+
+1. ``_kda_intra`` (the forward's own kernel) again: qg, kg, w, u, Aqk, e^{G_last} and X (its fp32 scratch).
+2. ``_kda_bwd_states`` (grid: sequences × heads × V blocks): the forward recurrence once more, storing the
+   state at every chunk start ``h`` and the pseudo-values ``v'`` (fp32).
+3. ``_kda_bwd_dh`` (same grid, chunks in reverse): with ``dh⁺`` the gradient of the state after the chunk,
+   ``dv' = Aqkᵀ do + kg dh⁺`` and ``dh = qgᵀ do + e^{G_last} ⊙ dh⁺ − wᵀ dv'``; stores ``dh⁺`` per chunk,
+   ``dv'``, and the gradient of the initial state (``dh`` at each sequence's first chunk; an empty sequence
+   passes the final-state gradient straight through).
+4. ``_kda_bwd_chunk`` (grid: chunks × heads, fully parallel): everything local to the chunk, in fp32:
+
+   * V side: ``dAqk = do v'ᵀ``, ``dX = dv' (β v)ᵀ``, ``dv = β ⊙ Xᵀ dv'``, ``dβ += Σ_v v ⊙ Xᵀ dv'``;
+   * K side (per key block): ``dqg = do hᵀ``, ``dkg = v' dh⁺ᵀ``, ``dw = −dv' hᵀ``, ``de = Σ_v h ⊙ dh⁺``;
+     ``dX += dw zᵀ``, ``dz = Xᵀ dw`` and the elementwise chain rule through qg, kg, z, e^{G_last};
+   * ``dL = −Xᵀ dX Xᵀ`` (strictly lower), so ``dAkk = diag(β) dL`` and ``dβ_i += Σ_j dL_ij Akk_ij``;
+   * the pairwise terms of Aqk and Akk: for ``T_ij = Σ_d x_id y_jd e^{G_id − G_jd}`` with gradient
+     ``dT``, ``dx_i = Σ_j dT_ij y_j e^{G_i − G_j}``, ``dy_j = Σ_i dT_ij x_i e^{G_i − G_j}`` and
+     ``dG = x ⊙ dx − y ⊙ dy``. Off-diagonal 16-row strips (i in strip s > j's strip t) split the decay as
+     ``e^{G_i − G_end(s−1)} · e^{G_end(s−1) − G_end(t)} · e^{G_end(t) − G_j}``, every factor ≤ 1, so the
+     products are dots that cannot overflow for any gate ≤ 0; the diagonal 16×16 blocks are summed
+     pairwise with ``e^{G_i − G_j} ≤ 1`` exactly;
+   * ``dg`` = reverse cumulative sum of ``dG`` over the chunk's rows (G is chunk-local; ``G_last``'s
+     gradient enters at the last row).
+
+Dots in steps 2-3 mirror the forward (operands in the input dtype, fp32 accumulation, fp32 state); step 4
+is fp32 throughout (TF32 dots on the GPU). Internal buffers are fp32; outputs take the inputs' dtypes.
+
+Selection: under the ``triton`` backend, ``kda_chunk`` with any input requiring grad uses this backward
+(:class:`KDAChunkTritonFunction`). ``K3NN_KDA_BWD=torch`` selects the previous one instead: autograd through
+the chunked PyTorch form (:class:`k3nn.kernels.kda.chunk_torch.KDAChunkFunction`), for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import triton_interpreting
+from .triton_chunk import _SPAN, _kda_intra, _tune, build_chunk_plan, kda_chunk_triton_fwd
+
+__all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd", "backward_mode"]
+
+BWD_MODES = ("triton", "torch")
+
+
+def backward_mode() -> str:
+    """``K3NN_KDA_BWD``: ``triton`` (default, the kernels here) or ``torch`` (autograd through the PyTorch
+    chunked form, the previous backward)."""
+    m = os.environ.get("K3NN_KDA_BWD", "triton").strip().lower() or "triton"
+    if m not in BWD_MODES:
+        raise ValueError(f"K3NN_KDA_BWD must be one of {', '.join(BWD_MODES)}, got {m!r}")
+    return m
+
+
+def _state_configs():
+    if triton_interpreting():
+        return [triton.Config({"BV": 32}, num_warps=4)]
+    cfgs = [triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in ((32, 4), (16, 4), (64, 8))]
+    return cfgs if _tune() else cfgs[:1]
+
+
+def _chunk_configs():
+    if triton_interpreting():
+        return [triton.Config({"BK": 32, "BV": 32}, num_warps=4)]
+    cfgs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=1)
+            for bk, bv, w in ((32, 32, 4), (64, 32, 4), (64, 64, 8))]
+    return cfgs if _tune() else cfgs[:1]
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _kda_bwd_states_kernel(w, u, kg, egl, seq_lo, seq_hi, h0, hs, vn, H,
+                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           HAS_INIT: tl.constexpr):
+    """Forward recurrence again: hs[c] = state at chunk c's start (fp32), vn[c] = v' = u − w h (fp32)."""
+    n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    iv = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    r64 = tl.arange(0, 64)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+    if HAS_INIT:
+        h = tl.load(h0 + ((n * H + pid_h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], mask=mkv,
+                    other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    lo = tl.load(seq_lo + n)
+    hi = tl.load(seq_hi + n)
+    dt = w.dtype.element_ty
+    for c in range(lo, hi):
+        ob = (c * H + pid_h).to(tl.int64)
+        tl.store(hs + (ob * K + rk[:, None]) * V + rv[None, :], h, mask=mkv)
+        offk = ob * 64 * K + r64[:, None] * K + rk[None, :]
+        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0)
+        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0)
+        b_u = tl.load(u + ob * 64 * V + r64[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+        b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
+        vnew = b_u.to(tl.float32) - tl.dot(b_w, h.to(dt))
+        tl.store(vn + ob * 64 * V + r64[:, None] * V + rv[None, :], vnew, mask=mv[None, :])
+        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnew.to(dt))
+
+
+@triton.jit
+def _kda_bwd_dh_kernel(qg, kg, w, A, egl, do, chunk_start, chunk_len, seq_lo, seq_hi, dht,
+                       dhs, dvn, dh0, H,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_DHT: tl.constexpr):
+    """Reverse pass over one sequence's chunks: dhs[c] = gradient of the state after chunk c,
+    dvn[c] = dv' = Aqkᵀ do + kg dh⁺, dh0[n] = gradient of the initial state."""
+    n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    iv = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    r64 = tl.arange(0, 64)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+    soff = ((n * H + pid_h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :]
+    if HAS_DHT:
+        dh = tl.load(dht + soff, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
+    lo = tl.load(seq_lo + n)
+    hi = tl.load(seq_hi + n)
+    dt = w.dtype.element_ty
+    for i in range(0, hi - lo):
+        c = hi - 1 - i
+        ob = (c * H + pid_h).to(tl.int64)
+        tl.store(dhs + (ob * K + rk[:, None]) * V + rv[None, :], dh, mask=mkv)
+        bos = tl.load(chunk_start + c)
+        L = tl.load(chunk_len + c)
+        tok = (bos + r64).to(tl.int64)
+        b_do = tl.load(do + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=(r64 < L)[:, None] & mv[None, :],
+                       other=0.0).to(dt)
+        offk = ob * 64 * K + r64[:, None] * K + rk[None, :]
+        b_q = tl.load(qg + offk, mask=mk[None, :], other=0.0)
+        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0)
+        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0)
+        b_A = tl.load(A + ob * 64 * 64 + r64[:, None] * 64 + r64[None, :])
+        b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
+        dvp = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_k, dh.to(dt))
+        tl.store(dvn + ob * 64 * V + r64[:, None] * V + rv[None, :], dvp, mask=mv[None, :])
+        dh = dh * b_e[:, None] + tl.dot(tl.trans(b_q), b_do) - tl.dot(tl.trans(b_w), dvp.to(dt))
+    tl.store(dh0 + soff, dh, mask=mkv)
+
+
+@triton.jit
+def _rows(x, bos, L, pid_h, H, rows, rk, D: tl.constexpr):
+    """Rows ``rows`` (chunk-relative) and channels ``rk`` of x [tokens, H, D] as fp32, zeros outside."""
+    off = ((bos + rows).to(tl.int64) * H + pid_h)[:, None] * D + rk[None, :]
+    return tl.load(x + off, mask=(rows < L)[:, None] & (rk < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(x, bos, L, pid_h, H, row, rk, D: tl.constexpr):
+    """One row (chunk-relative) of x [tokens, H, D] as an fp32 vector over ``rk``."""
+    off = ((bos + row).to(tl.int64) * H + pid_h) * D + rk
+    return tl.load(x + off, mask=(rk < D) & ((rk * 0 + row) < L), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile(p, rows, rk, D: tl.constexpr):
+    """[len(rows), len(rk)] tile of a per-chunk fp32 scratch [64, D] starting at ``p``."""
+    return tl.load(p + rows[:, None] * D + rk[None, :], mask=(rk < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_st(p, rows, rk, val, D: tl.constexpr):
+    tl.store(p + rows[:, None] * D + rk[None, :], val, mask=(rk < D)[None, :])
+
+
+@triton.jit
+def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, dhs, vn, dvn,
+                          dq, dk, dv, dg, dbeta,
+                          sG, sdq, sdk, sdG, sdA, sdL, sdb,
+                          scale, H,
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    r64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    tok = (bos + r64).to(tl.int64)
+    live = r64 < L
+    b = tl.load(beta + tok * H + pid_h, mask=live, other=0.0).to(tl.float32)
+    # X: the forward's inverse, block lower triangular (only those blocks were written)
+    Xt = tl.load(X + ob * 4096 + r64[:, None] * 64 + r64[None, :],
+                 mask=(r64[None, :] // 16) <= (r64[:, None] // 16), other=0.0)
+    pG = sG + ob * 64 * K
+    pdq = sdq + ob * 64 * K
+    pdk = sdk + ob * 64 * K
+    pdG = sdG + ob * 64 * K
+    pA = sdA + ob * 4096
+    pL = sdL + ob * 4096
+    pb = sdb + ob * 64
+
+    # ---- V side: dAqk, dX (u part), dv, dβ (v part)
+    dA = tl.zeros([64, 64], dtype=tl.float32)
+    dX = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        rv = vb + tl.arange(0, BV)
+        mv = rv < V
+        m2 = live[:, None] & mv[None, :]
+        io = (tok * H + pid_h)[:, None] * V + rv[None, :]
+        b_do = tl.load(do + io, mask=m2, other=0.0).to(tl.float32)
+        b_v = tl.load(v + io, mask=m2, other=0.0).to(tl.float32)
+        co = ob * 64 * V + r64[:, None] * V + rv[None, :]
+        b_vn = tl.load(vn + co, mask=mv[None, :], other=0.0)
+        b_dvn = tl.load(dvn + co, mask=mv[None, :], other=0.0)
+        dA += tl.dot(b_do, tl.trans(b_vn))
+        dX += tl.dot(b_dvn, tl.trans(b_v * b[:, None]))
+        y = tl.dot(tl.trans(Xt), b_dvn)
+        tl.store(dv + io, (y * b[:, None]).to(dv.dtype.element_ty), mask=m2)
+        db += tl.sum(b_v * y, 1)
+
+    # ---- K side: through qg, kg, w (= X z) and e^{G_last}; partial dq, dk, dG to scratch
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        mk = rk < K
+        gk = _rows(g, bos, L, pid_h, H, r64, rk, K)
+        G = tl.cumsum(gk, 0)
+        Gl = tl.sum(gk, 0)
+        _tile_st(pG, r64, rk, G, K)
+        b_q = _rows(q, bos, L, pid_h, H, r64, rk, K)
+        b_k = _rows(k, bos, L, pid_h, H, r64, rk, K)
+        dqg = tl.zeros([64, BK], dtype=tl.float32)
+        dkg = tl.zeros([64, BK], dtype=tl.float32)
+        dw = tl.zeros([64, BK], dtype=tl.float32)
+        de = tl.zeros([BK], dtype=tl.float32)
+        for vb in range(0, V, BV):
+            rv = vb + tl.arange(0, BV)
+            mv = rv < V
+            so = (ob * K + rk[:, None]) * V + rv[None, :]
+            msk = mk[:, None] & mv[None, :]
+            b_h = tl.load(hs + so, mask=msk, other=0.0)
+            b_dh = tl.load(dhs + so, mask=msk, other=0.0)
+            b_do = tl.load(do + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=live[:, None] & mv[None, :],
+                           other=0.0).to(tl.float32)
+            co = ob * 64 * V + r64[:, None] * V + rv[None, :]
+            b_vn = tl.load(vn + co, mask=mv[None, :], other=0.0)
+            b_dvn = tl.load(dvn + co, mask=mv[None, :], other=0.0)
+            dqg += tl.dot(b_do, tl.trans(b_h))
+            dkg += tl.dot(b_vn, tl.trans(b_dh))
+            dw -= tl.dot(b_dvn, tl.trans(b_h))
+            de += tl.sum(b_h * b_dh, 1)
+        eG = tl.exp(G)
+        ekg = tl.exp(Gl[None, :] - G)
+        z = b_k * eG * b[:, None]
+        dX += tl.dot(dw, tl.trans(z))
+        dz = tl.dot(tl.trans(Xt), dw)
+        kg = b_k * ekg
+        db += tl.sum(b_k * eG * dz, 1)
+        _tile_st(pdq, r64, rk, eG * dqg * scale, K)
+        _tile_st(pdk, r64, rk, b[:, None] * eG * dz + ekg * dkg, K)
+        dGl = tl.sum(kg * dkg, 0) + tl.exp(Gl) * de
+        dG = z * dz + (b_q * eG * scale) * dqg - kg * dkg + tl.where(r64[:, None] == 63, dGl[None, :], 0.0)
+        _tile_st(pdG, r64, rk, dG, K)
+
+    # ---- through the inverse: dL = −Xᵀ dX Xᵀ (strictly lower); Aqk's gradient (scaled, causal)
+    dL = -tl.dot(tl.dot(tl.trans(Xt), dX, input_precision="ieee"), tl.trans(Xt), input_precision="ieee")
+    dL = tl.where(r64[:, None] > r64[None, :], dL, 0.0)
+    dA = tl.where(r64[:, None] >= r64[None, :], dA * scale, 0.0)
+    tl.store(pA + r64[:, None] * 64 + r64[None, :], dA)
+    tl.store(pL + r64[:, None] * 64 + r64[None, :], dL)
+    tl.store(pb + r64, db)
+    tl.debug_barrier()
+
+    # ---- pairwise terms of Aqk (dA) and Akk (β_i dL_ij), per key block and 16-row strip
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        mk = rk < K
+        for s in tl.static_range(4):
+            rs = s * 16 + r16
+            q_s = _rows(q, bos, L, pid_h, H, rs, rk, K)
+            k_s = _rows(k, bos, L, pid_h, H, rs, rk, K)
+            G_s = _tile(pG, rs, rk, K)
+            b_s = tl.load(beta + (bos + rs).to(tl.int64) * H + pid_h, mask=rs < L, other=0.0).to(tl.float32)
+            Rq = tl.zeros([16, BK], dtype=tl.float32)  # Σ_j dA_ij k_j e^{G_i − G_j}
+            Rk = tl.zeros([16, BK], dtype=tl.float32)  # Σ_j dL_ij k_j e^{G_i − G_j}
+            C = tl.zeros([16, BK], dtype=tl.float32)  # Σ_i (dA_ij q_i + β_i dL_ij k_i) e^{G_i − G_j}
+            if s > 0:
+                Gp = tl.load(pG + (s * 16 - 1) * K + rk, mask=mk, other=0.0)  # G at the row before strip s
+                for t in tl.static_range(4):
+                    if t < s:
+                        rt = t * 16 + r16
+                        Ge = tl.load(pG + (t * 16 + 15) * K + rk, mask=mk, other=0.0)
+                        ct = _rows(k, bos, L, pid_h, H, rt, rk, K) * tl.exp(Ge[None, :] - _tile(pG, rt, rk, K))
+                        ct = ct * tl.exp(Gp - Ge)[None, :]
+                        bA = tl.load(pA + rs[:, None] * 64 + rt[None, :])
+                        bL = tl.load(pL + rs[:, None] * 64 + rt[None, :])
+                        Rq += tl.dot(bA, ct)
+                        Rk += tl.dot(bL, ct)
+                a_s = tl.exp(G_s - Gp[None, :])
+                Rq = Rq * a_s
+                Rk = Rk * a_s
+            # diagonal block, pairwise: e^{G_i − G_j} ≤ 1 for j ≤ i (upper entries of dA, dL are zero)
+            for jj in range(16):
+                c = s * 16 + jj
+                k_c = _row(k, bos, L, pid_h, H, c, rk, K)
+                G_c = tl.load(pG + c * K + rk, mask=mk, other=0.0)
+                e = tl.exp(tl.minimum(G_s - G_c[None, :], 0.0))
+                colA = tl.load(pA + rs * 64 + c)
+                colL = tl.load(pL + rs * 64 + c)
+                kc = k_c[None, :] * e
+                Rq += colA[:, None] * kc
+                Rk += colL[:, None] * kc
+                cc = tl.sum((colA[:, None] * q_s + (colL * b_s)[:, None] * k_s) * e, 0)
+                C = tl.where(r16[:, None] == jj, cc[None, :], C)
+            if s < 3:
+                Ge = tl.load(pG + (s * 16 + 15) * K + rk, mask=mk, other=0.0)
+                Cc = tl.zeros([16, BK], dtype=tl.float32)
+                for i in tl.static_range(4):
+                    if i > s:
+                        ri = i * 16 + r16
+                        Gp = tl.load(pG + (i * 16 - 1) * K + rk, mask=mk, other=0.0)
+                        f = tl.exp(_tile(pG, ri, rk, K) - Gp[None, :]) * tl.exp(Gp - Ge)[None, :]
+                        b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L,
+                                      other=0.0).to(tl.float32)
+                        xq = _rows(q, bos, L, pid_h, H, ri, rk, K) * f
+                        xk = _rows(k, bos, L, pid_h, H, ri, rk, K) * f * b_i[:, None]
+                        bA = tl.load(pA + ri[:, None] * 64 + rs[None, :])
+                        bL = tl.load(pL + ri[:, None] * 64 + rs[None, :])
+                        Cc += tl.dot(tl.trans(bA), xq) + tl.dot(tl.trans(bL), xk)
+                C += Cc * tl.exp(Ge[None, :] - G_s)
+            bRk = b_s[:, None] * Rk
+            _tile_st(pdq, rs, rk, _tile(pdq, rs, rk, K) + Rq, K)
+            _tile_st(pdk, rs, rk, _tile(pdk, rs, rk, K) + bRk + C, K)
+            _tile_st(pdG, rs, rk, _tile(pdG, rs, rk, K) + q_s * Rq + k_s * (bRk - C), K)
+            tl.store(pb + rs, tl.load(pb + rs) + tl.sum(k_s * Rk, 1))
+            tl.debug_barrier()
+        # this key block is complete: dg = reverse cumulative sum of dG over the chunk's rows
+        dG = _tile(pdG, r64, rk, K)
+        dgk = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, 0) + dG
+        io = (tok * H + pid_h)[:, None] * K + rk[None, :]
+        m2 = live[:, None] & mk[None, :]
+        tl.store(dg + io, dgk.to(dg.dtype.element_ty), mask=m2)
+        tl.store(dq + io, _tile(pdq, r64, rk, K).to(dq.dtype.element_ty), mask=m2)
+        tl.store(dk + io, _tile(pdk, r64, rk, K).to(dk.dtype.element_ty), mask=m2)
+    tl.store(dbeta + tok * H + pid_h, tl.load(pb + r64).to(dbeta.dtype.element_ty), mask=live)
+
+
+_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H"])(_kda_bwd_states_kernel)
+_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H"])(_kda_bwd_dh_kernel)
+_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V"])(_kda_bwd_chunk_kernel)
+
+
+# --------------------------------------------------------------------------------------------- host side
+
+
+def _buf(*shape, dtype=torch.float32, device="cpu"):
+    """Uninitialised on the GPU; NaN-filled under the interpreter so that an unwritten element shows."""
+    if triton_interpreting():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None):
+    """Gradients of ``(o, final_state)`` of the chunked KDA.
+
+    Args:
+        do: ``[B, T, H, V]`` or None (zero); dht: ``[N, H, K, V]`` or None (zero).
+        q, k, v, g, beta, scale, initial_state, cu_seqlens: as in :func:`k3nn.ops.kda_chunk`.
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of q, k, v, g, beta; ``dh0`` is fp32 ``[N, H, K, V]``
+        (the gradient of the initial state, also when none was given).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    dev = q.device
+    (NC, c_start, c_len, s_lo, s_hi, _), lengths, _ = build_chunk_plan(B, T, cu_seqlens, [], dev)
+    N = len(lengths)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    dq = _buf(*q.shape, dtype=q.dtype, device=dev)
+    dk = _buf(*k.shape, dtype=k.dtype, device=dev)
+    dv = _buf(*v.shape, dtype=v.dtype, device=dev)
+    dg = _buf(*g.shape, dtype=g.dtype, device=dev)
+    db = _buf(*beta.shape, dtype=beta.dtype, device=dev)
+    dh0 = _buf(N, H, K, V, device=dev)
+    dht = dht.float().contiguous() if dht is not None else None
+    if NC == 0:  # no tokens at all: the state passes through untouched
+        for t in (dq, dk, dv, dg, db):
+            t.zero_()
+        dh0.copy_(dht) if dht is not None else dh0.zero_()
+        return dq, dk, dv, dg, db, dh0
+    do = do.contiguous() if do is not None else torch.zeros_like(v)
+    dt = q.dtype
+    BK = max(16, triton.next_power_of_2(K))
+
+    # 1. intra-chunk quantities (the forward's kernel); its scratch keeps X = (I + L)⁻¹ in fp32
+    qg = _buf(NC, H, 64, K, dtype=dt, device=dev)
+    kg = _buf(NC, H, 64, K, dtype=dt, device=dev)
+    w = _buf(NC, H, 64, K, dtype=dt, device=dev)
+    u = _buf(NC, H, 64, V, dtype=dt, device=dev)
+    A = _buf(NC, H, 64, 64, dtype=dt, device=dev)
+    egl = _buf(NC, H, K, device=dev)
+    X = _buf(NC, H, 64, 64, device=dev)
+    _kda_intra[(NC, H)](q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H, K=K, V=V, SPAN=_SPAN)
+
+    # 2. states at chunk starts and pseudo-values v'
+    hs = _buf(NC, H, K, V, device=dev)
+    vn = _buf(NC, H, 64, V, device=dev)
+    h0 = initial_state.float().contiguous() if initial_state is not None else hs
+    grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
+    _kda_bwd_states[grid](w, u, kg, egl, s_lo, s_hi, h0, hs, vn, H, K=K, V=V, BK=BK,
+                          HAS_INIT=initial_state is not None)
+
+    # 3. reverse pass: state gradients and dv'
+    dhs = _buf(NC, H, K, V, device=dev)
+    dvn = _buf(NC, H, 64, V, device=dev)
+    _kda_bwd_dh[grid](qg, kg, w, A, egl, do, c_start, c_len, s_lo, s_hi, dht if dht is not None else hs,
+                      dhs, dvn, dh0, H, K=K, V=V, BK=BK, HAS_DHT=dht is not None)
+
+    # 4. per-chunk gradients
+    sc = [_buf(NC, H, 64, K, device=dev) for _ in range(4)]
+    sA = _buf(NC, H, 64, 64, device=dev)
+    sL = _buf(NC, H, 64, 64, device=dev)
+    sb = _buf(NC, H, 64, device=dev)
+    _kda_bwd_chunk[(NC, H)](q, k, v, g, beta, do, c_start, c_len, X, hs, dhs, vn, dvn, dq, dk, dv, dg, db,
+                            *sc, sA, sL, sb, scale, H, K=K, V=V)
+    return dq, dk, dv, dg, db, dh0
+
+
+class KDAChunkTritonFunction(torch.autograd.Function):
+    """Triton forward (:func:`kda_chunk_triton_fwd`) and Triton backward (:func:`kda_chunk_triton_bwd`).
+    Saves the inputs only; the backward recomputes the chunk quantities and states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, checkpoint_positions):
+        o, ht, ck = kda_chunk_triton_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                         output_final_state=True, cu_seqlens=cu_seqlens,
+                                         checkpoint_positions=checkpoint_positions)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.cu_seqlens = scale, cu_seqlens
+        ctx.set_materialize_grads(False)
+        if ck is None:
+            ck = q.new_empty(0)
+        ctx.mark_non_differentiable(ck)
+        return o, ht, ck
+
+    @staticmethod
+    def backward(ctx, do, dht, _dck):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        dq, dk, dv, dg, db, dh0 = kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=ctx.scale,
+                                                       initial_state=h0, cu_seqlens=ctx.cu_seqlens)
+        need = ctx.needs_input_grad
+        res = [x if n else None for x, n in zip((dq, dk, dv, dg, db), need)]
+        res.append(dh0.to(h0.dtype) if h0 is not None and need[5] else None)
+        return (*res, None, None, None)
+
+
+def kda_chunk_triton_autograd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              cu_seqlens=None, checkpoint_positions=None):
+    """The Triton ``kda_chunk`` with its backward chosen by ``K3NN_KDA_BWD`` (see :func:`backward_mode`).
+    Without grad this is the plain Triton forward."""
+    from .chunk_torch import kda_chunk_triton
+
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    if not grad or backward_mode() == "torch":
+        return kda_chunk_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                checkpoint_positions=checkpoint_positions)
+    o, ht, ck = KDAChunkTritonFunction.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens,
+                                             checkpoint_positions)
+    res = (o, ht if output_final_state else None)
+    if checkpoint_positions is not None:
+        res = res + (ck,)
+    return res
