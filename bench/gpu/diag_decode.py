@@ -19,6 +19,7 @@ import torch
 from k3nn.bench.e2e import build_model, clone_cache
 from k3nn.cache.hybrid import HybridCache
 from k3nn.config import KimiK3Config
+from k3nn.decode.runner import make_decode_runner
 from k3nn.layers.moe import Router
 
 
@@ -54,6 +55,37 @@ def step(model, base, nxt, backend):
     if logits.is_cuda:
         torch.cuda.synchronize()
     return logits, store
+
+
+@torch.no_grad()
+def runner_step(model, base, nxt, backend, decode_backend, graph):
+    """First-step logits through a decode runner (the e2e bench's path): no per-module hooks."""
+    model.backend = backend
+    cache = clone_cache(base)
+    try:
+        runner = make_decode_runner(model, cache, cuda_graph=graph, decode_backend=decode_backend)
+        first = runner(nxt[:, None]).float().clone()
+        second = runner(nxt[:, None]).float().clone() if graph else first  # the replayed graph
+        info = f"path={runner.name} graph={runner.uses_graph} fallback={runner.fallback_reason}"
+        runner.close()
+    finally:
+        model.backend = None
+    if first.is_cuda:
+        torch.cuda.synchronize()
+    return first, second, info
+
+
+def report_runner(tag, ref, model, base, nxt, backend, decode_backend, graph):
+    try:
+        first, second, info = runner_step(model, base, nxt, backend, decode_backend, graph)
+    except Exception as e:  # keep diagnosing the other paths
+        print(f"-- {tag}: {type(e).__name__}: {e}"[:400], flush=True)
+        return
+    lr = ref[0]
+    per_row = ((first - lr).norm(dim=-1) / lr.norm(dim=-1)).cpu()
+    agree = (first.argmax(-1) == lr.argmax(-1)).float().mean().item()
+    print(f"-- {tag} [{info}]: logits rel {_rel(first, lr):.3g} per-row median {per_row.median():.3g} "
+          f"max {per_row.max():.3g} argmax agree {agree:.3f}", flush=True)
 
 
 def report(tag, ref, out):
@@ -105,6 +137,9 @@ def main():
             report(f"{dtype} B={B} auto", ref, step(model, base, nxt, "auto"))
             again = step(model, base, nxt, "auto")
             report(f"{dtype} B={B} auto (2nd run; vs eager)", ref, again)
+            for dec, graph in (("auto", False), ("auto", True), ("latency_specialized", False),
+                               ("latency_specialized", True)):
+                report_runner(f"{dtype} B={B} runner {dec} graph={graph}", ref, model, base, nxt, "auto", dec, graph)
             if dtype == torch.bfloat16:
                 old = triton_fused.MX_DEFAULT
                 triton_fused.MX_DEFAULT = "split"

@@ -142,10 +142,10 @@ def _self_check(argv=None) -> int:
             for p in moe.parameters():
                 torch.nn.init.normal_(p, std=0.05)
             if mx:
-                g = torch.Generator().manual_seed(1)
+                g = torch.Generator(device=dev).manual_seed(1)  # quantize where the ranks compute: K3 dims
                 for n in ("w1", "w3", "w2"):
                     shape = getattr(moe.experts, f"{n}_packed").shape
-                    q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g) * 0.05)
+                    q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g, device=dev) * 0.05)
                     getattr(moe.experts, f"{n}_packed").copy_(q.packed)
                     getattr(moe.experts, f"{n}_scale").copy_(q.scale)
             moe = moe.to(dev)
