@@ -1,19 +1,35 @@
 """Triton absorbed MLA decode over the paged latent cache, split along the sequence (split-KV).
 
-Stage 1 (grid ``[row groups, splits, B]``): a program takes ``BLOCK_H`` query rows of one request (rows are
-``(t, h)`` pairs of its ``Tq`` query tokens × ``H`` heads, so all heads share every key tile it loads — MQA
-with one 576-wide key row per token) and one contiguous slice of the request's keys. Per key tile it loads
-the ``[BLOCK_N, r + dr]`` rows through the block table, computes ``s = q_lat·cᵀ + q_rope·k_ropeᵀ`` and runs an
-online softmax in base 2 with the value being the first ``r`` columns of the same tile. Rows that see no key
-of the slice end with lse = −inf and o = 0.
+Stage 1 (grid ``[row groups × SPLIT_V, splits, B]``): a program takes ``BLOCK_H`` query rows of one request
+(rows are ``(t, h)`` pairs of its ``Tq`` query tokens × ``H`` heads, so all heads share every key tile it loads —
+MQA with one 576-wide key row per token) and one contiguous slice of the request's keys. Per key tile it loads
+the ``[BLOCK_N, r + dr]`` rows through the block table once and uses them for both products:
+``s = q_lat·cᵀ + q_rope·k_ropeᵀ`` and ``acc += p·c`` (the value is the first ``r`` columns of the same tile),
+with an online softmax in base 2 (log2 e is folded into the scale). Rows that see no key of the slice end
+with lse = −inf and o = 0.
 
 Stage 2 (only when there is more than one split): exact LSE merge of the per-split partials
 (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). With one split stage 1 writes the final result.
 
-The tile (``BLOCK_H`` rows × ``BLOCK_N`` keys, warps, stages) and the split count depend only on ``B``,
-``Tq·H``, the dims and the device (never on lengths read from the device), so a call can be captured in a CUDA
-graph; each request's keys are divided evenly among its splits. On a GPU the first call of a shape times a few
-(tile, splits) plans on its own inputs and keeps the fastest (set ``K3NN_MLA_NO_TUNE=1`` for the heuristic).
+Plans (:class:`Plan`) select the tile and the constexpr variants:
+
+* ``sv = 2`` halves the ``r`` output columns between two programs that run next to each other (the column
+  split is the fastest grid index, so the second read of a tile hits L2); each computes the full scores and
+  keeps a ``[BLOCK_H, r/2]`` accumulator — half the registers.
+* ``ahead`` reads the block id of the next tile one iteration early and carries it, so a tile's address does
+  not depend on a load of its own iteration; the pipeliner then keeps ``stages - 1`` tiles in flight instead of
+  ``stages - 2``.
+* ``opaque`` passes the scores to the softmax through a branch the compiler cannot fold. With ``BLOCK_H = 64``
+  over 8 warps (two warp groups) the compiler otherwise lays the score product out with all warps on the 64
+  rows — both warp groups compute the whole score tile — because its result feeds another product; behind
+  the branch each group computes half of the keys' scores.
+* ``lazy`` rescales the accumulator only when a row max grows by more than 8 (p stays below 2^8).
+
+The plan depends only on ``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a
+call can be captured in a CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first
+call of a shape (outside capture) times a few plans on its own inputs and keeps the fastest
+(``K3NN_MLA_NO_TUNE=1``: the heuristic plan; ``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque]``: that
+tile, one wave of splits; ``K3NN_MLA_TUNE_VERBOSE=1`` prints the timings).
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,10 +45,44 @@ import triton.language as tl
 
 from ..registry import triton_interpreting
 
-__all__ = ["mla_decode_triton", "choose_num_splits"]
+__all__ = ["Plan", "choose_num_splits", "make_plan", "mla_decode_triton", "wave_splits"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY: tl.constexpr):
+    """Online softmax in base 2 over one key tile: returns (p, m_i, l_i, acc) with acc rescaled to the new max.
+
+    With LAZY the running max moves (and acc is rescaled) only when some row's max grows by more than 8, so p
+    stays below 2^8; otherwise every tile rescales."""
+    s = s * qk_scale_log2
+    s = tl.where((offs_n[None, :] < lim[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    return p, m_i, l_i, acc
 
 
 @triton.jit
@@ -44,9 +95,16 @@ def _mla_decode_stage1(
     qk_scale_log2, Tq, H, M, NUM_SPLITS,
     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_VIS: tl.constexpr, FINAL: tl.constexpr, IEEE: tl.constexpr,
-    LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_V: tl.constexpr,
+    AHEAD: tl.constexpr, OPAQUE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    BV: tl.constexpr = BLOCK_R // SPLIT_V  # value / output columns of this program
+    EVEN_R: tl.constexpr = BLOCK_R == R  # no column masks: loads stay 16-byte vectors
+    EVEN_DR: tl.constexpr = BLOCK_DR == DR
+    ONE_PAGE: tl.constexpr = PAGE % BLOCK_N == 0  # a tile never crosses a page: one block id per tile
+    pid_g = tl.program_id(0)
+    pid_m = pid_g // SPLIT_V  # the column split runs fastest: the programs sharing a key tile run together
+    pid_v = pid_g % SPLIT_V
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -64,83 +122,112 @@ def _mla_decode_stage1(
     start = pid_s * chunk
     end = tl.minimum(start + chunk, tl.minimum(seq_len, tl.max(lim, 0)))
 
-    offs_r = tl.arange(0, BLOCK_R)
-    if BLOCK_R == R:
-        r_ok = offs_r < BLOCK_R  # all true, known at compile time: keeps loads vectorised
+    # Own columns (value, accumulator) and, with SPLIT_V = 2, the other half (scores only).
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    q_row = Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh
+    if EVEN_R:
+        q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None], other=0.0)
     else:
-        r_ok = offs_r < R
-    q = tl.load(Q_lat + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh + offs_r[None, :],
-                mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < R), other=0.0)
+    if SPLIT_V == 2:
+        offs_w = (1 - pid_v) * BV + tl.arange(0, BV)
+        if EVEN_R:
+            q2 = tl.load(q_row + offs_w[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            q2 = tl.load(q_row + offs_w[None, :], mask=m_ok[:, None] & (offs_w[None, :] < R), other=0.0)
     if HAS_ROPE:
         offs_d = tl.arange(0, BLOCK_DR)
-        if BLOCK_DR == DR:
-            d_ok = offs_d < BLOCK_DR
+        qr_row = Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh
+        if EVEN_DR:
+            qr = tl.load(qr_row + offs_d[None, :], mask=m_ok[:, None], other=0.0)
         else:
-            d_ok = offs_d < DR
-        qr = tl.load(Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh + offs_d[None, :],
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            qr = tl.load(qr_row + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
 
-    # Running max in base 2. Finite start value so that "no key yet" needs no special case; with LAZY the
-    # accumulator is rescaled only when some row's max grows by more than 8 (p then stays below 2^8).
+    # Running max in base 2 (the scale carries log2 e). Finite start value so that "no key yet" needs no
+    # special case.
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_H, BV], tl.float32)
+    bt_row = BT + b * s_btb
+    if AHEAD and ONE_PAGE:
+        # The block id of the next tile is read one iteration ahead and carried, so the tile's address does
+        # not depend on a load of the same iteration and the pipeliner can issue tiles num_stages - 1 ahead.
+        blk_next = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
+    alive = seq_len >= 0  # always true, but opaque to the compiler (see OPAQUE)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        if PAGE % BLOCK_N == 0:  # the whole tile sits in one page: one block id
-            blk = tl.load(BT + b * s_btb + n0 // PAGE).to(tl.int64)
-            row = blk * s_kvb + (offs_n % PAGE) * s_kvr
+        if ONE_PAGE:
+            if AHEAD:
+                blk = blk_next
+                n1 = n0 + BLOCK_N
+                blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            row = blk * s_kvb + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
         else:
-            blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
             row = blk * s_kvb + (offs_n % PAGE) * s_kvr
-        c = tl.load(KV + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+        kv_row = KV + row[:, None]
+        # One load per column range of the tile; the same tile feeds both products.
+        if EVEN_R:
+            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
         else:
-            s = tl.dot(q, tl.trans(c))
+            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
+        if SPLIT_V == 2:
+            if EVEN_R:
+                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        if OPAQUE:
+            s_r = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         if HAS_ROPE:
-            kr = tl.load(KV + row[:, None] + R + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            if EVEN_DR:
+                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
             else:
-                s += tl.dot(qr, tl.trans(kr))
-        s = s * qk_scale_log2
-        s = tl.where((offs_n[None, :] < lim[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if LAZY:
-            if tl.max(m_new - m_i, 0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-            if IEEE:
-                acc += tl.dot(p.to(c.dtype), c, input_precision="ieee")
+                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
+            if OPAQUE:
+                s_r = _mm(qr, tl.trans(kr), s_r, IEEE)
             else:
-                acc += tl.dot(p.to(c.dtype), c)
+                s = _mm(qr, tl.trans(kr), s, IEEE)
+        s = _mm(q, tl.trans(c), s, IEEE)
+        if SPLIT_V == 2:
+            s = _mm(q2, tl.trans(c2), s, IEEE)
+        if OPAQUE:
+            # The scores reach the softmax through a branch the compiler cannot fold. Seen from a product, its
+            # result then feeds no other product, and the compiler spreads the warps of a two-warp-group
+            # program over the keys (each group computes half the score tile once) instead of over the rows
+            # only (with BLOCK_H = 64, one group's height, both groups would compute the whole tile).
+            # (the products are awaited outside the branch: a product's first use inside a branch fails to
+            # pipeline)
+            s = s * qk_scale_log2
+            s_r = s_r * qk_scale_log2
+            if alive:
+                s = s + s_r
+            else:
+                s = s_r
+            p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, 1.0, LAZY)
         else:
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-            m_i = m_new
+            p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY)
+        p = p32.to(c.dtype)
+        acc = _mm(p, c, acc, IEEE)
 
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if FINAL:
-        tl.store(O + b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_r[None, :],
-                 o.to(O.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
-        tl.store(LSE + b * s_lb + t * s_lt + h, lse, mask=m_ok)
+    lse_ok = m_ok & (pid_v == 0)  # one writer per row
+    if EVEN_R:
+        o_mask = m_ok[:, None]
     else:
-        tl.store(O_part + b * s_opb + offs_m[:, None] * s_opm + pid_s * s_ops + offs_r[None, :], o,
-                 mask=m_ok[:, None] & r_ok[None, :])
-        tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=m_ok)
+        o_mask = m_ok[:, None] & (offs_v[None, :] < R)
+    if FINAL:
+        tl.store(O + b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_v[None, :],
+                 o.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + b * s_lb + t * s_lt + h, lse, mask=lse_ok)
+    else:
+        tl.store(O_part + b * s_opb + offs_m[:, None] * s_opm + pid_s * s_ops + offs_v[None, :], o, mask=o_mask)
+        tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=lse_ok)
 
 
 @triton.jit
@@ -180,45 +267,119 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy rescale) tried on the GPU; the interpreter uses a small one.
-# Measured on the H200 (bench/results/mla-decode-*): 32×64 lazy tiles win at B=64; 64×32 with 3 stages is
-# close at B=1; 64-row tiles with 8 warps and eager rescaling lose everywhere.
-_GPU_TILES = [(16, 64, 4, 2, False), (16, 64, 4, 2, True), (32, 64, 4, 2, True), (32, 64, 4, 3, True),
-              (32, 64, 8, 2, True), (64, 32, 8, 3, True)]
+class Plan(NamedTuple):
+    """One way to run the decode. ``bh``/``bn``: query rows × keys per tile; ``warps``/``stages``: Triton launch
+    options; ``lazy``: rescale the accumulator only when a row max grows by more than 8 (base 2); ``sv``: output
+    columns split over this many programs (1 or 2; each recomputes the scores); ``ahead``: block ids read one
+    tile ahead (tiles then pipeline ``stages - 1`` deep, not ``stages - 2``); ``opaque``: scores reach the
+    softmax through an opaque branch (two warp groups split the score tile instead of both computing it);
+    ``splits``: key splits per request (more than one adds the LSE merge kernel)."""
+
+    bh: int
+    bn: int
+    warps: int
+    stages: int
+    lazy: bool = True
+    sv: int = 1
+    ahead: bool = False
+    opaque: bool = False
+    splits: int = 1
+
+    @property
+    def tile(self) -> tuple:
+        return tuple(self)[:-1]
+
+    def short(self) -> str:
+        flags = "".join(f for f, on in (("L", self.lazy), ("A", self.ahead), ("O", self.opaque)) if on)
+        return (f"{self.bh}x{self.bn}w{self.warps}s{self.stages}{('v' + str(self.sv)) if self.sv > 1 else ''}"
+                f"{('-' + flags) if flags else ''}/S{self.splits}")
+
+
+def make_plan(tile, splits: int) -> Plan:
+    """Plan from a tile tuple (any prefix of Plan's fields but ``splits``) and a split count."""
+    return Plan(*tuple(tile)[:8], splits=int(splits))
+
+
+# Tiles (Plan fields but the split count) the GPU tuner times. H200 runs before the 64-row rework
+# (bench/results/mla-decode-*): 32×64 lazy tiles over 4 warps (mma.sync, two programs per SM) reached 1.87 TB/s
+# at B=64 L=8K H=64; 64-row tiles over 8 warps reached 1.60 with two 64-key stages. Compiled for sm_90 with
+# Triton 3.6, a 64-row / 8-warp tile (i) computes the whole score tile in both warp groups unless ``opaque``
+# (the product feeds the value product, so the compiler puts all warps on the rows), and (ii) keeps only one
+# tile in flight with two stages and block ids read in the loop (the page lookup takes a pipeline stage) —
+# ``ahead`` gives 64×32 tiles with 4 stages four buffers (three tiles in flight, 220 KB of shared memory).
+_GPU_TILES = [
+    (32, 64, 4, 2, True),                           # the measured best so far (and the default)
+    (32, 64, 4, 3, True),
+    (16, 64, 4, 2, True),                           # few rows (Tq·H <= 16: heads sharded by TP)
+    (64, 64, 8, 2, True),                           # the previous 64-row best
+    (64, 64, 8, 2, False, 1, False, True),          # scores split between the warp groups, no spills
+    (64, 32, 8, 4, True, 1, True, True),            # + three 32-key tiles in flight
+    (64, 32, 8, 4, False, 1, True, True),
+    (64, 32, 8, 4, True, 1, True, False),
+]
 _INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
-LAST_PLAN: tuple | None = None  # (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy, splits) of the latest call
+LAST_PLAN: Plan | None = None  # the plan of the latest call
 
 
-def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: int = 2) -> int:
-    """Splits per request so that about ``waves`` waves of programs cover the GPU (1 under the interpreter)."""
+def _programs_per_split(B: int, rows: int, block_h: int, split_v: int = 1) -> int:
+    return B * triton.cdiv(rows, block_h) * split_v
+
+
+def choose_num_splits(B: int, rows: int, device: torch.device, block_h: int = 16, waves: float = 2,
+                      split_v: int = 1) -> int:
+    """Splits per request so that about ``waves`` waves of programs (one per SM) cover the GPU (1 under the
+    interpreter)."""
     if device.type != "cuda":
         return 1
-    groups = B * triton.cdiv(rows, block_h)
-    return max(1, min(128, triton.cdiv(waves * _sm_count(device.index or 0), groups)))
+    per = _programs_per_split(B, rows, block_h, split_v)
+    return max(1, min(128, math.ceil(waves * _sm_count(device.index or 0) / per)))
+
+
+def wave_splits(B: int, rows: int, device: torch.device, block_h: int, split_v: int = 1,
+                waves: float = 1.0) -> int:
+    """Largest split count whose programs still fit in ``waves`` whole waves (one program per SM): no
+    nearly-empty last wave. At least 1."""
+    if device.type != "cuda":
+        return 1
+    per = _programs_per_split(B, rows, block_h, split_v)
+    return max(1, min(128, int(waves * _sm_count(device.index or 0)) // per))
 
 
 def _default_plan(B, M, dev):
     if dev.type != "cuda":
-        return _INTERP_TILE + (1,)
+        return make_plan(_INTERP_TILE, 1)
     bh = 32 if M >= 32 else 16
-    tile = (bh, 64, 4, 2, True)
-    return tile + (choose_num_splits(B, M, dev, bh),)
+    return make_plan((bh, 64, 4, 2, True), choose_num_splits(B, M, dev, bh))
 
 
-def _candidates(B, M, dev):
+def _tile_fits(tile, M) -> bool:
+    t = make_plan(tile, 1)
+    if t.bh > max(16, triton.next_power_of_2(M)):
+        return False
+    return not (t.bh >= 64 and M <= 32)  # 64-row tiles for few rows: mostly padding
+
+
+def _candidates(B, M, dev, tiles=None):
+    """Plans the tuner times: each tile with the split counts filling one wave exactly, about one wave
+    (rounded up) and about two waves."""
     out = []
-    for tile in _GPU_TILES:
-        if tile[0] > max(16, triton.next_power_of_2(M)):
+    for tile in tiles or _GPU_TILES:
+        if not _tile_fits(tile, M):
             continue
-        s1 = choose_num_splits(B, M, dev, tile[0], waves=1)
-        for s in sorted({s1, choose_num_splits(B, M, dev, tile[0], waves=2)}):
-            out.append(tile + (s,))
+        t = make_plan(tile, 1)
+        counts = {wave_splits(B, M, dev, t.bh, t.sv), choose_num_splits(B, M, dev, t.bh, 1, t.sv),
+                  choose_num_splits(B, M, dev, t.bh, 2, t.sv)}
+        for s in sorted(counts):
+            p = make_plan(tile, s)
+            if p not in out:
+                out.append(p)
     return out
 
 
 def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
-    bh, bn, warps, stages, lazy, S = plan
+    plan = make_plan(plan[:-1], plan[-1]) if not isinstance(plan, Plan) else plan
+    bh, bn, warps, stages, lazy, sv, ahead, opaque, S = plan
     B = q_lat.shape[0]
     dev = q_lat.device
     final = S == 1
@@ -229,17 +390,20 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
         o_part = torch.empty(B, M, S, R, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
-    _mla_decode_stage1[(triton.cdiv(M, bh), S, B)](
+    block_r = triton.next_power_of_2(R)
+    sv = sv if block_r >= 32 else 1  # each half keeps at least 16 columns (the product's minimum depth)
+    _mla_decode_stage1[(triton.cdiv(M, bh) * sv, S, B)](
         q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
         *sp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         float(scale) * _LOG2E, Tq, H, M, S,
-        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=triton.next_power_of_2(R),
+        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=block_r,
         BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
         HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
-        LAZY=lazy, BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+        LAZY=bool(lazy), BLOCK_H=bh, BLOCK_N=bn, SPLIT_V=sv, AHEAD=bool(ahead), OPAQUE=bool(opaque),
+        num_warps=warps, num_stages=stages,
     )
     if not final:
         bsz = max(2, triton.next_power_of_2(S))
@@ -261,36 +425,49 @@ def _time_plan(fn) -> float:
         return float(do_bench(fn, warmup=3, rep=15, return_mode="median"))
 
 
+def _env_tile():
+    """``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque]`` pins the tile on the GPU (no tuning)."""
+    v = os.environ.get("K3NN_MLA_TILE")
+    if not v:
+        return None
+    f = [int(x) for x in v.split(",")]
+    return tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:8]))
+
+
 def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
-    """Tile and split count for this shape. On a GPU the first call of a shape (outside graph capture) times
-    the candidates on its own inputs and keeps the fastest; ``num_splits`` pins the split count."""
+    """Plan for this shape. On a GPU the first call of a shape (outside graph capture) times the candidates on
+    its own inputs and keeps the fastest; ``num_splits`` pins the split count."""
     dev = q_lat.device
+    pin = int(num_splits) if num_splits else None
     if dev.type != "cuda":
-        p = _INTERP_TILE + (1,)
-        return p[:5] + (int(num_splits),) if num_splits else p
+        return make_plan(_INTERP_TILE, pin or 1)
+    forced = _env_tile()
+    if forced is not None:
+        t = make_plan(forced, 1)
+        return make_plan(forced, pin or wave_splits(B, M, dev, t.bh, t.sv))
     key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits)
     if key in _TUNED:
         return _TUNED[key]
-    cands = _candidates(B, M, dev)
-    if num_splits:
-        cands = sorted({c[:5] + (int(num_splits),) for c in cands})
     if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
         p = _default_plan(B, M, dev)
-        return p[:5] + (int(num_splits),) if num_splits else p
+        return make_plan(p.tile, pin) if pin else p
+    cands = _candidates(B, M, dev)
+    if pin:
+        cands = list(dict.fromkeys(make_plan(c.tile, pin) for c in cands))
     torch.cuda.synchronize()  # the timing runs on a side stream: inputs must be ready
     best, best_ms = None, float("inf")
     for c in cands:
         try:
-            ms = _time_plan(lambda: run(c))
+            ms = _time_plan(lambda c=c: run(c))
         except Exception:  # a tile that does not fit this GPU (shared memory / registers)
             continue
         if os.environ.get("K3NN_MLA_TUNE_VERBOSE"):
-            print(f"mla_decode tune B={B} M={M}: plan {c} {ms * 1e3:.1f} us", flush=True)
+            print(f"mla_decode tune B={B} M={M}: plan {c.short()} {ms * 1e3:.1f} us", flush=True)
         if ms < best_ms:
             best, best_ms = c, ms
     if best is None:  # nothing could be timed: keep the heuristic (its launch reports any real error)
         best = _default_plan(B, M, dev)
-        best = best[:5] + (int(num_splits),) if num_splits else best
+        best = make_plan(best.tile, pin) if pin else best
     _TUNED[key] = best
     return best
 
