@@ -194,7 +194,8 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                           dq, dk, dv, dg, dbeta,
                           sG, sdq, sdk, sdG, sdA, sdL, sdb,
                           scale, H,
-                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          SPAN: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     bos = tl.load(chunk_start + pid_c)
@@ -303,6 +304,9 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
             C = tl.zeros([16, BK], dtype=tl.float32)  # Σ_i (dA_ij q_i + β_i dL_ij k_i) e^{G_i − G_j}
             if s > 0:
                 Gp = tl.load(pG + (s * 16 - 1) * K + rk, mask=mk, other=0.0)  # G at the row before strip s
+            else:
+                Gp = tl.zeros([BK], dtype=tl.float32)
+            if s > 0:
                 for t in tl.static_range(4):
                     if t < s:
                         rt = t * 16 + r16
@@ -313,22 +317,33 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                         bL = tl.load(pL + rs[:, None] * 64 + rt[None, :])
                         Rq += tl.dot(bA, ct)
                         Rk += tl.dot(bL, ct)
-                a_s = tl.exp(G_s - Gp[None, :])
+            # diagonal block: row factor e^{G_i − Gp} ≤ 1, column factor e^{Gp − G_j} ≤ e^SPAN (upper entries of
+            # dA, dL are zero); a strip decaying by more than SPAN nats is summed pairwise, e^{G_i − G_j} ≤ 1
+            a_s = tl.exp(G_s - Gp[None, :])
+            Gend = tl.load(pG + (s * 16 + 15) * K + rk, mask=mk, other=0.0)
+            if tl.max(Gp - Gend, 0) <= SPAN:
+                bA = tl.load(pA + rs[:, None] * 64 + rs[None, :])
+                bL = tl.load(pL + rs[:, None] * 64 + rs[None, :])
+                ec = tl.exp(Gp[None, :] - G_s)
+                kc = k_s * ec
+                Rq = (Rq + tl.dot(bA, kc)) * a_s
+                Rk = (Rk + tl.dot(bL, kc)) * a_s
+                C = ec * (tl.dot(tl.trans(bA), q_s * a_s) + tl.dot(tl.trans(bL), k_s * a_s * b_s[:, None]))
+            else:
                 Rq = Rq * a_s
                 Rk = Rk * a_s
-            # diagonal block, pairwise: e^{G_i − G_j} ≤ 1 for j ≤ i (upper entries of dA, dL are zero)
-            for jj in range(16):
-                c = s * 16 + jj
-                k_c = _row(k, bos, L, pid_h, H, c, rk, K)
-                G_c = tl.load(pG + c * K + rk, mask=mk, other=0.0)
-                e = tl.exp(tl.minimum(G_s - G_c[None, :], 0.0))
-                colA = tl.load(pA + rs * 64 + c)
-                colL = tl.load(pL + rs * 64 + c)
-                kc = k_c[None, :] * e
-                Rq += colA[:, None] * kc
-                Rk += colL[:, None] * kc
-                cc = tl.sum((colA[:, None] * q_s + (colL * b_s)[:, None] * k_s) * e, 0)
-                C = tl.where(r16[:, None] == jj, cc[None, :], C)
+                for jj in range(16):
+                    c = s * 16 + jj
+                    k_c = _row(k, bos, L, pid_h, H, c, rk, K)
+                    G_c = tl.load(pG + c * K + rk, mask=mk, other=0.0)
+                    e = tl.exp(tl.minimum(G_s - G_c[None, :], 0.0))
+                    colA = tl.load(pA + rs * 64 + c)
+                    colL = tl.load(pL + rs * 64 + c)
+                    kc = k_c[None, :] * e
+                    Rq += colA[:, None] * kc
+                    Rk += colL[:, None] * kc
+                    cc = tl.sum((colA[:, None] * q_s + (colL * b_s)[:, None] * k_s) * e, 0)
+                    C = tl.where(r16[:, None] == jj, cc[None, :], C)
             if s < 3:
                 Ge = tl.load(pG + (s * 16 + 15) * K + rk, mask=mk, other=0.0)
                 Cc = tl.zeros([16, BK], dtype=tl.float32)
@@ -440,7 +455,7 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     sL = _buf(NC, H, 64, 64, device=dev)
     sb = _buf(NC, H, 64, device=dev)
     _kda_bwd_chunk[(NC, H)](q, k, v, g, beta, do, c_start, c_len, X, hs, dhs, vn, dvn, dq, dk, dv, dg, db,
-                            *sc, sA, sL, sb, scale, H, K=K, V=V)
+                            *sc, sA, sL, sb, scale, H, K=K, V=V, SPAN=_SPAN)
     return dq, dk, dv, dg, db, dh0
 
 
