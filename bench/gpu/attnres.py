@@ -1,18 +1,24 @@
 """AttnRes fused mix on the GPU: correctness of every entry point, then bandwidth of the kernel variants.
 
-    PYTHONPATH=src python3 bench/gpu/attnres.py            (about 60-90 s, most of it Triton compilation)
+    PYTHONPATH=src python3 bench/gpu/attnres.py [--budget 400] [--variants a,b,...] [--tokens 8192,64,1]
 
 1. bf16 correctness vs the eager references (k3nn.kernels.attnres.reference, k3nn.layers.attnres) for the
-   mix, phase 1 and phase 2 at S = 1, 5, 9 and d = 7168 and an odd d (masked tail), every variant at S = 9.
+   mix, phase 1 and phase 2 at S = 1, 5, 9 and d = 7168 and an odd d (masked tail), and every named mix
+   schedule (triton_mix.MIX_SCHEDULES) at S = 2 and 9, d = 7168 and 4099, plus a source 2 bytes off 16-byte
+   alignment (the bulk L2 prefetch falls back to per-sector requests).
 2. Copy bandwidth measured in this process (k3nn.bench.common.device_meta), then the mix at T = 8192 (CUDA
    events, inputs far larger than L2) and the decode shapes T = 1, 64 (CUDA graph, inputs rotated past L2)
-   for S = 2, 5, 9 and each kernel variant: ms, TB/s for (S + 1)·T·d·2 bytes, fraction of copy bandwidth.
-   The last lines name the fastest variant per (T, S): the default schedule (triton_mix._mix_config)
-   should be set from them.
+   for S = 9, 5, 2 and each schedule: us, TB/s for (S + 1)·T·d·2 bytes (every source read once, h written
+   once), fraction of copy bandwidth, and the compiled kernel's registers / spills. The last lines name the
+   fastest schedule per (T, S): the default (triton_mix._mix_config / attnres_mix_triton) should be set from
+   them, or tried end to end first with K3NN_ATTNRES_MIX=<name>.
+   Compilation dominates (about 1-3 s per schedule and S); --budget stops starting new timings after that
+   many seconds (default 400).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import sys
@@ -29,26 +35,16 @@ from k3nn.kernels.attnres.reference import (
 from k3nn.layers.attnres import attnres_mix_reference
 
 T0 = time.time()
-BUDGET_S = 85.0  # stop starting new timings after this (the whole run must stay under 90 s)
+BUDGET_S = 400.0  # stop starting new timings after this (--budget)
 D = 7168
 ODD_D = 4099
 DT = torch.bfloat16
 DEV = "cuda"
 
-# name -> keyword overrides of attnres_mix_triton ({} = the default schedule). prefetch is clipped to S - 1.
-VARIANTS = {
-    "default": {},
-    "old-8w-pf2": dict(num_warps=8, prefetch=2, qv_reload=True, join=True, ordered=False, fence=0),
-    "16w-pf2-ord": dict(num_warps=16, prefetch=2, join=True, ordered=True, fence=1),
-    "16w-pf3-ord": dict(num_warps=16, prefetch=3, join=True, ordered=True, fence=1),
-    "16w-pf4-ord": dict(num_warps=16, prefetch=4, join=True, ordered=True, fence=1),
-    "32w-pf3-ord": dict(num_warps=32, prefetch=3, join=True, ordered=True, fence=1),
-    "16w-pf3-asm": dict(num_warps=16, prefetch=3, join=True, ordered=True, fence=2),
-    "16w-allfirst": dict(num_warps=16, prefetch=8, join=True, ordered=False, fence=1),
-    "8w-pf1-ord": dict(num_warps=8, prefetch=1, join=True, ordered=True, fence=1),
-    "16w-pf3-noevict": dict(num_warps=16, prefetch=3, join=True, ordered=True, fence=1, evict=False),
-}
-DECODE_VARIANTS = ["default", "old-8w-pf2", "16w-pf2-ord", "32w-pf3-ord", "8w-pf1-ord"]
+# name -> keyword overrides of attnres_mix_triton ({} = the default schedule); see triton_mix.MIX_SCHEDULES.
+VARIANTS = dict(tm.MIX_SCHEDULES)
+DECODE_VARIANTS = ["default", "row-16w-pf2-l2all", "row-8w-pf1-l2all", "stream-16w-pf2-l2x8",
+                   "stream-16w-pf1-l2x6-lazy", "stream-32w-pf2-l2x6-lazy"]
 
 
 def say(*a) -> None:
@@ -89,14 +85,8 @@ def correctness() -> bool:
         ok &= check(f"mix d={d} S={S}", tm.attnres_mix_triton(src, qw, nw), attnres_mix_reference(src, qw, nw, 1e-5))
         n += 1
         if S == 9 and d == D:
-            ref = attnres_mix_reference(src, qw, nw, 1e-5)
-            base = tm.attnres_mix_triton(src, qw, nw)
-            for name, kw in VARIANTS.items():  # every schedule is bit-identical to the default
-                out = tm.attnres_mix_triton(src, qw, nw, **kw)
-                ok &= check(f"mix variant {name}", out, ref)
-                if not torch.equal(out, base):
-                    say(f"note: variant {name} differs from the default in some bits")
-                n += 1
+            ok &= check_variants(src, qw, nw, f"S={S} d={d}")
+            n += len(VARIANTS)
         QW, QN = weights(d, 3, g)
         o, m, l = tm.attnres_phase1_triton(src, QW, QN, 1e-5, torch.float32)
         ro, rm, rl = attnres_phase1_reference(src, QW, QN, 1e-5, torch.float32)
@@ -118,17 +108,50 @@ def correctness() -> bool:
                 allsrc = src + [ref.partial]
                 ok &= check(tag + " vs one softmax", out.mix, attnres_mix_reference(allsrc, QW[1], QN[1], 1e-5))
             n += 1
+    for d, S, T in ((D, 2, 300), (ODD_D, 9, 37), (ODD_D, 2, 5)):
+        src = sources(T, d, S, g)
+        qw, nw = weights(d, None, g)
+        ok &= check_variants(src, qw, nw, f"S={S} d={d} T={T}")
+        n += len(VARIANTS)
+    # a source whose rows start 2 bytes off 16-byte alignment: the bulk L2 prefetch must step back to sectors
+    src = sources(37, D, 5, g)
+    buf = torch.empty(37 * D + 1, device=DEV, dtype=DT)
+    src[2] = buf[1:].view(37, D).copy_(src[2])
+    qw, nw = weights(D, None, g)
+    ok &= check_variants(src, qw, nw, "S=5 misaligned source", names=[k for k, v in VARIANTS.items()
+                                                                    if v.get("l2_kind") == 3][:4])
     say(f"correctness: {'all ok' if ok else 'FAILURES'} ({n} cases)")
     return ok
 
 
-def time_mix(meta: dict, rows: list[dict]) -> None:
+def check_variants(src, qw, nw, tag: str, names=None) -> bool:
+    """Every schedule against eager; bit differences from the default (reduction trees) are only noted."""
+    ok = True
+    ref = attnres_mix_reference(src, qw, nw, 1e-5)
+    base = tm.attnres_mix_triton(src, qw, nw)
+    diff = []
+    for name in names or VARIANTS:
+        out = tm.attnres_mix_triton(src, qw, nw, **VARIANTS[name])
+        ok &= check(f"mix {tag} variant {name}", out, ref)
+        if not torch.equal(out, base):
+            diff.append(name)
+    if diff:
+        say(f"note: {tag}: {', '.join(diff)} differ from the default in some bits")
+    return ok
+
+
+def kernel_regs() -> str:
+    k = tm._last_kernel
+    regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+    return f"{regs}/{spills}" if regs is not None else "?"
+
+
+def time_mix(meta: dict, rows: list[dict], tokens: list[int], names: list[str] | None) -> None:
     g = torch.Generator(device=DEV).manual_seed(1)
     qw, nw = weights(D, None, g)
     copy = meta.get("copy_tbps") or float("nan")
-    plan = [(8192, S, list(VARIANTS)) for S in (9, 5, 2)] + \
-           [(T, S, DECODE_VARIANTS) for T in (64, 1) for S in (9, 5, 2)]
-    for T, S, names in plan:
+    plan = [(T, S, names or (list(VARIANTS) if T > 64 else DECODE_VARIANTS)) for T in tokens for S in (9, 5, 2)]
+    for T, S, todo in plan:
         if over_budget():
             say(f"budget: skipping T={T} S={S}")
             continue
@@ -137,12 +160,13 @@ def time_mix(meta: dict, rows: list[dict]) -> None:
         nsets = 1 if not graph else max(1, min(1000, math.ceil((128 << 20) / nbytes)))
         sets = [sources(T, D, S, g) for _ in range(nsets)]
         ref = attnres_mix_reference(sets[0], qw, nw, 1e-5)
-        for name in names:
+        for name in todo:
             if over_budget():
                 say(f"budget: skipping T={T} S={S} {name} and later variants")
                 break
             kw = VARIANTS[name]
             e = rel_err(tm.attnres_mix_triton(sets[0], qw, nw, 1e-5, **kw), ref)
+            regs = kernel_regs()
             if graph:
                 it = itertools.cycle(sets)
                 ms = graph_bench_ms(lambda it=it, kw=kw: tm.attnres_mix_triton(next(it), qw, nw, 1e-5, **kw),
@@ -151,35 +175,51 @@ def time_mix(meta: dict, rows: list[dict]) -> None:
                 x = sets[0]
                 ms = bench_ms(lambda x=x, kw=kw: tm.attnres_mix_triton(x, qw, nw, 1e-5, **kw), warmup=5, rep=30)
             tbps = nbytes / ms / 1e9
-            rows.append(dict(T=T, S=S, variant=name, ms=ms, tbps=tbps, frac=tbps / copy, err=e))
-            say(f"T={T:5d} S={S} {name:16s} {ms * 1e3:9.2f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy"
-                f"  err {e:.1e}")
+            rows.append(dict(T=T, S=S, variant=name, ms=ms, tbps=tbps, frac=tbps / copy, err=e, regs=regs))
+            say(f"T={T:5d} S={S} {name:26s} {ms * 1e3:9.2f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy"
+                f"  regs/spills {regs}  err {e:.1e}")
         del sets
         torch.cuda.empty_cache()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global BUDGET_S, VARIANTS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds after which no new timing starts")
+    ap.add_argument("--variants", default="", help="comma-separated schedule names (default: all)")
+    ap.add_argument("--tokens", default="8192,64,1", help="token counts to time")
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args(argv)
+    BUDGET_S = args.budget
+    names = [v for v in args.variants.split(",") if v] or None
+    if names:
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            print(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}", flush=True)
+            return 2
+        VARIANTS = {k: VARIANTS[k] for k in ["default", *names] if k in VARIANTS}
+        names = list(VARIANTS)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", flush=True)
         return 2
     import triton
 
     say(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
-    ok = correctness()
+    ok = True if args.skip_correctness else correctness()
     meta = device_meta()
     say(f"copy {meta.get('copy_tbps')} TB/s (1 GiB each way)")
     rows: list[dict] = []
-    time_mix(meta, rows)
-    print("\n    T  S  variant            us      TB/s  frac_copy", flush=True)
+    time_mix(meta, rows, [int(t) for t in args.tokens.split(",") if t], names)
+    print("\n    T  S  variant                          us    TB/s  frac_copy  regs/spills", flush=True)
     for r in rows:
-        print(f"{r['T']:5d}  {r['S']}  {r['variant']:16s} {r['ms'] * 1e3:8.2f}  {r['tbps']:6.3f}  {r['frac']:7.1%}",
-              flush=True)
+        print(f"{r['T']:5d}  {r['S']}  {r['variant']:26s} {r['ms'] * 1e3:9.2f}  {r['tbps']:6.3f}  {r['frac']:7.1%}"
+              f"    {r['regs']}", flush=True)
     print("\nbest per (T, S):", flush=True)
     for key, grp in itertools.groupby(sorted(rows, key=lambda r: (r["T"], r["S"], r["ms"])),
                                       key=lambda r: (r["T"], r["S"])):
         grp = list(grp)
         dflt = next((r for r in grp if r["variant"] == "default"), None)
-        print(f"  T={key[0]:5d} S={key[1]}: {grp[0]['variant']:16s} {grp[0]['frac']:6.1%} of copy"
+        print(f"  T={key[0]:5d} S={key[1]}: {grp[0]['variant']:26s} {grp[0]['frac']:6.1%} of copy"
               + (f"  (default {dflt['frac']:6.1%})" if dflt else ""), flush=True)
     say("done" + ("" if ok else " (CORRECTNESS FAILURES above)"))
     return 0 if ok else 1

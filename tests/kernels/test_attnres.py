@@ -125,6 +125,49 @@ def test_mix_kernel_variants_agree():
             assert torch.equal(out, ref), (S, d, w, pf, rl, jn, od, fn)
 
 
+@given(S=st.integers(1, 6), d=st.integers(1, 48), n=st.integers(1, 5), grid=st.integers(1, 3),
+       prefetch=st.integers(0, 8), warps=st.sampled_from([1, 2]), flags=st.integers(0, 31),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_mix_stream_kernel_matches_row_kernel(S, d, n, grid, prefetch, warps, flags, dtype, seed):
+    """The persistent kernel (rows p, p + G, ...; the load ring and the L2 window cross rows) computes the same
+    operations as the one-row kernel: bit-identical to it, for any grid, ring depth and knob set (lazy rescale
+    included), and close to eager."""
+    qv_reload, join, ordered, lazy, store_evict = (bool(flags >> i & 1) for i in range(5))
+    note(f"S={S} d={d} n={n} grid={grid} prefetch={prefetch} warps={warps} flags={flags:05b} {dtype}")
+    src = make((n, d), dtype, seed, S)
+    qw, nw = weights(d, seed)
+    ref = triton_mix.attnres_mix_triton(src, qw, nw, join=join)  # (the interpreter sums a joined pair apart)
+    out = triton_mix.attnres_mix_triton(src, qw, nw, stream=True, grid=grid, prefetch=prefetch, num_warps=warps,
+                                        qv_reload=qv_reload, join=join, ordered=ordered, fence=1 + (flags & 1),
+                                        lazy=lazy, store_evict=store_evict, l2_ahead=4)
+    assert torch.equal(out, ref)
+    close(out, attnres_mix_reference(src, qw, nw, 1e-5), dtype)
+
+
+def test_mix_named_schedules_agree(monkeypatch):
+    """Every entry of MIX_SCHEDULES (what bench/gpu/attnres.py times) gives the default's bits; K3NN_ATTNRES_MIX
+    swaps the default schedule; unknown names and knobs are refused."""
+    for S, d, n in ((5, 72, 5), (2, 33, 4)):
+        src = make((n, d), torch.bfloat16, 20 + S, S)
+        qw, nw = weights(d, 20 + S)
+        ref = triton_mix.attnres_mix_triton(src, qw, nw)
+        for name in triton_mix.MIX_SCHEDULES:
+            out = triton_mix.attnres_mix_triton(src, qw, nw, schedule=name, num_warps=2)
+            assert torch.equal(out, ref), (S, name)
+        monkeypatch.setenv("K3NN_ATTNRES_MIX", "stream-16w-pf2-l2x4-lazy")
+        with backend("triton"):
+            assert torch.equal(ops.attnres_mix(src, qw, nw), ref)
+        monkeypatch.delenv("K3NN_ATTNRES_MIX")
+    monkeypatch.setenv("K3NN_ATTNRES_MIX", "no-such-schedule")
+    with pytest.raises(ValueError, match="K3NN_ATTNRES_MIX"):
+        triton_mix.attnres_mix_triton(src, qw, nw)
+    monkeypatch.delenv("K3NN_ATTNRES_MIX")
+    with pytest.raises(TypeError, match="lazy"):
+        triton_mix.attnres_mix_triton(src, qw, nw, lazy=True)  # a stream-kernel knob on the row kernel
+    with pytest.raises(KeyError):
+        triton_mix.attnres_mix_triton(src, qw, nw, schedule="no-such-schedule")
+
+
 def test_mix_bf16_weights_and_k3_width_row():
     """bf16 query/gain (as loaded from a checkpoint) at the K3 width 7168 (one padded 8192-lane row)."""
     d = 7168

@@ -17,6 +17,7 @@ apply the following RMSNorm to h). fp32 math throughout; bf16 / fp16 / fp32 I/O.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,7 +28,7 @@ from ..registry import triton_ready
 from .reference import AttnResPhase2Output
 
 __all__ = ["attnres_mix_triton", "attnres_phase1_triton", "attnres_phase2_triton", "mix_supports",
-           "phase1_supports", "phase2_supports", "MAX_D", "MAX_SOURCES"]
+           "phase1_supports", "phase2_supports", "MAX_D", "MAX_SOURCES", "MIX_SCHEDULES"]
 
 MAX_D = 16384  # the whole row (accumulator + current source) lives in registers
 MAX_SOURCES = 32
@@ -35,6 +36,7 @@ MAX_PREFETCH = 8  # load-ring slots in the kernel
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no inline asm under the interpreter
 _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
+_last_kernel = None  # the compiled kernel of the latest launch (its n_regs / n_spills for the variant sweep)
 
 
 @triton.jit
@@ -58,6 +60,29 @@ def _ld(base, offs, mask, EVICT: tl.constexpr):
         return tl.load(base + offs, mask=mask, other=0.0)
 
 
+@triton.jit
+def _l2_prefetch(row_ptr, nbytes, valid, KIND: tl.constexpr, LANES: tl.constexpr):
+    """Ask L2 to fetch the ``nbytes`` bytes at ``row_ptr`` (a scalar pointer) ahead of their loads (GPU only).
+
+    A hint with no result and no registers held: the bytes in flight from DRAM are no longer bounded by the
+    register ring, and the ring's own loads then hit L2. KIND 1: one ``prefetch.global.L2`` per 32-byte sector
+    (LANES ≥ sectors); 2: one per 128-byte line; 3: one ``cp.async.bulk.prefetch.L2`` for the whole row, issued
+    by lane 0 of a LANES = 32·num_warps vector (one owner thread; needs a 16-byte aligned row, nbytes % 16 = 0)."""
+    lane = tl.arange(0, LANES)
+    base = row_ptr.to(tl.int64)
+    if KIND == 3:
+        go = (lane < valid.to(tl.int32)).to(tl.int32)  # lane 0 when valid
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+            "=r,l,r,r", [base + lane * 0, go, nbytes + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        off = lane * (32 if KIND == 1 else 128)
+        go = (off < valid.to(tl.int32) * nbytes).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [base + off, go], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["N", "Q"])  # one compile for decode (N = 1) and prefill
 def _attnres_kernel(
     src,  # tuple of S pointers, each to [N, D] rows with row stride D
@@ -71,7 +96,8 @@ def _attnres_kernel(
     S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UPDATE: tl.constexpr, HAS_STATE: tl.constexpr,
     NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr, PREFETCH: tl.constexpr,
     QV_RELOAD: tl.constexpr, JOIN: tl.constexpr, EVICT: tl.constexpr, ORDERED: tl.constexpr,
-    FENCE: tl.constexpr,
+    FENCE: tl.constexpr, L2AHEAD: tl.constexpr = 0, L2KIND: tl.constexpr = 1, L2LANES: tl.constexpr = 1,
+    ELT: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     q = pid % Q
@@ -98,6 +124,11 @@ def _attnres_kernel(
     # load issued in step j carries a zero that the compiler cannot prove, derived from the sum of squares of
     # step j - 1 (ss ≥ 0, so ss < 0 is always false), so it cannot be issued before that reduction is done.
     dep = rbase * 0
+    # L2AHEAD > 0: sources PREFETCH + 1 .. PREFETCH + L2AHEAD - 1 are prefetched into L2 now, and step j asks
+    # for source j + PREFETCH + L2AHEAD (L2AHEAD ≥ S: every source of the row is requested up front).
+    for i in tl.static_range(PREFETCH + 1, PREFETCH + L2AHEAD):
+        if i < S:
+            _l2_prefetch(src[i] + rbase, D * ELT, row < N, L2KIND, L2LANES)
     for i in tl.static_range(PREFETCH):
         if i < S:
             x = _ld(src[i] + rbase, offs, mask, EVICT)
@@ -118,6 +149,8 @@ def _attnres_kernel(
             else:
                 b7 = x
     for j in tl.static_range(S):
+        if L2AHEAD > 0 and j + PREFETCH + L2AHEAD < S:
+            _l2_prefetch(src[j + PREFETCH + L2AHEAD] + rbase, D * ELT, row < N, L2KIND, L2LANES)
         if j + PREFETCH < S:
             x = _ld(src[j + PREFETCH] + (rbase + dep), offs, mask, EVICT)
             if (j + PREFETCH) % (PREFETCH + 1) == 0:
@@ -210,6 +243,148 @@ def _attnres_kernel(
         tl.store(l_out_ptr + q * N + row, l)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _mix_stream_kernel(
+    src,  # tuple of S pointers, each to [N, D] rows with row stride D
+    qw_ptr, nw_ptr, out_ptr, N, D, eps,
+    S: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, QV_RELOAD: tl.constexpr, JOIN: tl.constexpr,
+    EVICT: tl.constexpr, ORDERED: tl.constexpr, FENCE: tl.constexpr, L2AHEAD: tl.constexpr, L2KIND: tl.constexpr,
+    L2LANES: tl.constexpr, ELT: tl.constexpr, STORE_EVICT: tl.constexpr, LAZY: tl.constexpr,
+):
+    """``attnres_mix`` with persistent programs: program p mixes rows p, p + G, p + 2G, ... (G programs).
+
+    The loads form one stream of (row, source) items per program, item k = source k % S of row p + (k // S)·G,
+    and the register ring and the L2 prefetch window run across row boundaries: while row r is reduced and
+    stored, the first sources of row r + G are already in flight, so no program starts with an empty pipeline
+    (a one-row program waits a full DRAM latency before its first reduction, and there are T / #SM of them in
+    turn per SM). The ring is a shift register (b0 = oldest), so its slots stay fixed across the row loop.
+    Same math, same operation order as :func:`_attnres_kernel` (``attnres_mix`` mode)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    if not QV_RELOAD:
+        qv = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        qv = qv * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    nbytes = D * ELT
+    # items 0 .. PREFETCH - 1 into the ring, PREFETCH + 1 .. PREFETCH + L2AHEAD - 1 into L2
+    # (prologue names differ from the loop's: a name bound before the row loop would be carried through it)
+    for i in tl.static_range(PREFETCH):
+        ri = pid + (i // S) * G
+        xi = _ld(src[i % S] + ri.to(tl.int64) * D, offs, offs < (ri < N).to(tl.int32) * D, EVICT)
+        if i == 0:
+            b0 = xi
+        elif i == 1:
+            b1 = xi
+        elif i == 2:
+            b2 = xi
+        elif i == 3:
+            b3 = xi
+        elif i == 4:
+            b4 = xi
+        elif i == 5:
+            b5 = xi
+        elif i == 6:
+            b6 = xi
+        else:
+            b7 = xi
+    for i in tl.static_range(PREFETCH + 1, PREFETCH + L2AHEAD):
+        ri = pid + (i // S) * G
+        _l2_prefetch(src[i % S] + ri.to(tl.int64) * D, nbytes, ri < N, L2KIND, L2LANES)
+    dep = pid.to(tl.int64) * 0  # ORDERED: an unprovable zero from the previous reduction (see _attnres_kernel)
+    for row in range(pid, N, G):
+        rbase = (pid * 0 + row).to(tl.int64) * D  # (the interpreter's loop index is a Python int)
+        for j in tl.static_range(S):
+            # (item indices are written out: a name bound to a constexpr in the unrolled loop becomes a tensor)
+            if L2AHEAD > 0:
+                r2 = row + ((j + PREFETCH + L2AHEAD) // S) * G
+                _l2_prefetch(src[(j + PREFETCH + L2AHEAD) % S] + r2.to(tl.int64) * D, nbytes, r2 < N, L2KIND,
+                             L2LANES)
+            rk = row + ((j + PREFETCH) // S) * G
+            x = _ld(src[(j + PREFETCH) % S] + (rk.to(tl.int64) * D + dep), offs, offs < (rk < N).to(tl.int32) * D,
+                    EVICT)
+            if PREFETCH == 0:
+                cur = x
+            else:  # take the oldest slot, shift, append the new load
+                cur = b0
+                if PREFETCH > 1:
+                    b0 = b1
+                if PREFETCH > 2:
+                    b1 = b2
+                if PREFETCH > 3:
+                    b2 = b3
+                if PREFETCH > 4:
+                    b3 = b4
+                if PREFETCH > 5:
+                    b4 = b5
+                if PREFETCH > 6:
+                    b5 = b6
+                if PREFETCH > 7:
+                    b6 = b7
+                if PREFETCH == 1:
+                    b0 = x
+                elif PREFETCH == 2:
+                    b1 = x
+                elif PREFETCH == 3:
+                    b2 = x
+                elif PREFETCH == 4:
+                    b3 = x
+                elif PREFETCH == 5:
+                    b4 = x
+                elif PREFETCH == 6:
+                    b5 = x
+                elif PREFETCH == 7:
+                    b6 = x
+                else:
+                    b7 = x
+            if QV_RELOAD:
+                qv = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                qv = qv * tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = cur.to(tl.float32)
+            sq = v * v
+            if FENCE == 1 and j > 0:
+                sq = sq + acc * 0.0
+            if JOIN:
+                dot, ss = tl.split(tl.sum(tl.join(v * qv, sq), axis=0))
+            else:
+                dot = tl.sum(v * qv, axis=0)
+                ss = tl.sum(sq, axis=0)
+            s = dot * tl.rsqrt(ss / D + eps)
+            if ORDERED:
+                dep = (ss < 0).to(tl.int64) * 16
+            if j == 0:
+                m = s
+                l = tl.full([], 1.0, tl.float32)
+                acc = v
+            elif LAZY:
+                # Rescale only when the running max moves (a branch every thread takes alike: s and m come out of
+                # the block-wide reduction); otherwise alpha = 1 and acc · 1 is exact, so the result is the same
+                # as the unconditional form's, one multiply per element fewer on most steps.
+                if s > m:
+                    alpha = tl.exp(m - s)
+                    acc = acc * alpha
+                    l = l * alpha
+                    m = s
+                beta = tl.exp(s - m)
+                acc = acc + v * beta
+                l = l + beta
+            else:
+                m_new = tl.maximum(m, s)
+                alpha = tl.exp(m - m_new)
+                beta = tl.exp(s - m_new)
+                acc = acc * alpha + v * beta
+                l = l * alpha + beta
+                m = m_new
+            if FENCE == 2:
+                acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
+                                                pack=1)
+        h = _cast(acc / l, out_ptr.dtype.element_ty)
+        if STORE_EVICT:
+            tl.store(out_ptr + rbase + offs, h, mask=mask, eviction_policy="evict_first")
+        else:
+            tl.store(out_ptr + rbase + offs, h, mask=mask)
+
+
 def _num_warps(block_d: int) -> int:
     # One row of accumulator + source per program; 8 warps at d = 7168 (phase 2: one source + the state).
     return max(1, min(16, block_d // 1024))
@@ -234,15 +409,117 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return t.contiguous().view(-1, d)
 
 
-def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=None, state_out=None,
-            post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None, prefetch=1, qv_reload=False,
-            join=False, evict=None, ordered=False, fence=0, maxnreg=None):
+# Named mix schedules: keyword overrides of :func:`attnres_mix_triton` ({} = the measured default,
+# :func:`_mix_config`). bench/gpu/attnres.py times every one; ``K3NN_ATTNRES_MIX=<name>`` makes one the default
+# of :func:`attnres_mix_triton` (every S; explicit keywords still win). "row-*": one program per token row
+# (_attnres_kernel); "stream-*": persistent programs over rows (_mix_stream_kernel), ``ctas`` of them per SM.
+# l2 = sources requested into L2 ahead of the register ring (l2_ahead items; kind 1: per 32-byte sector,
+# 2: per 128-byte line, 3: one bulk request per row).
+_ORD = dict(join=True, ordered=True, fence=2)  # the pinned ring with the accumulate tied (see _mix_config)
+MIX_SCHEDULES: dict[str, dict] = {
+    "default": {},
+    # one program per row, no L2 prefetch (the measured schedules before the stream kernel)
+    "row-16w-pf3": dict(num_warps=16, prefetch=3, **_ORD),
+    "row-16w-allfirst": dict(num_warps=16, prefetch=8, join=True, ordered=False, fence=1),
+    "row-8w-pf1": dict(num_warps=8, prefetch=1, **_ORD),
+    # one program per row, every source of the row requested into L2 when the program starts
+    "row-16w-pf2-l2all": dict(num_warps=16, prefetch=2, l2_ahead=32, l2_kind=3, **_ORD),
+    "row-8w-pf1-l2all": dict(num_warps=8, prefetch=1, l2_ahead=32, l2_kind=3, **_ORD),
+    "row-4w-pf1-l2all": dict(num_warps=4, prefetch=1, l2_ahead=32, l2_kind=3, **_ORD),
+    # persistent programs (one per SM unless ctas): the ring and the L2 window cross row boundaries
+    "stream-16w-pf3": dict(stream=True, num_warps=16, prefetch=3, **_ORD),
+    "stream-16w-pf2-l2x4": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, **_ORD),
+    "stream-16w-pf2-l2x8": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=8, l2_kind=3, **_ORD),
+    "stream-16w-pf1-l2x6": dict(stream=True, num_warps=16, prefetch=1, l2_ahead=6, l2_kind=3, **_ORD),
+    "stream-16w-pf2-l2x4-sec": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=1, **_ORD),
+    "stream-16w-pf2-l2x4-line": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=2, **_ORD),
+    "stream-16w-pf2-l2x4-st": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, store_evict=True,
+                                   **_ORD),
+    "stream-16w-pf2-l2x4-lazy": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, lazy=True,
+                                     **_ORD),
+    "stream-16w-pf1-l2x6-lazy": dict(stream=True, num_warps=16, prefetch=1, l2_ahead=6, l2_kind=3, lazy=True,
+                                     **_ORD),
+    "stream-8w-pf1-l2x4-2cta": dict(stream=True, ctas=2, num_warps=8, prefetch=1, l2_ahead=4, l2_kind=3,
+                                    maxnreg=128, lazy=True, **_ORD),
+    "stream-32w-pf2-l2x4": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=4, l2_kind=3, **_ORD),
+    "stream-32w-pf2-l2x6-lazy": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=6, l2_kind=3, lazy=True,
+                                     **_ORD),
+}
+_ROW_KEYS = ("num_warps", "prefetch", "qv_reload", "join", "evict", "ordered", "fence", "maxnreg", "l2_ahead",
+             "l2_kind")
+_STREAM_KEYS = _ROW_KEYS + ("ctas", "grid", "store_evict", "num_stages", "lazy")
+
+
+def _mix_schedule(block_d: int, n_sources: int, overrides: dict) -> dict:
+    """The schedule of one mix call: the default (or the K3NN_ATTNRES_MIX named one), then ``overrides``."""
+    name = os.environ.get("K3NN_ATTNRES_MIX", "").strip()
+    named = {}
+    if name and name != "default":
+        if name not in MIX_SCHEDULES:
+            raise ValueError(f"K3NN_ATTNRES_MIX={name!r}: not one of {', '.join(MIX_SCHEDULES)}")
+        named = MIX_SCHEDULES[name]
+    cfg = {**_mix_config(block_d, n_sources), "stream": False}
+    # a named or explicit stream schedule starts from nothing but its own keys (fence as on the GPU)
+    for layer in (named, overrides):
+        if layer.get("stream") and not cfg["stream"]:
+            cfg = {"stream": True, "num_warps": None, "prefetch": 2, "join": True, "ordered": True,
+                   "fence": 1 if _INTERPRET else 2}
+        cfg.update(layer)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _l2_args(srcs, d: int, l2_ahead: int | None, l2_kind: int | None, num_warps: int) -> dict:
+    """Constexprs of the L2 prefetch (off under the interpreter: inline asm; it never changes a result)."""
+    ahead = 0 if _INTERPRET or not srcs else max(0, int(l2_ahead or 0))
+    if not ahead:
+        return dict(L2AHEAD=0, L2KIND=1, L2LANES=1, ELT=2)
+    elt = srcs[0].element_size()
+    nbytes = d * elt
+    kind = int(l2_kind or 1)
+    if kind == 3 and (nbytes % 16 or any(t.data_ptr() % 16 for t in srcs)):
+        kind = 1  # the bulk form needs 16-byte aligned rows
+    lanes = (32 * num_warps if kind == 3 else
+             triton.next_power_of_2(max(1, -(-nbytes // (32 if kind == 1 else 128)))))
+    return dict(L2AHEAD=min(ahead, 64), L2KIND=kind, L2LANES=lanes, ELT=elt)
+
+
+def _launch_stream(srcs, qw, nw, out, *, n, d, eps, num_warps=None, prefetch=2, qv_reload=False, join=True,
+                   evict=True, ordered=True, fence=2, maxnreg=None, l2_ahead=0, l2_kind=3, ctas=1, grid=None,
+                   store_evict=False, num_stages=1, lazy=False, stream=True):
     block_d = triton.next_power_of_2(d)
     if n == 0:
         return
+    if grid is None:
+        grid = ctas * (_sm_count(out.device.index if out.device.index is not None else torch.cuda.current_device())
+                       if out.is_cuda else 4)
+    grid = max(1, min(n, int(grid)))
+    nw_ = num_warps or _num_warps(block_d)
+    global _last_kernel
+    _last_kernel = _mix_stream_kernel[(grid,)](
+        tuple(srcs), qw, nw, out, n, d, float(eps),
+        S=len(srcs), BLOCK_D=block_d, PREFETCH=max(0, min(int(prefetch), MAX_PREFETCH)), QV_RELOAD=bool(qv_reload),
+        JOIN=bool(join), EVICT=True if evict is None else bool(evict), ORDERED=bool(ordered),
+        FENCE=1 if fence == 2 and _INTERPRET else int(fence), STORE_EVICT=bool(store_evict), LAZY=bool(lazy),
+        **_l2_args(srcs, d, l2_ahead, l2_kind, nw_),
+        num_warps=nw_, num_stages=int(num_stages), **({"maxnreg": int(maxnreg)} if maxnreg else {}))
+
+
+def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=None, state_out=None,
+            post=None, post_eps=1e-5, y=None, normalise=True, num_warps=None, prefetch=1, qv_reload=False,
+            join=False, evict=None, ordered=False, fence=0, maxnreg=None, l2_ahead=0, l2_kind=3):
+    block_d = triton.next_power_of_2(d)
+    if n == 0:
+        return
+    nw_ = num_warps or _num_warps(block_d)
     o_in, m_in, l_in = state if state is not None else (None, None, None)
     m_out, l_out = state_out if state_out is not None else (None, None)
-    _attnres_kernel[(q * n,)](
+    global _last_kernel
+    _last_kernel = _attnres_kernel[(q * n,)](
         tuple(srcs) if srcs else (out,),  # S = 0 (phase 2 without a partial) never reads it
         upd, newp, o_in, m_in, l_in, qw, nw, qw.stride(0) if qw.dim() == 2 else 0,
         out, m_out, l_out, post, y, float(post_eps), n, d, q, float(eps),
@@ -250,8 +527,8 @@ def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=Non
         NORMALISE=normalise, WRITE_STATE=state_out is not None, POST_NORM=post is not None,
         PREFETCH=max(0, min(int(prefetch), MAX_PREFETCH, len(srcs) - 1)), QV_RELOAD=bool(qv_reload), JOIN=bool(join),
         EVICT=(q == 1) if evict is None else bool(evict), ORDERED=bool(ordered),
-        FENCE=1 if fence == 2 and _INTERPRET else int(fence),
-        num_warps=num_warps or _num_warps(block_d), **({"maxnreg": int(maxnreg)} if maxnreg else {}))
+        FENCE=1 if fence == 2 and _INTERPRET else int(fence), **_l2_args(srcs, d, l2_ahead, l2_kind, nw_),
+        num_warps=nw_, **({"maxnreg": int(maxnreg)} if maxnreg else {}))
 
 
 # --------------------------------------------------------------------------------------------- supports
@@ -295,23 +572,28 @@ def phase2_supports(o, m, l, partial, query_weight, norm_weight, eps=1e-5, updat
 
 
 def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float = 1e-5, *, num_warps: int | None = None, prefetch: int | None = None,
-                       qv_reload: bool | None = None, join: bool | None = None, evict: bool | None = None,
-                       ordered: bool | None = None, fence: int | None = None, maxnreg: int | None = None
-                       ) -> torch.Tensor:
+                       eps: float = 1e-5, *, schedule: str | None = None, **knobs) -> torch.Tensor:
     """sources: S tensors [..., d] → h [..., d] in the sources' dtype (see :func:`k3nn.ops.attnres_mix`).
-    The keyword knobs override the measured default schedule (:func:`_mix_config`); results are identical."""
+
+    ``schedule`` names an entry of :data:`MIX_SCHEDULES`; keyword knobs (num_warps, prefetch, qv_reload, join,
+    evict, ordered, fence, maxnreg, l2_ahead, l2_kind; with stream=True also ctas, grid, store_evict,
+    num_stages) override it or the measured default (:func:`_mix_config`). Every schedule computes the same
+    fp32 operations in the same order per row; only reduction trees (warp counts) may move the last bit."""
     d = sources[0].shape[-1]
-    cfg = _mix_config(triton.next_power_of_2(d), len(sources))
-    for k, v in (("num_warps", num_warps), ("prefetch", prefetch), ("qv_reload", qv_reload), ("join", join),
-                 ("evict", evict), ("ordered", ordered), ("fence", fence), ("maxnreg", maxnreg)):
-        if v is not None:
-            cfg[k] = v
+    over = {k: v for k, v in knobs.items() if v is not None}
+    if schedule is not None:
+        over = {**MIX_SCHEDULES[schedule], **over}
+    cfg = _mix_schedule(triton.next_power_of_2(d), len(sources), over)
+    allowed = _STREAM_KEYS if cfg["stream"] else _ROW_KEYS
+    bad = set(cfg) - set(allowed) - {"stream"}
+    if bad:
+        raise TypeError(f"attnres_mix_triton: unknown knobs {sorted(bad)} for the "
+                        f"{'stream' if cfg['stream'] else 'row'} kernel")
     srcs = [_rows(s, d) for s in sources]
     n = srcs[0].shape[0]
     out = _alloc(sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
-    _launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps,
-            **cfg)
+    launch = _launch_stream if cfg.pop("stream") else _launch
+    launch(srcs, query_weight.contiguous(), norm_weight.contiguous(), out, n=n, d=d, eps=eps, **cfg)
     return out
 
 
