@@ -12,6 +12,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from k3nn import ops
+from k3nn.kernels.attnres import triton_mix as tm
 from k3nn.kernels.attnres.reference import attnres_phase1_reference, attnres_phase2_reference
 from k3nn.kernels.registry import backend, resolve
 from k3nn.layers.attnres import attnres_mix_reference
@@ -77,6 +78,25 @@ def test_two_phase_gpu(T, d, S, Q, dtype, state, seed):
     close(r.normed, e.normed, dtype)
     loose = torch.bfloat16 if torch.bfloat16 in (dtype, state) else dtype
     close(r.mix, attnres_mix_reference(x + [part + upd], qw[-1], nw[-1], 1e-5), loose)
+
+
+@pytest.mark.parametrize("name", list(tm.MIX_SCHEDULES))
+def test_mix_schedules_gpu(name):
+    """Every named schedule (row / persistent stream kernel, L2 prefetch kinds, lazy rescale) vs eager at the K3
+    width and an odd width (the bulk prefetch falls back to sectors), more rows than programs, and a source
+    2 bytes off 16-byte alignment."""
+    for T, d, S in ((300, 7168, 9), (1000, 7168, 2), (37, 4099, 5), (1, 7168, 9)):
+        x = srcs(T, d, S, torch.bfloat16, T + S)
+        qw, nw = qn(d, T)
+        ref = attnres_mix_reference(x, qw, nw, 1e-5)
+        close(tm.attnres_mix_triton(x, qw, nw, schedule=name), ref, torch.bfloat16)
+        if tm.MIX_SCHEDULES[name].get("stream"):
+            close(tm.attnres_mix_triton(x, qw, nw, schedule=name, grid=7), ref, torch.bfloat16)
+    buf = torch.empty(37 * 7168 + 1, device=DEV, dtype=torch.bfloat16)
+    x = srcs(37, 7168, 5, torch.bfloat16, 3)
+    x[1] = buf[1:].view(37, 7168).copy_(x[1])
+    qw, nw = qn(7168, 3)
+    close(tm.attnres_mix_triton(x, qw, nw, schedule=name), attnres_mix_reference(x, qw, nw, 1e-5), torch.bfloat16)
 
 
 def test_auto_picks_triton_and_graph_capture():

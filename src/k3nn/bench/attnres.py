@@ -38,7 +38,7 @@ def _n_sets(bytes_per_call: int, cap: int = 1000) -> int:
 
 
 def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict], rows: list[dict],
-              with_eager: bool = True) -> None:
+              with_eager: bool = True, names: list[str] | None = None) -> None:
     from ..kernels.attnres.triton_mix import attnres_mix_triton
     from ..layers.attnres import attnres_mix_reference
 
@@ -57,11 +57,11 @@ def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict
         eager_ms = None
         if with_eager:
             eager_ms = _rotating_ms([lambda s=s: attnres_mix_reference(s, qw, nw, 1e-5) for s in sets], graph)
-        for kw in variants or [{}]:
+        for i, kw in enumerate(variants or [{}]):
             e = rel_err(attnres_mix_triton(sets[0], qw, nw, 1e-5, **kw), ref)
             assert e < 1e-2, f"attnres_mix T={T} S={S} {kw}: rel err {e}"
             ms = _rotating_ms([lambda s=s: attnres_mix_triton(s, qw, nw, 1e-5, **kw) for s in sets], graph)
-            tag = "".join(f" {k}={int(v)}" for k, v in kw.items())
+            tag = f" {names[i]}" if names else "".join(f" {k}={int(v)}" for k, v in kw.items())
             rows.append({"case": f"mix d={d} T={T} S={S} bf16{tag}", "k3nn_ms": round(ms, 5),
                          "anchor": "eager torch mix" if eager_ms else None,
                          "anchor_ms": round(eager_ms, 5) if eager_ms else None,
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sources", default="2,5,9", help="source counts for the mix")
     ap.add_argument("--sweep", default="", help="also time kernel variants warps:prefetch:qv_reload:join"
                     "[:ordered:fence] (e.g. 8:2:1:1,16:3:0:1:1:1) at T=8192 S=5,9 and T=64 S=9")
+    ap.add_argument("--schedules", default="", help="also time named mix schedules (triton_mix.MIX_SCHEDULES, "
+                    "e.g. stream-16w-pf2-l2x4-lazy) at T=8192 S=2,5,9 and T=64 S=9")
     ap.add_argument("--block-tokens", default="1,64,2048", help="token counts for the block-of-12 comparison")
     ap.add_argument("--stored", type=int, default=8, help="stored blocks in the block comparison")
     ap.add_argument("--skip-block", action="store_true")
@@ -174,6 +176,12 @@ def main(argv: list[str] | None = None) -> None:
                      for k, x in zip(keys, v.split(":"))} for v in args.sweep.split(",")]
         for T, S in ((8192, 9), (8192, 5), (64, 9)):
             bench_mix(args.d, [T], [S], variants, rows, with_eager=False)
+    if args.schedules:
+        from ..kernels.attnres.triton_mix import MIX_SCHEDULES
+
+        names = [n for n in args.schedules.split(",") if n]
+        for T, S in ((8192, 9), (8192, 5), (8192, 2), (64, 9)):
+            bench_mix(args.d, [T], [S], [MIX_SCHEDULES[n] for n in names], rows, with_eager=False, names=names)
     if not args.skip_block:
         bench_block(args.d, ints(args.block_tokens), args.stored, rows, [torch.float32, torch.bfloat16])
     for r in rows:

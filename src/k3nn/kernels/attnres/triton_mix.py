@@ -9,6 +9,12 @@ in that order), the row sums Σv·q and Σv² (optionally as one joined reductio
     s = (v · q) / sqrt(mean(v²) + eps);  M = max(m, s)
     acc = e^{m−M} acc + e^{s−M} v;  l = e^{m−M} l + e^{s−M}
 
+``attnres_mix`` can also run as a persistent kernel (:func:`_mix_stream_kernel`, ``stream=True``): a grid of
+``ctas`` programs per SM, each mixing rows p, p + G, ... with its load ring and its L2 prefetch window running
+across row boundaries. The L2 prefetch (``l2_ahead``, GPU only: inline PTX, off under the interpreter) asks for
+source rows ahead of the register ring, so the bytes in flight from DRAM no longer cost registers. Named
+schedules: :data:`MIX_SCHEDULES`; ``K3NN_ATTNRES_MIX=<name>`` swaps the default.
+
 Modes (constexpr): ``attnres_mix`` (normalise and store h), phase 1 (Q queries, store the unnormalised
 state o, m, l; the Q programs of a token are adjacent so its source rows are served from L2 after the
 first), phase 2 (start from a stored state, optionally add the residual update to the partial first and
@@ -343,7 +349,7 @@ def _mix_stream_kernel(
             v = cur.to(tl.float32)
             sq = v * v
             if FENCE == 1 and j > 0:
-                sq = sq + acc * 0.0
+                sq = sq + acc * 0.0  # noqa: F821  (bound at j = 0 of the unrolled loop)
             if JOIN:
                 dot, ss = tl.split(tl.sum(tl.join(v * qv, sq), axis=0))
             else:
