@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--ctx", type=int, default=32)
+    ap.add_argument("--prefill-backend", default="eager", help="backend of the prompt prefill (the e2e bench uses auto)")
     ap.add_argument("--dtypes", default="bfloat16", help="comma list; float32 eager k3_slice needs most of an H200")
     args = ap.parse_args()
     from k3nn.kernels.moe import triton_fused
@@ -130,11 +131,11 @@ def main():
             gen = torch.Generator(device=dev).manual_seed(B)
             ids = torch.randint(0, cfg.vocab_size, (B, args.ctx), generator=gen, device=dev)
             base = HybridCache(cfg, B, args.ctx + 8, dtype, dev, mla_pool=True)
-            model.backend = "eager"
+            model.backend = args.prefill_backend
             nxt = model(ids, cache=base, logits_to_keep=1).logits[:, -1].argmax(-1)
             model.backend = None
             ref = step(model, base, nxt, "eager")
-            report(f"{dtype} B={B} auto", ref, step(model, base, nxt, "auto"))
+            report(f"{dtype} B={B} ctx={args.ctx} prefill={args.prefill_backend} auto", ref, step(model, base, nxt, "auto"))
             again = step(model, base, nxt, "auto")
             report(f"{dtype} B={B} auto (2nd run; vs eager)", ref, again)
             for dec, graph in (("auto", False), ("auto", True), ("latency_specialized", False),

@@ -54,7 +54,9 @@ def main():
             mb = n * 2 * W / 1e6
             print(f"{n * 2 * W:>10d} B (all-reduce buffer {mb:.3f} MB): all_reduce {ar:8.1f} us ({mb / ar * 1e3 / 1e3:.1f} GB/s)"
                   f"  in graph {ar_graph:8.1f} us | all_gather {ag:8.1f} us | reduce_scatter {rs:8.1f} us", flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    torch.cuda.synchronize()
+    os._exit(0)  # skip NCCL teardown: with graph-captured collectives it can hang the launcher
 
 
 if __name__ == "__main__":
