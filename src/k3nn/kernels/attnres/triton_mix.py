@@ -451,6 +451,9 @@ MIX_SCHEDULES: dict[str, dict] = {
     "stream-32w-pf2-l2x6-lazy": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=6, l2_kind=3, lazy=True,
                                      **_ORD),
 }
+# The default per source count, once measured: (max S, schedule name) pairs, first match wins, e.g.
+# [(2, "stream-16w-pf1-l2x6-lazy"), (32, "stream-16w-pf2-l2x4-lazy")]. Empty: the row kernel's _mix_config.
+DEFAULT_SCHEDULES: list[tuple[int, str]] = []
 _ROW_KEYS = ("num_warps", "prefetch", "qv_reload", "join", "evict", "ordered", "fence", "maxnreg", "l2_ahead",
              "l2_kind")
 _STREAM_KEYS = _ROW_KEYS + ("ctas", "grid", "store_evict", "num_stages", "lazy")
@@ -459,6 +462,8 @@ _STREAM_KEYS = _ROW_KEYS + ("ctas", "grid", "store_evict", "num_stages", "lazy")
 def _mix_schedule(block_d: int, n_sources: int, overrides: dict) -> dict:
     """The schedule of one mix call: the default (or the K3NN_ATTNRES_MIX named one), then ``overrides``."""
     name = os.environ.get("K3NN_ATTNRES_MIX", "").strip()
+    if not name:
+        name = next((nm for max_s, nm in DEFAULT_SCHEDULES if n_sources <= max_s), "default")
     named = {}
     if name and name != "default":
         if name not in MIX_SCHEDULES:
