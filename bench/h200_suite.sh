@@ -16,6 +16,9 @@ PYTEST="env K3NN_KDA_TUNE=0 K3NN_MOE_TUNE=0 K3NN_MLA_NO_TUNE=1 python3 -m pytest
 # name | limit (s) | command
 STEPS=(
   "diag-decode|150|$PY bench/gpu/diag_decode.py"
+  "diag-spec|150|$PY bench/gpu/diag_spec.py"
+  "diag-decode-128|120|$PY bench/gpu/diag_decode.py --batches 1,8 --ctx 128 --prefill-backend auto"
+  "attnres-sweep|170|$PY bench/gpu/attnres.py --budget 150 --tokens 8192"
   "kda-intra|120|$PY bench/gpu/kda_intra.py"
   "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"
