@@ -172,7 +172,9 @@ def test_bad_inputs():
         mla_decode(q_lat.bfloat16(), q_rope.bfloat16(), pool.bfloat16(), table, sl, 0.1)
 
 
-@pytest.mark.parametrize("tile", [(16, 16, 4, 1, False), (16, 32, 4, 1, True), (16, 16, 4, 1, True)])
+@pytest.mark.parametrize("tile", [(16, 16, 4, 1, False), (16, 32, 4, 1, True), (16, 16, 4, 1, True),
+                                  (16, 32, 4, 1, True, 2, True, True), (16, 16, 4, 1, False, 2, False, True),
+                                  (16, 32, 4, 1, False, 1, True, False)])
 @pytest.mark.parametrize("bs", [8, 64])
 def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
     """Both rescaling schemes (eager and lazy, threshold 2^8), tiles spanning several pages, and scores whose
@@ -189,3 +191,72 @@ def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
             pool[table[b, j // bs], j % bs] = torch.cat([c[b, j], kr[b, j]])
     o, lse = run("triton", q_lat, q_rope, pool, table, sl, 2.0, num_splits=2)
     check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, 2.0, atol=5e-5)
+
+
+@given(data=st.data())
+def test_plan_variants(data):
+    """Every constexpr variant of a plan (column split, block ids read ahead, opaque scores, lazy or eager
+    rescaling, key tiles within or across pages) against the eager reference, with verify windows and explicit
+    visible lengths."""
+    from k3nn.kernels.mla import triton_decode
+
+    tile = (16, data.draw(st.sampled_from([16, 32]), label="BLOCK_N"), 4, 1, data.draw(st.booleans(), label="lazy"),
+            data.draw(st.sampled_from([1, 2]), label="sv"), data.draw(st.booleans(), label="ahead"),
+            data.draw(st.booleans(), label="opaque"))
+    bs = data.draw(st.sampled_from([8, 16, 64]), label="block_size")
+    Tq = data.draw(st.integers(1, 3), label="Tq")
+    B = data.draw(st.integers(1, 2), label="B")
+    lens = data.draw(st.lists(st.integers(Tq, 140), min_size=B, max_size=B), label="lens")
+    H = data.draw(st.integers(1, 5), label="H")
+    r = data.draw(st.sampled_from([16, 32, 24]), label="r")
+    dr = data.draw(st.sampled_from([0, 8, 16]), label="dr")
+    splits = data.draw(st.sampled_from([1, 2, 3]), label="num_splits")
+    use_vis = data.draw(st.booleans(), label="visible_lens")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    note(f"tile={tile} bs={bs} lens={lens} Tq={Tq} H={H} r={r} dr={dr} splits={splits} vis={use_vis}")
+    q_lat, q_rope, pool, table, sl, *_ = make_case(seed, lens, Tq, H, r, dr, bs)
+    vis = None
+    if use_vis:
+        g = torch.Generator().manual_seed(seed + 1)
+        vis = (torch.rand(B, Tq, generator=g) * (sl[:, None] + 1)).to(torch.int32).clamp_max(sl[:, None])
+    scale = (r + dr) ** -0.5 * 1.7
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_decode, "_INTERP_TILE", tile)
+        o, lse = run("triton", q_lat, q_rope, pool, table, sl, scale, visible_lens=vis, num_splits=splits)
+    with backend("eager"):
+        o_ref, lse_ref = mla_decode(q_lat, q_rope, pool, table, sl, scale, visible_lens=vis)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_plans_and_split_counts(monkeypatch):
+    """Host-side plan logic for a 132-SM GPU, without one: split counts that fill whole waves, candidate
+    filtering by row count, plan tuples, the K3NN_MLA_TILE override."""
+    from k3nn.kernels.mla import triton_decode as td
+
+    monkeypatch.setattr(td, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert td.wave_splits(64, 64, dev, 64) == 2  # 128 programs: one wave
+    assert td.wave_splits(64, 64, dev, 32) == 1
+    assert td.wave_splits(128, 64, dev, 64) == 1
+    assert td.wave_splits(1, 64, dev, 64) == 132
+    assert td.wave_splits(1, 96, dev, 32) == 44
+    assert td.wave_splits(1, 64, dev, 64, split_v=2) == 66
+    assert td.wave_splits(1, 16, dev, 16, waves=4.0) == td.MAX_SPLITS
+    assert td.choose_num_splits(64, 64, dev, 32) == 3  # the default plan's count (about two waves)
+    assert td.wave_splits(1, 64, torch.device("cpu"), 64) == 1
+    p = td.make_plan((64, 32, 8, 4, True, 1, True, True), 2)
+    assert p == td.Plan(64, 32, 8, 4, True, 1, True, True, 2) and p.tile == (64, 32, 8, 4, True, 1, True, True)
+    assert p.short() == "64x32w8s4-LAO/S2"
+    assert td.make_plan((32, 64, 4, 2, True), 3) == td.Plan(32, 64, 4, 2, True, 1, False, False, 3)
+    assert td._default_plan(64, 64, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, 3)
+    for M, rows in [(16, {16}), (64, {32, 64}), (96, {32, 64}), (128, {32, 64})]:
+        cands = td._candidates(64, M, dev)
+        assert {c.bh for c in cands} == rows, M
+        assert len(cands) == len(set(cands))
+        for c in cands:
+            assert c.splits in {td.wave_splits(64, M, dev, c.bh, c.sv), td.choose_num_splits(64, M, dev, c.bh, 2, c.sv)}
+    monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,1,2,1,0")
+    assert td._env_tile() == (64, 32, 8, 4, True, 2, True, False)
+    monkeypatch.delenv("K3NN_MLA_TILE")
+    assert td._env_tile() is None

@@ -85,7 +85,9 @@ def _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY: tl.c
     return p, m_i, l_i, acc
 
 
-@triton.jit
+# Integers that vary with the batch, the split count and the table width are not specialised (divisible by 16,
+# equal to 1): one compile serves every split count and table.
+@triton.jit(do_not_specialize=["s_btb", "s_visb", "s_lpb", "s_lpm", "Tq", "H", "M", "NUM_SPLITS"])
 def _mla_decode_stage1(
     Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
     s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh,
@@ -216,7 +218,10 @@ def _mla_decode_stage1(
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse_ok = m_ok & (pid_v == 0)  # one writer per row
+    if SPLIT_V == 1:
+        lse_ok = m_ok
+    else:
+        lse_ok = m_ok & ((tl.zeros([BLOCK_H], tl.int32) + pid_v) == 0)  # one writer per row
     if EVEN_R:
         o_mask = m_ok[:, None]
     else:
@@ -230,7 +235,7 @@ def _mla_decode_stage1(
         tl.store(LSE_part + b * s_lpb + offs_m * s_lpm + pid_s, lse, mask=lse_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_opb", "s_opm", "s_lpb", "s_lpm", "H", "NUM_SPLITS"])
 def _mla_decode_combine(
     O_part, LSE_part, O, LSE,
     s_opb, s_opm, s_ops, s_lpb, s_lpm, s_ob, s_ot, s_oh, s_lb, s_lt,
@@ -309,10 +314,10 @@ def make_plan(tile, splits: int) -> Plan:
 # ``ahead`` gives 64×32 tiles with 4 stages four buffers (three tiles in flight, 220 KB of shared memory).
 _GPU_TILES = [
     (32, 64, 4, 2, True),                           # the measured best so far (and the default)
-    (32, 64, 4, 3, True),
-    (16, 64, 4, 2, True),                           # few rows (Tq·H <= 16: heads sharded by TP)
+    (32, 32, 4, 3, True, 1, True),                  # 32-key tiles two deep; two programs per SM
+    (16, 64, 4, 2, True),                           # few rows (Tq·H <= 32: heads sharded by TP)
     (64, 64, 8, 2, True),                           # the previous 64-row best
-    (64, 64, 8, 2, False, 1, False, True),          # scores split between the warp groups, no spills
+    (64, 64, 8, 2, False, 1, True, True),           # score tile split between the warp groups, no spills
     (64, 32, 8, 4, True, 1, True, True),            # + three 32-key tiles in flight
     (64, 32, 8, 4, False, 1, True, True),
     (64, 32, 8, 4, True, 1, True, False),
@@ -320,6 +325,7 @@ _GPU_TILES = [
 _INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
 LAST_PLAN: Plan | None = None  # the plan of the latest call
+MAX_SPLITS = 256  # automatic split counts stay at or below this (the merge kernel holds all splits of a row)
 
 
 def _programs_per_split(B: int, rows: int, block_h: int, split_v: int = 1) -> int:
@@ -343,7 +349,7 @@ def wave_splits(B: int, rows: int, device: torch.device, block_h: int, split_v: 
     if device.type != "cuda":
         return 1
     per = _programs_per_split(B, rows, block_h, split_v)
-    return max(1, min(128, int(waves * _sm_count(device.index or 0)) // per))
+    return max(1, min(MAX_SPLITS, int(waves * _sm_count(device.index or 0)) // per))
 
 
 def _default_plan(B, M, dev):
@@ -354,23 +360,23 @@ def _default_plan(B, M, dev):
 
 
 def _tile_fits(tile, M) -> bool:
+    """Tiles worth timing for Tq·H = M rows: no 64-row tiles for 32 rows or fewer (mostly padding), no
+    16-row tiles above 32 rows (each key tile read by M/16 programs)."""
     t = make_plan(tile, 1)
     if t.bh > max(16, triton.next_power_of_2(M)):
         return False
-    return not (t.bh >= 64 and M <= 32)  # 64-row tiles for few rows: mostly padding
+    return not ((t.bh >= 64 and M <= 32) or (t.bh <= 16 and M > 32))
 
 
 def _candidates(B, M, dev, tiles=None):
-    """Plans the tuner times: each tile with the split counts filling one wave exactly, about one wave
-    (rounded up) and about two waves."""
+    """Plans the tuner times: each tile with the split count filling whole waves exactly (one program per SM)
+    and the one covering about two waves."""
     out = []
     for tile in tiles or _GPU_TILES:
         if not _tile_fits(tile, M):
             continue
         t = make_plan(tile, 1)
-        counts = {wave_splits(B, M, dev, t.bh, t.sv), choose_num_splits(B, M, dev, t.bh, 1, t.sv),
-                  choose_num_splits(B, M, dev, t.bh, 2, t.sv)}
-        for s in sorted(counts):
+        for s in sorted({wave_splits(B, M, dev, t.bh, t.sv), choose_num_splits(B, M, dev, t.bh, 2, t.sv)}):
             p = make_plan(tile, s)
             if p not in out:
                 out.append(p)

@@ -1,0 +1,291 @@
+"""GPU check and plan sweep for the Triton absorbed MLA decode (paged latent cache, bf16, 512 + 64, block 64).
+
+Per case: the eager reference once, then every plan of the sweep launched into NaN-poisoned outputs and
+compared with it (a wrong or failing plan is reported and not timed), then timed in a CUDA graph next to
+FlashMLA (``sgl-flash-mla``, legacy SM90 kernel) when it imports. Cases run in priority order under a time
+budget (compile time included); later cases sweep only the tiles that did best in the first one. A ragged
+batch (uneven lengths, a 1-token request, shuffled pages, NaN in unused rows) checks every tile first.
+
+TB/s counts the latent cache only (``B·L·576·2`` bytes), against the copy bandwidth measured in this process;
+caches rotate over enough copies to exceed L2.
+
+    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100]
+
+Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
+read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
+summary also gives the full tuple to pin with ``K3NN_MLA_TILE=bh,bn,warps,stages,lazy,sv,ahead,opaque``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from k3nn.bench.common import device_meta, rel_err
+from k3nn.kernels.mla import triton_decode as td
+from k3nn.kernels.mla.reference import mla_decode_reference
+
+R, DR, BS = 512, 64, 64
+SCALE = (128 + 64) ** -0.5
+T0 = time.time()
+
+# (tag, tile): tile = Plan fields without the split count.
+SWEEP_TILES = [
+    ("default", (32, 64, 4, 2, True)),
+    ("mma2-deep", (32, 32, 4, 3, True, 1, True)),
+    ("w64", (64, 64, 8, 2, True)),
+    ("w64-eager", (64, 64, 8, 2, False)),
+    ("opaque", (64, 64, 8, 2, False, 1, True, True)),
+    ("opaque-lazy", (64, 64, 8, 2, True, 1, True, True)),
+    ("deep-opaque-lazy", (64, 32, 8, 4, True, 1, True, True)),
+    ("deep-opaque", (64, 32, 8, 4, False, 1, True, True)),
+    ("deep-dup", (64, 32, 8, 4, True, 1, True, False)),
+    ("deep16-opaque", (64, 16, 8, 8, False, 1, True, True)),
+    ("colsplit-deep", (64, 32, 4, 4, True, 2, True, False)),
+    ("colsplit64", (64, 64, 4, 2, False, 2, True, False)),
+]
+# (B, L, H, Tq, tiles): "all" sweeps every tile; an int n sweeps the n best tiles of the first case + default.
+CASES = [
+    (64, 8192, 64, 1, "all"),
+    (1, 32768, 64, 1, "all"),
+    (64, 8192, 96, 1, "all"),
+    (1, 32768, 96, 1, "all"),
+    (64, 8192, 64, 2, 4),
+    (128, 4096, 64, 1, 4),
+]
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def flashmla():
+    try:
+        from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    except Exception as e:  # noqa: BLE001 - run without the anchor, say why
+        return None, f"{type(e).__name__}: {e}"
+    return (flash_mla_with_kvcache, get_mla_metadata), "loaded"
+
+
+def launch(plan, q, pool, bt, sl, out, vis=None):
+    _, Tq, H, _ = q.shape
+    td._launch(plan, q[..., :R], q[..., R:], pool, bt, sl, vis, out[0], out[1], SCALE, Tq, H, Tq * H, R, DR)
+
+
+def poisoned(q):
+    return (torch.full(q.shape[:3] + (R,), float("nan"), device="cuda", dtype=q.dtype),
+            torch.full(q.shape[:3], float("nan"), device="cuda"))
+
+
+def check_plan(plan, q, pool, bt, sl, ref):
+    """None if the plan matches the reference, else why not."""
+    out = poisoned(q)
+    try:
+        launch(plan, q, pool, bt, sl, out)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile on this GPU
+        return f"FAILED TO RUN ({type(e).__name__}: {str(e)[:160]})"
+    err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
+    return None if err < 1e-2 and lerr < 1e-2 else f"WRONG (rel err {err:.2e}, lse {lerr:.1e})"
+
+
+def ragged_check(tiles, broken):
+    """Every tile on a ragged batch (Tq = 1, uneven lengths, pages shuffled, unused rows NaN): the timing
+    cases are uniform."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [1000, 1, 2049, 77]
+    nblk = [-(-n // BS) for n in lens]
+    nb = sum(nblk) + 3
+    pool = torch.full((nb, BS, R + DR), float("nan"), device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(nb, device="cuda", generator=g)
+    bt = torch.full((len(lens), 48), 10 ** 6, dtype=torch.int32, device="cuda")
+    k = 0
+    for b, n in enumerate(lens):
+        ids = perm[k:k + nblk[b]]
+        k += nblk[b]
+        bt[b, :nblk[b]] = ids.int()
+        rows = (torch.randn(n, R + DR, device="cuda", generator=g) * 0.5).bfloat16()
+        pool.view(-1, R + DR)[(ids.long()[:, None] * BS + torch.arange(BS, device="cuda")).view(-1)[:n]] = rows
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for H in (64, 96):
+        q = (torch.randn(len(lens), 1, H, R + DR, device="cuda", generator=g) * 0.5).bfloat16()
+        ref = mla_decode_reference(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out_dtype=torch.float32)
+        for k, (tag, tile) in enumerate(tiles):
+            if tag in broken:
+                continue
+            for s in ((1, 3, 40) if k < 2 else (3, 40)):  # one split: a separate compile, checked for two tiles
+                why = check_plan(td.make_plan(tile, s), q, pool, bt, sl, ref)
+                if why:
+                    log(f"  ragged H={H} {tag} {td.make_plan(tile, s).short()}: {why}")
+                    broken.add(tag)
+                    break
+        log(f"  ragged check H={H}: {sum(t not in broken for t, _ in tiles)} tiles ok, broken {sorted(broken)}")
+
+
+def graph_ms(fn, n_calls, rep=7):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / n_calls)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def split_counts(B, M, tile, dev):
+    t = td.make_plan(tile, 1)
+    one = td.wave_splits(B, M, dev, t.bh, t.sv)
+    two = td.wave_splits(B, M, dev, t.bh, t.sv, waves=2.0)
+    return one, two
+
+
+def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
+    """Times ``tiles`` (first at the one-wave split count; the three best again at two waves, and one wave
+    rounded up when ``deep``); returns [(ms, tag, plan)] best first."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dt = torch.bfloat16
+    nblk = L // BS
+    cache_bytes = B * L * (R + DR) * dt.itemsize
+    copies = min(8, max(1, math.ceil(200e6 / cache_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(B * 7 + H + Tq)
+    sets = []
+    for _ in range(copies):
+        pool = (torch.randn(B * nblk + 4, BS, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
+        bt = torch.randperm(B * nblk + 4, device="cuda", generator=gen)[:B * nblk].view(B, nblk).int()
+        q = (torch.randn(B, Tq, H, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
+        out = (torch.empty(B, Tq, H, R, device="cuda", dtype=dt), torch.empty(B, Tq, H, device="cuda"))
+        sets.append((q, pool, bt, out))
+    sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q0, pool0, bt0, _ = sets[0]
+    ref = mla_decode_reference(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, out_dtype=torch.float32)
+    n_calls = copies * max(1, min(40, int(2e9 // cache_bytes) or 1) // copies)
+    case = f"B={B} L={L} H={H} Tq={Tq}"
+    res = []
+    M = Tq * H
+
+    def run_plan(tag, plan):
+        if time.time() - T0 > budget:
+            return False
+        why = check_plan(plan, q0, pool0, bt0, sl, ref)
+        if why:
+            log(f"  {case} {tag} {plan.short()}: {why}")
+            return True
+        ms = graph_ms(lambda i: launch(plan, *sets[i % copies][:3], sl, sets[i % copies][3]), n_calls)
+        res.append((ms, tag, plan))
+        tb = cache_bytes / ms / 1e9
+        print(f"{case:22s} {tag:17s} {plan.short():26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy",
+              flush=True)
+        return True
+
+    for tag, tile in tiles:
+        if tag in broken:
+            continue
+        if not run_plan(tag, td.make_plan(tile, split_counts(B, M, tile, dev)[0])):
+            log(f"  time budget reached in {case}")
+            break
+    tried = {p for _, _, p in res}
+    for _, tag, plan in sorted(res)[:3]:
+        two = split_counts(B, M, plan.tile, dev)[1]
+        extra = [two] + ([td.choose_num_splits(B, M, dev, plan.bh, 1, plan.sv)] if deep else [])
+        for s in extra:
+            p = td.make_plan(plan.tile, s)
+            if p not in tried:
+                tried.add(p)
+                run_plan(tag, p)
+    fm_ms = None
+    if fm is not None and time.time() - T0 < budget + 10:
+        fwd, get_meta = fm
+        try:
+            metas = [get_meta()[0] for _ in sets]
+
+            def fcall(i):
+                q, pool, bt, _ = sets[i % copies]
+                return fwd(q, pool.unsqueeze(2), bt, sl, R, metas[i % copies], softmax_scale=SCALE, causal=Tq > 1,
+                           use_legacy=True)
+
+            fo, _ = fcall(0)
+            f_err = rel_err(fo, ref[0])
+            for i in range(1, copies):
+                fcall(i)
+            fm_ms = graph_ms(fcall, n_calls)
+            tb = cache_bytes / fm_ms / 1e9
+            print(f"{case:22s} {'FlashMLA':17s} {'sgl-flash-mla legacy sm90':26s} {fm_ms * 1e3:8.1f} us {tb:6.3f} TB/s "
+                  f"{tb / copy_tbps:6.1%} copy (rel err {f_err:.1e})", flush=True)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {case} FlashMLA failed: {type(e).__name__}: {str(e)[:160]}")
+    best = sorted(res)
+    rows.append((case, cache_bytes, best, fm_ms))
+    sets.clear()
+    torch.cuda.empty_cache()
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only B=64 L=8K H=64 and B=1 L=32K H=64")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds after which no new plan starts")
+    args = ap.parse_args()
+    import triton
+
+    log(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    fm, why = flashmla()
+    log(f"FlashMLA: {why}")
+    meta = device_meta()
+    copy_tbps = meta.get("copy_tbps") or 4.2
+    log(f"copy bandwidth {copy_tbps} TB/s (same process); timing in CUDA graphs, latent-cache bytes only")
+    broken: set = set()
+    log("== ragged correctness (bf16 vs eager reference), every tile")
+    ragged_check(SWEEP_TILES, broken)
+    cases = CASES[:2] if args.quick else CASES
+    rows = []
+    first = None
+    for B, L, H, Tq, which in cases:
+        if time.time() - T0 > args.budget:
+            log(f"time budget reached: B={B} L={L} H={H} Tq={Tq} skipped")
+            continue
+        if which == "all" or first is None:
+            tiles = SWEEP_TILES
+        else:
+            keep = list(dict.fromkeys(["default"] + [tag for _, tag, _ in first]))[:which + 1]
+            tiles = [(t, tile) for t, tile in SWEEP_TILES if t in keep]
+        log(f"== B={B} L={L} H={H} Tq={Tq}: {len(tiles)} tiles")
+        best = time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, args.budget, deep=B > 1)
+        if first is None:
+            first = best
+    log("== summary: best k3nn plan per case (latent-cache TB/s; floor 2.5 TB/s, goal 85% of copy)")
+    for case, nbytes, best, fm_ms in rows:
+        if not best:
+            print(f"{case:22s} no plan timed", flush=True)
+            continue
+        ms, tag, plan = best[0]
+        tb = nbytes / ms / 1e9
+        dflt = [r for r in best if r[1] == "default"]
+        line = (f"{case:22s} best {tag:17s} {plan.short():26s} {tb:6.3f} TB/s ({tb / copy_tbps:5.1%} of copy)"
+                + (f"  FlashMLA {nbytes / fm_ms / 1e9:6.3f} TB/s, k3nn {fm_ms / ms:4.2f}x" if fm_ms else "")
+                + (f"  | default {nbytes / dflt[0][0] / 1e9:6.3f} TB/s" if dflt else ""))
+        print(line, flush=True)
+        print(f"{'':22s}   tile {tuple(plan.tile)} splits {plan.splits}; runner-up: "
+              + ", ".join(f"{t} {p.short()} {nbytes / m / 1e9:.2f}" for m, t, p in best[1:4]), flush=True)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
