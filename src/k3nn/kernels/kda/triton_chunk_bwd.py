@@ -289,7 +289,7 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
         dG = z * dz + (b_q * eG * scale) * dqg - kg * dkg + tl.where(r64[:, None] == 63, dGl[None, :], 0.0)
         _tile_st(pdG, r64, rk, dG, K)
 
-    # ---- through the inverse: dL = −Xᵀ dX Xᵀ (strictly lower); Aqk's gradient (scaled, causal)
+    # ---- through the inverse: dL = −Xᵀ dX Xᵀ (strictly lower)
     Xt = tl.trans(_ldX(X, ob, r64))
     dL = -tl.dot(tl.dot(Xt, dX, input_precision="ieee"), Xt, input_precision="ieee")
     dL = tl.where(r64[:, None] > r64[None, :], dL, 0.0)
