@@ -10,6 +10,13 @@ import k3nn
 from k3nn import ops
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _triton_backward(monkeypatch):
+    monkeypatch.setenv("K3NN_KDA_BWD", "triton")  # opt-in on CUDA (the default there is the torch backward)
+
+
 DEV = "cuda"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
