@@ -314,3 +314,16 @@ def test_stack_queries_feeds_phase1():
     mods[1].norm.eps = 1e-6
     with pytest.raises(ValueError, match="eps"):
         stack_queries(mods)
+
+
+def test_measured_default_schedules_apply_at_prefill_sizes(monkeypatch):
+    """Prefill-sized mixes take the stream schedules measured on the H200; decode sizes keep the row kernel."""
+    from k3nn.kernels.attnres import triton_mix as tm
+
+    monkeypatch.delenv("K3NN_ATTNRES_MIX", raising=False)
+    for S, name in ((2, "stream-8w-pf1-l2x4-2cta"), (5, "stream-16w-pf2-l2x4-sec"), (9, "stream-16w-pf2-l2x4-lazy")):
+        cfg = tm._mix_schedule(8192, S, {}, 8192)
+        assert cfg["stream"] and all(cfg[k] == v for k, v in tm.MIX_SCHEDULES[name].items()), (S, cfg)
+        assert not tm._mix_schedule(8192, S, {}, tm.STREAM_MIN_ROWS - 1)["stream"]
+    monkeypatch.setenv("K3NN_ATTNRES_MIX", "default")
+    assert not tm._mix_schedule(8192, 9, {}, 8192)["stream"]

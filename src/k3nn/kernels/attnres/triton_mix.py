@@ -451,18 +451,22 @@ MIX_SCHEDULES: dict[str, dict] = {
     "stream-32w-pf2-l2x6-lazy": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=6, l2_kind=3, lazy=True,
                                      **_ORD),
 }
-# The default per source count, once measured: (max S, schedule name) pairs, first match wins, e.g.
-# [(2, "stream-16w-pf1-l2x6-lazy"), (32, "stream-16w-pf2-l2x4-lazy")]. Empty: the row kernel's _mix_config.
-DEFAULT_SCHEDULES: list[tuple[int, str]] = []
+# The default per source count at prefill sizes (at least STREAM_MIN_ROWS rows): (max S, schedule name)
+# pairs, first match wins. Measured on the H200 at T=8192, d=7168 (bench/results/logs/h200-s3-run3-2026-11-30.log):
+# S=2 82.9% of copy bandwidth (row kernel 64.9%), S=5 75.5% (59.0%), S=9 79.4% (56.3%). Fewer rows keep the row
+# kernel's _mix_config (decode sizes were not swept with these schedules).
+DEFAULT_SCHEDULES: list[tuple[int, str]] = [(2, "stream-8w-pf1-l2x4-2cta"), (5, "stream-16w-pf2-l2x4-sec"),
+                                            (64, "stream-16w-pf2-l2x4-lazy")]
+STREAM_MIN_ROWS = 1024
 _ROW_KEYS = ("num_warps", "prefetch", "qv_reload", "join", "evict", "ordered", "fence", "maxnreg", "l2_ahead",
              "l2_kind")
 _STREAM_KEYS = _ROW_KEYS + ("ctas", "grid", "store_evict", "num_stages", "lazy")
 
 
-def _mix_schedule(block_d: int, n_sources: int, overrides: dict) -> dict:
+def _mix_schedule(block_d: int, n_sources: int, overrides: dict, n_rows: int | None = None) -> dict:
     """The schedule of one mix call: the default (or the K3NN_ATTNRES_MIX named one), then ``overrides``."""
     name = os.environ.get("K3NN_ATTNRES_MIX", "").strip()
-    if not name:
+    if not name and (n_rows is None or n_rows >= STREAM_MIN_ROWS):
         name = next((nm for max_s, nm in DEFAULT_SCHEDULES if n_sources <= max_s), "default")
     named = {}
     if name and name != "default":
@@ -594,7 +598,7 @@ def attnres_mix_triton(sources: list[torch.Tensor], query_weight: torch.Tensor, 
     over = {k: v for k, v in knobs.items() if v is not None}
     if schedule is not None:
         over = {**MIX_SCHEDULES[schedule], **over}
-    cfg = _mix_schedule(triton.next_power_of_2(d), len(sources), over)
+    cfg = _mix_schedule(triton.next_power_of_2(d), len(sources), over, sources[0].numel() // max(d, 1))
     allowed = _STREAM_KEYS if cfg["stream"] else _ROW_KEYS
     bad = set(cfg) - set(allowed) - {"stream"}
     if bad:
