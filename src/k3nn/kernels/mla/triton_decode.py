@@ -312,12 +312,13 @@ def make_plan(tile, splits: int) -> Plan:
 # (the product feeds the value product, so the compiler puts all warps on the rows), and (ii) keeps only one
 # tile in flight with two stages and block ids read in the loop (the page lookup takes a pipeline stage) —
 # ``ahead`` gives 64×32 tiles with 4 stages four buffers (three tiles in flight, 220 KB of shared memory).
+_HOPPER_WIDE_TILE = (64, 64, 8, 2, False, 1, True, True)
 _GPU_TILES = [
-    (32, 64, 4, 2, True),                           # the measured best so far (and the default)
+    (32, 64, 4, 2, True),                           # the default below 64 rows
     (32, 32, 4, 3, True, 1, True),                  # 32-key tiles two deep; two programs per SM
     (16, 64, 4, 2, True),                           # few rows (Tq·H <= 32: heads sharded by TP)
     (64, 64, 8, 2, True),                           # the previous 64-row best
-    (64, 64, 8, 2, False, 1, True, True),           # score tile split between the warp groups, no spills
+    _HOPPER_WIDE_TILE,                              # score tile split between the warp groups, no spills
     (64, 32, 8, 4, True, 1, True, True),            # + three 32-key tiles in flight
     (64, 32, 8, 4, False, 1, True, True),
     (64, 32, 8, 4, True, 1, True, False),
@@ -353,8 +354,14 @@ def wave_splits(B: int, rows: int, device: torch.device, block_h: int, split_v: 
 
 
 def _default_plan(B, M, dev):
+    """The plan without tuning (K3NN_MLA_NO_TUNE, or first seen inside a graph capture). On Hopper, 64 or more
+    query rows take the 64-row split-score tile: the best plan in every >= 64-row case of the H200 sweep
+    (bench/results/logs/h200-s3-run3-2026-11-30.log; B=64 L=8K H=64 2.44 TB/s against 0.92 for the 32-row
+    tile at the same splits)."""
     if dev.type != "cuda":
         return make_plan(_INTERP_TILE, 1)
+    if M >= 64 and torch.cuda.get_device_capability(dev)[0] >= 9:
+        return make_plan(_HOPPER_WIDE_TILE, wave_splits(B, M, dev, 64))
     bh = 32 if M >= 32 else 16
     return make_plan((bh, 64, 4, 2, True), choose_num_splits(B, M, dev, bh))
 
