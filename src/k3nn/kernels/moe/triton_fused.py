@@ -43,11 +43,12 @@ _TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
 MX_MODES = {"join": 0, "split": 1, "scaled": 2}
 MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
 #: MXFP4 with at most this many (token, slot) pairs and no explicit ``mx_mode``: the CUDA-core weight-streaming
-#: GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs. H200, K3 shapes, top-16: the GEMV wins at
-#: 1 token (1.26x) and ties at 4 (1.04x); at 16 tokens (256 pairs) the grouped kernel is 1.6x faster. Opt-in
-#: (K3NN_MOE_GEMV_PAIRS=64) until the end-to-end k3_slice B=1 logits check clears it: with it on, the first-step
-#: logits moved 0.64 from eager (0.0097 before), though the op alone agrees with eager to 4e-3 on the GPU.
-GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "0"))
+#: GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs. H200, K3 shapes, top-16, word-decode GEMV:
+#: 1.78x the grouped kernel at 1 token and 1.48x at 4 (64 pairs); at 16 tokens (256 pairs) the grouped kernel is
+#: faster. (The end-to-end first-step logits of k3_slice differ from eager by 0.1-0.6 in bf16 with or without the
+#: GEMV: MoE routing flips on near-tied router scores, bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.)
+#: K3NN_MOE_GEMV_PAIRS=0 turns it off.
+GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "64"))
 
 
 _SCALED_BROKEN = False
