@@ -357,6 +357,22 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto") 
         dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx)  # tune outside the timing
         ms_dcp = timed(lambda: dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx,
                                              check=False))
+    if ctx.rank == 0 and os.environ.get("K3NN_DCP_PROFILE"):  # where a DCP step's time goes (kernels, host ops)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with use_backend(backend_name), profile(activities=acts) as prof:
+            for _ in range(5):
+                dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx, check=False)
+            if cuda:
+                torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+        if cuda:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
+    elif os.environ.get("K3NN_DCP_PROFILE"):
+        with use_backend(backend_name):
+            for _ in range(5):  # the peer's side of the profiled collectives
+                dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx, check=False)
     kv_bytes = cache.pools[0].numel() * cache.pools[0].element_size()
     del cache
     rows = []
