@@ -66,7 +66,8 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
     if not (err < 1e-2 and lse_err < 1e-2):
         raise AssertionError(f"k3nn mla_decode wrong at B={B} L={L} H={H} Tq={Tq}: rel err {err:.2e}, "
                              f"lse {lse_err:.2e}")
-    cfg = "BLOCK_H,BLOCK_N,warps,stages,splits=" + ",".join(map(str, triton_decode.LAST_PLAN or ()))
+    plan = triton_decode.LAST_PLAN
+    cfg = f"plan {plan.short()} {tuple(plan)}" if plan is not None else "plan: none"
 
     it = [0]
 
