@@ -169,6 +169,21 @@ def test_bwd_half_precision_inputs(spy):
         assert err < 5e-3, (name, err)
 
 
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_bwd_half_precision_full_head_dims(spy, gate):
+    """fp16 at K = V = 128 (the model's head dims) over three chunks, the last one partial: several key blocks
+    in the chunk kernel and a 128-row state, i.e. the shapes of the GPU runs (the tests above stay at K <= 32).
+    Scratch is NaN-poisoned under the interpreter, so any element read before it is written shows here."""
+    xs, do, dht = make(1, 150, 1, 128, 128, 11, gate, dtype=torch.float16)
+    got = grads(triton_chunk, xs, do, dht)
+    want = grads(kda_recurrent_reference, [x.float() for x in xs], do.float(), dht)
+    assert spy
+    for name, a, b, x in zip(NAMES, got, want, xs):
+        assert a.dtype == x.dtype and torch.isfinite(a).all(), name
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err < 3e-3, (name, err)
+
+
 def test_torch_backward_knob_gives_the_same_gradients(spy, monkeypatch):
     xs, do, dht = make(1, 70, 1, 16, 16, 2)
     got = grads(triton_chunk, xs, do, dht)

@@ -33,8 +33,14 @@ training memory at the inputs' size instead of one fp32 ``[K, V]`` state per chu
    * ``dg`` = reverse cumulative sum of ``dG`` over the chunk's rows (G is chunk-local; ``G_last``'s
      gradient enters at the last row).
 
-Dots in steps 2-3 mirror the forward (operands in the input dtype, fp32 accumulation, fp32 state); step 4
-is fp32 throughout (TF32 dots on the GPU). Internal buffers are fp32; outputs take the inputs' dtypes.
+Steps 2-4 compute in fp32 whatever the input dtype (TF32 dots on the GPU): the chunk quantities of step 1
+are stored in the input dtype and upcast on load. Steps 2-3 first took 16-bit operands, as the forward's
+recurrence does; on the H200 (Triton 3.6) bf16 then gave NaN gradients from some chunk on and, in a varlen
+run, an illegal memory access, while the same kernels on fp32 operands (the fp32 path, same configs) were
+correct. Those are the only dots of the backward that were 16-bit; their 16-bit ``B`` operands were
+``BV = 16`` columns wide (32-byte rows: the first state config), a shape the forward (BV ≥ 32) never
+compiles. On fp32 operands the bf16 backward runs exactly the code the fp32 backward runs, apart from the
+loads' element type. Internal buffers are fp32; outputs take the inputs' dtypes.
 
 Selection: under the ``triton`` backend, ``kda_chunk`` with any input requiring grad uses this backward
 (:class:`KDAChunkTritonFunction`). ``K3NN_KDA_BWD=torch`` selects the previous one instead: autograd through
@@ -112,18 +118,19 @@ def _kda_bwd_states_kernel(w, u, kg, egl, seq_lo, seq_hi, h0, hs, vn, H,
         h = tl.zeros([BK, BV], dtype=tl.float32)
     lo = tl.load(seq_lo + n)
     hi = tl.load(seq_hi + n)
-    dt = w.dtype.element_ty
+    # fp32 operands whatever the input dtype (see the module docstring: the 16-bit dots of this loop, with
+    # BV = 16 columns, gave NaNs and faults on the H200 where the same code on fp32 operands is correct)
     for c in range(lo, hi):
         ob = (c * H + pid_h).to(tl.int64)
         tl.store(hs + (ob * K + rk[:, None]) * V + rv[None, :], h, mask=mkv)
         offk = ob * 64 * K + r64[:, None] * K + rk[None, :]
-        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0)
-        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0)
+        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0).to(tl.float32)
+        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0).to(tl.float32)
         b_u = tl.load(u + ob * 64 * V + r64[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
-        vnew = b_u.to(tl.float32) - tl.dot(b_w, h.to(dt))
+        vnew = b_u.to(tl.float32) - tl.dot(b_w, h)
         tl.store(vn + ob * 64 * V + r64[:, None] * V + rv[None, :], vnew, mask=mv[None, :])
-        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnew.to(dt))
+        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnew)
 
 
 @triton.jit
@@ -149,8 +156,7 @@ def _kda_bwd_dh_kernel(qg, kg, w, A, egl, do, chunk_start, chunk_len, seq_lo, se
         dh = tl.zeros([BK, BV], dtype=tl.float32)
     lo = tl.load(seq_lo + n)
     hi = tl.load(seq_hi + n)
-    dt = w.dtype.element_ty
-    for i in range(0, hi - lo):
+    for i in range(0, hi - lo):  # fp32 operands, as in _kda_bwd_states_kernel
         c = hi - 1 - i
         ob = (c * H + pid_h).to(tl.int64)
         tl.store(dhs + (ob * K + rk[:, None]) * V + rv[None, :], dh, mask=mkv)
@@ -158,16 +164,16 @@ def _kda_bwd_dh_kernel(qg, kg, w, A, egl, do, chunk_start, chunk_len, seq_lo, se
         L = tl.load(chunk_len + c)
         tok = (bos + r64).to(tl.int64)
         b_do = tl.load(do + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=(r64 < L)[:, None] & mv[None, :],
-                       other=0.0).to(dt)
+                       other=0.0).to(tl.float32)
         offk = ob * 64 * K + r64[:, None] * K + rk[None, :]
-        b_q = tl.load(qg + offk, mask=mk[None, :], other=0.0)
-        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0)
-        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0)
-        b_A = tl.load(A + ob * 64 * 64 + r64[:, None] * 64 + r64[None, :])
+        b_q = tl.load(qg + offk, mask=mk[None, :], other=0.0).to(tl.float32)
+        b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(w + offk, mask=mk[None, :], other=0.0).to(tl.float32)
+        b_A = tl.load(A + ob * 64 * 64 + r64[:, None] * 64 + r64[None, :]).to(tl.float32)
         b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
-        dvp = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_k, dh.to(dt))
+        dvp = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_k, dh)
         tl.store(dvn + ob * 64 * V + r64[:, None] * V + rv[None, :], dvp, mask=mv[None, :])
-        dh = dh * b_e[:, None] + tl.dot(tl.trans(b_q), b_do) - tl.dot(tl.trans(b_w), dvp.to(dt))
+        dh = dh * b_e[:, None] + tl.dot(tl.trans(b_q), b_do) - tl.dot(tl.trans(b_w), dvp)
     tl.store(dh0 + soff, dh, mask=mkv)
 
 
