@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _triton_backward(monkeypatch):
-    monkeypatch.setenv("K3NN_KDA_BWD", "triton")  # opt-in on CUDA (the default there is the torch backward)
+    monkeypatch.setenv("K3NN_KDA_BWD", "triton")  # the default, pinned against a stray environment
 
 
 DEV = "cuda"
