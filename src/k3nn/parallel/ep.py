@@ -148,9 +148,7 @@ def _self_check(argv=None) -> int:
                     q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g, device=dev) * 0.05)
                     getattr(moe.experts, f"{n}_packed").copy_(q.packed)
                     getattr(moe.experts, f"{n}_scale").copy_(q.scale)
-            moe = moe.to(dev)
-            if not mx:
-                moe = moe.to(dtype)
+            moe = moe.to(dev, dtype)  # floating tensors only: the packed MXFP4 codes and scales stay uint8
             x = torch.randn(world * args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
             x = x.to(dev, dtype)
             mine = x[rank * args.tokens:(rank + 1) * args.tokens]
