@@ -400,3 +400,30 @@ def test_graph_round_captures_the_drafter_steps(monkeypatch, batch, sample):
     assert ("accept" in st.graphs) != sample
     if not sample:
         assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=15))
+
+
+def test_eager_backend_runs_the_graph_round_uncaptured(monkeypatch):
+    """The eager kernels cannot be captured: on CUDA, asking for graphs with the eager backend runs the same
+    graph-safe round without capture (no capture attempt that could leave the CUDA context unusable)."""
+    import k3nn
+    import k3nn.spec.generate as G
+
+    cuda = torch.device("cuda")
+    m = structured_target()  # eager backend
+    assert G._eager_on_cuda(m, cuda) and not G._eager_on_cuda(m, torch.device("cpu"))
+    m.backend = None
+    with k3nn.backend("triton"):
+        assert not G._eager_on_cuda(m, cuda)
+    _emulate_capture(monkeypatch)
+    monkeypatch.setattr(G, "_eager_on_cuda", lambda model, dev: True)
+    target = structured_target()
+    drafter = _dspark(target)
+    ids, mask = _padded_ids(1)
+    kw = dict(max_new_tokens=12, num_assistant_tokens=GAMMA, attention_mask=mask)
+    drafter.spec_options = SpecOptions(cuda_graph="static")
+    ref = target.generate(ids, drafter=drafter, **kw)
+    drafter.spec_options = SpecOptions(cuda_graph=True)
+    out = target.generate(ids, drafter=drafter, **kw)
+    st = drafter.last_stats
+    assert torch.equal(out, ref)
+    assert st.mode == "static" and "not capturable" in st.fallback and not any(st.graphs.values()), st

@@ -26,6 +26,7 @@ import torch
 
 from ..generation import loop_setup, sample_next
 from ..kernels.registry import backend as use_backend
+from ..kernels.registry import current_backend
 from .rollback import WindowRollback
 from .verify import greedy_accept, rejection_accept, synthetic_accept
 
@@ -128,6 +129,11 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     if mode != "eager" and opts.rollback != "replay":
         stats.fallback = f"rollback={opts.rollback!r} runs eagerly (the static round needs 'replay')"
         mode = "eager"
+    if mode == "graph" and _eager_on_cuda(model, dev):
+        # the eager kernels sync with the host: a capture attempt would fail and leave the CUDA context
+        # unusable (cudaErrorStreamCaptureInvalidated, seen on the H200), so run the same round uncaptured
+        stats.fallback = "the eager backend is not capturable: graph-safe rounds run without CUDA graphs"
+        mode = "static"
     setup = loop_setup(model, cfg, input_ids, streamer, n_new)
     if setup is None:
         return input_ids
@@ -252,6 +258,11 @@ def _resolve_mode(cuda_graph, dev: torch.device) -> str:
     if cuda_graph is False:
         return "eager"
     raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
+
+
+def _eager_on_cuda(model, dev: torch.device) -> bool:
+    """The model runs the eager backend on a CUDA device (nothing to capture there)."""
+    return dev.type == "cuda" and (getattr(model, "backend", None) or current_backend()) == "eager"
 
 
 def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen) -> torch.Tensor:
@@ -502,7 +513,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         cache.set_static(False)
     steps = [draft_step, verify_step, post_step, extend_step, *commit_steps.values()]
     stats.graphs = {s.name: s.graph is not None for s in steps if s.capture}
-    reasons = [s.fallback_reason for s in steps if s.fallback_reason]
+    reasons = [stats.fallback] if stats.fallback else []  # set before the round (e.g. eager backend)
+    reasons += [s.fallback_reason for s in steps if s.fallback_reason]
     stats.fallback = "; ".join(reasons) if reasons else None
     c = counters.tolist()
     stats.rounds, stats.row_rounds, stats.drafted, stats.accepted = rounds, c[0], c[1], c[2]
