@@ -410,12 +410,12 @@ def test_eager_backend_runs_the_graph_round_uncaptured(monkeypatch):
 
     cuda = torch.device("cuda")
     m = structured_target()  # eager backend
-    assert G._eager_on_cuda(m, cuda) and not G._eager_on_cuda(m, torch.device("cpu"))
+    assert G.eager_backend_on_cuda(m, cuda) and not G.eager_backend_on_cuda(m, torch.device("cpu"))
     m.backend = None
     with k3nn.backend("triton"):
-        assert not G._eager_on_cuda(m, cuda)
+        assert not G.eager_backend_on_cuda(m, cuda)
     _emulate_capture(monkeypatch)
-    monkeypatch.setattr(G, "_eager_on_cuda", lambda model, dev: True)
+    monkeypatch.setattr(G, "eager_backend_on_cuda", lambda model, dev: True)
     target = structured_target()
     drafter = _dspark(target)
     ids, mask = _padded_ids(1)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.registry import backend as use_backend
+from ..kernels.registry import current_backend
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,13 @@ class DecodeRunner:
         self.graph = None
 
 
+def eager_backend_on_cuda(model, device: torch.device) -> bool:
+    """The model runs the eager backend on a CUDA device: its kernels sync with the host, so there is nothing
+    to capture, and a failed capture attempt can leave the CUDA context unusable
+    (cudaErrorStreamCaptureInvalidated, seen on the H200)."""
+    return device.type == "cuda" and (getattr(model, "backend", None) or current_backend()) == "eager"
+
+
 def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, decode_backend: str = "auto",
                        attention_mask: torch.Tensor | None = None) -> DecodeRunner:
     """Pick the decode step for ``generate()``.
@@ -128,13 +136,20 @@ def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, de
         mode = "standard"
     else:
         raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
+    eager_note = None
+    if mode == "graph" and eager_backend_on_cuda(model, cache.device):
+        mode, eager_note = "static", "the eager backend is not capturable: the graph-safe step runs uncaptured"
     if decode_backend == "latency_specialized":
         from .fused import LatencySpecializedDecoder
 
         why = LatencySpecializedDecoder.unsupported(model, cache, attention_mask)
         if why is None:
             dec = LatencySpecializedDecoder.for_model(model)
-            return DecodeRunner(dec.step_fn(cache), cache, "static" if mode == "standard" else mode,
-                                name="latency_specialized")
+            runner = DecodeRunner(dec.step_fn(cache), cache, "static" if mode == "standard" else mode,
+                                  name="latency_specialized")
+            runner.fallback_reason = eager_note
+            return runner
         log.info("latency_specialized decode falls back to the standard path: %s", why)
-    return DecodeRunner(standard_step(model, cache), cache, mode, name="standard")
+    runner = DecodeRunner(standard_step(model, cache), cache, mode, name="standard")
+    runner.fallback_reason = eager_note
+    return runner

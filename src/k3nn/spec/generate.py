@@ -26,7 +26,7 @@ import torch
 
 from ..generation import loop_setup, sample_next
 from ..kernels.registry import backend as use_backend
-from ..kernels.registry import current_backend
+from ..decode.runner import eager_backend_on_cuda
 from .rollback import WindowRollback
 from .verify import greedy_accept, rejection_accept, synthetic_accept
 
@@ -129,7 +129,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     if mode != "eager" and opts.rollback != "replay":
         stats.fallback = f"rollback={opts.rollback!r} runs eagerly (the static round needs 'replay')"
         mode = "eager"
-    if mode == "graph" and _eager_on_cuda(model, dev):
+    if mode == "graph" and eager_backend_on_cuda(model, dev):
         # the eager kernels sync with the host: a capture attempt would fail and leave the CUDA context
         # unusable (cudaErrorStreamCaptureInvalidated, seen on the H200), so run the same round uncaptured
         stats.fallback = "the eager backend is not capturable: graph-safe rounds run without CUDA graphs"
@@ -258,11 +258,6 @@ def _resolve_mode(cuda_graph, dev: torch.device) -> str:
     if cuda_graph is False:
         return "eager"
     raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
-
-
-def _eager_on_cuda(model, dev: torch.device) -> bool:
-    """The model runs the eager backend on a CUDA device (nothing to capture there)."""
-    return dev.type == "cuda" and (getattr(model, "backend", None) or current_backend()) == "eager"
 
 
 def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen) -> torch.Tensor:
