@@ -1,5 +1,6 @@
 """Decode context parallelism: sharded latent cache + exact LSE merge == unsharded decode."""
 
+import contextlib
 import os
 import tempfile
 
@@ -18,8 +19,10 @@ from k3nn.kernels.mla.reference import mla_decode_reference
 from k3nn.layers.mla import MultiHeadLatentAttention
 from k3nn.ops import mla_decode
 from k3nn.cache.pages import gather_latents
-from k3nn.parallel.dcp import (DCPContext, dcp_attention, dcp_gather_context, dcp_mla_decode_layer, dcp_visible_lens,
-                               dcp_write_latents)
+from k3nn.parallel.dcp import (DCPContext, _cat_last, dcp_attention, dcp_gather_context, dcp_mla_decode_layer,
+                               dcp_visible_lens, dcp_write_latents)
+
+from conftest import poison
 
 
 def build(seed, lens, W, I, bs, r, dr):
@@ -88,6 +91,50 @@ def test_errors():
                              DCPContext(2, 0), heads="sharded")
 
 
+@contextlib.contextmanager
+def no_host_reads():
+    """Any read of a tensor value on the host (what a CUDA graph capture cannot contain) raises."""
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def boom(n):
+        def f(self, *a, **k):
+            raise AssertionError(f"host read of a tensor value: Tensor.{n}")
+        return f
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, boom(n))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_single_rank_out_and_no_host_reads():
+    """W = 1: dcp_attention is mla_decode with the local lengths; check=False reads nothing on the host."""
+    full, _ = build(2, [19, 40], 1, 1, 8, 16, 8)
+    ids = [0, 1]
+    q = torch.randn(2, 2, 3, 24, generator=torch.Generator().manual_seed(4))
+    sl = full.seq_lens(ids)
+    o_ref, lse_ref = mla_decode_reference(q[..., :16], q[..., 16:], full.pools[0], full.block_table(ids), sl, 0.3)
+    out = (poison(2, 2, 3, 16), poison(2, 2, 3))
+    with backend("triton"), no_host_reads():
+        o, lse = dcp_attention(q[..., :16], q[..., 16:], full.pools[0], full.block_table(ids), sl, 0.3,
+                               DCPContext(1, 0), check=False, out=out)
+    assert o is out[0] and lse is out[1]
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_cat_last():
+    q = torch.randn(2, 1, 3, 24)
+    assert _cat_last(q[..., :16], q[..., 16:]).data_ptr() == q.data_ptr()
+    a, b = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 8)
+    assert torch.equal(_cat_last(a, b), torch.cat([a, b], -1))
+    assert torch.equal(_cat_last(q[:, :, 1:, :16], q[:, :, 1:, 16:]), q[:, :, 1:])
+
+
 # -- two processes over gloo -----------------------------------------------------------------------------------
 
 def _worker(rank, world, init_file, results):
@@ -112,10 +159,22 @@ def _worker(rank, world, init_file, results):
                                    ctx, heads="sharded")
             errs[f"sharded I={I}"] = max((o - o_ref[:, :, hs]).abs().max().item(),
                                          (lse - lse_ref[:, :, hs]).abs().max().item())
+            # the fused (interpreted Triton) merge, into preallocated outputs, without host reads
+            q = torch.cat([q_lat[:, :, hs], q_rope[:, :, hs]], -1)
+            out = (poison(3, Tq, H // world, 16), poison(3, Tq, H // world))
+            with backend("triton"), no_host_reads():
+                o, lse = dcp_attention(q[..., :16], q[..., 16:], cache.pools[0], cache.block_table(ids), sl, 0.25,
+                                       ctx, heads="sharded", check=False, out=out)
+            errs[f"sharded fused I={I}"] = max((o - o_ref[:, :, hs]).abs().max().item(),
+                                               (lse - lse_ref[:, :, hs]).abs().max().item(),
+                                               float(o is not out[0] or lse is not out[1]))
             with backend("triton"):
                 o, lse = dcp_attention(q_lat, q_rope, cache.pools[0], cache.block_table(ids), sl, 0.25, ctx,
                                        heads="replicated")
             errs[f"replicated I={I}"] = max((o - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+            o, lse = dcp_attention(q_lat, q_rope, cache.pools[0], cache.block_table(ids), sl, 0.25, ctx,
+                                   heads="replicated")  # eager merge
+            errs[f"replicated eager I={I}"] = max((o - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
             # the gathered context equals the unsharded cache's rows (within each request's length)
             gpool, gtab, glen = dcp_gather_context(cache, 0, ids, ctx, block_size=16)
             want = gather_latents(full.pools[0], full.block_table(ids), int(sl.max()))
@@ -162,6 +221,6 @@ def test_two_rank_gloo_matches_one_rank():
         mgr.shutdown()
     assert sorted(res) == [0, 1]
     for rank, errs in res.items():
-        assert len(errs) == 8, errs
+        assert len(errs) == 12, errs
         for k, e in errs.items():
             assert e < 1e-4, (rank, k, e)

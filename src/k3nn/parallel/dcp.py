@@ -28,6 +28,8 @@ sharded decode step against one device holding the whole cache.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
@@ -35,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..cache.pages import PagedLatentCache, local_seq_lens
-from ..kernels.mla.api import default_visible_lens, merge_attn_states
+from ..kernels.mla import merge as _merge
+from ..kernels.registry import current_backend, triton_interpreting
 
 __all__ = ["DCPContext", "dcp_visible_lens", "dcp_attention", "dcp_write_latents", "dcp_mla_decode_layer",
            "dcp_gather_context"]
@@ -79,10 +82,10 @@ def _is_nccl(ctx: DCPContext) -> bool:
     return dist.get_backend(ctx.group) == "nccl"
 
 
-def _all_gather(t: torch.Tensor, ctx: DCPContext) -> torch.Tensor:
+def _all_gather(t: torch.Tensor, ctx: DCPContext, nccl: bool | None = None) -> torch.Tensor:
     """[...] on every rank → [W, ...] (rank order)."""
     t = t.contiguous()
-    if _is_nccl(ctx):
+    if _is_nccl(ctx) if nccl is None else nccl:
         out = torch.empty((ctx.world_size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t, group=ctx.group)
         return out
@@ -91,81 +94,146 @@ def _all_gather(t: torch.Tensor, ctx: DCPContext) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def _reduce_scatter(t: torch.Tensor, ctx: DCPContext) -> torch.Tensor:
-    """[W, ...] on every rank → Σ_ranks t[rank] (this rank's slice of the sum)."""
+def _reduce_scatter(t: torch.Tensor, ctx: DCPContext, nccl: bool | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """[W, ...] on every rank → Σ_ranks t[rank] (this rank's slice of the sum), into ``out`` when given."""
     t = t.contiguous()
-    if _is_nccl(ctx):
-        out = torch.empty(tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    if _is_nccl(ctx) if nccl is None else nccl:
+        if out is None:
+            out = torch.empty(tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.reduce_scatter_tensor(out, t, group=ctx.group)
         return out
     dist.all_reduce(t, group=ctx.group)  # gloo has no reduce-scatter
-    return t[ctx.rank]
+    return t[ctx.rank] if out is None else out.copy_(t[ctx.rank])
 
 
 # -- attention ---------------------------------------------------------------------------------------------
 
+def _fused_kernels(t: torch.Tensor) -> bool:
+    """Whether the small DCP kernels (lengths, LSE merge) run in Triton: on CUDA unless the eager backend is
+    forced; on the CPU only for an explicit ``triton`` backend under ``TRITON_INTERPRET=1`` (tests)."""
+    b = current_backend()
+    if b == "eager":
+        return False
+    if t.is_cuda:
+        return True
+    return b == "triton" and triton_interpreting()
+
+
+def _lens(seq_lens: torch.Tensor, Tq: int, ctx: DCPContext, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused:
+        return _merge.dcp_lens(seq_lens, Tq, ctx.world_size, ctx.rank, ctx.interleave)
+    return _merge.dcp_lens_reference(seq_lens, Tq, ctx.world_size, ctx.rank, ctx.interleave)
+
+
 def dcp_visible_lens(seq_lens: torch.Tensor, Tq: int, ctx: DCPContext) -> torch.Tensor:
     """Rank-local causal bounds [B, Tq] for a verify window of Tq queries ending at global length seq_lens."""
-    return local_seq_lens(default_visible_lens(seq_lens, Tq), ctx.world_size, ctx.rank, ctx.interleave).to(torch.int32)
+    return _lens(seq_lens, Tq, ctx, _fused_kernels(seq_lens))[1]
 
 
-def dcp_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, scale: float, ctx: DCPContext, *, heads: Heads = "sharded",
-                  num_splits: int | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode over a sequence-sharded paged latent cache, merged exactly across the group.
+def _cat_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([a, b], -1)``, contiguous; no copy when a and b are the two halves of one contiguous
+    tensor (``q[..., :r]``, ``q[..., r:]``)."""
+    n = a.shape[-1] + b.shape[-1]
+    if (b.shape[-1] and a.dtype == b.dtype and a.device == b.device and a.stride(-1) == 1 and b.stride(-1) == 1
+            and a.stride() == b.stride() and b.data_ptr() == a.data_ptr() + a.shape[-1] * a.element_size()):
+        full = a.as_strided(tuple(a.shape[:-1]) + (n,), a.stride())
+        if full.is_contiguous():
+            return full
+    return torch.cat([a, b], -1)
 
-    Args:
-        q_lat [B, Tq, Hq, r], q_rope [B, Tq, Hq, dr]: this rank's queries — its ``H/W`` heads with
-            ``heads="sharded"`` (rank ``k`` owns heads ``[k·H/W, (k+1)·H/W)``), all ``H`` with ``"replicated"``.
-        kv_pool: this rank's pool; block_table [B, max_blocks]: shared by the group.
-        seq_lens: int [B] **global** lengths (identical on every rank; the Tq query tokens included).
-        scale: softmax scale; ctx: the rank's :class:`DCPContext`.
-    Returns:
-        ``(o [B, Tq, Hq, r] fp32, lse [B, Tq, Hq] fp32)``: exactly the single-rank result for this rank's heads.
-    """
-    from ..ops.mla import mla_decode
 
+def _check_attention_args(q_lat, ctx, heads, out) -> None:
     if heads not in ("sharded", "replicated"):
         raise ValueError(f"dcp_attention: heads must be 'sharded' or 'replicated', got {heads!r}")
     if not isinstance(ctx, DCPContext):
         raise TypeError(f"dcp_attention: ctx must be a DCPContext, got {type(ctx).__name__}")
     if q_lat.dim() != 4:
         raise ValueError(f"dcp_attention: q_lat must be [B, Tq, H, r], got {tuple(q_lat.shape)}")
-    B, Tq = q_lat.shape[:2]
     W = ctx.world_size
     if W > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"dcp_attention: world_size={W} needs an initialised torch.distributed group")
     if W > 1 and dist.get_world_size(ctx.group) != W:
         raise ValueError(f"dcp_attention: ctx.world_size={W} but the process group has "
                          f"{dist.get_world_size(ctx.group)} ranks")
-    local = local_seq_lens(seq_lens, W, ctx.rank, ctx.interleave).to(torch.int32)
-    vis = dcp_visible_lens(seq_lens, Tq, ctx)
+    if out is not None:
+        B, Tq, H, r = q_lat.shape
+        if (not isinstance(out, (tuple, list)) or len(out) != 2
+                or tuple(out[0].shape) != (B, Tq, H, r) or tuple(out[1].shape) != (B, Tq, H)
+                or out[0].dtype != torch.float32 or out[1].dtype != torch.float32
+                or not (out[0].is_contiguous() and out[1].is_contiguous())):
+            raise ValueError(f"dcp_attention: out must be contiguous fp32 (o [{B}, {Tq}, {H}, {r}], "
+                             f"lse [{B}, {Tq}, {H}])")
+
+
+def dcp_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, ctx: DCPContext, *, heads: Heads = "sharded",
+                  num_splits: int | None = None, check: bool = True,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over a sequence-sharded paged latent cache, merged exactly across the group.
+
+    Args:
+        q_lat [B, Tq, Hq, r], q_rope [B, Tq, Hq, dr]: this rank's queries — its ``H/W`` heads with
+            ``heads="sharded"`` (rank ``k`` owns heads ``[k·H/W, (k+1)·H/W)``), all ``H`` with ``"replicated"``.
+            Passing the two halves of one contiguous ``[..., r + dr]`` tensor saves a copy.
+        kv_pool: this rank's pool; block_table [B, max_blocks]: shared by the group.
+        seq_lens: int [B] **global** lengths (identical on every rank; the Tq query tokens included).
+        scale: softmax scale; ctx: the rank's :class:`DCPContext`.
+        check: validate the arguments (and index values: a host sync). ``check=False`` skips every check and
+            never reads a device value on the host: the call can then be captured in a CUDA graph (NCCL
+            collectives included, once the group has run a collective outside capture).
+        out: preallocated contiguous fp32 ``(o [B, Tq, Hq, r], lse [B, Tq, Hq])`` to write into.
+    Returns:
+        ``(o [B, Tq, Hq, r] fp32, lse [B, Tq, Hq] fp32)``: exactly the single-rank result for this rank's heads.
+
+    Sharded heads take 3 collectives and 2 small kernels besides the decode: lengths (one launch), all-gather
+    Q, decode, all-gather LSE, fused merge (:func:`k3nn.kernels.mla.merge.merge_scale`: the merged LSE and this
+    rank's weighted partial, laid out per head group), reduce-scatter. Replicated heads: lengths, decode
+    written into one flat buffer, one all-gather of (o, lse), fused merge. Triton runs the small kernels on
+    CUDA (and for an explicit ``triton`` backend under the interpreter); elsewhere their eager references.
+    """
+    from ..ops.mla import mla_decode
+
+    if check:
+        _check_attention_args(q_lat, ctx, heads, out)
+    B, Tq, Hq, r = q_lat.shape
+    W, rank = ctx.world_size, ctx.rank
+    fused = _fused_kernels(q_lat)
+    local, vis = _lens(seq_lens, Tq, ctx, fused)
     if W == 1:
         return mla_decode(q_lat, q_rope, kv_pool, block_table, local, scale, visible_lens=vis,
-                          num_splits=num_splits, out_dtype=torch.float32, check=check)
+                          num_splits=num_splits, out_dtype=torch.float32, out=out, check=check)
+    nccl = _is_nccl(ctx)
+    dev = q_lat.device
     if heads == "sharded":
-        qa = _all_gather(torch.cat([q_lat, q_rope], -1), ctx)  # [W, B, Tq, Hl, r + dr]
-        Hl = q_lat.shape[2]
-        qa = qa.permute(1, 2, 0, 3, 4).reshape(B, Tq, W * Hl, -1)
-        ql, qr = qa.split([q_lat.shape[-1], q_rope.shape[-1]], -1)
-        o, lse = mla_decode(ql, qr, kv_pool, block_table, local, scale, visible_lens=vis, num_splits=num_splits,
-                            out_dtype=torch.float32, check=check)
-        lses = _all_gather(lse, ctx)  # [W, B, Tq, H]
-        ok = torch.isfinite(lses)
-        lses = torch.where(ok, lses, torch.full_like(lses, float("-inf")))
-        m = lses.amax(0)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        tot = torch.exp(lses - m).sum(0)
-        glse = torch.where(tot > 0, m + torch.log(tot.clamp_min(1e-38)), torch.full_like(m, float("-inf")))
-        mine = lses[ctx.rank]
-        w = torch.where(torch.isfinite(mine) & (tot > 0), torch.exp(mine - glse), torch.zeros_like(mine))
-        o = torch.where(w[..., None] > 0, o * w[..., None], torch.zeros_like(o))  # never 0·NaN
-        parts = o.view(B, Tq, W, Hl, -1).permute(2, 0, 1, 3, 4)  # [W, B, Tq, Hl, r]
-        o_mine = _reduce_scatter(parts, ctx)
-        return o_mine, glse.view(B, Tq, W, Hl)[:, :, ctx.rank].contiguous()
-    o, lse = mla_decode(q_lat, q_rope, kv_pool, block_table, local, scale, visible_lens=vis, num_splits=num_splits,
-                        out_dtype=torch.float32, check=check)
-    return merge_attn_states(_all_gather(o, ctx), _all_gather(lse, ctx))
+        qa = _all_gather(_cat_last(q_lat, q_rope), ctx, nccl)  # [W, B, Tq, Hl, r + dr]
+        qa = qa.permute(1, 2, 0, 3, 4).reshape(B, Tq, W * Hq, -1)  # a view when B·Tq = 1
+        o, lse = mla_decode(qa[..., :r], qa[..., r:], kv_pool, block_table, local, scale, visible_lens=vis,
+                            num_splits=num_splits, out_dtype=torch.float32, check=check)
+        lses = _all_gather(lse, ctx, nccl)  # [W, B, Tq, H]
+        if fused:
+            parts = torch.empty(W, B, Tq, Hq, r, dtype=torch.float32, device=dev)
+            lse_out = out[1] if out is not None else torch.empty(B, Tq, Hq, dtype=torch.float32, device=dev)
+            _merge.merge_scale(lses, o, rank, W, rank, out=(parts, lse_out))
+        else:
+            parts, lse_out = _merge.merge_scale_reference(lses, o, rank, W, rank)
+            if out is not None:
+                lse_out = out[1].copy_(lse_out)
+        o_mine = _reduce_scatter(parts, ctx, nccl, out=None if out is None else out[0])
+        return o_mine, lse_out
+    n_o, n_l = B * Tq * Hq * r, B * Tq * Hq
+    buf = torch.empty(n_o + n_l, dtype=torch.float32, device=dev)  # (o, lse) of this rank, gathered at once
+    mla_decode(q_lat, q_rope, kv_pool, block_table, local, scale, visible_lens=vis, num_splits=num_splits,
+               out_dtype=torch.float32, out=(buf[:n_o].view(B, Tq, Hq, r), buf[n_o:].view(B, Tq, Hq)),
+               check=check)
+    g = _all_gather(buf, ctx, nccl)  # [W, n_o + n_l]
+    outs, lses = g[:, :n_o].view(W, B, Tq, Hq, r), g[:, n_o:].view(W, B, Tq, Hq)
+    if fused:
+        return _merge.merge_states(outs, lses, out=out)
+    o, lse = _merge.merge_states_reference(outs, lses)
+    if out is not None:
+        return out[0].copy_(o), out[1].copy_(lse)
+    return o, lse
 
 
 # -- layer level -------------------------------------------------------------------------------------------
@@ -258,7 +326,6 @@ def _self_check(argv=None) -> int:
     """``torchrun --nproc-per-node W -m k3nn.parallel.dcp [--interleave I] [--backend eager|triton]``:
     decode with a DCP-sharded cache and compare against the unsharded layer forward on every rank."""
     import argparse
-    import os
 
     from ..config import KimiK3Config
     from ..kernels.registry import backend as use_backend
@@ -271,15 +338,32 @@ def _self_check(argv=None) -> int:
     ap.add_argument("--bench", metavar="B,L,H", default=None,
                     help="instead of the check, time one DCP decode step (K3 dims, bf16) against one GPU holding "
                          "the whole cache; rank 0 writes mla-dcp-*.json under $K3NN_RESULTS_DIR")
+    ap.add_argument("--eager", action="store_true",
+                    help="--bench: time eager steps only (default on CUDA: also steps replayed from CUDA graphs)")
+    ap.add_argument("--graph-steps", type=int, default=10, help="--bench: decode steps captured per CUDA graph")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)  # eager communicator: collectives can be graph-captured
+    else:
+        dist.init_process_group("gloo")
+    graphs = False
     try:
         ctx = DCPContext.from_group(interleave=args.interleave)
         if args.bench:
-            return _bench(ctx, *(int(v) for v in args.bench.split(",")), backend_name=args.backend)
+            graphs = cuda and not args.eager
+            rc = _bench(ctx, *(int(v) for v in args.bench.split(",")), backend_name=args.backend, graph=graphs,
+                        graph_steps=args.graph_steps)
+            if graphs:  # NCCL teardown with graph-captured collectives can hang the launcher: leave at once
+                import sys
+
+                torch.cuda.synchronize()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+            return rc
         dev = torch.device("cuda" if cuda else "cpu")
         dtype = torch.bfloat16 if cuda else torch.float32
         cfg = KimiK3Config.tiny(num_attention_heads=4 * ctx.world_size, kv_lora_rank=64, qk_rope_head_dim=16)
@@ -308,11 +392,17 @@ def _self_check(argv=None) -> int:
         dist.destroy_process_group()
 
 
-def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto") -> int:
-    """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather,
-    reduce-scatter) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding the
-    whole cache alone (rank 0, same process, no collectives)."""
-    import os
+def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", graph: bool = False,
+           graph_steps: int = 10) -> int:
+    """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather, fused
+    merge, reduce-scatter) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding
+    the whole cache alone (rank 0, same process, no collectives).
+
+    Eager steps are timed by the host wall clock (``*_eager_ms``). With ``graph`` (CUDA) ``graph_steps`` steps
+    are captured in one CUDA graph (NCCL collectives included) and replays are timed with CUDA events:
+    ``k3nn_ms`` / ``anchor_ms`` are then graph times per step, as a serving loop replaying a captured decode
+    step would see them. ``K3NN_DCP_PROFILE=1`` prints rank 0's profile of eager steps (host ops, kernels)
+    and, with graphs, of graph replays (kernels)."""
     import time
 
     from ..kernels.registry import backend as use_backend
@@ -320,25 +410,69 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto") 
 
     W, r, dr, bs = ctx.world_size, 512, 64, 64
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
+    graph = graph and cuda
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if H % W:
         raise ValueError(f"--bench: H={H} must divide by the world size {W}")
     g = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
+    profile = bool(os.environ.get("K3NN_DCP_PROFILE"))
 
-    def timed(fn, iters=20, together=True):
-        for _ in range(3):
-            fn()
+    def sync(together):
         if cuda:
             torch.cuda.synchronize()
         if W > 1 and together:
             dist.barrier(group=ctx.group)
+
+    def timed(fn, iters=20, together=True):
+        for _ in range(3):
+            fn()
+        sync(together)
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / iters * 1e3
+
+    def capture(fn, together=True):
+        """``graph_steps`` calls of fn in one CUDA graph, after a warm-up on a side stream (torch wants the
+        first use of an NCCL communicator, and any lazy init, outside capture)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        sync(together)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            for _ in range(graph_steps):
+                fn()
+        torch.cuda.synchronize()
+        return cg
+
+    def replay_ms(cg, reps=20, together=True):
+        for _ in range(3):
+            cg.replay()
+        sync(together)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            cg.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / (reps * graph_steps)
+
+    def show(prof, by):
+        print(prof.key_averages().table(sort_by=by, row_limit=14), flush=True)
+
+    def profiled():
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        if ctx.rank:
+            return contextlib.nullcontext()
+        return torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
     def make(world, rank, heads):
         cache = PagedLatentCache(1, B * -(-L // (bs * world)) + 1, r, dr, block_size=bs, dtype=dtype, device=dev,
@@ -351,48 +485,81 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto") 
         q = torch.randn(B, 1, heads, r + dr, device=dev, generator=g).to(dtype)
         return cache, q, ids
 
+    keep = []  # graphs with captured collectives live until the process ends (see _self_check)
     cache, q, ids = make(W, ctx.rank, H // W)
     bt, sl = cache.block_table(ids), cache.seq_lens(ids)
-    with use_backend(backend_name):
-        dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx)  # tune outside the timing
-        ms_dcp = timed(lambda: dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx,
-                                             check=False))
-    if ctx.rank == 0 and os.environ.get("K3NN_DCP_PROFILE"):  # where a DCP step's time goes (kernels, host ops)
-        from torch.profiler import ProfilerActivity, profile
+    out = (torch.empty(B, 1, H // W, r, device=dev), torch.empty(B, 1, H // W, device=dev))
+    ql, qr, pool = q[..., :r], q[..., r:], cache.pools[0]  # halves of one tensor: no copy before the gather
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with use_backend(backend_name), profile(activities=acts) as prof:
-            for _ in range(5):
-                dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx, check=False)
-            if cuda:
-                torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
-        if cuda:
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
-    elif os.environ.get("K3NN_DCP_PROFILE"):
-        with use_backend(backend_name):
-            for _ in range(5):  # the peer's side of the profiled collectives
-                dcp_attention(q[..., :r], q[..., r:], cache.pools[0], bt, sl, 0.0722, ctx, check=False)
+    def step():
+        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, check=False, out=out)
+
+    ms_dcp_graph = None
+    with use_backend(backend_name):
+        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, out=out)  # checks the inputs, tunes the decode
+        ms_dcp = timed(step)
+        if graph:
+            cg = capture(step)
+            keep.append(cg)
+            ms_dcp_graph = replay_ms(cg)
+        if profile:  # where a DCP step's time goes (rank 0 host ops and kernels; the peer runs the same steps)
+            sync(True)
+            with profiled() as prof:
+                for _ in range(5):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+            if ctx.rank == 0:
+                print("[dcp profile] 5 eager steps", flush=True)
+                show(prof, "self_cpu_time_total")
+                if cuda:
+                    show(prof, "self_cuda_time_total")
+            if graph:
+                sync(True)
+                with profiled() as prof:
+                    for _ in range(2):
+                        cg.replay()
+                    torch.cuda.synchronize()
+                if ctx.rank == 0:
+                    print(f"[dcp profile] 2 graph replays = {2 * graph_steps} steps", flush=True)
+                    show(prof, "self_cuda_time_total")
     kv_bytes = cache.pools[0].numel() * cache.pools[0].element_size()
-    del cache
+    if not graph:
+        del cache
     rows = []
     if ctx.rank == 0:
         full, qf, ids = make(1, 0, H)
         btf, slf = full.block_table(ids), full.seq_lens(ids)
+        qlf, qrf, poolf = qf[..., :r], qf[..., r:], full.pools[0]
+
+        def one():
+            mla_decode(qlf, qrf, poolf, btf, slf, 0.0722, check=False)
+
+        ms_one_graph = None
         with use_backend(backend_name):
-            mla_decode(qf[..., :r], qf[..., r:], full.pools[0], btf, slf, 0.0722)
-            ms_one = timed(lambda: mla_decode(qf[..., :r], qf[..., r:], full.pools[0], btf, slf, 0.0722, check=False),
-                           together=False)
+            mla_decode(qlf, qrf, poolf, btf, slf, 0.0722)  # checks the inputs, tunes
+            ms_one = timed(one, together=False)
+            if graph:
+                cg1 = capture(one, together=False)
+                keep.append(cg1)
+                ms_one_graph = replay_ms(cg1, together=False)
         kv_one = full.pools[0].numel() * full.pools[0].element_size()
-        rows.append({"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}",
-                     "k3nn_ms": round(ms_dcp, 4), "anchor": "k3nn mla_decode on one device, whole cache",
-                     "anchor_ms": round(ms_one, 4), "kv_bytes_per_rank": kv_bytes, "kv_bytes_one_device": kv_one,
-                     "tpot_ratio": round(ms_dcp / ms_one, 3), "timing": "host wall clock per step, 20 steps"})
-        print(f"[dcp bench] {rows[0]}", flush=True)
+        k_ms, a_ms = (ms_dcp_graph, ms_one_graph) if graph else (ms_dcp, ms_one)
+        row = {"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}",
+               "k3nn_ms": round(k_ms, 4), "anchor": "k3nn mla_decode on one device, whole cache",
+               "anchor_ms": round(a_ms, 4), "kv_bytes_per_rank": kv_bytes, "kv_bytes_one_device": kv_one,
+               "tpot_ratio": round(k_ms / a_ms, 3),
+               "k3nn_eager_ms": round(ms_dcp, 4), "anchor_eager_ms": round(ms_one, 4),
+               "tpot_ratio_eager": round(ms_dcp / ms_one, 3),
+               "timing": (f"CUDA events over graph replays ({graph_steps} steps per graph); *_eager_ms: host wall "
+                          "clock per eager step, 20 steps") if graph else "host wall clock per eager step, 20 steps"}
+        rows.append(row)
+        print(f"[dcp bench] {row}", flush=True)
         if os.environ.get("K3NN_RESULTS_DIR") and cuda:
             from ..bench.common import write_results
 
-            write_results("mla-dcp", rows, {"world_size": W, "backend": dist.get_backend(ctx.group)})
+            write_results("mla-dcp", rows, {"world_size": W, "backend": dist.get_backend(ctx.group),
+                                            "graphs": graph})
     if W > 1:
         dist.barrier(group=ctx.group)
     return 0

@@ -31,10 +31,19 @@ Nothing here reads a device value on the host, so every call can be captured in 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ...cache.pages import local_seq_lens
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # pragma: no cover - no Triton on this platform: the eager references still work
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
 
 __all__ = ["dcp_lens", "dcp_lens_reference", "merge_scale", "merge_scale_reference", "merge_states",
            "merge_states_reference"]
@@ -86,7 +95,7 @@ def dcp_lens_reference(seq_lens: torch.Tensor, Tq: int, world_size: int, rank: i
 
 # -- Triton -----------------------------------------------------------------------------------------------------
 
-@triton.jit
+@_jit
 def _lse_merge_kernel(lse_ptr, o_ptr, out_ptr, lse_out_ptr,
                       S, NROWS, H, R, HG, index, lse_group,
                       s_ls, s_lbt, s_lh, s_os, s_obt, s_oh, s_pg, s_pbt, s_pj, s_qbt, s_qj,
@@ -192,7 +201,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *,
     return o_out, lse_out
 
 
-@triton.jit
+@_jit
 def _dcp_lens_kernel(sl_ptr, local_ptr, vis_ptr, N, Tq, W, rank, I, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
