@@ -9,12 +9,17 @@ Decode of one MLA layer (``dcp_attention``, head-sharded "ag_rs" flow, 3 collect
 
 1. each rank holds queries for its ``H/W`` heads → **all-gather Q** over heads → all ``H`` heads;
 2. local absorbed attention over the local shard with rank-local lengths and causal bounds
-   (``local_seq_lens(q_pos + 1)`` for a query at global position ``q_pos``) → partial ``o_r``, ``lse_r``;
-3. **all-gather LSE**; ``lse = log Σ_r exp lse_r``; rescale ``o_r ← exp(lse_r − lse) o_r`` (empty shards: 0);
+   (``local_seq_lens(q_pos + 1)`` for a query at global position ``q_pos``; one small kernel computes both)
+   → partial ``o_r``, ``lse_r``;
+3. **all-gather LSE**; one fused kernel (:func:`k3nn.kernels.mla.merge.merge_scale`) computes
+   ``lse = log Σ_r exp lse_r`` and ``o_r ← exp(lse_r − lse) o_r`` (empty shards: exactly 0), laid out per head group;
 4. **reduce-scatter (sum)** over heads → each rank gets the exact result for its own heads.
 
-With ``heads="replicated"`` every rank has all heads' queries (no TP): local attention, then all-gather of
-``(o_r, lse_r)`` and the same exact merge on every rank (2 collectives).
+With ``heads="replicated"`` every rank has all heads' queries (no TP): local attention into one flat buffer,
+one all-gather of ``(o_r, lse_r)`` and the same exact merge on every rank (1 collective).
+
+With ``check=False`` a step reads no device value on the host and can be captured in a CUDA graph, NCCL
+collectives included (create the group with ``device_id=`` and run one collective outside capture first).
 
 Model wiring: per step call ``cache.extend(ids, T)`` once (same on every rank), then per MLA layer
 :func:`dcp_mla_decode_layer`; prompts are prefilled unsharded and stored with :func:`dcp_write_latents`;
@@ -23,7 +28,8 @@ rank-local lengths and causal bounds; a rank owning no token of a request contri
 
 Launch with ``torchrun --nproc-per-node W`` (or any initialised default group). ``torchrun ... -m
 k3nn.parallel.dcp`` runs a layer-level self-check against a single-rank forward; ``--bench B,L,H`` times a
-sharded decode step against one device holding the whole cache.
+sharded decode step against one device holding the whole cache (on CUDA: eager steps and CUDA-graph replays;
+``--eager`` skips the graphs).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from ..cache.pages import PagedLatentCache, local_seq_lens
 from ..kernels.mla import merge as _merge
 from ..kernels.registry import current_backend, triton_interpreting
 
-__all__ = ["DCPContext", "dcp_visible_lens", "dcp_attention", "dcp_write_latents", "dcp_mla_decode_layer",
-           "dcp_gather_context"]
+__all__ = ["DCPContext", "dcp_local_lens", "dcp_visible_lens", "dcp_attention", "dcp_write_latents",
+           "dcp_mla_decode_layer", "dcp_gather_context"]
 
 Heads = Literal["sharded", "replicated", "auto"]
 
@@ -126,9 +132,16 @@ def _lens(seq_lens: torch.Tensor, Tq: int, ctx: DCPContext, fused: bool) -> tupl
     return _merge.dcp_lens_reference(seq_lens, Tq, ctx.world_size, ctx.rank, ctx.interleave)
 
 
+def dcp_local_lens(seq_lens: torch.Tensor, Tq: int, ctx: DCPContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local lengths int32 [B], rank-local causal bounds int32 [B, Tq])`` for a verify window of Tq queries
+    ending at global lengths ``seq_lens`` [B] (one small kernel on CUDA). The same for every layer of a step:
+    compute once and pass to :func:`dcp_attention` as ``local_lens``."""
+    return _lens(seq_lens, Tq, ctx, _fused_kernels(seq_lens))
+
+
 def dcp_visible_lens(seq_lens: torch.Tensor, Tq: int, ctx: DCPContext) -> torch.Tensor:
     """Rank-local causal bounds [B, Tq] for a verify window of Tq queries ending at global length seq_lens."""
-    return _lens(seq_lens, Tq, ctx, _fused_kernels(seq_lens))[1]
+    return dcp_local_lens(seq_lens, Tq, ctx)[1]
 
 
 def _cat_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -169,7 +182,8 @@ def _check_attention_args(q_lat, ctx, heads, out) -> None:
 def dcp_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, ctx: DCPContext, *, heads: Heads = "sharded",
                   num_splits: int | None = None, check: bool = True,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  local_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a sequence-sharded paged latent cache, merged exactly across the group.
 
     Args:
@@ -183,6 +197,8 @@ def dcp_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tens
             never reads a device value on the host: the call can then be captured in a CUDA graph (NCCL
             collectives included, once the group has run a collective outside capture).
         out: preallocated contiguous fp32 ``(o [B, Tq, Hq, r], lse [B, Tq, Hq])`` to write into.
+        local_lens: :func:`dcp_local_lens` of ``seq_lens`` (computed here when omitted; pass it to share one
+            computation between the layers of a step).
     Returns:
         ``(o [B, Tq, Hq, r] fp32, lse [B, Tq, Hq] fp32)``: exactly the single-rank result for this rank's heads.
 
@@ -199,7 +215,7 @@ def dcp_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tens
     B, Tq, Hq, r = q_lat.shape
     W, rank = ctx.world_size, ctx.rank
     fused = _fused_kernels(q_lat)
-    local, vis = _lens(seq_lens, Tq, ctx, fused)
+    local, vis = _lens(seq_lens, Tq, ctx, fused) if local_lens is None else local_lens
     if W == 1:
         return mla_decode(q_lat, q_rope, kv_pool, block_table, local, scale, visible_lens=vis,
                           num_splits=num_splits, out_dtype=torch.float32, out=out, check=check)
@@ -341,6 +357,8 @@ def _self_check(argv=None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="--bench: time eager steps only (default on CUDA: also steps replayed from CUDA graphs)")
     ap.add_argument("--graph-steps", type=int, default=10, help="--bench: decode steps captured per CUDA graph")
+    ap.add_argument("--heads", choices=("sharded", "replicated"), default="sharded",
+                    help="--bench: queries of H/W heads per rank (3 collectives) or of all H (1 collective)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -355,7 +373,7 @@ def _self_check(argv=None) -> int:
         if args.bench:
             graphs = cuda and not args.eager
             rc = _bench(ctx, *(int(v) for v in args.bench.split(",")), backend_name=args.backend, graph=graphs,
-                        graph_steps=args.graph_steps)
+                        graph_steps=args.graph_steps, heads=args.heads)
             if graphs:  # NCCL teardown with graph-captured collectives can hang the launcher: leave at once
                 import sys
 
@@ -393,9 +411,9 @@ def _self_check(argv=None) -> int:
 
 
 def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", graph: bool = False,
-           graph_steps: int = 10) -> int:
+           graph_steps: int = 10, heads: str = "sharded") -> int:
     """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather, fused
-    merge, reduce-scatter) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding
+    merge, reduce-scatter; replicated heads: local decode, all-gather of (o, lse), fused merge) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding
     the whole cache alone (rank 0, same process, no collectives).
 
     Eager steps are timed by the host wall clock (``*_eager_ms``). With ``graph`` (CUDA) ``graph_steps`` steps
@@ -413,8 +431,9 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
     graph = graph and cuda
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    if H % W:
+    if H % W and heads == "sharded":
         raise ValueError(f"--bench: H={H} must divide by the world size {W}")
+    Hq = H // W if heads == "sharded" else H
     g = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
     profile = bool(os.environ.get("K3NN_DCP_PROFILE"))
 
@@ -486,17 +505,17 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
         return cache, q, ids
 
     keep = []  # graphs with captured collectives live until the process ends (see _self_check)
-    cache, q, ids = make(W, ctx.rank, H // W)
+    cache, q, ids = make(W, ctx.rank, Hq)
     bt, sl = cache.block_table(ids), cache.seq_lens(ids)
-    out = (torch.empty(B, 1, H // W, r, device=dev), torch.empty(B, 1, H // W, device=dev))
+    out = (torch.empty(B, 1, Hq, r, device=dev), torch.empty(B, 1, Hq, device=dev))
     ql, qr, pool = q[..., :r], q[..., r:], cache.pools[0]  # halves of one tensor: no copy before the gather
 
     def step():
-        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, check=False, out=out)
+        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, heads=heads, check=False, out=out)
 
     ms_dcp_graph = None
     with use_backend(backend_name):
-        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, out=out)  # checks the inputs, tunes the decode
+        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, heads=heads, out=out)  # checks the inputs, tunes
         ms_dcp = timed(step)
         if graph:
             cg = capture(step)
@@ -545,7 +564,8 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
                 ms_one_graph = replay_ms(cg1, together=False)
         kv_one = full.pools[0].numel() * full.pools[0].element_size()
         k_ms, a_ms = (ms_dcp_graph, ms_one_graph) if graph else (ms_dcp, ms_one)
-        row = {"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}",
+        row = {"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}"
+                       + (" heads=replicated" if heads == "replicated" else ""),
                "k3nn_ms": round(k_ms, 4), "anchor": "k3nn mla_decode on one device, whole cache",
                "anchor_ms": round(a_ms, 4), "kv_bytes_per_rank": kv_bytes, "kv_bytes_one_device": kv_one,
                "tpot_ratio": round(k_ms / a_ms, 3),
