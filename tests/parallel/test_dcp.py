@@ -19,8 +19,9 @@ from k3nn.kernels.mla.reference import mla_decode_reference
 from k3nn.layers.mla import MultiHeadLatentAttention
 from k3nn.ops import mla_decode
 from k3nn.cache.pages import gather_latents
-from k3nn.parallel.dcp import (DCPContext, _cat_last, dcp_attention, dcp_gather_context, dcp_mla_decode_layer,
-                               dcp_visible_lens, dcp_write_latents)
+from k3nn.kernels.mla.merge import merge_scale
+from k3nn.parallel.dcp import (DCPContext, _cat_last, dcp_attention, dcp_gather_context, dcp_local_lens,
+                               dcp_mla_decode_layer, dcp_visible_lens, dcp_write_latents)
 
 from conftest import poison
 
@@ -65,6 +66,37 @@ def test_sharded_partials_merge_to_unsharded(name, W, I, Tq, lens, H, seed):
     o, lse = merge_attn_states(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5)
+
+
+@given(W=st.integers(2, 4), I=st.sampled_from([1, 2]), Tq=st.integers(1, 2),
+       lens=st.lists(st.integers(2, 40), min_size=1, max_size=2), seed=st.integers(0, 2**31 - 1))
+def test_sharded_flow_with_empty_shards(W, I, Tq, lens, seed):
+    """The sharded-heads flow of dcp_attention emulated in one process with the fused kernels: per rank
+    dcp_local_lens + decode of all heads, gathered LSEs, merge_scale into head groups, the reduce-scatter as a
+    sum. Short requests leave whole ranks (or some queries of a rank) without a visible key."""
+    lens = [n if i else 1 + n % 3 for i, n in enumerate(lens)]  # the first request has 1-3 tokens
+    lens = [max(n, Tq) for n in lens]
+    note(f"W={W} I={I} Tq={Tq} lens={lens}")
+    bs, r, dr, H = 8, 16, 8, 2 * W
+    full, shards = build(seed, lens, W, I, bs, r, dr)
+    ids = list(range(len(lens)))
+    g = torch.Generator().manual_seed(seed + 1)
+    q_lat, q_rope = torch.randn(len(lens), Tq, H, r, generator=g), torch.randn(len(lens), Tq, H, dr, generator=g)
+    sl = full.seq_lens(ids)
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, full.pools[0], full.block_table(ids), sl, 0.3)
+    with backend("triton"):
+        partials = []
+        for k, cache in enumerate(shards):
+            local, vis = dcp_local_lens(sl, Tq, DCPContext(W, k, I))
+            partials.append(mla_decode(q_lat, q_rope, cache.pools[0], cache.block_table(ids), local, 0.3,
+                                       visible_lens=vis, out_dtype=torch.float32))
+        lses = torch.stack([p[1] for p in partials])
+        merged = [merge_scale(lses, partials[k][0], k, W, k) for k in range(W)]
+    o = sum(m[0] for m in merged)  # [W, B, Tq, H/W, r]: rank k keeps o[k]
+    Hl = H // W
+    for k in range(W):
+        torch.testing.assert_close(o[k], o_ref[:, :, k * Hl:(k + 1) * Hl], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(merged[k][1], lse_ref[:, :, k * Hl:(k + 1) * Hl], atol=2e-5, rtol=2e-5)
 
 
 def test_errors():
