@@ -12,7 +12,8 @@ Decode of one MLA layer (``dcp_attention``, head-sharded "ag_rs" flow, 3 collect
    (``local_seq_lens(q_pos + 1)`` for a query at global position ``q_pos``; one small kernel computes both)
    → partial ``o_r``, ``lse_r``;
 3. **all-gather LSE**; one fused kernel (:func:`k3nn.kernels.mla.merge.merge_scale`) computes
-   ``lse = log Σ_r exp lse_r`` and ``o_r ← exp(lse_r − lse) o_r`` (empty shards: exactly 0), laid out per head group;
+   ``lse = log Σ_r exp lse_r`` and ``o_r ← exp(lse_r − lse) o_r`` (empty shards: exactly 0), laid out per
+   head group;
 4. **reduce-scatter (sum)** over heads → each rank gets the exact result for its own heads.
 
 With ``heads="replicated"`` every rank has all heads' queries (no TP): local attention into one flat buffer,
@@ -413,8 +414,9 @@ def _self_check(argv=None) -> int:
 def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", graph: bool = False,
            graph_steps: int = 10, heads: str = "sharded") -> int:
     """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather, fused
-    merge, reduce-scatter; replicated heads: local decode, all-gather of (o, lse), fused merge) over a cache of B requests × L tokens sharded on W ranks, against one rank decoding
-    the whole cache alone (rank 0, same process, no collectives).
+    merge, reduce-scatter; replicated heads: local decode, all-gather of (o, lse), fused merge) over a cache of
+    B requests × L tokens sharded on W ranks, against one rank decoding the whole cache alone (rank 0, same
+    process, no collectives).
 
     Eager steps are timed by the host wall clock (``*_eager_ms``). With ``graph`` (CUDA) ``graph_steps`` steps
     are captured in one CUDA graph (NCCL collectives included) and replays are timed with CUDA events:
