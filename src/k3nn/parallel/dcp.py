@@ -120,7 +120,7 @@ def _fused_kernels(t: torch.Tensor) -> bool:
     """Whether the small DCP kernels (lengths, LSE merge) run in Triton: on CUDA unless the eager backend is
     forced; on the CPU only for an explicit ``triton`` backend under ``TRITON_INTERPRET=1`` (tests)."""
     b = current_backend()
-    if b == "eager":
+    if b == "eager" or _merge.triton is None:
         return False
     if t.is_cuda:
         return True
