@@ -435,9 +435,20 @@ def supports_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_
     return None
 
 
-def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None):
-    """Run ``_kda_intra`` over NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl). ``config``: a
-    ``triton.Config`` to run instead of the autotuned choice (benchmarks time each variant this way)."""
+def intra_mode() -> str:
+    """``K3NN_KDA_INTRA``: ``fused`` (default, one ``_kda_intra`` program per chunk and head) or ``split``
+    (three launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u). Same outputs either way."""
+    m = os.environ.get("K3NN_KDA_INTRA", "fused").strip().lower() or "fused"
+    if m not in ("fused", "split"):
+        raise ValueError(f"K3NN_KDA_INTRA must be 'fused' or 'split', got {m!r}")
+    return m
+
+
+def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
+    """Intra-chunk quantities of NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl), plus the fp32
+    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` (default: :func:`intra_mode`).
+    ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a triple of them
+    (split; None entries autotuned) — benchmarks time each variant this way."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     dt, dev = q.dtype, q.device
@@ -448,13 +459,20 @@ def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None):
     A = torch.empty(NC, H, 64, 64, dtype=dt, device=dev)
     egl = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
     scratch = torch.empty(NC, H, 64, 64, dtype=torch.float32, device=dev)
-    args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H)
-    if config is None:
-        _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
+    if (mode or intra_mode()) == "split":
+        from .triton_intra_split import intra_split_launch
+
+        intra_split_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, scratch,
+                           configs=config)
     else:
-        _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
-    return qg, kg, w, u, A, egl
+        args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H)
+        if config is None:
+            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
+        else:
+            _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
+                                   num_stages=config.num_stages)
+    out = (qg, kg, w, u, A, egl)
+    return out + (scratch,) if return_x else out
 
 
 def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
