@@ -81,3 +81,18 @@ def test_ep_two_ranks_equal_one_rank():
         single = qb_bias_histogram(s, b, 2, 500)  # no process group here: the whole batch in one process
         for r in range(2):
             assert torch.equal(torch.load(f"{init}.qb{r}"), single)
+
+
+def test_ep_torchrun_self_check_on_gloo():
+    """``python -m k3nn.parallel.ep`` under torchrun (the two-GPU NCCL check, here on 2 gloo ranks): the
+    expert-parallel latent MoE (fp32 and MXFP4 experts) equals the whole layer on one rank."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                        "k3nn.parallel.ep", "--dim-scale", "16", "--tokens", "8", "--experts", "8", "--topk", "4"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("rel err") == 4  # 2 ranks x (fp32, MXFP4)
