@@ -23,7 +23,15 @@ from k3nn.decode.runner import make_decode_runner
 from k3nn.layers.moe import Router
 
 
+def _moes(model):
+    from k3nn.layers.moe import MoE
+
+    return [(i, m) for i, layer in enumerate(model.model.layers) for m in layer.modules() if isinstance(m, MoE)]
+
+
 def _hooks(model, store):
+    for _, m in _moes(model):
+        m.record_routing = True  # MoE.forward keeps (router logits, top-k ids) of its latest call
     hs = []
     for i, layer in enumerate(model.model.layers):
         mods = [("attn", layer.self_attn), ("ffn", layer.ffn)]
@@ -51,6 +59,10 @@ def step(model, base, nxt, backend):
     finally:
         for h in hs:
             h.remove()
+        for i, m in _moes(model):
+            if getattr(m, "last_routing", None) is not None:
+                store[f"L{i}.route"] = (m.last_routing[0].float().clone(), m.last_routing[1].clone())
+            m.record_routing, m.last_routing = False, None
         model.backend = None
     if logits.is_cuda:
         torch.cuda.synchronize()
@@ -96,7 +108,14 @@ def report(tag, ref, out):
           f" argmax agree {agree:.3f}", flush=True)
     parts = []
     for k in sr:
-        if k.endswith("router"):
+        if k.endswith(".route") and k in so:  # expert-set flips, and how close the eager top-k boundary was
+            (lg, ia), (_, ib) = sr[k], so[k]
+            flip = (ia.sort(-1).values != ib.sort(-1).values).any(-1).float().mean().item()
+            kk = ia.shape[-1]
+            top = lg.sigmoid().topk(min(kk + 1, lg.shape[-1]), -1).values  # (bias-free margin, a proxy)
+            gap = (top[:, kk - 1] - top[:, -1]).min().item() if top.shape[-1] > kk else float("nan")
+            parts.append(f"{k} flips {flip:.2f} (min top-k gap {gap:.1e})")
+        elif k.endswith("router"):
             a, b = sr[k], so[k]
             flip = (a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item()
             parts.append(f"{k} flips {flip:.2f}")
