@@ -28,6 +28,10 @@ Two kernels per call:
    tokens from each sequence start *and* at every requested checkpoint position, so a checkpoint is just
    the state at a chunk start, stored by the same kernel (masked store; no second pass).
 
+``K3NN_KDA_INTRA=split`` replaces step 1 by three launches with more parallelism (score blocks per 16×16 block
+pair, the inverse in place, w/u per feature tile; :mod:`.triton_intra_split`): same outputs to fp32
+rounding. The default stays ``fused``.
+
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
 dtype), and in the recurrence the state cast for ``w h`` / ``qg h`` (fla does the same); the diagonal intra
