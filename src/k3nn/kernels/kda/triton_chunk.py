@@ -124,6 +124,37 @@ def _blk_st(x, ro: tl.constexpr, co: tl.constexpr, val):
 
 
 @triton.jit
+def _inverse_offdiag(X00, X11, X22, X33, L10, L20, L21, L30, L31, L32):
+    """Off-diagonal 16×16 blocks of (I + L)⁻¹ from the inverted diagonal blocks Xii and the strictly lower
+    blocks Lij of one 64-token chunk (blockwise forward substitution, fp32): (X10, X20, X21, X30, X31, X32)."""
+    X10 = -tl.dot(X11, tl.dot(L10, X00, input_precision="ieee"), input_precision="ieee")
+    X21 = -tl.dot(X22, tl.dot(L21, X11, input_precision="ieee"), input_precision="ieee")
+    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision="ieee"), input_precision="ieee")
+    X20 = -tl.dot(X22, tl.dot(L20, X00, input_precision="ieee") + tl.dot(L21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    X31 = -tl.dot(X33, tl.dot(L31, X11, input_precision="ieee") + tl.dot(L32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    X30 = -tl.dot(X33, tl.dot(L30, X00, input_precision="ieee") + tl.dot(L31, X10, input_precision="ieee")
+                  + tl.dot(L32, X20, input_precision="ieee"), input_precision="ieee")
+    return X10, X20, X21, X30, X31, X32
+
+
+@triton.jit
+def _store_inverse(Xp, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32):
+    """The ten lower blocks of a chunk's (I + L)⁻¹ into the [64, 64] tile at ``Xp``."""
+    _blk_st(Xp, 0, 0, X00)
+    _blk_st(Xp, 16, 16, X11)
+    _blk_st(Xp, 32, 32, X22)
+    _blk_st(Xp, 48, 48, X33)
+    _blk_st(Xp, 16, 0, X10)
+    _blk_st(Xp, 32, 0, X20)
+    _blk_st(Xp, 32, 16, X21)
+    _blk_st(Xp, 48, 0, X30)
+    _blk_st(Xp, 48, 16, X31)
+    _blk_st(Xp, 48, 32, X32)
+
+
+@triton.jit
 def _strip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, w_out, ob, s: tl.constexpr, kb, scale,
            K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
     """One 16-row strip of one key block. ``pre``: G at the row before the strip, ``r``: G at its last row.
@@ -285,27 +316,10 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
     L30 = A30 * b3[:, None]
     L31 = A31 * b3[:, None]
     L32 = A32 * b3[:, None]
-    X10 = -tl.dot(X11, tl.dot(L10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(L21, X11, input_precision="ieee"), input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(L20, X00, input_precision="ieee") + tl.dot(L21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(L31, X11, input_precision="ieee") + tl.dot(L32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(L30, X00, input_precision="ieee") + tl.dot(L31, X10, input_precision="ieee")
-                  + tl.dot(L32, X20, input_precision="ieee"), input_precision="ieee")
+    X10, X20, X21, X30, X31, X32 = _inverse_offdiag(X00, X11, X22, X33, L10, L20, L21, L30, L31, L32)
     # through scratch into one [64, 64] tile, so that w and u are single 64-row dots
     Xp = scratch + ob * 64 * 64
-    _blk_st(Xp, 0, 0, X00)
-    _blk_st(Xp, 16, 16, X11)
-    _blk_st(Xp, 32, 32, X22)
-    _blk_st(Xp, 48, 48, X33)
-    _blk_st(Xp, 16, 0, X10)
-    _blk_st(Xp, 32, 0, X20)
-    _blk_st(Xp, 32, 16, X21)
-    _blk_st(Xp, 48, 0, X30)
-    _blk_st(Xp, 48, 16, X31)
-    _blk_st(Xp, 48, 32, X32)
+    _store_inverse(Xp, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
     tl.debug_barrier()  # also orders pass 1's z stores before the loads below
     r64 = tl.arange(0, 64)
     X = tl.load(Xp + r64[:, None] * 64 + r64[None, :], mask=(r64[None, :] // 16) <= (r64[:, None] // 16),

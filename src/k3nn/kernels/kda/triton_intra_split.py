@@ -36,7 +36,7 @@ import os
 import triton
 import triton.language as tl
 
-from .triton_chunk import _SPAN, _blk_st, _ld, _st, _tune
+from .triton_chunk import _SPAN, _inverse_offdiag, _ld, _st, _store_inverse, _tune
 
 __all__ = ["intra_split_launch", "split_kernels"]
 
@@ -200,26 +200,9 @@ def _split_solve_kernel(X, H):
     L30 = _ld_blk(Xp, 48, 0)
     L31 = _ld_blk(Xp, 48, 16)
     L32 = _ld_blk(Xp, 48, 32)
-    X10 = -tl.dot(X11, tl.dot(L10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(L21, X11, input_precision="ieee"), input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(L20, X00, input_precision="ieee") + tl.dot(L21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(L31, X11, input_precision="ieee") + tl.dot(L32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(L30, X00, input_precision="ieee") + tl.dot(L31, X10, input_precision="ieee")
-                  + tl.dot(L32, X20, input_precision="ieee"), input_precision="ieee")
+    X10, X20, X21, X30, X31, X32 = _inverse_offdiag(X00, X11, X22, X33, L10, L20, L21, L30, L31, L32)
     tl.debug_barrier()  # every L block is read before X overwrites it
-    _blk_st(Xp, 0, 0, X00)
-    _blk_st(Xp, 16, 16, X11)
-    _blk_st(Xp, 32, 32, X22)
-    _blk_st(Xp, 48, 48, X33)
-    _blk_st(Xp, 16, 0, X10)
-    _blk_st(Xp, 32, 0, X20)
-    _blk_st(Xp, 32, 16, X21)
-    _blk_st(Xp, 48, 0, X30)
-    _blk_st(Xp, 48, 16, X31)
-    _blk_st(Xp, 48, 32, X32)
+    _store_inverse(Xp, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
 
 
 @triton.jit
