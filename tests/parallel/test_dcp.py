@@ -230,8 +230,9 @@ def _worker(rank, world, init_file, results):
             dcp_write_latents(layer, x[:, : max(lens)], cache, 0, ["a", "b"], pos, ctx)
             pos = cache.extend(["a", "b"], T)
             xn = torch.stack([x[b, lens[b]: lens[b] + T] for b in range(2)])
-            y = dcp_mla_decode_layer(layer, xn, cache, 0, ["a", "b"], pos, ctx)
-        errs["layer"] = (y - ref).abs().max().item()
+            for heads in ("auto", "sharded"):  # auto = replicated (1 collective); sharded: 4 collectives
+                y = dcp_mla_decode_layer(layer, xn, cache, 0, ["a", "b"], pos, ctx, heads=heads)
+                errs[f"layer {heads}"] = (y - ref).abs().max().item()
         try:
             dcp_attention(q_lat, q_rope, shards[rank].pools[0], shards[rank].block_table(ids), sl, 0.25,
                           DCPContext(world + 1, rank))
@@ -253,6 +254,6 @@ def test_two_rank_gloo_matches_one_rank():
         mgr.shutdown()
     assert sorted(res) == [0, 1]
     for rank, errs in res.items():
-        assert len(errs) == 12, errs
+        assert len(errs) == 13, errs
         for k, e in errs.items():
             assert e < 1e-4, (rank, k, e)

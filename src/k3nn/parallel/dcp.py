@@ -272,8 +272,12 @@ def dcp_mla_decode_layer(layer, x: torch.Tensor, cache: PagedLatentCache, layer_
     x [B, T, d]: the new tokens (T = 1, or a verify window), identical on every rank; ``positions`` [B, T]:
     their global positions from ``cache.extend(seq_ids, T)`` (called once per step for all layers, same on
     every rank). Writes this layer's new latents (owned rows only), runs :func:`dcp_attention`, applies
-    W_UV, the output gate and o_proj. ``heads="auto"`` shards heads when ``H % W == 0``. Returns y [B, T, d],
-    the same on every rank and equal to the single-rank layer output.
+    W_UV, the output gate and o_proj. ``heads="auto"`` means ``"replicated"``: the layer holds every head and x is
+    the same on every rank, so each rank forms all queries itself and one all-gather of (o, lse) merges the
+    step. ``"sharded"`` forms only this rank's H/W queries and costs four collectives (all-gather Q and LSE,
+    reduce-scatter, all-gather of the projected heads): it pays only when the heads are tensor-parallel, where
+    :func:`dcp_attention` is called with the rank's own heads. Returns y [B, T, d], the same on every rank and
+    equal to the single-rank layer output.
     """
     ctx.check_cache(cache)
     B, T, _ = x.shape
@@ -281,7 +285,7 @@ def dcp_mla_decode_layer(layer, x: torch.Tensor, cache: PagedLatentCache, layer_
         raise ValueError(f"dcp_mla_decode_layer: positions must be [B={B}, T={T}] global positions (no padding)")
     H, W = layer.num_heads, ctx.world_size
     if heads == "auto":
-        heads = "sharded" if H % W == 0 else "replicated"
+        heads = "replicated"
     if heads == "sharded" and H % W:
         raise ValueError(f"dcp_mla_decode_layer: {H} heads cannot be sharded over {W} ranks; use heads='replicated'")
     seq_lens = cache.seq_lens(seq_ids)
@@ -352,14 +356,18 @@ def _self_check(argv=None) -> int:
     ap.add_argument("--interleave", type=int, default=1)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tokens", type=int, default=2, help="query tokens per decode step (verify window)")
-    ap.add_argument("--bench", metavar="B,L,H", default=None,
+    ap.add_argument("--bench", metavar="B,L,H[;B,L,H...]", default=None,
                     help="instead of the check, time one DCP decode step (K3 dims, bf16) against one GPU holding "
-                         "the whole cache; rank 0 writes mla-dcp-*.json under $K3NN_RESULTS_DIR")
+                         "the whole cache, per case; rank 0 writes mla-dcp-*.json under $K3NN_RESULTS_DIR")
     ap.add_argument("--eager", action="store_true",
                     help="--bench: time eager steps only (default on CUDA: also steps replayed from CUDA graphs)")
     ap.add_argument("--graph-steps", type=int, default=10, help="--bench: decode steps captured per CUDA graph")
-    ap.add_argument("--heads", choices=("sharded", "replicated"), default="sharded",
-                    help="--bench: queries of H/W heads per rank (3 collectives) or of all H (1 collective)")
+    ap.add_argument("--heads", choices=("sharded", "replicated"), default="replicated",
+                    help="--bench: queries of all H heads on every rank (1 collective; what a layer without "
+                         "tensor parallelism does) or of H/W heads per rank (3 collectives, for TP-sharded heads)")
+    ap.add_argument("--lens-per-layer", action="store_true",
+                    help="--bench: count the rank-local lengths kernel in every layer's step (default: computed "
+                         "once per decode step and shared by all MLA layers, as a model step does)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -373,8 +381,19 @@ def _self_check(argv=None) -> int:
         ctx = DCPContext.from_group(interleave=args.interleave)
         if args.bench:
             graphs = cuda and not args.eager
-            rc = _bench(ctx, *(int(v) for v in args.bench.split(",")), backend_name=args.backend, graph=graphs,
-                        graph_steps=args.graph_steps, heads=args.heads)
+            cases = [tuple(int(v) for v in c.split(",")) for c in args.bench.split(";") if c.strip()]
+            if not cases or any(len(c) != 3 for c in cases):
+                raise ValueError(f"--bench wants B,L,H[;B,L,H...], got {args.bench!r}")
+            rows = []
+            for case in cases:
+                rows += _bench(ctx, *case, backend_name=args.backend, graph=graphs, graph_steps=args.graph_steps,
+                               heads=args.heads, lens_per_layer=args.lens_per_layer)
+            if ctx.rank == 0 and os.environ.get("K3NN_RESULTS_DIR") and cuda:
+                from ..bench.common import write_results
+
+                write_results("mla-dcp", rows, {"world_size": ctx.world_size, "backend": dist.get_backend(ctx.group),
+                                                "graphs": graphs, "heads": args.heads})
+            rc = 0
             if graphs:  # NCCL teardown with graph-captured collectives can hang the launcher: leave at once
                 import sys
 
@@ -400,19 +419,25 @@ def _self_check(argv=None) -> int:
         dcp_write_latents(layer, x[:, : max(lens)], cache, 0, ids, pos, ctx)
         pos = cache.extend(ids, T)
         xn = torch.stack([x[b, lens[b]: lens[b] + T] for b in ids])
-        with use_backend(args.backend):
-            y = dcp_mla_decode_layer(layer, xn, cache, 0, ids, pos, ctx)
-        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        print(f"[dcp rank {ctx.rank}/{ctx.world_size} I={ctx.interleave} {dist.get_backend()}] rel err {err:.2e}",
-              flush=True)
-        return 0 if err < tol else 1
+        rc = 0
+        for heads in ("replicated", "sharded"):
+            with use_backend(args.backend):
+                y = dcp_mla_decode_layer(layer, xn, cache, 0, ids, pos, ctx, heads=heads)
+            err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+            print(f"[dcp rank {ctx.rank}/{ctx.world_size} I={ctx.interleave} {dist.get_backend()} heads={heads}] "
+                  f"rel err {err:.2e}", flush=True)
+            rc |= int(not err < tol)
+        return rc
     finally:
         dist.destroy_process_group()
 
 
+_KEEP: list = []  # see _bench
+
+
 def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", graph: bool = False,
-           graph_steps: int = 10, heads: str = "sharded") -> int:
+           graph_steps: int = 10, heads: str = "replicated", lens_per_layer: bool = False) -> list[dict]:
     """Per-step time of ``dcp_attention`` (sharded heads: all-gather Q, local decode, LSE all-gather, fused
     merge, reduce-scatter; replicated heads: local decode, all-gather of (o, lse), fused merge) over a cache of
     B requests × L tokens sharded on W ranks, against one rank decoding the whole cache alone (rank 0, same
@@ -506,14 +531,16 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
         q = torch.randn(B, 1, heads, r + dr, device=dev, generator=g).to(dtype)
         return cache, q, ids
 
-    keep = []  # graphs with captured collectives live until the process ends (see _self_check)
+    keep = _KEEP  # graphs with captured collectives (and what they read) live until the process ends
     cache, q, ids = make(W, ctx.rank, Hq)
     bt, sl = cache.block_table(ids), cache.seq_lens(ids)
     out = (torch.empty(B, 1, Hq, r, device=dev), torch.empty(B, 1, Hq, device=dev))
     ql, qr, pool = q[..., :r], q[..., r:], cache.pools[0]  # halves of one tensor: no copy before the gather
 
+    lens = None if lens_per_layer else dcp_local_lens(sl, 1, ctx)  # once per model step, shared by the layers
+
     def step():
-        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, heads=heads, check=False, out=out)
+        dcp_attention(ql, qr, pool, bt, sl, 0.0722, ctx, heads=heads, check=False, out=out, local_lens=lens)
 
     ms_dcp_graph = None
     with use_backend(backend_name):
@@ -545,7 +572,9 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
                     print(f"[dcp profile] 2 graph replays = {2 * graph_steps} steps", flush=True)
                     show(prof, "self_cuda_time_total")
     kv_bytes = cache.pools[0].numel() * cache.pools[0].element_size()
-    if not graph:
+    if graph:
+        keep.append(cache)
+    else:
         del cache
     rows = []
     if ctx.rank == 0:
@@ -562,12 +591,12 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
             ms_one = timed(one, together=False)
             if graph:
                 cg1 = capture(one, together=False)
-                keep.append(cg1)
+                keep.extend((cg1, full))
                 ms_one_graph = replay_ms(cg1, together=False)
         kv_one = full.pools[0].numel() * full.pools[0].element_size()
         k_ms, a_ms = (ms_dcp_graph, ms_one_graph) if graph else (ms_dcp, ms_one)
-        row = {"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]}"
-                       + (" heads=replicated" if heads == "replicated" else ""),
+        row = {"case": f"B={B} L={L} H={H} Tq=1 W={W} I={ctx.interleave} {str(dtype)[6:]} heads={heads}",
+               "lens": "per layer" if lens_per_layer else "once per step (outside the timed layer step)",
                "k3nn_ms": round(k_ms, 4), "anchor": "k3nn mla_decode on one device, whole cache",
                "anchor_ms": round(a_ms, 4), "kv_bytes_per_rank": kv_bytes, "kv_bytes_one_device": kv_one,
                "tpot_ratio": round(k_ms / a_ms, 3),
@@ -577,14 +606,9 @@ def _bench(ctx: DCPContext, B: int, L: int, H: int, backend_name: str = "auto", 
                           "clock per eager step, 20 steps") if graph else "host wall clock per eager step, 20 steps"}
         rows.append(row)
         print(f"[dcp bench] {row}", flush=True)
-        if os.environ.get("K3NN_RESULTS_DIR") and cuda:
-            from ..bench.common import write_results
-
-            write_results("mla-dcp", rows, {"world_size": W, "backend": dist.get_backend(ctx.group),
-                                            "graphs": graph})
     if W > 1:
         dist.barrier(group=ctx.group)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
