@@ -259,7 +259,11 @@ def test_plans_and_split_counts(monkeypatch):
         assert {c.bh for c in cands} == rows, M
         assert len(cands) == len(set(cands))
         for c in cands:
-            assert c.splits in {td.wave_splits(64, M, dev, c.bh, c.sv), td.choose_num_splits(64, M, dev, c.bh, 2, c.sv)}
+            assert c.splits in {td.wave_splits(64, M, dev, c.bh, c.sv, w) for w in (1.0, 0.5, 0.25)} | {
+                td.choose_num_splits(64, M, dev, c.bh, 2, c.sv)}
+    # B=1: half- and quarter-wave split counts too, none above the block table's width
+    assert {c.splits for c in td._candidates(1, 64, dev) if c.bh == 64} == {132, 128, 66, 33}
+    assert max(c.splits for c in td._candidates(1, 64, dev, max_blocks=40)) == 40
     monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,1,2,1,0")
     assert td._env_tile() == (64, 32, 8, 4, True, 2, True, False)
     monkeypatch.delenv("K3NN_MLA_TILE")

@@ -375,15 +375,21 @@ def _tile_fits(tile, M) -> bool:
     return not ((t.bh >= 64 and M <= 32) or (t.bh <= 16 and M > 32))
 
 
-def _candidates(B, M, dev, tiles=None):
+def _candidates(B, M, dev, tiles=None, max_blocks=None):
     """Plans the tuner times: each tile with the split count filling whole waves exactly (one program per SM)
-    and the one covering about two waves."""
+    and the one covering about two waves; plus half and quarter waves (fewer, longer splits: less partial
+    output to write and merge, which at B=1 is as much traffic as a short cache), none above ``max_blocks``
+    (the block table's width: a split takes at least one page)."""
     out = []
     for tile in tiles or _GPU_TILES:
         if not _tile_fits(tile, M):
             continue
         t = make_plan(tile, 1)
-        for s in sorted({wave_splits(B, M, dev, t.bh, t.sv), choose_num_splits(B, M, dev, t.bh, 2, t.sv)}):
+        counts = {wave_splits(B, M, dev, t.bh, t.sv), choose_num_splits(B, M, dev, t.bh, 2, t.sv),
+                  wave_splits(B, M, dev, t.bh, t.sv, 0.5), wave_splits(B, M, dev, t.bh, t.sv, 0.25)}
+        if max_blocks:
+            counts = {min(c, max_blocks) for c in counts}
+        for s in sorted(counts):
             p = make_plan(tile, s)
             if p not in out:
                 out.append(p)
@@ -447,9 +453,11 @@ def _env_tile():
     return tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:8]))
 
 
-def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
+def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
     """Plan for this shape. On a GPU the first call of a shape (outside graph capture) times the candidates on
-    its own inputs and keeps the fastest; ``num_splits`` pins the split count."""
+    its own inputs and keeps the fastest; ``num_splits`` pins the split count. Shapes are keyed by the batch
+    and the block table's width (both rounded up to powers of two): a plan tuned on short caches is not reused
+    for caches many times longer."""
     dev = q_lat.device
     pin = int(num_splits) if num_splits else None
     if dev.type != "cuda":
@@ -458,13 +466,14 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run):
     if forced is not None:
         t = make_plan(forced, 1)
         return make_plan(forced, pin or wave_splits(B, M, dev, t.bh, t.sv))
-    key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits)
+    key = (dev.index, q_lat.dtype, M, R, DR, vis is not None, triton.next_power_of_2(B), num_splits,
+           triton.next_power_of_2(max_blocks or 1))
     if key in _TUNED:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
         p = _default_plan(B, M, dev)
         return make_plan(p.tile, pin) if pin else p
-    cands = _candidates(B, M, dev)
+    cands = _candidates(B, M, dev, max_blocks=max_blocks)
     if pin:
         cands = list(dict.fromkeys(make_plan(c.tile, pin) for c in cands))
     torch.cuda.synchronize()  # the timing runs on a side stream: inputs must be ready
@@ -505,7 +514,7 @@ def mla_decode_triton(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visi
     qr = q_rope if DR else q_lat  # placeholder pointer when there is no rope part
     args = (q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR)
     global LAST_PLAN
-    plan = _plan(B, M, R, DR, vis, q_lat, num_splits, lambda p: _launch(p, *args))
+    plan = _plan(B, M, R, DR, vis, q_lat, num_splits, lambda p: _launch(p, *args), max_blocks=bt.shape[1])
     LAST_PLAN = plan
     _launch(plan, *args)
     return out, lse
