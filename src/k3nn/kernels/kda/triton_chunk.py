@@ -453,20 +453,50 @@ def supports_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_
     return None
 
 
+INTRA_MODES = ("fused", "split", "rows")
+
+
 def intra_mode() -> str:
-    """``K3NN_KDA_INTRA``: ``fused`` (default, one ``_kda_intra`` program per chunk and head) or ``split``
-    (three launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u). Same outputs either way."""
+    """``K3NN_KDA_INTRA``: ``fused`` (default, one ``_kda_intra`` program per chunk and head), ``split`` (three
+    launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u) or ``rows`` (two launches,
+    :mod:`.triton_intra_rows`: one program per 16-row strip with whole-strip score dots, then inverse + w/u per
+    chunk). Same outputs either way (to fp32 rounding)."""
     m = os.environ.get("K3NN_KDA_INTRA", "fused").strip().lower() or "fused"
-    if m not in ("fused", "split"):
-        raise ValueError(f"K3NN_KDA_INTRA must be 'fused' or 'split', got {m!r}")
+    if m not in INTRA_MODES:
+        raise ValueError(f"K3NN_KDA_INTRA must be one of {INTRA_MODES}, got {m!r}")
     return m
+
+
+def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, config=None, mode=None):
+    """Run the intra-chunk stage of ``mode`` (default: :func:`intra_mode`) into the given buffers (layouts of
+    :func:`_intra_launch`; X: the fp32 [NC, H, 64, 64] scratch, left holding (I + L)⁻¹ in its block-lower part).
+    ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a tuple of them, one per
+    kernel (split: three, rows: two; None entries autotuned)."""
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    mode = mode or intra_mode()
+    if mode == "split":
+        from .triton_intra_split import intra_split_launch
+
+        intra_split_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
+    elif mode == "rows":
+        from .triton_intra_rows import intra_rows_launch
+
+        intra_rows_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
+    else:
+        args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H)
+        if config is None:
+            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
+        else:
+            _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
+                                   num_stages=config.num_stages)
 
 
 def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
     """Intra-chunk quantities of NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl), plus the fp32
-    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` (default: :func:`intra_mode`).
+    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` / ``rows`` (default: :func:`intra_mode`).
     ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a triple of them
-    (split; None entries autotuned) — benchmarks time each variant this way."""
+    (split / rows: a tuple of them, None entries autotuned) — benchmarks time each variant this way."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     dt, dev = q.dtype, q.device
@@ -477,18 +507,7 @@ def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode
     A = torch.empty(NC, H, 64, 64, dtype=dt, device=dev)
     egl = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
     scratch = torch.empty(NC, H, 64, 64, dtype=torch.float32, device=dev)
-    if (mode or intra_mode()) == "split":
-        from .triton_intra_split import intra_split_launch
-
-        intra_split_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, scratch,
-                           configs=config)
-    else:
-        args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, scratch, scale, H)
-        if config is None:
-            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
-        else:
-            _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
-                                   num_stages=config.num_stages)
+    intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, scratch, config=config, mode=mode)
     out = (qg, kg, w, u, A, egl)
     return out + (scratch,) if return_x else out
 

@@ -175,11 +175,10 @@ def _ld_blk(p, ro: tl.constexpr, co: tl.constexpr):
 
 
 @triton.jit
-def _split_solve_kernel(X, H):
-    pid_c = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    ob = (pid_c * H + pid_h).to(tl.int64)
-    Xp = X + ob * 4096
+def _solve_blocks(Xp):
+    """The ten lower 16×16 blocks of (I + L)⁻¹ from the strictly lower L in the fp32 [64, 64] tile at ``Xp``
+    (fp32): the four diagonal blocks together by forward substitution (15 row steps on a [4, 16, 16] tile), the
+    rest by blockwise substitution. Returns (X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)."""
     s4 = tl.arange(0, 4)[:, None, None]
     a = tl.arange(0, 16)[None, :, None]
     b = tl.arange(0, 16)[None, None, :]
@@ -201,6 +200,16 @@ def _split_solve_kernel(X, H):
     L31 = _ld_blk(Xp, 48, 16)
     L32 = _ld_blk(Xp, 48, 32)
     X10, X20, X21, X30, X31, X32 = _inverse_offdiag(X00, X11, X22, X33, L10, L20, L21, L30, L31, L32)
+    return X00, X11, X22, X33, X10, X20, X21, X30, X31, X32
+
+
+@triton.jit
+def _split_solve_kernel(X, H):
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    Xp = X + ob * 4096
+    X00, X11, X22, X33, X10, X20, X21, X30, X31, X32 = _solve_blocks(Xp)
     tl.debug_barrier()  # every L block is read before X overwrites it
     _store_inverse(Xp, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
 
