@@ -118,7 +118,7 @@ def _lse_merge_kernel(lse_ptr, o_ptr, out_ptr, lse_out_ptr,
     m = tl.max(lk, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     tot = tl.sum(tl.where(ok, tl.exp(lk - m[None, :]), 0.0), 0)
-    glse = tl.where(tot > 0, m + tl.log(tl.maximum(tot, 1e-38)), float("-inf"))
+    glse = tl.where(tot > 0, m + tl.log(tl.maximum(tot, 1.0)), float("-inf"))  # tot >= 1 when any split counts
     cols = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cmask = cols < R
     omask = rmask[:, None] & cmask[None, :]
