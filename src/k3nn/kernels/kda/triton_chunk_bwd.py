@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..registry import triton_interpreting
-from .triton_chunk import _SPAN, _kda_intra, _tune, build_chunk_plan, kda_chunk_triton_fwd
+from .triton_chunk import _SPAN, _tune, build_chunk_plan, intra_fill, kda_chunk_triton_fwd
 
 __all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd", "backward_mode"]
 
@@ -449,7 +449,7 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     A = _buf(NC, H, 64, 64, dtype=dt, device=dev)
     egl = _buf(NC, H, K, device=dev)
     X = _buf(NC, H, 64, 64, device=dev)
-    _kda_intra[(NC, H)](q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H, K=K, V=V, SPAN=_SPAN)
+    intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X)  # K3NN_KDA_INTRA's pipeline
 
     # 2. states at chunk starts and pseudo-values v'
     hs = _buf(NC, H, K, V, device=dev)
