@@ -29,8 +29,10 @@ Two kernels per call:
    the state at a chunk start, stored by the same kernel (masked store; no second pass).
 
 ``K3NN_KDA_INTRA=split`` replaces step 1 by three launches with more parallelism (score blocks per 16×16 block
-pair, the inverse in place, w/u per feature tile; :mod:`.triton_intra_split`): same outputs to fp32
-rounding. The default stays ``fused``.
+pair, the inverse in place, w/u per feature tile; :mod:`.triton_intra_split`), ``K3NN_KDA_INTRA=rows`` by two
+(one program per 16-row strip whose whole Aqk / Akk row strip is one dot per key tile under the causal
+pre-strip anchor, then inverse + w/u per chunk; :mod:`.triton_intra_rows`): same outputs to fp32 rounding.
+The default stays ``fused``. The backward's intra recompute follows the same knob (:func:`intra_fill`).
 
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
