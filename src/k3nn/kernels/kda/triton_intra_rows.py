@@ -19,8 +19,8 @@ X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes; X in the block-lo
    The same program writes the strip's qg = scale·q·e^G, kg = k·e^{G_last − G} and z = β·k·e^G (into w's
    buffer), the Aqk rows (scaled, causal, zeros above the diagonal) and L = β ⊙ strictly lower Akk rows into
    the fp32 scratch; strip 0 writes e^{G_last}.
-   Exps per key tile: one per element of the [64, BK] column tile plus two per strip element; the strips of a
-   chunk run as neighbouring programs, so the shared column loads hit L2.
+   Exps per key tile: one per element of the [64, BK] column tile (strips 1–3) plus two per strip element; the
+   strips of a chunk run as neighbouring programs, so the shared column loads hit L2.
 2. ``_rows_solve_wu`` (grid: chunks × heads): X = (I + L)⁻¹ from the scratch (the split pipeline's solve:
    diagonal blocks by forward substitution, the rest blockwise, fp32), X back into the scratch (the backward
    reads it), then ``w = X z`` in place and ``u = X (β ⊙ v)`` as single [64, 64] × [64, BD] dots (X in the
@@ -107,16 +107,17 @@ def _rows_scores_kernel(q, k, g, beta, chunk_start, chunk_len, qg_out, kg_out, w
         post = tl.sum(tl.where(below[:, None], 0.0, g_all), 0)
         c = tl.cumsum(g_s, 0)
         s = tl.sum(g_s, 0)
-        # off-diagonal columns: k_c e^{pre − G_c}, the exponent a suffix sum of g over rows c+1 .. lo−1 (≤ 0)
-        col = k_lo * tl.exp(tl.cumsum(g_lo, 0, reverse=True) - g_lo)
         ea = tl.exp(c)  # e^{G − pre} ≤ 1
         eb = tl.exp(s[None, :] - c)  # e^{G_end − G} ≤ 1
         qa = q_s * ea
         ka = k_s * ea
         kbb = k_s * eb
-        colT = tl.trans(col.to(cd))
-        accQ += tl.dot(qa.to(cd), colT)
-        accA += tl.dot(ka.to(cd), colT)
+        if lo > 0:  # strip 0 has no earlier columns
+            # off-diagonal columns: k_c e^{pre − G_c}, the exponent a suffix sum of g over rows c+1 .. lo−1 (≤ 0)
+            col = k_lo * tl.exp(tl.cumsum(g_lo, 0, reverse=True) - g_lo)
+            colT = tl.trans(col.to(cd))
+            accQ += tl.dot(qa.to(cd), colT)
+            accA += tl.dot(ka.to(cd), colT)
         # diagonal block: fp32, row factor e^{G − G_end} capped at e^SPAN; pairwise exact past SPAN
         ed = tl.exp(tl.minimum(-s, SPAN))[None, :]
         bA = tl.dot(ka * ed, tl.trans(kbb))
