@@ -49,6 +49,35 @@ MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
 #: GEMV: MoE routing flips on near-tied router scores, bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.)
 #: K3NN_MOE_GEMV_PAIRS=0 turns it off.
 GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "64"))
+#: implementations of that GEMV, picked by K3NN_MOE_GEMV (read at each call): "triton" (triton_mx_gemv, the
+#: default) or "cuda" (cuda_mx_gemv, opt-in; where it is unavailable or does not take the inputs — no GPU/nvcc,
+#: fp32 activations, misaligned weights — one warning and the Triton GEMV)
+GEMV_IMPLS = ("triton", "cuda")
+
+
+def gemv_impl() -> str:
+    """The MXFP4 decode GEMV implementation requested by ``K3NN_MOE_GEMV`` (default "triton")."""
+    v = os.environ.get("K3NN_MOE_GEMV", "").strip().lower() or "triton"
+    if v not in GEMV_IMPLS:
+        raise ValueError(f"K3NN_MOE_GEMV must be one of {', '.join(GEMV_IMPLS)}, got {v!r}")
+    return v
+
+
+_CUDA_GEMV_WARNED: set[str] = set()
+
+
+def _use_cuda_gemv(x, w1, w3, w2, num_pairs: int, num_experts: int) -> bool:
+    """Whether this GEMV call runs the CUDA kernel (requested and it takes these inputs)."""
+    if gemv_impl() != "cuda":
+        return False
+    from . import cuda_mx_gemv as cm
+
+    why = cm.available() or cm.supports(x, w1, w3, w2, block_m=cm.cuda_block_m(num_pairs, num_experts))
+    if why and why not in _CUDA_GEMV_WARNED:
+        _CUDA_GEMV_WARNED.add(why)
+        log.warning("fused MoE: K3NN_MOE_GEMV=cuda but the CUDA GEMV cannot run here (%s); using the Triton GEMV",
+                    why)
+    return why is None
 
 
 _SCALED_BROKEN = False
@@ -344,6 +373,11 @@ def use_gemv(num_pairs: int, mxfp4: bool, mx_mode: str | None = None) -> bool:
 def block_m_for(num_pairs: int, num_experts: int, mxfp4: bool, mx_mode: str | None = None) -> int:
     """The alignment block size ``fused_expert_outputs`` uses (pass a matching ``align`` to skip re-aligning)."""
     if use_gemv(num_pairs, mxfp4, mx_mode):
+        if gemv_impl() == "cuda":
+            from . import cuda_mx_gemv as cm
+
+            if cm.available() is None:
+                return cm.cuda_block_m(num_pairs, num_experts)
         from .triton_mx_gemv import gemv_block_m
 
         return gemv_block_m(num_pairs, num_experts)
@@ -375,11 +409,21 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
     if mx_mode not in (None, "gemv") and mx_mode not in MX_MODES:
         raise ValueError(f"fused MoE: unknown mx_mode {mx_mode!r}")
     if use_gemv(P, isinstance(w1, MXFP4Weight), mx_mode):
-        from .triton_mx_gemv import mx_gemv_experts
+        from .triton_mx_gemv import gemv_block_m, mx_gemv_experts
 
-        gbm = block_m_for(P, E, True, mx_mode)
-        al = align if align is not None and align.block_m == gbm else align_for(topk_ids, E, gbm)
         cu, cd = gemv_cfg if gemv_cfg is not None else (None, None)
+        if _use_cuda_gemv(x, w1, w3, w2, P, E):  # K3NN_MOE_GEMV=cuda; build/launch errors propagate
+            from .cuda_mx_gemv import CudaGemvConfig, cuda_block_m, mx_gemv_experts_cuda
+
+            gbm = cuda_block_m(P, E)
+            al = align if align is not None and align.block_m == gbm else align_for(topk_ids, E, gbm)
+            cc = [c if isinstance(c, CudaGemvConfig) else None for c in (cu, cd)]
+            mx_gemv_experts_cuda(x, w1, w3, w2, al, y.view(P, D), P, k, 0 if activation == "silu" else 1,
+                                 linear_beta is not None, float(beta if beta is not None else 1.0),
+                                 float(linear_beta if linear_beta is not None else 1.0), cc[0], cc[1])
+            return y
+        gbm = gemv_block_m(P, E)
+        al = align if align is not None and align.block_m == gbm else align_for(topk_ids, E, gbm)
         try:
             mx_gemv_experts(x, w1, w3, w2, al, y.view(P, D), P, k, 0 if activation == "silu" else 1,
                             linear_beta is not None, float(beta if beta is not None else 1.0),
