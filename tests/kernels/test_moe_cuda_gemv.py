@@ -1,0 +1,114 @@
+"""CUDA MXFP4 expert GEMV (kernels/moe/cuda_mx_gemv.py) on a CPU machine: availability reasons, the
+K3NN_MOE_GEMV knob, config checks and the shape of the generated source. The kernels themselves run in
+tests/gpu/test_moe_gpu.py."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import k3nn.kernels.moe.cuda_mx_gemv as cm
+import k3nn.kernels.moe.triton_fused as tf
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference
+from k3nn.quant import mxfp4_quantize
+
+
+def test_unavailable_on_cpu_with_a_reason(monkeypatch):
+    if not torch.cuda.is_available():
+        assert cm.available() == "CUDA is not available"
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert "nvcc" in cm.available.__wrapped__()
+
+
+def test_supports_reasons_without_gpu():
+    w = mxfp4_quantize(torch.randn(2, 32, 64))
+    assert cm.supports(torch.randn(1, 64), w, w, w) == "inputs are not CUDA tensors"
+
+
+@pytest.mark.parametrize("value", ["cuda-ish", "tri ton", "1"])
+def test_bad_knob_value_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("K3NN_MOE_GEMV", value)
+    with pytest.raises(ValueError, match="K3NN_MOE_GEMV"):
+        tf.gemv_impl()
+    with pytest.raises(ValueError, match="K3NN_MOE_GEMV"):
+        tf.block_m_for(4, 8, True)
+
+
+@pytest.mark.parametrize("value,want", [(None, "triton"), ("", "triton"), ("Triton", "triton"), ("cuda", "cuda")])
+def test_knob_values(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("K3NN_MOE_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("K3NN_MOE_GEMV", value)
+    assert tf.gemv_impl() == want
+
+
+def test_cuda_request_without_gpu_warns_and_keeps_triton(monkeypatch, caplog):
+    """K3NN_MOE_GEMV=cuda where the kernel cannot run: one warning, the Triton GEMV, same numbers."""
+    monkeypatch.setenv("K3NN_MOE_GEMV", "cuda")
+    monkeypatch.setattr(tf, "_CUDA_GEMV_WARNED", set())
+    assert tf.block_m_for(3, 8, True, "gemv") == 1  # Triton's block size: the CUDA one needs the kernel
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g)
+    w1, w3 = (mxfp4_quantize(torch.randn(4, 32, 64, generator=g) / 8) for _ in range(2))
+    w2 = mxfp4_quantize(torch.randn(4, 64, 32, generator=g) / 6)
+    ids = torch.tensor([[1, 3]])
+    with caplog.at_level("WARNING"):
+        y = tf.fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, mx_mode="gemv")
+    assert any("K3NN_MOE_GEMV=cuda" in r.message for r in caplog.records)
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_config_checks_and_block_m():
+    with pytest.raises(ValueError, match="bad config"):
+        cm.build([cm.CudaGemvConfig(row_tiles=3)])
+    with pytest.raises(ValueError, match="dtypes"):
+        cm.build(dtypes=("fp32",))
+    assert [cm.cuda_block_m(p, 896) for p in (16, 64, 256)] == [2, 2, 2]
+    assert [cm.cuda_block_m(p, e) for p, e in ((12, 4), (32, 8), (64, 4))] == [4, 4, 8]
+    # K3 shapes: every block size fits the H200's 227 KB
+    for bm in (1, 2, 4, 8):
+        assert cm.smem_bytes(cm.DEFAULT_CONFIG, bm, 3584, True) < 227 * 1024
+
+
+def _braces_balanced(src: str) -> bool:
+    depth = 0
+    for ch in re.sub(r'"(\\.|[^"\\])*"', '""', src):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def test_generated_source_has_the_entry_points():
+    cfgs = (cm.DEFAULT_CONFIG, cm.CudaGemvConfig(2, 4, 1, False, 1))
+    cu = cm.kernel_source(cfgs, ("bf16",))
+    for name in ("mx_gemv_kernel", "cudaError_t dispatch(", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                 "cvt.rn.f16x2.e4m3x2", "ld.global.nc.L1::no_allocate.v4.u32", "struct Args"):
+        assert name in cu, name
+    assert "torch" not in cu  # the .cu compiles without torch headers
+    assert f"kTable[{len(cfgs)}][2][3][2]" in cu
+    assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, true>" in cu and "&launch<__half" not in cu
+    assert _braces_balanced(cu) and _braces_balanced(cm._CPP_SOURCE)
+    decl = cm._DECL.rstrip(";")
+    assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cm._CPP_SOURCE)  # binding matches its declaration
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_source_compiles_for_sm90(tmp_path):
+    """The torch-free .cu through nvcc (no GPU needed): no errors, no register spills at the default config."""
+    cu = tmp_path / "mx.cu"
+    cu.write_text(cm.kernel_source())
+    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+                        str(tmp_path / "mx.o"), str(cu)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
+    assert not spills, spills
