@@ -102,3 +102,155 @@ def test_latent_moe_layer_triton_vs_eager(mx):
     with backend("triton"):
         out = m(x)
     assert _rel(out, ref) < 2e-2
+
+
+# --- CUDA MXFP4 GEMV (kernels/moe/cuda_mx_gemv.py, K3NN_MOE_GEMV=cuda) --------------------------------------
+
+from k3nn.kernels.moe import cuda_mx_gemv as cmx  # noqa: E402
+from k3nn.kernels.moe.align import align_for  # noqa: E402
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference  # noqa: E402
+from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize  # noqa: E402
+
+# a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
+# no K split with a deep unroll, four K slices without prefetch
+_CUDA_CFGS = (cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, True, 0),
+              cmx.CudaGemvConfig(1, 4, 1, False, 0))
+
+
+def _cuda_cfgs():
+    why = cmx.available()
+    if why:
+        pytest.skip(why)
+    cfgs = _CUDA_CFGS if torch.cuda.get_device_capability() >= (8, 9) else _CUDA_CFGS[::2]
+    cmx.build(cfgs)
+    return cfgs
+
+
+def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None):
+    E = w1.shape[0]
+    P = ids.numel()
+    al = align_for(ids, E, bm or cmx.cuda_block_m(P, E))
+    y = torch.full((ids.shape[0], ids.shape[1], x.shape[1]), float("nan"), device="cuda", dtype=x.dtype)
+    cmx.mx_gemv_experts_cuda(x, w1, w3, w2, al, y.view(P, -1), P, ids.shape[1], 0 if act == "silu" else 1,
+                             lin is not None, 4.0, lin if lin is not None else 1.0, cfg, cfg, configs=configs)
+    return y
+
+
+@settings(max_examples=24, deadline=None)
+@given(N=st.sampled_from([1, 2, 5, 16]), E=st.sampled_from([4, 16, 64]), k=st.sampled_from([1, 4, 8]),
+       D=st.sampled_from([96, 256, 416]), I=st.sampled_from([64, 160, 384]), act=st.sampled_from(["silu", "situ"]),
+       cap=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), bm=st.sampled_from([None, 1, 4, 8]),
+       ci=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, seed):
+    """K (= D, I) not a multiple of the 128-k group or of unroll·k_split, experts without tokens (E=64),
+    block sizes 1-8, NaN-poisoned outputs; vs the eager reference in the activation dtype and in fp32."""
+    cfgs = _cuda_cfgs()
+    cfg = cfgs[ci % len(cfgs)]
+    k = min(k, E)
+    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} dtype={dtype} bm={bm} cfg={cfg}")
+    x, (w1, w3, w2), ids, _ = _problem(N, D, I, E, k, seed, True, dtype=dtype)
+    lin = 25.0 if cap else None
+    y = _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, cfgs, bm)
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, act, 4.0, lin)
+    assert _rel(y, ref) < 1e-2
+    ref32 = moe_expert_outputs_reference(x.float(), w1, w3, w2, ids, act, 4.0, lin)
+    assert _rel(y, ref32) < 6e-3  # bf16 rounding of h and y only
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [32, 96, 160, 512])
+def test_cuda_gemv_decode_is_exact_for_every_scale(dtype, K):
+    """Unit-vector activations read every decoded weight back exactly (all nibble positions, E8M0 bytes 0
+    (2^-127), 1, 127, 254 and 255 → NaN), matching a @ Wᵀ in fp64 rounded once to the output dtype."""
+    cfgs = _cuda_cfgs()
+    g = torch.Generator(device="cuda").manual_seed(K)
+    Nw = 40
+    packed = torch.randint(0, 256, (Nw, K // 2), generator=g, device="cuda", dtype=torch.uint8)
+    vals = torch.tensor([0, 1, 2, 100, 127, 128, 200, 240, 241, 250, 253, 254], dtype=torch.uint8, device="cuda")
+    scale = vals[torch.randint(0, len(vals), (Nw, K // 32), generator=g, device="cuda")]
+    scale[0, 0], scale[1, -1], scale[2, 0] = 0, 254, 255
+    w = MXFP4Weight(packed, scale)
+    a = torch.eye(K, device="cuda", dtype=dtype)
+    want = (a.double() @ mxfp4_dequantize(packed, scale, torch.float64).T).to(dtype)
+    for cfg in cfgs:
+        for bm in (1, 2, 4, 8):
+            got = cmx.mx_gemv_linear_cuda(a, w, cfg, bm, configs=cfgs)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{cfg} bm={bm}")
+    assert torch.isnan(got[:, 2]).all() and not torch.isnan(got[:, 3]).any()
+
+
+def test_cuda_gemv_activation_rows_with_inf_nan_and_huge_or_tiny_values():
+    """Per-row power-of-two staging: rows at 2^±100 scale keep their accuracy; a row holding Inf/NaN gives NaN."""
+    cfgs = _cuda_cfgs()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = mxfp4_quantize(torch.randn(64, 256, device="cuda", generator=g))
+    a = torch.randn(4, 256, device="cuda", generator=g)
+    a[1] *= 2.0 ** 100
+    a[2] *= 2.0 ** -100
+    a[3, 7] = float("inf")
+    a = a.bfloat16()
+    got = cmx.mx_gemv_linear_cuda(a, w, cfgs[0], 4, configs=cfgs).double()
+    want = a.double() @ w.dequantize(torch.float64).T
+    for r in range(3):
+        assert ((got[r] - want[r]).norm() / want[r].norm()).item() < 5e-3
+    assert torch.isnan(got[3]).all()
+
+
+def test_cuda_gemv_dispatch_and_cuda_graph(monkeypatch):
+    """K3NN_MOE_GEMV=cuda routes fused_expert_outputs to the CUDA GEMV (alignment inside the graph too); a
+    captured graph replays the same numbers as eager calls; fp32 activations fall back to the Triton GEMV."""
+    _cuda_cfgs()
+    import k3nn.kernels.moe.cuda_mx_gemv as mod
+
+    monkeypatch.setenv("K3NN_MOE_GEMV", "cuda")
+    x, (w1, w3, w2), ids, _ = _problem(4, 256, 128, 16, 4, 11, True)
+    calls = []
+    orig = mod.mx_gemv_experts_cuda
+    monkeypatch.setattr(mod, "mx_gemv_experts_cuda", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    y = torch.full((4, 4, 256), float("nan"), device="cuda", dtype=x.dtype)
+    fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=y)
+    assert calls == [1]
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+    assert _rel(y, ref) < 1e-2
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    yg = torch.full_like(y, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=yg)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    yg.fill_(float("nan"))
+    with torch.cuda.graph(g):
+        fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, out=yg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
+    calls.clear()
+    y32 = fused_expert_outputs(x.float(), w1, w3, w2, ids, "situ", 4.0, 25.0)
+    assert calls == [] and _rel(y32, ref.float()) < 1e-2
+
+
+def test_cuda_gemv_matches_triton_gemv_at_k3_shapes():
+    """K3 expert shapes (3584 → 3072 → 3584), 1 and 16 tokens, top-16 of 128: CUDA vs the Triton GEMV."""
+    cfgs = _cuda_cfgs()
+    from k3nn.kernels.moe.triton_mx_gemv import gemv_block_m, mx_gemv_experts
+
+    E, D, I, k = 128, 3584, 3072, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def mx(n, kk):
+        return MXFP4Weight(torch.randint(0, 256, (E, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
+                           torch.randint(118, 122, (E, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
+
+    w1, w3, w2 = mx(I, D), mx(I, D), mx(D, I)
+    for T in (1, 16):
+        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        ids = torch.randn(T, E, device="cuda", generator=g).topk(k, dim=1).indices
+        P = T * k
+        yt = torch.empty(P, D, device="cuda", dtype=x.dtype)
+        mx_gemv_experts(x, w1, w3, w2, align_for(ids, E, gemv_block_m(P, E)), yt, P, k, 1, True, 4.0, 25.0)
+        for cfg in cfgs:
+            yc = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs).view(P, D)
+            assert _rel(yc, yt) < 1e-2, cfg
