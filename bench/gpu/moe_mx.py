@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """MXFP4 expert weight bandwidth at decode batch sizes (issue 5), one self-contained GPU check.
 
-    PYTHONPATH=src python3 bench/gpu/moe_mx.py
+    PYTHONPATH=src python3 bench/gpu/moe_mx.py [--cuda RT,KS,U,PF,DEC ...] [--triton all|default|none]
 
 K3 routed experts (3584 → 3072 gate+up → 3584, SiTU-GLU β 4/25), 128 experts, top-16, bf16 activations, random
 MXFP4 weights. For 1, 4 and 16 tokens:
@@ -13,7 +13,11 @@ MXFP4 weights. For 1, 4 and 16 tokens:
 
 Variants: ``old`` = the grouped tensor-core GEMMs (tl.dot_scaled, autotuned), ``gemv*`` = triton_mx_gemv with
 (BLOCK_N, BLOCK_K, VEC, warps, prefetch, decode, split_a) and rows per program ``bm``; ``word``: DECODE=2 (32-bit
-word decode). Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default 95) so the whole run stays
+word decode); ``cuda r16 ks2 u2 pf`` = cuda_mx_gemv (K3NN_MOE_GEMV=cuda) with 16·RT rows per CTA, KS warps
+splitting K, U 128-k groups per load batch, PF prefetch, DEC 1 = e4m3 decode (``--cuda`` replaces the default
+set; all CUDA configs are built once, in one module, before timing: the nvcc time is printed). ``--triton
+default`` (the default) times only the grouped kernel and the dispatcher's Triton GEMV, ``all`` every Triton
+variant. Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default 95) so the whole run stays
 under two minutes.
 """
 
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
+from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
@@ -46,6 +51,7 @@ BUDGET_S = float(os.environ.get("K3NN_MX_BUDGET_S", "95"))
 # name → (GemvConfig or None for the old path, rows per program: None = what the dispatcher picks)
 VARIANTS = [
     ("old(scaled)", None, None),
+    ("gemv ... word split-a (default)", GemvConfig(8, 512, 16, 2, True, 2, True), None),  # the Triton default
     ("gemv n16 k512 v16 w4", GemvConfig(16, 512, 16, 4, True, 0), None),
     ("gemv n8 k512 v16 w2", GemvConfig(8, 512, 16, 2, True, 0), None),  # DEFAULT_CONFIG (byte decode)
     # DECODE=2: 32-bit word decode, two fp16 patterns per lane (≈ 30% fewer SASS instructions per K step)
@@ -60,6 +66,34 @@ VARIANTS = [
     ("gemv ... split-a", GemvConfig(16, 512, 16, 4, True, 0, True), None),
     ("gemv n16 k512 bm=4", GemvConfig(16, 512, 16, 4, True, 0), 4),
 ]
+
+
+TRITON_DEFAULT = ("old(scaled)", "gemv ... word split-a (default)")
+
+# CUDA launch shapes (CudaGemvConfig: row_tiles, k_split, unroll, prefetch, decode) timed by default; up has 28
+# groups of 128 k per row, down 24, so k_split·unroll ∈ {2, 4, 14, 28} / {2, 3, 4, 6, 8, 12} wastes no slots
+CUDA_CFGS = [
+    cmx.CudaGemvConfig(1, 2, 2, True, 0),  # DEFAULT_CONFIG
+    cmx.CudaGemvConfig(1, 2, 2, False, 0),
+    cmx.CudaGemvConfig(1, 2, 2, True, 1),
+    cmx.CudaGemvConfig(1, 4, 1, True, 0),
+    cmx.CudaGemvConfig(1, 1, 4, True, 0),
+    cmx.CudaGemvConfig(2, 2, 2, True, 0),
+    cmx.CudaGemvConfig(2, 2, 2, True, 1),
+    cmx.CudaGemvConfig(1, 2, 4, False, 1),
+]
+
+
+def parse_args():
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cuda", nargs="*", default=None, metavar="RT,KS,U,PF,DEC",
+                    help="CUDA configs to time (default: the built-in set); --cuda alone: no CUDA GEMV")
+    ap.add_argument("--triton", choices=("all", "default", "none"), default="default")
+    ap.add_argument("--cuda-bm", type=int, nargs="*", default=[4], help="extra block_m runs of the first CUDA "
+                    "config at T=16 (where rows per expert can reach them)")
+    return ap.parse_args()
 
 
 def elapsed() -> float:
@@ -86,18 +120,43 @@ def run_variant(cfg, bm, z, q1, q3, q2, ids):
         al = align_for(ids, E, pick_block_m(P, E))
         return (lambda: fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN, align=al, out=y,
                                              mx_mode="scaled")), y
+    if isinstance(cfg, cmx.CudaGemvConfig):
+        al = align_for(ids, E, bm or cmx.cuda_block_m(P, E))
+        y2 = y.view(P, D)
+        return (lambda: cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg,
+                                                 configs=tuple(CUDA_CFGS), dtypes=("bf16",))), y
     al = align_for(ids, E, bm or gemv_block_m(P, E))
     y2 = y.view(P, D)
     return (lambda: mx_gemv_experts(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg)), y
 
 
 def main():
+    global CUDA_CFGS
+    args = parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dev = "cuda"
     meta = device_meta()
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']}: copy {copy} TB/s, "
           f"bf16 {meta['bf16_tflops']} TFLOP/s  [t={elapsed():.0f}s]")
+    variants = [v for v in VARIANTS if args.triton == "all" or (args.triton == "default" and v[0] in TRITON_DEFAULT)]
+    if args.cuda is not None:
+        CUDA_CFGS = [cmx.CudaGemvConfig(*(int(v) for v in c.split(","))) for c in args.cuda]
+    why = cmx.available()
+    if CUDA_CFGS and why is None and torch.cuda.get_device_capability() < (8, 9):
+        CUDA_CFGS = [c for c in CUDA_CFGS if c.decode == 0]
+    if CUDA_CFGS and why is None:
+        try:
+            cmx.build(tuple(CUDA_CFGS), ("bf16",))
+            print(f"CUDA GEMV: {len(CUDA_CFGS)} configs x 3 block sizes x up/down built in "
+                  f"{cmx.last_build_seconds:.1f}s (nvcc + host binding; 0 = cached)  [t={elapsed():.0f}s]")
+            cuda_v = [(f"cuda {c.name()}", c, None) for c in CUDA_CFGS]
+            cuda_v += [(f"cuda {CUDA_CFGS[0].name()} bm={b}", CUDA_CFGS[0], b) for b in args.cuda_bm]
+            variants = variants[:2] + cuda_v + variants[2:]
+        except Exception as ex:  # a build failure must not hide the Triton numbers
+            print(f"CUDA GEMV build FAILED {type(ex).__name__}: {str(ex)[-2000:]}")
+    elif CUDA_CFGS:
+        print(f"CUDA GEMV unavailable: {why}")
     q1, q3, q2 = make_weights(dev)
     per_expert = sum(w[0].nbytes() for w in (q1, q3, q2))
     g = torch.Generator(device=dev).manual_seed(1)
@@ -109,9 +168,10 @@ def main():
         nbytes = touched * per_expert
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float()
         print(f"-- T={T}: {touched} experts touched, {nbytes / 1e6:.1f} MB of weights; gemv block_m "
-              f"{gemv_block_m(T * TOPK, E)}  [t={elapsed():.0f}s]")
-        for name, cfg, bm in VARIANTS:
-            if bm is not None and (T < 16 or bm == gemv_block_m(T * TOPK, E)):
+              f"{gemv_block_m(T * TOPK, E)} (cuda {cmx.cuda_block_m(T * TOPK, E)})  [t={elapsed():.0f}s]")
+        for name, cfg, bm in variants:
+            auto_bm = (cmx.cuda_block_m if isinstance(cfg, cmx.CudaGemvConfig) else gemv_block_m)(T * TOPK, E)
+            if bm is not None and (T < 16 or bm == auto_bm):
                 continue  # only where it differs from the dispatcher's choice and rows per expert can reach it
             if elapsed() > BUDGET_S:
                 print(f"   {name}: skipped (time budget)")
@@ -129,13 +189,13 @@ def main():
                 continue
             tbps = nbytes / us / 1e6 if ok else float("nan")
             rows.append((T, name, us, tbps, tbps / copy, err, mx_err, ok))
-            print(f"   {name:24s} {us:9.1f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy  "
+            print(f"   {name:34s} {us:9.1f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy  "
                   f"rel_err {err:.2e} max_rel {mx_err:.2e}{'' if ok else '  MISMATCH (not timed)'}"
                   f"  [t={elapsed():.0f}s]")
     print(f"\nMXFP4 experts, K3 dims, E={E} top-{TOPK}, copy {copy} TB/s (floor 60%, goal 80%)")
-    print(f"{'T':>3} | {'variant':24s} | {'us':>9} | {'TB/s':>6} | {'frac':>6} | {'rel_err':>8} | {'max_rel':>8}")
+    print(f"{'T':>3} | {'variant':34s} | {'us':>9} | {'TB/s':>6} | {'frac':>6} | {'rel_err':>8} | {'max_rel':>8}")
     for T, name, us, tbps, frac, err, mx_err, ok in rows:
-        print(f"{T:>3} | {name:24s} | {us:9.1f} | {tbps:6.3f} | {frac:6.1%} | {err:8.1e} | {mx_err:8.1e}"
+        print(f"{T:>3} | {name:34s} | {us:9.1f} | {tbps:6.3f} | {frac:6.1%} | {err:8.1e} | {mx_err:8.1e}"
               f"{'' if ok else ' MISMATCH'}")
     for T in TOKENS:
         best = [r for r in rows if r[0] == T and r[7] and r[1] != "old(scaled)"]
@@ -143,6 +203,10 @@ def main():
         if best:
             b = min(best, key=lambda r: r[2])
             print(f"best T={T}: {b[1]} {b[4]:.1%} of copy" + (f" ({old[0][2] / b[2]:.2f}x vs old)" if old else ""))
+        cb = [r for r in best if r[1].startswith("cuda")]
+        if cb:
+            b = min(cb, key=lambda r: r[2])
+            print(f"best cuda T={T}: {b[1]} {b[4]:.1%} of copy")
     print(f"done in {elapsed():.0f}s")
 
 

@@ -106,10 +106,10 @@ def test_latent_moe_layer_triton_vs_eager(mx):
 
 # --- CUDA MXFP4 GEMV (kernels/moe/cuda_mx_gemv.py, K3NN_MOE_GEMV=cuda) --------------------------------------
 
-from k3nn.kernels.moe import cuda_mx_gemv as cmx  # noqa: E402
-from k3nn.kernels.moe.align import align_for  # noqa: E402
-from k3nn.kernels.moe.reference import moe_expert_outputs_reference  # noqa: E402
-from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize  # noqa: E402
+from k3nn.kernels.moe import cuda_mx_gemv as cmx
+from k3nn.kernels.moe.align import align_for
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference
+from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize
 
 # a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
 # no K split with a deep unroll, four K slices without prefetch

@@ -108,7 +108,7 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
     cu = tmp_path / "mx.cu"
     cu.write_text(cm.kernel_source())
     r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "mx.o"), str(cu)], capture_output=True, text=True)
+                        str(tmp_path / "mx.o"), str(cu)], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
     assert not spills, spills

@@ -615,7 +615,7 @@ def available() -> str | None:
 last_build_seconds = 0.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...]):
     global last_build_seconds
     from torch.utils.cpp_extension import load_inline
