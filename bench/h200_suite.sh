@@ -37,6 +37,7 @@ STEPS=(
   "e2e-quick|150|$PY -m k3nn.bench.e2e --batches 1,8 --modes eager,triton,triton+graphs,latency_specialized,latency_specialized+kernels --budget-s 120"
   "kda-gpu-tests|240|$PYTEST tests/gpu/test_kda_gpu.py"
   "kda-bwd-gpu-tests|150|$PYTEST -s tests/gpu/test_kda_bwd_gpu.py"
+  "kda-rows-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k rows"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"
   "kda-decode-cuda|80|env K3NN_KDA_CUDA=1 $PY -m k3nn.bench.kda_decode --quick"
   "decode-gpu-tests|100|$PYTEST tests/gpu/test_decode_gpu.py"
