@@ -77,7 +77,7 @@ CUDA_CFGS = [
     cmx.CudaGemvConfig(1, 2, 2, False, 0),
     cmx.CudaGemvConfig(1, 2, 2, True, 1),
     cmx.CudaGemvConfig(1, 4, 1, True, 0),
-    cmx.CudaGemvConfig(1, 1, 4, True, 0),
+    cmx.CudaGemvConfig(1, 1, 4, False, 0),
     cmx.CudaGemvConfig(2, 2, 2, True, 0),
     cmx.CudaGemvConfig(2, 2, 2, True, 1),
     cmx.CudaGemvConfig(1, 2, 4, False, 1),
