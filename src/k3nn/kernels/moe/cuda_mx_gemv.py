@@ -1,6 +1,7 @@
 """MXFP4 expert GEMV in CUDA for decode-sized MoE batches (``torch.utils.cpp_extension``, built on first use,
-never at import). Same contract as :func:`.triton_mx_gemv.mx_gemv_experts`; chosen with ``K3NN_MOE_GEMV=cuda``
-(opt-in until it has passed ``tests/gpu/test_moe_gpu.py``; ``triton`` stays the default).
+never at import). Same contract as :func:`.triton_mx_gemv.mx_gemv_experts`; the default decode GEMV where
+it builds (``K3NN_MOE_GEMV=auto``; ``cuda`` insists, ``triton`` opts out); checked against the eager reference by
+``tests/gpu/test_moe_gpu.py`` on the H200.
 
 Weights: packed u8 [E, N, K/2] (two E2M1 per byte, low nibble = even k), E8M0 scales u8 [E, N, K/32]; x, h, y
 bf16 or fp16. One CTA computes 16·RT output rows of one expert for the (up to 2·NT) rows of one alignment block
@@ -71,9 +72,11 @@ class CudaGemvConfig(NamedTuple):
                 f"{' e4m3' if self.decode else ''}")
 
 
-#: a first guess (no H200 measurement yet): 16 rows and two K slices per CTA (64 threads, up to 8 CTAs per SM at
-#: 128 registers), two groups (2 × 16 B per row and matrix) per batch with prefetch
-DEFAULT_CONFIG = CudaGemvConfig()
+#: the best of eight launch shapes on the H200 at 1, 4 and 16 tokens (bench/gpu/moe_mx.py,
+#: bench/results/logs/h200-s4-run3-2026-11-30.log): 32 rows and two K slices per CTA, two groups per batch with
+#: prefetch, e4m3 decode — 56.5% / 61.5% / 45.4% of copy bandwidth against 47.8% / 49.9% / 36.8% for 16 rows.
+#: Below sm_89 (no e4m3 convert) :func:`supports` declines decode 1 and the Triton GEMV runs.
+DEFAULT_CONFIG = CudaGemvConfig(row_tiles=2, k_split=2, unroll=2, prefetch=True, decode=1)
 
 _NTS = (1, 2, 4)  # n8 tiles of the mma = ceil(block_m / 2)
 _DTYPES = {torch.bfloat16: ("bf16", "__nv_bfloat16"), torch.float16: ("fp16", "__half")}

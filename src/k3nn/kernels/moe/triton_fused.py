@@ -49,15 +49,21 @@ MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
 #: GEMV: MoE routing flips on near-tied router scores, bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.)
 #: K3NN_MOE_GEMV_PAIRS=0 turns it off.
 GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "64"))
-#: implementations of that GEMV, picked by K3NN_MOE_GEMV (read at each call): "triton" (triton_mx_gemv, the
-#: default) or "cuda" (cuda_mx_gemv, opt-in; where it is unavailable or does not take the inputs — no GPU/nvcc,
-#: fp32 activations, misaligned weights — one warning and the Triton GEMV)
-GEMV_IMPLS = ("triton", "cuda")
+#: the same limit for the CUDA GEMV (cuda_mx_gemv): H200, K3 shapes, top-16, 16 tokens (256 pairs): 1010 µs
+#: against 1752 µs for the grouped kernel and 2562 µs for the Triton GEMV (bench/results/logs/h200-s4-run3-*)
+CUDA_GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_CUDA_GEMV_PAIRS", "256"))
+#: implementations of that GEMV, picked by K3NN_MOE_GEMV (read at each call): "auto" (the default: the CUDA GEMV
+#: where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or "cuda"
+#: (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
+#: misaligned weights — one warning and the Triton GEMV). H200: the CUDA GEMV moves the touched experts'
+#: weights at 56.5% / 61.5% / 45.4% of copy bandwidth at 1 / 4 / 16 tokens, the Triton one at 42.3% / 37.7% /
+#: 17.9%.
+GEMV_IMPLS = ("auto", "triton", "cuda")
 
 
 def gemv_impl() -> str:
-    """The MXFP4 decode GEMV implementation requested by ``K3NN_MOE_GEMV`` (default "triton")."""
-    v = os.environ.get("K3NN_MOE_GEMV", "").strip().lower() or "triton"
+    """The MXFP4 decode GEMV implementation requested by ``K3NN_MOE_GEMV`` (default "auto")."""
+    v = os.environ.get("K3NN_MOE_GEMV", "").strip().lower() or "auto"
     if v not in GEMV_IMPLS:
         raise ValueError(f"K3NN_MOE_GEMV must be one of {', '.join(GEMV_IMPLS)}, got {v!r}")
     return v
@@ -66,14 +72,24 @@ def gemv_impl() -> str:
 _CUDA_GEMV_WARNED: set[str] = set()
 
 
+def _cuda_gemv_possible() -> bool:
+    """Whether the decode GEMV would try the CUDA kernel (requested or ``auto``, and it can be built here)."""
+    if gemv_impl() == "triton":
+        return False
+    from . import cuda_mx_gemv as cm
+
+    return cm.available() is None and (cm.DEFAULT_CONFIG.decode == 0 or torch.cuda.get_device_capability() >= (8, 9))
+
+
 def _use_cuda_gemv(x, w1, w3, w2, num_pairs: int, num_experts: int) -> bool:
-    """Whether this GEMV call runs the CUDA kernel (requested and it takes these inputs)."""
-    if gemv_impl() != "cuda":
+    """Whether this GEMV call runs the CUDA kernel (requested or ``auto``, and it takes these inputs)."""
+    impl = gemv_impl()
+    if impl == "triton":
         return False
     from . import cuda_mx_gemv as cm
 
     why = cm.available() or cm.supports(x, w1, w3, w2, block_m=cm.cuda_block_m(num_pairs, num_experts))
-    if why and why not in _CUDA_GEMV_WARNED:
+    if why and impl == "cuda" and why not in _CUDA_GEMV_WARNED:
         _CUDA_GEMV_WARNED.add(why)
         log.warning("fused MoE: K3NN_MOE_GEMV=cuda but the CUDA GEMV cannot run here (%s); using the Triton GEMV",
                     why)
@@ -367,17 +383,21 @@ def use_gemv(num_pairs: int, mxfp4: bool, mx_mode: str | None = None) -> bool:
     """Whether ``fused_expert_outputs`` takes the decode GEMV (triton_mx_gemv) for this call."""
     if _GEMV_BROKEN and mx_mode != "gemv":
         return False
-    return mxfp4 and (mx_mode == "gemv" or (mx_mode is None and num_pairs <= GEMV_MAX_PAIRS))
+    if not mxfp4:
+        return False
+    if mx_mode == "gemv":
+        return True
+    limit = CUDA_GEMV_MAX_PAIRS if _cuda_gemv_possible() else GEMV_MAX_PAIRS
+    return mx_mode is None and num_pairs <= limit
 
 
 def block_m_for(num_pairs: int, num_experts: int, mxfp4: bool, mx_mode: str | None = None) -> int:
     """The alignment block size ``fused_expert_outputs`` uses (pass a matching ``align`` to skip re-aligning)."""
     if use_gemv(num_pairs, mxfp4, mx_mode):
-        if gemv_impl() == "cuda":
+        if _cuda_gemv_possible():
             from . import cuda_mx_gemv as cm
 
-            if cm.available() is None:
-                return cm.cuda_block_m(num_pairs, num_experts)
+            return cm.cuda_block_m(num_pairs, num_experts)
         from .triton_mx_gemv import gemv_block_m
 
         return gemv_block_m(num_pairs, num_experts)
@@ -412,7 +432,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
         from .triton_mx_gemv import gemv_block_m, mx_gemv_experts
 
         cu, cd = gemv_cfg if gemv_cfg is not None else (None, None)
-        if _use_cuda_gemv(x, w1, w3, w2, P, E):  # K3NN_MOE_GEMV=cuda; build/launch errors propagate
+        if _use_cuda_gemv(x, w1, w3, w2, P, E):  # K3NN_MOE_GEMV=auto|cuda; build/launch errors propagate
             from .cuda_mx_gemv import CudaGemvConfig, cuda_block_m, mx_gemv_experts_cuda
 
             gbm = cuda_block_m(P, E)
