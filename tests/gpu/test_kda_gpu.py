@@ -71,7 +71,9 @@ def test_chunk_unbounded_large_decay_bf16():
     assert torch.isfinite(o).all() and rms_ratio(o, ro) < 6e-3 and rms_ratio(ht, rht) < 6e-3
 
 
-def test_chunk_grad_bf16():
+def test_chunk_grad_fp32_tf32():
+    """fp32 inputs take TF32 dots on the GPU: gradients agree with fp32 eager at TF32 level (H200: 1.8e-3 rms with
+    the split intra pipeline, under 1e-3 with the fused kernel; test_kda_bwd_gpu.py allows 1e-2 at T=4096)."""
     q, k, v, g, beta, h0 = make(1, 200, 2, 64, 64, 4, torch.float32)
     ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
     do = torch.randn(1, 200, 2, 64, device=DEV)
@@ -81,7 +83,7 @@ def test_chunk_grad_bf16():
     ro, rht = kda_recurrent_reference(*ins[:5], initial_state=ins[5], output_final_state=True)
     gr = torch.autograd.grad([ro, rht], ins, [do, torch.ones_like(rht)])
     for a, b in zip(gt, gr):
-        assert rms_ratio(a, b) < 1e-3
+        assert rms_ratio(a, b) < 5e-3
 
 
 def test_chunk_torch_matches_reference_fp32():
