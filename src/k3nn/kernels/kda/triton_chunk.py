@@ -458,14 +458,16 @@ def supports_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_
     return None
 
 
-INTRA_MODES = ("fused", "split", "rows")
+INTRA_MODES = ("fused", "split", "rows", "splitg")
 
 
 def intra_mode() -> str:
     """``K3NN_KDA_INTRA``: ``fused`` (one ``_kda_intra`` program per chunk and head), ``split`` (the default; three
-    launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u) or ``rows`` (two launches,
+    launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u), ``rows`` (two launches,
     :mod:`.triton_intra_rows`: one program per 16-row strip with whole-strip score dots, then inverse + w/u per
-    chunk). Same outputs either way (to fp32 rounding)."""
+    chunk) or ``splitg`` (four launches, :mod:`.triton_intra_g`: the chunk-local cumulative decay G once, then
+    score blocks, inverse and w/u reading G instead of rebuilding it from g). Same outputs either way (to fp32
+    rounding)."""
     m = os.environ.get("K3NN_KDA_INTRA", "split").strip().lower() or "split"
     if m not in INTRA_MODES:
         raise ValueError(f"K3NN_KDA_INTRA must be one of {INTRA_MODES}, got {m!r}")
@@ -476,7 +478,7 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
     """Run the intra-chunk stage of ``mode`` (default: :func:`intra_mode`) into the given buffers (layouts of
     :func:`_intra_launch`; X: the fp32 [NC, H, 64, 64] scratch, left holding (I + L)⁻¹ in its block-lower part).
     ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a tuple of them, one per
-    kernel (split: three, rows: two; None entries autotuned)."""
+    kernel (split: three, rows: two, splitg: four; None entries autotuned)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     mode = mode or intra_mode()
@@ -484,6 +486,10 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
         from .triton_intra_split import intra_split_launch
 
         intra_split_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
+    elif mode == "splitg":
+        from .triton_intra_g import intra_g_launch
+
+        intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
     elif mode == "rows":
         from .triton_intra_rows import intra_rows_launch
 

@@ -1,0 +1,281 @@
+"""Split intra-chunk pipeline fed by a precomputed chunk-local cumulative decay (``K3NN_KDA_INTRA=splitg``).
+
+Produces exactly what ``_kda_intra`` (:mod:`.triton_chunk`) produces: qg, kg, w, u, Aqk, e^{G_last} and
+X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches:
+
+1. ``_g_cumsum`` (grid: chunks × heads × key tiles of BK): ``G[c, h, r, :] = Σ_{s ≤ r} g[s]`` over the rows of
+   chunk c (the chunk plan's ``c_start`` / ``c_len``: chunks restart at every sequence start and at every
+   checkpoint cut), into a temporary fp32 buffer ``G: [NC, H, 64, K]`` (per-chunk rows, like qg). Rows past
+   the chunk's length hold G_last (g counts as 0 there), so the consumers need no row masks on G. Same
+   operations as the fused kernel (strip cumsums plus chained strip sums). Also writes ``e^{G_last}``.
+2. ``_g_scores`` (grid: chunks·10 × heads): one program per 16×16 block pair (i ≥ j), walking the key
+   channels in tiles of BK; it loads only strips i and j of q / k / G and one row of G:
+
+   * off-diagonal (i > j), anchor ``a = G[16i − 1]`` (the row before strip i): ``(x_i e^{G_i − a}) ·
+     (k_j e^{a − G_j})ᵀ``. G decreases within a chunk (g ≤ 0), so for a row r of strip i and a column c of
+     strip j, ``G_r ≤ a ≤ G_c``: both factors ≤ 1, operands in the input dtype (tensor cores for bf16/fp16;
+     TF32 for fp32), as the fused kernel.
+   * diagonal (i == j): the fused kernel's treatment with ``pre = G[16i − 1]`` (0 for the first strip) and
+     ``r = G[16i + 15]``: column factor ``e^{r − G} ≤ 1``, row factor ``e^{G − pre} · e^{min(pre − r, SPAN)}``
+     (capped), recomputed pairwise with ``e^{min(G_a − G_b, 0)} ≤ 1`` when the strip's decay exceeds SPAN
+     nats. Every factor finite for any gate ≤ 0.
+
+   Writes the Aqk block (scaled, causal) to A and ``L = β ⊙ Akk`` (strictly lower) to the scratch; the
+   diagonal programs also write the zero upper blocks of A (as ``_split_scores``).
+3. ``_split_solve`` (:mod:`.triton_intra_split`, unchanged): X = (I + L)⁻¹ in place in the scratch.
+4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``,
+   ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight from G (no strip rebuild).
+
+Numerics equal the fused kernel's up to fp32 rounding (qg, kg and z take one exponential of G instead of a
+product of two; the scores take differences of chunk-level G, as the fused kernel does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_chunk import _SPAN, _interp, _ld, _st, _tune
+from .triton_intra_split import _bst, _ld_rows, _run, _split_solve, _xcol
+
+__all__ = ["intra_g_launch", "g_kernels"]
+
+
+def _cumsum_configs():
+    if _interp():
+        return [triton.Config({"BK": 16}, num_warps=4)]
+    cfgs = [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 4), (32, 2), (128, 4))]
+    return cfgs if _tune() else cfgs[:1]
+
+
+def _score_configs():
+    if _interp():
+        return [triton.Config({"BK": 16}, num_warps=4)]
+    cfgs = [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
+            for bk, w, s in ((32, 2, 2), (64, 2, 2), (64, 4, 2), (32, 4, 2), (128, 4, 1))]
+    return cfgs if _tune() else cfgs[:1]
+
+
+def _wu_configs():
+    if _interp():
+        return [triton.Config({"BD": 16}, num_warps=4)]
+    cfgs = [triton.Config({"BD": bd}, num_warps=w, num_stages=1) for bd, w in ((64, 4), (128, 8), (64, 8), (128, 4))]
+    return cfgs if _tune() else cfgs[:1]
+
+
+@triton.jit
+def _g_cumsum_kernel(g, chunk_start, chunk_len, G_out, egl_out, H, K: tl.constexpr, BK: tl.constexpr):
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    kb = tl.program_id(2) * BK
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    g0 = _ld(g, bos, L, pid_h, H, 0, kb, K, BK)  # rows past L load 0: G stays at G_last there
+    g1 = _ld(g, bos, L, pid_h, H, 1, kb, K, BK)
+    g2 = _ld(g, bos, L, pid_h, H, 2, kb, K, BK)
+    g3 = _ld(g, bos, L, pid_h, H, 3, kb, K, BK)
+    r0 = tl.sum(g0, 0)
+    r1 = r0 + tl.sum(g1, 0)
+    r2 = r1 + tl.sum(g2, 0)
+    r3 = r2 + tl.sum(g3, 0)
+    _st(G_out, ob, 0, kb, tl.cumsum(g0, 0), K, BK)
+    _st(G_out, ob, 1, kb, tl.cumsum(g1, 0) + r0[None, :], K, BK)
+    _st(G_out, ob, 2, kb, tl.cumsum(g2, 0) + r1[None, :], K, BK)
+    _st(G_out, ob, 3, kb, tl.cumsum(g3, 0) + r2[None, :], K, BK)
+    rk = kb + tl.arange(0, BK)
+    tl.store(egl_out + ob * K + rk, tl.exp(r3), mask=rk < K)
+
+
+@triton.jit
+def _g_strip(Gc, row0, rd, mk, K: tl.constexpr):
+    """Rows row0..row0+15 of one chunk's G tile (``Gc``: [64, K] fp32), channels ``rd``."""
+    r = row0 + tl.arange(0, 16)
+    return tl.load(Gc + r[:, None] * K + rd[None, :], mask=mk[None, :], other=0.0)
+
+
+@triton.jit
+def _g_row(Gc, row, rd, mk, K: tl.constexpr):
+    """Row ``row`` (≥ 0) of one chunk's G tile, channels ``rd``."""
+    return tl.load(Gc + row * K + rd, mask=mk, other=0.0)
+
+
+@triton.jit
+def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
+                     K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_c = pid // 10
+    p = pid % 10
+    # p: 0..3 the diagonal blocks (p, p); 4..6 (j + 1, j); 7..8 (j + 2, j); 9 (3, 0)
+    far2 = (p >= 7).to(tl.int32)
+    far3 = (p >= 9).to(tl.int32)
+    diag = p < 4
+    j = tl.where(diag, p, p - 4 - 3 * far2 - 2 * far3)
+    i = tl.where(diag, p, j + 1 + far2 + far3)
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    cd = q.dtype.element_ty
+    r16 = tl.arange(0, 16)
+    ri = i * 16 + r16
+    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
+    accA = tl.zeros([16, 16], dtype=tl.float32)
+    accQ = tl.zeros([16, 16], dtype=tl.float32)
+    Ap = A_out + ob * 4096
+    Lp = L_out + ob * 4096
+    Gc = G + ob * 64 * K
+    arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor)
+    if i == j:
+        for kb in range(0, K, BK):
+            rd = kb + tl.arange(0, BK)
+            mk = rd < K
+            G_s = _g_strip(Gc, i * 16, rd, mk, K)
+            pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
+            r = _g_row(Gc, i * 16 + 15, rd, mk, K)
+            q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+            k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+            ea = tl.exp(G_s - pre[None, :])
+            kbb = k_s * tl.exp(r[None, :] - G_s)
+            ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
+            dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
+            dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
+            if tl.max(pre - r, 0) > SPAN:
+                # pairwise exact: e^{G_a − G_b} ≤ 1 for b ≤ a, never overflows
+                for jj in range(16):
+                    sel = r16[:, None] == jj
+                    kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
+                    Gj = tl.sum(tl.where(sel, G_s, 0.0), 0)
+                    e = tl.exp(tl.minimum(G_s - Gj[None, :], 0.0))
+                    hit = r16[None, :] == jj
+                    dA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], dA)
+                    dQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], dQ)
+            accA += dA
+            accQ += dQ
+        strict = r16[:, None] > r16[None, :]
+        causal = r16[:, None] >= r16[None, :]
+        _bst(Lp, ri, i * 16, tl.where(strict, accA * b_i[:, None], 0.0))
+        _bst(Ap, ri, i * 16, tl.where(causal, accQ * scale, 0.0))
+        # the zero blocks right of the diagonal in this row strip
+        r64 = tl.arange(0, 64)
+        tl.store(Ap + ri[:, None] * 64 + r64[None, :], tl.zeros([16, 64], dtype=A_out.dtype.element_ty),
+                 mask=(r64 >= (i + 1) * 16)[None, :] & (ri < 64)[:, None])
+    else:
+        for kb in range(0, K, BK):
+            rd = kb + tl.arange(0, BK)
+            mk = rd < K
+            a = _g_row(Gc, arow, rd, mk, K)[None, :]
+            G_i = _g_strip(Gc, i * 16, rd, mk, K)
+            G_j = _g_strip(Gc, j * 16, rd, mk, K)
+            q_i = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+            k_i = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+            k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
+            ea = tl.exp(G_i - a)  # ≤ 1: rows at or after the anchor
+            colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before it
+            accA += tl.dot((k_i * ea).to(cd), colT)
+            accQ += tl.dot((q_i * ea).to(cd), colT)
+        _bst(Lp, ri, j * 16, accA * b_i[:, None])
+        _bst(Ap, ri, j * 16, accQ * scale)
+
+
+@triton.jit
+def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.constexpr, d0, rd, mk, scale,
+              K: tl.constexpr, BD: tl.constexpr):
+    """qg, kg of strip s (stored) and its z = β·k·e^G (returned), from the chunk's G tile."""
+    G_s = _g_strip(Gc, s * 16, rd, mk, K)
+    q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
+    k_s = _ld(k, bos, L, pid_h, H, s, d0, K, BD)
+    e = tl.exp(G_s)
+    _st(qg_out, ob, s, d0, q_s * e * scale, K, BD)
+    _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
+    return k_s * e * b_s[:, None]
+
+
+@triton.jit
+def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_out, u_out,
+                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr):
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    d0 = tl.program_id(2) * BD
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    cd = q.dtype.element_ty
+    r64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    Xp = X + ob * 4096
+    X0 = _xcol(Xp, r64, 0).to(cd)
+    X1 = _xcol(Xp, r64, 1).to(cd)
+    X2 = _xcol(Xp, r64, 2).to(cd)
+    X3 = _xcol(Xp, r64, 3).to(cd)
+    b0 = tl.load(beta + (bos + r16).to(tl.int64) * H + pid_h, mask=r16 < L, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + (bos + 16 + r16).to(tl.int64) * H + pid_h, mask=16 + r16 < L, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + (bos + 32 + r16).to(tl.int64) * H + pid_h, mask=32 + r16 < L, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + (bos + 48 + r16).to(tl.int64) * H + pid_h, mask=48 + r16 < L, other=0.0).to(tl.float32)
+    rd = d0 + tl.arange(0, BD)
+    if d0 < K:
+        mk = rd < K
+        Gc = G + ob * 64 * K
+        gl = _g_row(Gc, 63, rd, mk, K)  # G_last (rows past the chunk's length repeat it)
+        z0 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b0, qg_out, kg_out, ob, 0, d0, rd, mk, scale, K, BD)
+        z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD)
+        z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD)
+        z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD)
+        w = tl.dot(X0, z0.to(cd))
+        w = tl.dot(X1, z1.to(cd), w)
+        w = tl.dot(X2, z2.to(cd), w)
+        w = tl.dot(X3, z3.to(cd), w)
+        tl.store(w_out + ob * 64 * K + r64[:, None] * K + rd[None, :], w.to(w_out.dtype.element_ty),
+                 mask=mk[None, :] & (r64 < 64)[:, None])
+    if d0 < V:
+        v0 = _ld(v, bos, L, pid_h, H, 0, d0, V, BD) * b0[:, None]
+        v1 = _ld(v, bos, L, pid_h, H, 1, d0, V, BD) * b1[:, None]
+        v2 = _ld(v, bos, L, pid_h, H, 2, d0, V, BD) * b2[:, None]
+        v3 = _ld(v, bos, L, pid_h, H, 3, d0, V, BD) * b3[:, None]
+        u = tl.dot(X0, v0.to(cd))
+        u = tl.dot(X1, v1.to(cd), u)
+        u = tl.dot(X2, v2.to(cd), u)
+        u = tl.dot(X3, v3.to(cd), u)
+        tl.store(u_out + ob * 64 * V + r64[:, None] * V + rd[None, :], u.to(u_out.dtype.element_ty),
+                 mask=(rd < V)[None, :] & (r64 < 64)[:, None])
+
+
+_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K"])(_g_cumsum_kernel)
+_g_scores = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_kernel)
+_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V"])(_g_wu_kernel)
+
+
+def g_kernels():
+    """The four autotuned kernels, in launch order (benchmarks list and time their configs)."""
+    return _g_cumsum, _g_scores, _split_solve, _g_wu
+
+
+def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
+    """The temporary chunk-local cumulative decay: fp32 [NC, H, 64, K]."""
+    return torch.empty(NC, H, 64, K, dtype=torch.float32, device=device)
+
+
+def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=None,
+                   stages=(0, 1, 2, 3), G=None):
+    """Fill the fused kernel's outputs (qg, kg, w, u, A, egl and X in the fp32 scratch) with the four kernels
+    (cumsum, scores, solve, w/u). ``configs``: an optional 4-tuple of ``triton.Config`` (None entries:
+    autotuned); ``stages``: which of the four kernels to launch; ``G``: the [NC, H, 64, K] fp32 buffer to use
+    (allocated here when None; benchmarks pass one so that single stages can be timed)."""
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    configs = tuple(configs) if configs else (None, None, None, None)
+    if G is None:
+        G = g_buffer(NC, H, K, q.device)
+    if 0 in stages:
+        grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))  # noqa: E731
+        _run(_g_cumsum, grid, (g, c_start, c_len, G, egl, H), {"K": K}, configs[0])
+    if 1 in stages:
+        _run(_g_scores, (NC * 10, H), (q, k, G, beta, c_start, c_len, A, X, scale, H),
+             {"K": K, "SPAN": _SPAN}, configs[1])
+    if 2 in stages:
+        _run(_split_solve, (NC, H), (X, H), {}, configs[2])
+    if 3 in stages:
+        grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))  # noqa: E731
+        _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
+             {"K": K, "V": V}, configs[3])
