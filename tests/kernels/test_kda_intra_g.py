@@ -25,7 +25,7 @@ _EMPTY = torch.empty
 
 def make(T, H, K, V, seed, gate="softplus", decay=1.0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen)
     q = F.normalize(r(1, T, H, K), dim=-1).to(dtype)
     k = F.normalize(r(1, T, H, K), dim=-1).to(dtype)
     v = r(1, T, H, V).to(dtype)
@@ -102,7 +102,7 @@ def test_splitg_forward_backward_matches_eager(monkeypatch):
     kw = {"output_final_state": True, "cu_seqlens": cu, "checkpoint_positions": [[20], [], [64, 70]]}
     calls = []
     real = triton_intra_g.intra_g_launch
-    spy = lambda *a, **k2: calls.append(1) or real(*a, **k2)  # noqa: E731
+    spy = lambda *a, **k2: calls.append(1) or real(*a, **k2)
     monkeypatch.setenv("K3NN_KDA_INTRA", "splitg")
     res = []
     for eager in (True, False):

@@ -39,7 +39,7 @@ import triton.language as tl
 from .triton_chunk import _SPAN, _interp, _ld, _st, _tune
 from .triton_intra_split import _bst, _ld_rows, _run, _split_solve, _xcol
 
-__all__ = ["intra_g_launch", "g_kernels"]
+__all__ = ["g_kernels", "intra_g_launch"]
 
 
 def _cumsum_configs():
@@ -268,7 +268,7 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
     if G is None:
         G = g_buffer(NC, H, K, q.device)
     if 0 in stages:
-        grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))  # noqa: E731
+        grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))
         _run(_g_cumsum, grid, (g, c_start, c_len, G, egl, H), {"K": K}, configs[0])
     if 1 in stages:
         _run(_g_scores, (NC * 10, H), (q, k, G, beta, c_start, c_len, A, X, scale, H),
@@ -276,6 +276,6 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
     if 2 in stages:
         _run(_split_solve, (NC, H), (X, H), {}, configs[2])
     if 3 in stages:
-        grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))  # noqa: E731
+        grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
         _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
              {"K": K, "V": V}, configs[3])
