@@ -1,4 +1,5 @@
-"""MLA kernels: absorbed paged decode (eager reference, Triton split-KV), decompressed chunked prefill."""
+"""MLA kernels: absorbed paged decode (eager reference, Triton split-KV, CUDA split-KV), decompressed chunked
+prefill."""
 
 from __future__ import annotations
 
@@ -26,6 +27,28 @@ def _triton_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible
 
 
 register("mla_decode", "triton", supports=_triton_supports)(_triton_decode)
+
+
+def _cuda_available():
+    from . import cuda_decode
+
+    return cuda_decode.enabled() or cuda_decode.available()
+
+
+def _cuda_supports(*args, **kwargs):
+    from . import cuda_decode
+
+    return cuda_decode.supports(*args, **kwargs)
+
+
+def _cuda_decode(*args, **kwargs):
+    from .cuda_decode import mla_decode_cuda  # built on first use
+
+    return mla_decode_cuda(*args, **kwargs)
+
+
+# Opt-in (K3NN_MLA_CUDA=1) until checked on a GPU: auto tries cuda first, so without the knob it takes triton.
+register("mla_decode", "cuda", supports=_cuda_supports, available=_cuda_available)(_cuda_decode)
 
 __all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_decode_reference",
            "mla_prefill"]

@@ -1,0 +1,129 @@
+"""CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability and opt-in reasons, supports()
+reasons, the registry keeping auto on Triton/eager, the split heuristic and the generated source. The kernel
+itself runs in tests/gpu/test_mla_gpu.py."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import k3nn.kernels.mla.cuda_decode as cd
+from k3nn.kernels.registry import get_op, resolve
+
+
+def _inputs(dtype=torch.bfloat16, R=512, DR=64, B=2, Tq=1, H=4, page=64):
+    q = torch.randn(B, Tq, H, R + DR).to(dtype)
+    pool = torch.randn(6, page, R + DR).to(dtype)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)[:B]
+    return q[..., :R], q[..., R:], pool, table, torch.tensor([100, 3][:B], dtype=torch.int32)
+
+
+def test_unavailable_on_cpu_with_a_reason(monkeypatch):
+    if not torch.cuda.is_available():
+        assert cd.available() == "CUDA is not available"
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert "nvcc" in cd.available.__wrapped__()
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    assert "sm_80" in cd.available.__wrapped__()
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_opt_in_knob(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("K3NN_MLA_CUDA", raising=False)
+    else:
+        monkeypatch.setenv("K3NN_MLA_CUDA", value)
+    assert (cd.enabled() is None) == on
+    if not on:
+        assert "K3NN_MLA_CUDA=1" in cd.enabled()
+
+
+def test_registered_and_auto_keeps_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+    impl = get_op("mla_decode").impls["cuda"]
+    args = _inputs(torch.float32) + (0.07,)
+    why = impl.why_not(args, {})
+    assert why  # CPU: no CUDA
+    assert resolve("mla_decode", args, {}, "auto").backend != "cuda"
+    monkeypatch.delenv("K3NN_MLA_CUDA")
+    assert "K3NN_MLA_CUDA" in impl.why_not(args, {})
+
+
+def test_supports_reasons_without_gpu():
+    assert cd.supports(*_inputs(), 0.07) == "inputs are not CUDA tensors"
+
+
+def test_supports_reasons_on_fake_cuda(monkeypatch):
+    """The shape / dtype checks behind the device check (the device check is patched away)."""
+    class Props:
+        shared_memory_per_block_optin = 227 * 1024
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    assert cd.supports(*_inputs(), 0.07) is None
+    assert cd.supports(*_inputs(), 0.07, out_dtype=torch.float32) is None
+    assert "fp16" in cd.supports(*_inputs(torch.float32), 0.07)
+    assert "kv_lora_rank" in cd.supports(*_inputs(R=256), 0.07)
+    assert "out dtype" in cd.supports(*_inputs(), 0.07, out_dtype=torch.float16)
+    assert "num_splits" in cd.supports(*_inputs(), 0.07, num_splits=257)
+    q_lat, q_rope, pool, table, sl = _inputs()
+    padded = torch.randn(6, 64, 580).bfloat16()[..., :576]  # row stride 580: not 16-byte aligned
+    assert "16-byte" in cd.supports(q_lat, q_rope, padded, table, sl, 0.07)
+    Props.shared_memory_per_block_optin = 48 * 1024
+    assert "shared memory" in cd.supports(*_inputs(), 0.07)
+
+
+def test_default_splits():
+    # B=64, H=64: 256 CTAs per split = one wave of 2 × 132 already
+    assert cd.default_num_splits(64, 64, 8192, 132) == 1
+    assert cd.default_num_splits(1, 64, 32768, 132) == 66
+    assert cd.default_num_splits(1, 64, 256, 132) == 2  # short table: at least 4 tiles per split
+    assert cd.default_num_splits(1, 1, 10 ** 6, 132) == cd.MAX_SPLITS
+    assert cd.default_num_splits(500, 96, 4096, 132) == 1
+
+
+def _braces_balanced(src: str) -> bool:
+    depth = 0
+    for ch in re.sub(r'"(\\.|[^"\\])*"', '""', src):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def test_generated_source_has_the_entry_points():
+    cu = cd.kernel_source()
+    for name in ("mla_split_kernel", "mla_combine_kernel", "mla_decode_dispatch(", "struct MlaParams",
+                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
+                 "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
+                 "SMEM_BYTES = Q_BYTES"):
+        assert name in cu, name
+    assert "torch" not in cu and "__PARAMS__" not in cu  # the .cu compiles without torch headers
+    assert _braces_balanced(cu) and _braces_balanced(cd._CPP_SOURCE)
+    assert re.sub(r"\s+", " ", cd._DECL.rstrip(";")) in re.sub(r"\s+", " ", cd._CPP_SOURCE)
+    # the Python mirror of the shared-memory size matches the CUDA constants
+    consts = dict(re.findall(r"constexpr int (\w+) = (\d+)", cu))
+    assert int(consts["ROWS"]) == cd.ROWS and "BN = 32" in cu and cd.BLOCK_N == 32
+    assert cd.SMEM_BYTES < 114 * 1024  # two CTAs per SM on sm_90 (227 KB)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_source_compiles_for_sm90(tmp_path):
+    """The torch-free .cu through nvcc (no GPU needed): no errors, no register spills."""
+    cu = tmp_path / "mla.cu"
+    cu.write_text(cd.kernel_source())
+    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+                        str(tmp_path / "mla.o"), str(cu)], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
+    assert not spills, spills
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
+    assert regs and max(regs) <= 255
