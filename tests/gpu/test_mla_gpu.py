@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from k3nn import backend
@@ -87,3 +87,99 @@ def test_dcp_nccl_two_gpus(interleave):
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("rel err") == 4  # 2 ranks × (replicated, sharded heads)
+
+
+# ---- CUDA kernel (k3nn.kernels.mla.cuda_decode; opt-in K3NN_MLA_CUDA=1) ----
+
+def _poisoned(q_lat, dtype):
+    return (torch.full(q_lat.shape, float("nan"), device="cuda", dtype=dtype),
+            torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
+
+
+@pytest.fixture
+def cuda_mla(monkeypatch):
+    from k3nn.kernels.mla import cuda_decode
+
+    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+    assert cuda_decode.enabled() is None
+    assert cuda_decode.available() is None, cuda_decode.available()
+    return cuda_decode
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=5), Tq=st.sampled_from([1, 2, 4]),
+       H=st.sampled_from([1, 16, 64, 96]), splits=st.sampled_from([None, 1, 2, 5, 33]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), explicit_vis=st.booleans(),
+       out_f32=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_cuda_matches_reference(cuda_mla, lens, Tq, H, splits, dtype, explicit_vis, out_f32, seed):
+    """Shuffled pages (NaN in every unused pool row), lengths below Tq and rows that see no key (explicit
+    visible lengths, zeros forced in), one split and several (more splits than key tiles too)."""
+    if not explicit_vis:
+        lens = [max(n, Tq) for n in lens]
+    note(f"lens={lens} Tq={Tq} H={H} splits={splits} {dtype} vis={explicit_vis} out_f32={out_f32}")
+    q_lat, q_rope, pool, table, sl = case(seed, lens, Tq, H, dtype)
+    vis = None
+    if explicit_vis:
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        vis = (torch.rand(len(lens), Tq, device="cuda", generator=g) * (sl[:, None] + 1)).int().clamp_max(sl[:, None])
+        vis[0, 0] = 0  # a row that sees nothing
+        vis[-1, -1] = sl[-1]
+    odt = torch.float32 if out_f32 else dtype
+    out = _poisoned(q_lat, odt)
+    with backend("cuda"):
+        o, lse = mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, visible_lens=vis, num_splits=splits,
+                            out_dtype=odt, out=out)
+    assert o.data_ptr() == out[0].data_ptr()
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, visible_lens=vis,
+                                          out_dtype=torch.float32)
+    torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
+
+
+def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
+    q_lat, q_rope, pool, table, sl = case(5, [130, 64, 1], 2, 16)
+    from k3nn.kernels.registry import resolve
+
+    args = (q_lat, q_rope, pool, table, sl, 0.0722)
+    assert resolve("mla_decode", args, {}, "auto").backend == "cuda"  # K3NN_MLA_CUDA=1: auto tries cuda first
+    o, lse = mla_decode(*args)
+    o_ref, lse_ref = mla_decode_reference(*args, out_dtype=torch.float32)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
+    print(f"mla cuda build/load {cuda_mla.last_build_seconds:.1f} s")
+
+
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_cuda_kernel_graph_replay_follows_new_lengths(cuda_mla, splits):
+    q_lat, q_rope, pool, table, sl = case(2, [1000, 300, 64], 1, 64)
+    out = _poisoned(q_lat, q_lat.dtype)
+    with backend("cuda"):
+        mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out)  # build outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, check=False)
+    sl.copy_(torch.tensor([999, 17, 1], dtype=torch.int32))
+    out[0].fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+    torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize("Tq", [1, 2])
+def test_cuda_k3_sized(cuda_mla, Tq):
+    """B=4 L=4096 H=64 (K3 at TP=1), bf16, default splits, against the reference and the Triton kernel."""
+    q_lat, q_rope, pool, table, sl = case(11, [4096] * 4, Tq, 64)
+    with backend("cuda"):
+        o, lse = mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=_poisoned(q_lat, q_lat.dtype))
+    with backend("triton"):
+        o_tr, lse_tr = mla_decode(q_lat, q_rope, pool, table, sl, 0.0722)
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+    torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
+    err = ((o.float() - o_ref).norm() / o_ref.norm()).item()
+    err_tr = ((o_tr.float() - o_ref).norm() / o_ref.norm()).item()
+    assert err < 2 * err_tr + 1e-3, (err, err_tr)
+    torch.testing.assert_close(lse, lse_tr, atol=1e-2, rtol=1e-3)

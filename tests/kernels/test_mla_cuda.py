@@ -73,7 +73,7 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     assert "kv_lora_rank" in cd.supports(*_inputs(R=256), 0.07)
     assert "out dtype" in cd.supports(*_inputs(), 0.07, out_dtype=torch.float16)
     assert "num_splits" in cd.supports(*_inputs(), 0.07, num_splits=257)
-    q_lat, q_rope, pool, table, sl = _inputs()
+    q_lat, q_rope, _, table, sl = _inputs()
     padded = torch.randn(6, 64, 580).bfloat16()[..., :576]  # row stride 580: not 16-byte aligned
     assert "16-byte" in cd.supports(q_lat, q_rope, padded, table, sl, 0.07)
     Props.shared_memory_per_block_optin = 48 * 1024

@@ -43,8 +43,19 @@ import time
 
 import torch
 
-__all__ = ["available", "enabled", "supports", "mla_decode_cuda", "default_num_splits", "kernel_source",
-           "build", "SMEM_BYTES", "ROWS", "BLOCK_N", "MAX_SPLITS"]
+__all__ = [
+    "BLOCK_N",
+    "MAX_SPLITS",
+    "ROWS",
+    "SMEM_BYTES",
+    "available",
+    "build",
+    "default_num_splits",
+    "enabled",
+    "kernel_source",
+    "mla_decode_cuda",
+    "supports",
+]
 
 R, DR = 512, 64  # the only dims compiled
 ROWS, BLOCK_N = 16, 32  # query rows and keys per CTA tile
@@ -543,7 +554,7 @@ def build():
     return mod
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
