@@ -9,7 +9,10 @@ batch (uneven lengths, a 1-token request, shuffled pages, NaN in unused rows) ch
 TB/s counts the latent cache only (``B·L·576·2`` bytes), against the copy bandwidth measured in this process;
 caches rotate over enough copies to exceed L2.
 
-    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100]
+    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only]
+
+The CUDA kernel (``k3nn.kernels.mla.cuda_decode``) runs after the sweep at B=64 L=8K H=64/96 and B=1 L=32K
+H=64 next to the default Triton plan, with its nvcc build time; ``--cuda-only`` runs only that comparison.
 
 Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
 read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
@@ -237,10 +240,84 @@ def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
     return best
 
 
+CUDA_CASES = [(64, 8192, 64, 1), (64, 8192, 96, 1), (1, 32768, 64, 1)]
+
+
+def cuda_compare(copy_tbps):
+    """The CUDA kernel (default splits and a few others) against the default Triton plan, same inputs."""
+    from k3nn.kernels.mla import cuda_decode as cdk
+
+    why = cdk.available()
+    if why:
+        log(f"CUDA kernel not run: {why}")
+        return
+    t0 = time.time()
+    try:
+        cdk.build()
+    except Exception as e:  # noqa: BLE001 - report the compiler's complaint and carry on
+        log(f"CUDA kernel FAILED TO BUILD: {type(e).__name__}: {str(e)[-2000:]}")
+        return
+    log(f"CUDA kernel build/load {time.time() - t0:.1f} s (nvcc; cached on disk afterwards)")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for B, L, H, Tq in CUDA_CASES:
+        dt = torch.bfloat16
+        nblk = L // BS
+        cache_bytes = B * L * (R + DR) * dt.itemsize
+        copies = min(8, max(1, math.ceil(200e6 / cache_bytes)))
+        gen = torch.Generator(device="cuda").manual_seed(B * 7 + H + Tq)
+        sets = []
+        for _ in range(copies):
+            pool = (torch.randn(B * nblk + 4, BS, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
+            bt = torch.randperm(B * nblk + 4, device="cuda", generator=gen)[:B * nblk].view(B, nblk).int()
+            q = (torch.randn(B, Tq, H, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
+            out = (torch.empty(B, Tq, H, R, device="cuda", dtype=dt), torch.empty(B, Tq, H, device="cuda"))
+            sets.append((q, pool, bt, out))
+        sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        q0, pool0, bt0, _ = sets[0]
+        ref = mla_decode_reference(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, out_dtype=torch.float32)
+        n_calls = copies * max(1, min(40, int(2e9 // cache_bytes) or 1) // copies)
+        case = f"B={B} L={L} H={H} Tq={Tq}"
+        M = Tq * H
+        dflt = cdk.default_num_splits(B, M, nblk * BS, sms)
+        for S in sorted({dflt, max(1, dflt // 2), 2 * dflt if B == 1 else dflt}):
+            def call(i, S=S, sets=sets, copies=copies, sl=sl):
+                q, pool, bt, o = sets[i % copies]
+                cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=S, out=o)
+            out = poisoned(q0)
+            try:
+                cdk.mla_decode_cuda(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, num_splits=S, out=out)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                log(f"  {case} CUDA S={S} FAILED TO RUN ({type(e).__name__}: {str(e)[:300]})")
+                break
+            err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
+            ok = "ok" if err < 1e-2 and lerr < 1e-2 else "WRONG"
+            ms = graph_ms(call, n_calls)
+            tb = cache_bytes / ms / 1e9
+            print(f"{case:22s} {'CUDA' + (' (default)' if S == dflt else ''):17s} {'16x32 w4 S' + str(S):26s} "
+                  f"{ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  rel err {err:.1e} lse {lerr:.1e} "
+                  f"{ok}", flush=True)
+        plan = td._default_plan(B, M, dev)
+        why = check_plan(plan, q0, pool0, bt0, sl, ref)
+        if why:
+            log(f"  {case} triton default {plan.short()}: {why}")
+        else:
+            ms = graph_ms(lambda i, sets=sets, copies=copies, sl=sl, plan=plan:
+                          launch(plan, *sets[i % copies][:3], sl, sets[i % copies][3]), n_calls)
+            tb = cache_bytes / ms / 1e9
+            print(f"{case:22s} {'triton default':17s} {plan.short():26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s "
+                  f"{tb / copy_tbps:6.1%} copy", flush=True)
+        sets.clear()
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only B=64 L=8K H=64 and B=1 L=32K H=64")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds after which no new plan starts")
+    ap.add_argument("--cuda-only", action="store_true",
+                    help="only the CUDA kernel against the default Triton plan (no sweep, no FlashMLA)")
     args = ap.parse_args()
     import triton
 
@@ -250,6 +327,11 @@ def main():
     meta = device_meta()
     copy_tbps = meta.get("copy_tbps") or 4.2
     log(f"copy bandwidth {copy_tbps} TB/s (same process); timing in CUDA graphs, latent-cache bytes only")
+    if args.cuda_only:
+        log("== CUDA kernel vs the default Triton plan")
+        cuda_compare(copy_tbps)
+        log("done")
+        return
     broken: set = set()
     log("== ragged correctness (bf16 vs eager reference), every tile")
     ragged_check(SWEEP_TILES, broken)
@@ -283,6 +365,8 @@ def main():
         print(line, flush=True)
         print(f"{'':22s}   tile {tuple(plan.tile)} splits {plan.splits}; runner-up: "
               + ", ".join(f"{t} {p.short()} {nbytes / m / 1e9:.2f}" for m, t, p in best[1:4]), flush=True)
+    log("== CUDA kernel vs the default Triton plan")
+    cuda_compare(copy_tbps)
     log("done")
 
 
