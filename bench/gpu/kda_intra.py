@@ -1,23 +1,24 @@
-"""GPU check of the Triton chunked KDA forward: the fused intra kernel against the row-strip and split pipelines,
-and the full forward per intra mode, at T=8192 H=96 (B=1, K=V=128, bf16).
+"""GPU check of the Triton chunked KDA forward's intra stage: the ``splitg`` pipeline (chunk-local cumulative
+decay G computed once, then score blocks / solve / w/u reading it), the ``split`` pipeline and the fused kernel,
+and the full forward per intra mode, at T=8192 H=96 (B=1, K=V=128, bf16, K3's bounded gate).
 
     PYTHONPATH=src python3 bench/gpu/kda_intra.py
 
-1. Fused ``_kda_intra``, its first config (the best measured so far), the bounded gate.
-2. Row-strip pipeline (``K3NN_KDA_INTRA=rows``, :mod:`k3nn.kernels.kda.triton_intra_rows`): the scores kernel
-   alone with every config, the solve + w/u kernel with every config (timed as the pair minus the scores
-   kernel, since it works in place on what the scores kernel wrote), the autotuned total; its outputs against
-   the fused ones (relative difference per output, qg kg w u A egl X).
-3. Full forward, bounded gate: fused intra and rows intra (speedup of rows over fused).
-4. Correctness against the eager chunk form (fp32 math on the same rounded inputs): one bf16 case per gate,
-   T=300 H=16 varlen with checkpoints and an initial state, fused and rows.
-5. Time permitting: the split pipeline (``K3NN_KDA_INTRA=split``) per kernel and config, its outputs against
-   the fused ones and its full forward; the fused kernel's other configs; the full forward with the softplus
-   gate (fused / rows); last, fla-core ``chunk_kda`` as an anchor, only when more than 60 s remain (its own
-   autotuning compiles for over a minute; ``python -m k3nn.bench.kda_prefill`` measures it properly).
+1. ``splitg`` (``K3NN_KDA_INTRA=splitg``, :mod:`k3nn.kernels.kda.triton_intra_g`): each of its four kernels
+   (cumsum, scores, solve, w/u) alone with every config, the sum of the per-kernel bests, the autotuned total;
+   its outputs against the fused kernel's (relative difference per output, qg kg w u A egl X).
+2. Full forward, bounded gate: ``split`` (the default) and ``splitg``.
+3. Correctness against the eager chunk form (fp32 math on the same rounded inputs): one bf16 case per gate,
+   T=300 H=16 varlen with checkpoints and an initial state, split and splitg.
+4. ``split`` (:mod:`k3nn.kernels.kda.triton_intra_split`): each kernel alone with every config, the autotuned
+   total, its outputs against the fused ones; the fused ``_kda_intra`` with its first config (the best measured).
+5. Time permitting: the softplus-gate full forward (split / splitg); fla-core ``chunk_kda`` as an anchor, only
+   when more than 60 s remain (its own autotuning compiles for over a minute; ``python -m k3nn.bench.kda_prefill``
+   measures it properly).
 
-Timing uses ``triton.testing.do_bench`` with short warm-up / repetition windows; later sections are skipped
-when the elapsed time nears the budget (BUDGET_S), so the script stays under ~100 s including compilation.
+Ends with the summary line ``intra: split X ms, splitg Y ms; forward: split A ms, splitg B ms``. Timing uses
+``triton.testing.do_bench`` with short warm-up / repetition windows; later sections are skipped when the elapsed
+time nears the budget (BUDGET_S), so the script stays under ~100 s including compilation.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import torch.nn.functional as F
 import triton
 
 from k3nn.kernels.kda import triton_chunk as tc
-from k3nn.kernels.kda import triton_intra_rows as tr
+from k3nn.kernels.kda import triton_intra_g as tg
 from k3nn.kernels.kda import triton_intra_split as ts
 from k3nn.kernels.kda.chunk_torch import kda_chunk_eager
 
 T0 = time.time()
-BUDGET_S = 95.0
+BUDGET_S = 90.0
 D = 128
 DEV = "cuda"
 HALF = torch.bfloat16
@@ -147,40 +148,37 @@ def _time(name, cfg, run, minus=0.0):
         return None
 
 
-def rows_variants(args):
+def g_variants(args):
     q, k, v, g, beta, scale, NC, cs, cl = args
     bufs = _bufs(q, v, NC)
-    k1, k2 = tr.rows_kernels()
-    first = (k1.configs[0], k2.configs[0])
-    launch = lambda cfgs, stages=(0, 1): tr.intra_rows_launch(  # noqa: E731
-        q, k, v, g, beta, scale, NC, cs, cl, *bufs, configs=cfgs, stages=stages)
-    say(f"rows pipeline at T={T_BIG} H={H_BIG} bounded gate: every config ({len(k1.configs)} scores, "
-        f"{len(k2.configs)} solve+w/u)")
-    b1 = None
-    for cfg in k1.configs:
-        if left() < 15:
-            say(f"  scores {cfg_name(cfg)}: skipped (time)")
-            continue
-        ms = _time("scores", cfg, lambda cfg=cfg: launch((cfg, first[1]), (0,)))
-        if ms is not None and (b1 is None or ms < b1[0]):
-            b1 = (ms, cfg)
-    say(f"  scores best: {b1[0]:.3f} ms [{cfg_name(b1[1])}]" if b1 else "  scores: no config ran")
-    b2 = None
-    if b1 is not None:
-        for cfg in k2.configs:  # works in place on what the scores kernel wrote: the pair, less the scores
-            if left() < 15:
-                say(f"  solve+wu {cfg_name(cfg)}: skipped (time)")
+    G = tg.g_buffer(NC, q.shape[2], q.shape[3], DEV)
+    kernels = tg.g_kernels()
+    names = ("cumsum", "scores", "solve", "w/u")
+    first = tuple(kern.configs[0] for kern in kernels)
+    launch = lambda cfgs, stages: tg.intra_g_launch(  # noqa: E731
+        q, k, v, g, beta, scale, NC, cs, cl, *bufs, configs=cfgs, stages=stages, G=G)
+    launch(first, (0, 1, 2, 3))  # compiles the first ones and fills G / the scratch for the single stages
+    sync()
+    say(f"splitg pipeline at T={T_BIG} H={H_BIG} bounded gate: each kernel alone, every config "
+        f"({', '.join(str(len(kern.configs)) for kern in kernels)} configs)")
+    bests = []
+    for stage, (name, kern) in enumerate(zip(names, kernels)):
+        best = None
+        for cfg in kern.configs:
+            if left() < 45:
+                say(f"  {name:6s} {cfg_name(cfg)}: skipped (time)")
                 continue
-            ms = _time("solve+wu", cfg, lambda cfg=cfg: launch((b1[1], cfg)), minus=b1[0])
-            if ms is not None and (b2 is None or ms < b2[0]):
-                b2 = (ms, cfg)
-        say(f"  solve+w/u best: {b2[0]:.3f} ms [{cfg_name(b2[1])}]" if b2 else "  solve+w/u: no config ran")
-    if b1 and b2:
-        say(f"  sum of the per-kernel bests: {b1[0] + b2[0]:.3f} ms")
-    t_rows = bench(lambda: tc._intra_launch(*args, mode="rows"))
-    picks = [cfg_name(getattr(kern, "best_config", None)) for kern in (k1, k2)]
-    say(f"  rows autotuned total: {t_rows:.3f} ms; picks: scores [{picks[0]}] solve+w/u [{picks[1]}]")
-    return t_rows
+            cfgs = tuple(cfg if s == stage else first[s] for s in range(4))
+            ms = _time(name, cfg, lambda cfgs=cfgs, stage=stage: launch(cfgs, (stage,)))
+            if ms is not None and (best is None or ms < best[0]):
+                best = (ms, cfg_name(cfg))
+        say(f"  {name} best: {best}")
+        bests.append(best[0] if best else float("nan"))
+    say(f"  sum of the per-kernel bests: {sum(bests):.3f} ms")
+    t_g = bench(lambda: tc._intra_launch(*args, mode="splitg"))
+    picks = [cfg_name(getattr(kern, "best_config", None)) for kern in kernels]
+    say(f"  splitg autotuned total: {t_g:.3f} ms; picks: " + " ".join(f"{n} [{p}]" for n, p in zip(names, picks)))
+    return t_g
 
 
 def split_variants(args):
@@ -196,7 +194,7 @@ def split_variants(args):
     for stage, (name, kern) in enumerate(zip(("scores", "solve", "w/u"), kernels)):
         best = None
         for cfg in kern.configs:
-            if left() < 20:
+            if left() < 25:
                 say(f"  {name:6s} {cfg_name(cfg)}: skipped (time)")
                 continue
             cfgs = tuple(cfg if s == stage else first[s] for s in range(3))
@@ -217,7 +215,8 @@ def split_variants(args):
 
 
 def compare_outputs(args, mode):
-    ref = tc._intra_launch(*args, mode="fused", return_x=True)
+    # the fused kernel with its first config: autotuning it would compile all four (~10 s)
+    ref = tc._intra_launch(*args, mode="fused", config=tc._kda_intra.configs[0], return_x=True)
     got = tc._intra_launch(*args, mode=mode, return_x=True)
     sync()
     r64 = torch.arange(64, device=DEV)
@@ -240,7 +239,7 @@ def fla():
         return None
 
 
-def full_row(gen, gate, modes=("fused", "rows")):
+def full_row(gen, gate, modes=("split", "splitg")):
     q, k, v, g, beta, h0 = inputs(T_BIG, H_BIG, gate, gen)
     run = lambda: tc.kda_chunk_triton_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
     res = {}
@@ -277,7 +276,7 @@ def fla_row(chunk_kda, data):
 
 
 def table(rows, t_intra):
-    modes = ("fused", "rows", "split")
+    modes = ("fused", "split", "splitg")
     print("\n| case | " + " | ".join(f"intra {m} ms" for m in modes) + " | " + " | ".join(f"full {m} ms" for m in modes)
           + " | fla ms |", flush=True)
     print("|---" * (2 * len(modes) + 2) + "|", flush=True)
@@ -288,7 +287,7 @@ def table(rows, t_intra):
               + f" | {fmt(r.get('fla'))} |", flush=True)
 
 
-def check(gen, modes=("fused", "rows")):
+def check(gen, modes=("split", "splitg")):
     lens = [37, 0, 150, 113]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV, dtype=torch.int32)
     cps = [[10, 37], [0], [64, 100, 150], [1, 50]]
@@ -306,7 +305,7 @@ def check(gen, modes=("fused", "rows")):
             e = (rel(o, ro), rel(ht, rht), rel(ck, rck))
             worst = max(worst, *e)
             verdict = "ok" if max(e) < 2e-2 else "FAIL"
-            say(f"  bf16 {gate:12s} {mode:5s} rel err o {e[0]:.2e}  final {e[1]:.2e}  ckpt {e[2]:.2e}  "
+            say(f"  bf16 {gate:12s} {mode:6s} rel err o {e[0]:.2e}  final {e[1]:.2e}  ckpt {e[2]:.2e}  "
                 f"(tol 0.02) {verdict}")
     return worst
 
@@ -318,16 +317,9 @@ def main():
     q, k, v, g, beta, _ = inputs(T_BIG, H_BIG, "lower_bound", gen)
     NC, cs, cl = plan(T_BIG)
     args = (q, k, v, g, beta, D ** -0.5, NC, cs, cl)
-    fcfgs = tc._kda_intra.configs
-    say(f"fused _kda_intra at T={T_BIG} H={H_BIG} bounded gate: its first config (the rest at the end)")
-    best = fused_variants(args, fcfgs[:1])
-    t_intra = {"fused": best[0] if best else None}
-    t_intra["rows"] = rows_variants(args)
-    diff = compare_outputs(args, "rows")
-    if t_intra["fused"]:
-        say(f"intra: fused {t_intra['fused']:.3f} ms, rows autotuned {t_intra['rows']:.3f} ms "
-            f"({t_intra['fused'] / t_intra['rows']:.2f}x)")
-    say(f"full forward T={T_BIG} H={H_BIG}: K3NN_KDA_INTRA=fused / rows")
+    t_intra = {"splitg": g_variants(args)}
+    diff = compare_outputs(args, "splitg")
+    say(f"full forward T={T_BIG} H={H_BIG}: K3NN_KDA_INTRA=split / splitg")
     row, data = full_row(gen, "lower_bound")
     rows = [row]
     torch.cuda.empty_cache()
@@ -337,28 +329,19 @@ def main():
         worst = check(gen)
     else:
         say("correctness section skipped (time)")
-    if left() > 40:
+    if left() > 25:
         t_intra["split"] = split_variants(args)
-        if t_intra["split"] and left() > 15:
+        if left() > 12:
             diff = max(diff, compare_outputs(args, "split"))
-            with intra("split"):
-                run = lambda: tc.kda_chunk_triton_fwd(data[0], data[1], data[2], data[3], data[4],  # noqa: E731
-                                                      initial_state=data[5], output_final_state=True)
-                run()
-                sync()
-                rows[0]["split"] = bench(run)
-            say(f"  T{T_BIG} H{H_BIG} lower_bound full forward split {rows[0]['split']:.3f} ms")
     else:
         say("split pipeline skipped (time)")
-    if len(fcfgs) > 1 and left() > 25:
-        say(f"fused _kda_intra: the other {len(fcfgs) - 1} configs")
-        b2 = fused_variants(args, fcfgs[1:])
-        if b2 and b2[0] < (t_intra["fused"] or float("inf")):
-            t_intra["fused"] = b2[0]
-        say(f"  fused best: {min(x for x in (best, b2) if x) if (best or b2) else None}")
+    if left() > 10:
+        say(f"fused _kda_intra at T={T_BIG} H={H_BIG} bounded gate: its first config")
+        best = fused_variants(args, tc._kda_intra.configs[:1])
+        t_intra["fused"] = best[0] if best else None
     del q, k, v, g, beta
     torch.cuda.empty_cache()
-    if left() > 25:
+    if left() > 20:
         rows.append(full_row(gen, "softplus")[0])
     else:
         say("softplus full forward skipped (time)")
@@ -371,8 +354,11 @@ def main():
     data = None
     table(rows, t_intra)
     ok = worst < 2e-2 and diff < 1e-2
-    say(f"done; worst bf16 rel err vs eager {worst:.2e}; rows (split) vs fused intra outputs {diff:.1e}; "
+    say(f"done; worst bf16 rel err vs eager {worst:.2e}; split / splitg vs fused intra outputs {diff:.1e}; "
         f"{'ok' if ok else 'FAIL'}")
+    fmt = lambda x: f"{x:.3f} ms" if x else "-"  # noqa: E731
+    print(f"intra: split {fmt(t_intra.get('split'))}, splitg {fmt(t_intra.get('splitg'))}; "
+          f"forward: split {fmt(rows[0].get('split'))}, splitg {fmt(rows[0].get('splitg'))}", flush=True)
     return 0 if ok else 1
 
 
