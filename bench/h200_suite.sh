@@ -38,6 +38,8 @@ STEPS=(
   "kda-gpu-tests|240|$PYTEST tests/gpu/test_kda_gpu.py"
   "kda-bwd-gpu-tests|150|$PYTEST -s tests/gpu/test_kda_bwd_gpu.py"
   "kda-rows-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k rows"
+  "mla-cuda-tests|150|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"
+  "mla-cuda-bench|100|$PY bench/gpu/mla_decode.py --cuda-only"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"
   "kda-decode-cuda|80|env K3NN_KDA_CUDA=1 $PY -m k3nn.bench.kda_decode --quick"
   "decode-gpu-tests|100|$PYTEST tests/gpu/test_decode_gpu.py"
