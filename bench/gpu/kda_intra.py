@@ -178,7 +178,32 @@ def g_variants(args):
     t_g = bench(lambda: tc._intra_launch(*args, mode="splitg"))
     picks = [cfg_name(getattr(kern, "best_config", None)) for kern in kernels]
     say(f"  splitg autotuned total: {t_g:.3f} ms; picks: " + " ".join(f"{n} [{p}]" for n, p in zip(names, picks)))
-    return t_g
+    if left() < 50:
+        say("  K3NN_KDA_SPLITG_QK=cumsum variant skipped (time)")
+        return t_g, None
+    # variant: qg / kg written by the cumsum kernel (it holds G already), the w/u kernel only w and u
+    say("  K3NN_KDA_SPLITG_QK=cumsum (qg / kg in the cumsum kernel): cumsum and w/u alone, every config")
+    launch_c = lambda cfgs, stages: tg.intra_g_launch(  # noqa: E731
+        q, k, v, g, beta, scale, NC, cs, cl, *bufs, configs=cfgs, stages=stages, G=G, qk="cumsum")
+    for stage in (0, 3):
+        best = None
+        for cfg in kernels[stage].configs:
+            if left() < 45:
+                say(f"  {names[stage]:6s} {cfg_name(cfg)}: skipped (time)")
+                continue
+            cfgs = tuple(cfg if s == stage else first[s] for s in range(4))
+            ms = _time(names[stage] + "/c", cfg, lambda cfgs=cfgs, stage=stage: launch_c(cfgs, (stage,)))
+            if ms is not None and (best is None or ms < best[0]):
+                best = (ms, cfg_name(cfg))
+        say(f"  {names[stage]} (qk in cumsum) best: {best}")
+    old = os.environ.get("K3NN_KDA_SPLITG_QK")
+    os.environ["K3NN_KDA_SPLITG_QK"] = "cumsum"
+    try:
+        t_c = bench(lambda: tc._intra_launch(*args, mode="splitg"))
+    finally:
+        os.environ.pop("K3NN_KDA_SPLITG_QK") if old is None else os.environ.__setitem__("K3NN_KDA_SPLITG_QK", old)
+    say(f"  splitg (qk in cumsum) autotuned total: {t_c:.3f} ms (default qk in w/u: {t_g:.3f} ms)")
+    return t_g, t_c
 
 
 def split_variants(args):
@@ -317,7 +342,8 @@ def main():
     q, k, v, g, beta, _ = inputs(T_BIG, H_BIG, "lower_bound", gen)
     NC, cs, cl = plan(T_BIG)
     args = (q, k, v, g, beta, D ** -0.5, NC, cs, cl)
-    t_intra = {"splitg": g_variants(args)}
+    t_intra = {}
+    t_intra["splitg"], t_qk = g_variants(args)
     diff = compare_outputs(args, "splitg")
     say(f"full forward T={T_BIG} H={H_BIG}: K3NN_KDA_INTRA=split / splitg")
     row, data = full_row(gen, "lower_bound")
@@ -358,7 +384,8 @@ def main():
         f"{'ok' if ok else 'FAIL'}")
     fmt = lambda x: f"{x:.3f} ms" if x else "-"  # noqa: E731
     print(f"intra: split {fmt(t_intra.get('split'))}, splitg {fmt(t_intra.get('splitg'))}; "
-          f"forward: split {fmt(rows[0].get('split'))}, splitg {fmt(rows[0].get('splitg'))}", flush=True)
+          f"forward: split {fmt(rows[0].get('split'))}, splitg {fmt(rows[0].get('splitg'))}; "
+          f"splitg intra with K3NN_KDA_SPLITG_QK=cumsum {fmt(t_qk)}", flush=True)
     return 0 if ok else 1
 
 

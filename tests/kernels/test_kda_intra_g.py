@@ -70,7 +70,9 @@ def test_splitg_matches_fused(T, H, K, V, gate, seed):
     assert_same(*run_both(*make(T, H, K, V, seed, gate)))
 
 
-def test_splitg_varlen_empty_sequence_and_checkpoint_cuts():
+@pytest.mark.parametrize("qk", ["wu", "cumsum"])
+def test_splitg_varlen_empty_sequence_and_checkpoint_cuts(qk, monkeypatch):
+    monkeypatch.setenv("K3NN_KDA_SPLITG_QK", qk)  # which kernel writes qg / kg
     lens = [37, 0, 100, 5]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     # cuts at 20 (sequence 0) and 30, 70 (sequence 2): chunks 0-20, 20-37 | 0-30, 30-64, 64-70, 70-100 | 0-5
@@ -125,3 +127,7 @@ def test_intra_mode_knob_splitg(monkeypatch):
     assert tc.intra_mode() == "splitg"
     monkeypatch.delenv("K3NN_KDA_INTRA", raising=False)
     assert tc.intra_mode() == "split"  # the default stays split until measured otherwise
+    assert triton_intra_g.qk_stage() == "wu"
+    monkeypatch.setenv("K3NN_KDA_SPLITG_QK", "both")
+    with pytest.raises(ValueError):
+        triton_intra_g.qk_stage()

@@ -25,12 +25,15 @@ X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches
 3. ``_split_solve`` (:mod:`.triton_intra_split`, unchanged): X = (I + L)⁻¹ in place in the scratch.
 4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``,
    ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight from G (no strip rebuild).
+   ``K3NN_KDA_SPLITG_QK=cumsum`` moves qg and kg into the cumsum kernel instead (:func:`qk_stage`).
 
 Numerics equal the fused kernel's up to fp32 rounding (qg, kg and z take one exponential of G instead of a
 product of two; the scores take differences of chunk-level G, as the fused kernel does).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,7 +42,7 @@ import triton.language as tl
 from .triton_chunk import _SPAN, _interp, _ld, _st, _tune
 from .triton_intra_split import _bst, _ld_rows, _run, _split_solve, _xcol
 
-__all__ = ["g_kernels", "intra_g_launch"]
+__all__ = ["g_buffer", "g_kernels", "intra_g_launch", "qk_stage"]
 
 
 def _cumsum_configs():
@@ -65,7 +68,18 @@ def _wu_configs():
 
 
 @triton.jit
-def _g_cumsum_kernel(g, chunk_start, chunk_len, G_out, egl_out, H, K: tl.constexpr, BK: tl.constexpr):
+def _g_qk(q, k, G_s, gl, bos, L, pid_h, H, qg_out, kg_out, ob, s: tl.constexpr, d0, scale,
+          K: tl.constexpr, BD: tl.constexpr):
+    """qg = scale·q·e^G and kg = k·e^{G_last − G} of strip s (stored)."""
+    q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
+    k_s = _ld(k, bos, L, pid_h, H, s, d0, K, BD)
+    _st(qg_out, ob, s, d0, q_s * tl.exp(G_s) * scale, K, BD)
+    _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
+
+
+@triton.jit
+def _g_cumsum_kernel(g, q, k, chunk_start, chunk_len, G_out, egl_out, qg_out, kg_out, scale, H,
+                     K: tl.constexpr, BK: tl.constexpr, QK: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     kb = tl.program_id(2) * BK
@@ -80,12 +94,21 @@ def _g_cumsum_kernel(g, chunk_start, chunk_len, G_out, egl_out, H, K: tl.constex
     r1 = r0 + tl.sum(g1, 0)
     r2 = r1 + tl.sum(g2, 0)
     r3 = r2 + tl.sum(g3, 0)
-    _st(G_out, ob, 0, kb, tl.cumsum(g0, 0), K, BK)
-    _st(G_out, ob, 1, kb, tl.cumsum(g1, 0) + r0[None, :], K, BK)
-    _st(G_out, ob, 2, kb, tl.cumsum(g2, 0) + r1[None, :], K, BK)
-    _st(G_out, ob, 3, kb, tl.cumsum(g3, 0) + r2[None, :], K, BK)
+    G0 = tl.cumsum(g0, 0)
+    G1 = tl.cumsum(g1, 0) + r0[None, :]
+    G2 = tl.cumsum(g2, 0) + r1[None, :]
+    G3 = tl.cumsum(g3, 0) + r2[None, :]
+    _st(G_out, ob, 0, kb, G0, K, BK)
+    _st(G_out, ob, 1, kb, G1, K, BK)
+    _st(G_out, ob, 2, kb, G2, K, BK)
+    _st(G_out, ob, 3, kb, G3, K, BK)
     rk = kb + tl.arange(0, BK)
     tl.store(egl_out + ob * K + rk, tl.exp(r3), mask=rk < K)
+    if QK:  # qg and kg here (elementwise in G) instead of in the w/u kernel
+        _g_qk(q, k, G0, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 0, kb, scale, K, BK)
+        _g_qk(q, k, G1, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 1, kb, scale, K, BK)
+        _g_qk(q, k, G2, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 2, kb, scale, K, BK)
+        _g_qk(q, k, G3, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 3, kb, scale, K, BK)
 
 
 @triton.jit
@@ -181,20 +204,21 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
 
 @triton.jit
 def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.constexpr, d0, rd, mk, scale,
-              K: tl.constexpr, BD: tl.constexpr):
-    """qg, kg of strip s (stored) and its z = β·k·e^G (returned), from the chunk's G tile."""
+              K: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr):
+    """z = β·k·e^G of strip s (returned) from the chunk's G tile; with QK also its qg, kg (stored)."""
     G_s = _g_strip(Gc, s * 16, rd, mk, K)
-    q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
     k_s = _ld(k, bos, L, pid_h, H, s, d0, K, BD)
     e = tl.exp(G_s)
-    _st(qg_out, ob, s, d0, q_s * e * scale, K, BD)
-    _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
+    if QK:
+        q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
+        _st(qg_out, ob, s, d0, q_s * e * scale, K, BD)
+        _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
     return k_s * e * b_s[:, None]
 
 
 @triton.jit
 def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_out, u_out,
-                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr):
+                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     d0 = tl.program_id(2) * BD
@@ -218,10 +242,10 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
         mk = rd < K
         Gc = G + ob * 64 * K
         gl = _g_row(Gc, 63, rd, mk, K)  # G_last (rows past the chunk's length repeat it)
-        z0 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b0, qg_out, kg_out, ob, 0, d0, rd, mk, scale, K, BD)
-        z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD)
-        z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD)
-        z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD)
+        z0 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b0, qg_out, kg_out, ob, 0, d0, rd, mk, scale, K, BD, QK)
+        z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD, QK)
+        z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD, QK)
+        z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD, QK)
         w = tl.dot(X0, z0.to(cd))
         w = tl.dot(X1, z1.to(cd), w)
         w = tl.dot(X2, z2.to(cd), w)
@@ -241,9 +265,9 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
                  mask=(rd < V)[None, :] & (r64 < 64)[:, None])
 
 
-_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K"])(_g_cumsum_kernel)
+_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"])(_g_cumsum_kernel)
 _g_scores = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_kernel)
-_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V"])(_g_wu_kernel)
+_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK"])(_g_wu_kernel)
 
 
 def g_kernels():
@@ -256,20 +280,33 @@ def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
     return torch.empty(NC, H, 64, K, dtype=torch.float32, device=device)
 
 
+def qk_stage() -> str:
+    """``K3NN_KDA_SPLITG_QK``: which kernel of the splitg pipeline writes qg and kg, ``wu`` (default: the w/u
+    kernel, which loads k and G anyway) or ``cumsum`` (the cumsum kernel, which holds G already; the w/u kernel
+    then loads neither q nor G_last and stores half as much). Same values either way."""
+    m = os.environ.get("K3NN_KDA_SPLITG_QK", "wu").strip().lower() or "wu"
+    if m not in ("wu", "cumsum"):
+        raise ValueError(f"K3NN_KDA_SPLITG_QK must be 'wu' or 'cumsum', got {m!r}")
+    return m
+
+
 def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=None,
-                   stages=(0, 1, 2, 3), G=None):
+                   stages=(0, 1, 2, 3), G=None, qk=None):
     """Fill the fused kernel's outputs (qg, kg, w, u, A, egl and X in the fp32 scratch) with the four kernels
     (cumsum, scores, solve, w/u). ``configs``: an optional 4-tuple of ``triton.Config`` (None entries:
     autotuned); ``stages``: which of the four kernels to launch; ``G``: the [NC, H, 64, K] fp32 buffer to use
-    (allocated here when None; benchmarks pass one so that single stages can be timed)."""
+    (allocated here when None; benchmarks pass one so that single stages can be timed); ``qk``: which kernel
+    writes qg / kg (default: :func:`qk_stage`)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     configs = tuple(configs) if configs else (None, None, None, None)
+    early = (qk or qk_stage()) == "cumsum"
     if G is None:
         G = g_buffer(NC, H, K, q.device)
     if 0 in stages:
         grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))
-        _run(_g_cumsum, grid, (g, c_start, c_len, G, egl, H), {"K": K}, configs[0])
+        _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": early},
+             configs[0])
     if 1 in stages:
         _run(_g_scores, (NC * 10, H), (q, k, G, beta, c_start, c_len, A, X, scale, H),
              {"K": K, "SPAN": _SPAN}, configs[1])
@@ -278,4 +315,4 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
     if 3 in stages:
         grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
         _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
-             {"K": K, "V": V}, configs[3])
+             {"K": K, "V": V, "QK": not early}, configs[3])
