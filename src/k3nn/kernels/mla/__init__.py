@@ -41,10 +41,12 @@ def _cuda_supports(*args, **kwargs):
     return cuda_decode.supports(*args, **kwargs)
 
 
-def _cuda_decode(*args, **kwargs):
-    from .cuda_decode import mla_decode_cuda  # built on first use
+def _cuda_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
+                 out_dtype=None, out=None):
+    from .cuda_decode import mla_decode_cuda  # compiled on first use
 
-    return mla_decode_cuda(*args, **kwargs)
+    return mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=visible_lens,
+                           num_splits=num_splits, out_dtype=out_dtype, out=out)
 
 
 # Opt-in (K3NN_MLA_CUDA=1) until checked on a GPU: auto tries cuda first, so without the knob it takes triton.
