@@ -137,7 +137,7 @@ def test_cuda_matches_reference(cuda_mla, lens, Tq, H, splits, dtype, explicit_v
 
 
 def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
-    q_lat, q_rope, pool, table, sl = case(5, [130, 64, 1], 2, 16)
+    q_lat, q_rope, pool, table, sl = case(5, [130, 64, 2], 2, 16)  # every length >= Tq (mla_decode checks it)
     from k3nn.kernels.registry import resolve
 
     args = (q_lat, q_rope, pool, table, sl, 0.0722)
