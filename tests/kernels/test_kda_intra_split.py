@@ -109,7 +109,9 @@ def test_full_forward_split_equals_default(monkeypatch):
 
 def test_intra_mode_knob(monkeypatch):
     monkeypatch.delenv("K3NN_KDA_INTRA", raising=False)
-    assert tc.intra_mode() == "split"  # the default (fastest on the H200)
+    assert tc.intra_mode() == "splitg"  # the default (fastest on the H200)
+    monkeypatch.setenv("K3NN_KDA_INTRA", "split")
+    assert tc.intra_mode() == "split"
     monkeypatch.setenv("K3NN_KDA_INTRA", "fused")
     assert tc.intra_mode() == "fused"
     monkeypatch.setenv("K3NN_KDA_INTRA", "both")

@@ -31,11 +31,13 @@ Two kernels per call:
 ``K3NN_KDA_INTRA=split`` replaces step 1 by three launches with more parallelism (score blocks per 16×16 block
 pair, the inverse in place, w/u per feature tile; :mod:`.triton_intra_split`), ``K3NN_KDA_INTRA=rows`` by two
 (one program per 16-row strip whose whole Aqk / Akk row strip is one dot per key tile under the causal
-pre-strip anchor, then inverse + w/u per chunk; :mod:`.triton_intra_rows`): same outputs to fp32 rounding.
-The default is ``split``: on the H200 (B=1 T=8192 H=96, bounded gate, bf16) its intra stage takes 2.73 ms against
-3.05 for ``fused`` and 3.54 for ``rows``, and the whole forward 3.30 ms against 3.62 / 4.11
-(bench/results/logs/h200-s4-run3-2026-11-30.log). The backward's intra recompute follows the same knob
-(:func:`intra_fill`).
+pre-strip anchor, then inverse + w/u per chunk; :mod:`.triton_intra_rows`), ``K3NN_KDA_INTRA=splitg`` by four
+(the chunk-local cumulative decay G computed once, then ``split``'s three stages reading G instead of
+rebuilding it from g; :mod:`.triton_intra_g`): same outputs to fp32 rounding.
+The default is ``splitg``. On the H200 (B=1 T=8192 H=96, bounded gate, bf16) the intra stage takes 2.16 ms
+against 2.73 for ``split``, 3.05 for ``fused`` and 3.54 for ``rows``, and the whole forward 2.72 ms against 3.28 /
+3.62 / 4.11 (bench/results/logs/h200-s4-run3-2026-11-30.log and h200-s4-run6-2026-11-30.log). The backward's
+intra recompute follows the same knob (:func:`intra_fill`).
 
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
@@ -462,13 +464,13 @@ INTRA_MODES = ("fused", "split", "rows", "splitg")
 
 
 def intra_mode() -> str:
-    """``K3NN_KDA_INTRA``: ``fused`` (one ``_kda_intra`` program per chunk and head), ``split`` (the default; three
+    """``K3NN_KDA_INTRA``: ``fused`` (one ``_kda_intra`` program per chunk and head), ``split`` (three
     launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u), ``rows`` (two launches,
     :mod:`.triton_intra_rows`: one program per 16-row strip with whole-strip score dots, then inverse + w/u per
     chunk) or ``splitg`` (four launches, :mod:`.triton_intra_g`: the chunk-local cumulative decay G once, then
-    score blocks, inverse and w/u reading G instead of rebuilding it from g). Same outputs either way (to fp32
-    rounding)."""
-    m = os.environ.get("K3NN_KDA_INTRA", "split").strip().lower() or "split"
+    score blocks, inverse and w/u reading G instead of rebuilding it from g; the default, fastest on the H200).
+    Same outputs either way (to fp32 rounding)."""
+    m = os.environ.get("K3NN_KDA_INTRA", "splitg").strip().lower() or "splitg"
     if m not in INTRA_MODES:
         raise ValueError(f"K3NN_KDA_INTRA must be one of {INTRA_MODES}, got {m!r}")
     return m
@@ -505,7 +507,8 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
 
 def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
     """Intra-chunk quantities of NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl), plus the fp32
-    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` / ``rows`` (default: :func:`intra_mode`).
+    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` / ``rows`` / ``splitg`` (default:
+    :func:`intra_mode`).
     ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a triple of them
     (split / rows: a tuple of them, None entries autotuned) — benchmarks time each variant this way."""
     _, _, H, K = q.shape
