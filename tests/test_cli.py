@@ -38,6 +38,16 @@ def test_info_runs(capsys):
     rc, out, _ = run(capsys, "info")
     assert rc == 0
     assert "kda_chunk" in out and "eager" in out
+    assert "MXFP4 decode GEMV" in out
+
+
+def test_info_names_the_mxfp4_gemv(capsys, monkeypatch):
+    monkeypatch.setenv("K3NN_MOE_GEMV", "triton")
+    _, out, _ = run(capsys, "info")
+    assert "MXFP4 decode GEMV inside the triton MoE backend: triton (K3NN_MOE_GEMV=triton)" in out
+    monkeypatch.setenv("K3NN_MOE_GEMV", "bogus")
+    _, out, _ = run(capsys, "info")
+    assert "K3NN_MOE_GEMV must be one of" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

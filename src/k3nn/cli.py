@@ -56,7 +56,25 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("\nwhy not:")
         for b, r in sorted(reasons):
             print(f"  {b}: {r}")
+    print(f"\nMXFP4 decode GEMV inside the triton MoE backend: {_mx_gemv_line()}")
     return 0
+
+
+def _mx_gemv_line() -> str:
+    """Which MXFP4 expert GEMV the fused MoE takes at decode sizes here (K3NN_MOE_GEMV), and why."""
+    from k3nn.kernels.moe import cuda_mx_gemv as cm
+    from k3nn.kernels.moe import triton_fused as tf
+
+    try:
+        impl = tf.gemv_impl()
+    except ValueError as e:
+        return str(e)
+    if impl == "triton":
+        return "triton (K3NN_MOE_GEMV=triton)"
+    why = cm.available()
+    if why is None and tf._cuda_gemv_possible():
+        return f"cuda, built on first use (K3NN_MOE_GEMV={impl}; up to {tf.CUDA_GEMV_MAX_PAIRS} token-expert pairs)"
+    return f"triton (K3NN_MOE_GEMV={impl}; the CUDA GEMV cannot run here: {why or 'needs sm_89+ for its e4m3 decode'})"
 
 
 # ------------------------------------------------------------------------------------------------ generate
