@@ -37,7 +37,7 @@ STEPS=(
   "e2e-quick|150|$PY -m k3nn.bench.e2e --batches 1,8 --modes eager,triton,triton+graphs,latency_specialized,latency_specialized+kernels --budget-s 120"
   "kda-gpu-tests|240|$PYTEST tests/gpu/test_kda_gpu.py"
   "kda-bwd-gpu-tests|150|$PYTEST -s tests/gpu/test_kda_bwd_gpu.py"
-  "kda-rows-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k rows"
+  "kda-intra-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k splitg"
   "mla-cuda-tests|150|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"
   "mla-cuda-bench|100|$PY bench/gpu/mla_decode.py --cuda-only"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"

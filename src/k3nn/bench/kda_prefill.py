@@ -88,7 +88,7 @@ def _kernel_split(run):
             torch.cuda.synchronize()
         out = {}
         for e in prof.key_averages():
-            if e.key.startswith(("_kda_", "_split_", "_g_", "_rows_")):  # the chunk forward's kernels
+            if e.key.startswith(("_kda_", "_split_", "_g_")):  # the chunk forward's kernels
                 t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
                 out[e.key.strip("_") + "_ms"] = round(t / 5 / 1e3, 4)
         return out

@@ -28,16 +28,18 @@ Two kernels per call:
    tokens from each sequence start *and* at every requested checkpoint position, so a checkpoint is just
    the state at a chunk start, stored by the same kernel (masked store; no second pass).
 
-``K3NN_KDA_INTRA=split`` replaces step 1 by three launches with more parallelism (score blocks per 16×16 block
-pair, the inverse in place, w/u per feature tile; :mod:`.triton_intra_split`), ``K3NN_KDA_INTRA=rows`` by two
-(one program per 16-row strip whose whole Aqk / Akk row strip is one dot per key tile under the causal
-pre-strip anchor, then inverse + w/u per chunk; :mod:`.triton_intra_rows`), ``K3NN_KDA_INTRA=splitg`` by four
-(the chunk-local cumulative decay G computed once, then ``split``'s three stages reading G instead of
-rebuilding it from g; :mod:`.triton_intra_g`): same outputs to fp32 rounding.
-The default is ``splitg``. On the H200 (B=1 T=8192 H=96, bounded gate, bf16) the intra stage takes 2.16 ms
-against 2.73 for ``split``, 3.05 for ``fused`` and 3.54 for ``rows``, and the whole forward 2.72 ms against 3.28 /
-3.62 / 4.11 (bench/results/logs/h200-s4-run3-2026-11-30.log and h200-s4-run6-2026-11-30.log). The backward's
-intra recompute follows the same knob (:func:`intra_fill`).
+``K3NN_KDA_INTRA`` picks how step 1 runs (:func:`intra_fill`; same outputs to fp32 rounding):
+
+* ``splitg`` (the default, :mod:`.triton_intra_g`): four launches — the chunk-local cumulative decay G once (an
+  fp32 temporary the size of g), then score blocks per 16×16 block pair, the inverse in place, and w/u per
+  feature tile, all reading G;
+* ``split`` (:mod:`.triton_intra_split`): the same three stages rebuilding G from g in each (no temporary);
+* ``fused``: the one ``_kda_intra`` program per chunk and head described above.
+
+On the H200 (B=1 T=8192 H=96, bounded gate, bf16) the intra stage takes 2.16 / 2.73 / 3.05 ms and the whole forward
+2.72 / 3.28 / 3.62 ms (bench/results/logs/h200-s4-run3-2026-11-30.log, h200-s4-run6-2026-11-30.log); a
+row-strip design (one program per 16 rows, whole-strip score dots) measured 3.54 ms and was dropped. The
+backward's intra recompute follows the same knob.
 
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
@@ -460,16 +462,12 @@ def supports_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_
     return None
 
 
-INTRA_MODES = ("fused", "split", "rows", "splitg")
+INTRA_MODES = ("fused", "split", "splitg")
 
 
 def intra_mode() -> str:
-    """``K3NN_KDA_INTRA``: ``fused`` (one ``_kda_intra`` program per chunk and head), ``split`` (three
-    launches, :mod:`.triton_intra_split`: score blocks, inverse, w/u), ``rows`` (two launches,
-    :mod:`.triton_intra_rows`: one program per 16-row strip with whole-strip score dots, then inverse + w/u per
-    chunk) or ``splitg`` (four launches, :mod:`.triton_intra_g`: the chunk-local cumulative decay G once, then
-    score blocks, inverse and w/u reading G instead of rebuilding it from g; the default, fastest on the H200).
-    Same outputs either way (to fp32 rounding)."""
+    """``K3NN_KDA_INTRA``: ``splitg`` (the default, fastest on the H200), ``split`` or ``fused``; see the module
+    docstring."""
     m = os.environ.get("K3NN_KDA_INTRA", "splitg").strip().lower() or "splitg"
     if m not in INTRA_MODES:
         raise ValueError(f"K3NN_KDA_INTRA must be one of {INTRA_MODES}, got {m!r}")
@@ -480,7 +478,7 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
     """Run the intra-chunk stage of ``mode`` (default: :func:`intra_mode`) into the given buffers (layouts of
     :func:`_intra_launch`; X: the fp32 [NC, H, 64, 64] scratch, left holding (I + L)⁻¹ in its block-lower part).
     ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a tuple of them, one per
-    kernel (split: three, rows: two, splitg: four; None entries autotuned)."""
+    kernel (split: three, splitg: four; None entries autotuned)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     mode = mode or intra_mode()
@@ -492,10 +490,6 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
         from .triton_intra_g import intra_g_launch
 
         intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
-    elif mode == "rows":
-        from .triton_intra_rows import intra_rows_launch
-
-        intra_rows_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=config)
     else:
         args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H)
         if config is None:
@@ -507,10 +501,10 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
 
 def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
     """Intra-chunk quantities of NC chunks (contiguous inputs); returns (qg, kg, w, u, A, egl), plus the fp32
-    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` / ``rows`` / ``splitg`` (default:
+    X = (I + L)⁻¹ scratch with ``return_x``. ``mode``: ``fused`` / ``split`` / ``splitg`` (default:
     :func:`intra_mode`).
     ``config``: a ``triton.Config`` to run instead of the autotuned choice (fused), or a triple of them
-    (split / rows: a tuple of them, None entries autotuned) — benchmarks time each variant this way."""
+    (split / splitg: a tuple of them, None entries autotuned) — benchmarks time each variant this way."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     dt, dev = q.dtype, q.device
