@@ -40,7 +40,16 @@ import triton
 import triton.language as tl
 
 from .triton_chunk import _SPAN, _interp, _ld, _st, _tune
-from .triton_intra_split import _bst, _ld_rows, _run, _split_solve, _xcol
+from .triton_intra_split import (
+    _block_pair,
+    _bst,
+    _ld_rows,
+    _pairwise_diag,
+    _run,
+    _split_solve,
+    _store_diag,
+    _xcol,
+)
 
 __all__ = ["g_buffer", "g_kernels", "intra_g_launch", "qk_stage"]
 
@@ -127,16 +136,8 @@ def _g_row(Gc, row, rd, mk, K: tl.constexpr):
 @triton.jit
 def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
                      K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
-    pid = tl.program_id(0)
     pid_h = tl.program_id(1)
-    pid_c = pid // 10
-    p = pid % 10
-    # p: 0..3 the diagonal blocks (p, p); 4..6 (j + 1, j); 7..8 (j + 2, j); 9 (3, 0)
-    far2 = (p >= 7).to(tl.int32)
-    far3 = (p >= 9).to(tl.int32)
-    diag = p < 4
-    j = tl.where(diag, p, p - 4 - 3 * far2 - 2 * far3)
-    i = tl.where(diag, p, j + 1 + far2 + far3)
+    pid_c, i, j = _block_pair(tl.program_id(0))
     bos = tl.load(chunk_start + pid_c)
     L = tl.load(chunk_len + pid_c)
     ob = (pid_c * H + pid_h).to(tl.int64)
@@ -165,25 +166,10 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
             dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
             dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
             if tl.max(pre - r, 0) > SPAN:
-                # pairwise exact: e^{G_a − G_b} ≤ 1 for b ≤ a, never overflows
-                for jj in range(16):
-                    sel = r16[:, None] == jj
-                    kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
-                    Gj = tl.sum(tl.where(sel, G_s, 0.0), 0)
-                    e = tl.exp(tl.minimum(G_s - Gj[None, :], 0.0))
-                    hit = r16[None, :] == jj
-                    dA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], dA)
-                    dQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], dQ)
+                dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
             accA += dA
             accQ += dQ
-        strict = r16[:, None] > r16[None, :]
-        causal = r16[:, None] >= r16[None, :]
-        _bst(Lp, ri, i * 16, tl.where(strict, accA * b_i[:, None], 0.0))
-        _bst(Ap, ri, i * 16, tl.where(causal, accQ * scale, 0.0))
-        # the zero blocks right of the diagonal in this row strip
-        r64 = tl.arange(0, 64)
-        tl.store(Ap + ri[:, None] * 64 + r64[None, :], tl.zeros([16, 64], dtype=A_out.dtype.element_ty),
-                 mask=(r64 >= (i + 1) * 16)[None, :] & (ri < 64)[:, None])
+        _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
     else:
         for kb in range(0, K, BK):
             rd = kb + tl.arange(0, BK)

@@ -86,18 +86,53 @@ def _bst(p, rows, co, val):
 
 
 @triton.jit
-def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
-                         K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_c = pid // 10
+def _block_pair(pid):
+    """(chunk, i, j) of a scores program: ten 16×16 block pairs (i ≥ j) per chunk, p = pid % 10 numbering
+    0..3 the diagonal blocks (p, p), 4..6 (j + 1, j), 7..8 (j + 2, j), 9 (3, 0)."""
     p = pid % 10
-    # p: 0..3 the diagonal blocks (p, p); 4..6 (j + 1, j); 7..8 (j + 2, j); 9 (3, 0)
     far2 = (p >= 7).to(tl.int32)
     far3 = (p >= 9).to(tl.int32)
     diag = p < 4
     j = tl.where(diag, p, p - 4 - 3 * far2 - 2 * far3)
     i = tl.where(diag, p, j + 1 + far2 + far3)
+    return pid // 10, i, j
+
+
+@triton.jit
+def _pairwise_diag(q_s, k_s, c, dA, dQ):
+    """Replace a diagonal block's scores by the exact pairwise form, ``e^{c_a − c_b} ≤ 1`` for b ≤ a (c: the
+    strip rows' cumulative decay, any common offset): never overflows, whatever the strip's decay."""
+    r16 = tl.arange(0, 16)
+    for jj in range(16):
+        sel = r16[:, None] == jj
+        kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
+        cj = tl.sum(tl.where(sel, c, 0.0), 0)
+        e = tl.exp(tl.minimum(c - cj[None, :], 0.0))
+        hit = r16[None, :] == jj
+        dA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], dA)
+        dQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], dQ)
+    return dA, dQ
+
+
+@triton.jit
+def _store_diag(Ap, Lp, i, accA, accQ, b_i, scale):
+    """Diagonal block i: L = β ⊙ Akk strictly lower, Aqk (scaled) causal, and the zero blocks right of it."""
+    r16 = tl.arange(0, 16)
+    ri = i * 16 + r16
+    strict = r16[:, None] > r16[None, :]
+    causal = r16[:, None] >= r16[None, :]
+    _bst(Lp, ri, i * 16, tl.where(strict, accA * b_i[:, None], 0.0))
+    _bst(Ap, ri, i * 16, tl.where(causal, accQ * scale, 0.0))
+    r64 = tl.arange(0, 64)
+    tl.store(Ap + ri[:, None] * 64 + r64[None, :], tl.zeros([16, 64], dtype=Ap.dtype.element_ty),
+             mask=(r64 >= (i + 1) * 16)[None, :] & (ri < 64)[:, None])
+
+
+@triton.jit
+def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
+                         K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    pid_h = tl.program_id(1)
+    pid_c, i, j = _block_pair(tl.program_id(0))
     bos = tl.load(chunk_start + pid_c)
     L = tl.load(chunk_len + pid_c)
     ob = (pid_c * H + pid_h).to(tl.int64)
@@ -125,25 +160,10 @@ def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, sc
             dA = tl.dot(ka * ed, tl.trans(kbb))
             dQ = tl.dot(qa * ed, tl.trans(kbb))
             if tl.max(-s, 0) > SPAN:
-                # pairwise exact: e^{c_a − c_b} ≤ 1 for b ≤ a, never overflows
-                for jj in range(16):
-                    sel = r16[:, None] == jj
-                    kj = tl.sum(tl.where(sel, k_s, 0.0), 0)
-                    cj = tl.sum(tl.where(sel, c, 0.0), 0)
-                    e = tl.exp(tl.minimum(c - cj[None, :], 0.0))
-                    hit = r16[None, :] == jj
-                    dA = tl.where(hit, tl.sum(k_s * kj[None, :] * e, 1)[:, None], dA)
-                    dQ = tl.where(hit, tl.sum(q_s * kj[None, :] * e, 1)[:, None], dQ)
+                dA, dQ = _pairwise_diag(q_s, k_s, c, dA, dQ)
             accA += dA
             accQ += dQ
-        strict = r16[:, None] > r16[None, :]
-        causal = r16[:, None] >= r16[None, :]
-        _bst(Lp, ri, i * 16, tl.where(strict, accA * b_i[:, None], 0.0))
-        _bst(Ap, ri, i * 16, tl.where(causal, accQ * scale, 0.0))
-        # the zero blocks right of the diagonal in this row strip
-        r64 = tl.arange(0, 64)
-        tl.store(Ap + ri[:, None] * 64 + r64[None, :], tl.zeros([16, 64], dtype=A_out.dtype.element_ty),
-                 mask=(r64 >= (i + 1) * 16)[None, :] & (ri < 64)[:, None])
+        _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
     else:
         for kb in range(0, K, BK):
             g_i = _ld_rows(g, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
