@@ -18,13 +18,26 @@ tile loads while this one is used; rows past the slice are zero-filled, never re
   accumulators in registers), all warps read P from shared memory; the value is the first 512 columns of the
   same key tile.
 
+A second instantiation of stage 1 takes 64 query rows per CTA (grid ``[ceil(Tq·H / 64), splits, B]``, 256
+threads = 8 warps), so at H = 64 each key tile is read once per split instead of four times. Warp ``w`` owns
+the 16-row slab ``w % 4`` and output columns ``256·(w / 4)`` … (16 × 256 fp32 accumulators, 128 registers).
+The two warps of a slab each compute the 32-key score tile over half of the 576-deep dot, swap the partial
+fragments through shared memory (a 64-thread named barrier) and add them, so both hold the whole score tile in
+registers; each runs the (identical) online softmax for its two fragment rows and feeds P from the score
+registers straight into the A fragments of ``P·V`` (no P tile in shared memory). Key tiles: 32 tokens, two
+``cp.async`` buffers, one block barrier per tile; shared memory 166 KB (one CTA per SM, 229 registers, no
+spills on sm_90). Select it with ``rows=64`` or ``K3NN_MLA_CUDA_ROWS=64`` (:func:`rows_choice`); the default
+stays 16 rows (:data:`DEFAULT_ROWS`) until the 64-row kernel has been checked and timed on the H200
+(``tests/gpu/test_mla_gpu.py``, ``bench/gpu/mla_decode.py --cuda-only``). Its split heuristic aims at one wave
+of one CTA per SM.
+
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B]``, merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
 A row that sees no key ends with o = 0 and lse = −inf.
 
-The split count depends only on ``B``, ``Tq·H``, the block table's width and the device (about one wave of
-CTAs, two per SM), never on lengths read from the device, and the launches allocate only through
-``torch.empty``: calls can be captured in a CUDA graph.
+The split count depends only on ``B``, ``Tq·H``, the block table's width, the variant and the device (about
+one wave of CTAs: two per SM with 16 rows, one with 64), never on lengths read from the device, and the
+launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
 Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+. The registry keeps it opt-in
 (``K3NN_MLA_CUDA=1``, see :func:`enabled`) until it has been checked against the reference on a GPU
@@ -45,15 +58,20 @@ import torch
 
 __all__ = [
     "BLOCK_N",
+    "DEFAULT_ROWS",
     "MAX_SPLITS",
     "ROWS",
+    "ROWS_ENV",
+    "ROWS_VARIANTS",
     "SMEM_BYTES",
+    "SMEM_BYTES_BY_ROWS",
     "available",
     "build",
     "default_num_splits",
     "enabled",
     "kernel_source",
     "mla_decode_cuda",
+    "rows_choice",
     "supports",
 ]
 
@@ -64,6 +82,15 @@ _QLD = R + DR + 8  # shared-memory row stride (elements) of the Q and KV tiles
 _SLD, _PLD = BLOCK_N + 4, BLOCK_N + 8
 #: dynamic shared memory per CTA (mirrors the offsets in the CUDA source)
 SMEM_BYTES = ROWS * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 4 * ROWS * _SLD * 4 + ROWS * _PLD * 2 + 3 * ROWS * 4
+#: the 64-row variant: Q [64, 576], two key tiles, one float4 per lane and n8 score tile for 8 warps, row limits
+SMEM_BYTES_64 = 64 * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 8 * (BLOCK_N // 8) * 32 * 16 + 64 * 4
+SMEM_BYTES_BY_ROWS = {16: SMEM_BYTES, 64: SMEM_BYTES_64}
+ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
+#: rows per CTA when neither ``rows=`` nor the environment says otherwise; stays 16 until the 64-row
+#: variant has been timed on the H200 (``bench/gpu/mla_decode.py --cuda-only``)
+DEFAULT_ROWS = 16
+ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
+_CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -379,6 +406,258 @@ __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
   }
 }
 
+// ---- 64-row variant: 8 warps; warp w owns the 16-row slab w % 4 and output columns 256·(w / 4) … ----
+// The two warps of a slab each take half of the 576-deep score dot over all 32 keys of the tile, swap their
+// partial fragments through shared memory (pair barrier) and then both hold the whole score tile in
+// registers: the softmax runs twice (bitwise the same: fp32 addition commutes) and P goes from the score
+// accumulators straight into the A fragments of P·V, never through shared memory.
+constexpr int ROWS64 = 64, NWARP64 = 8, NT64 = 32 * NWARP64;
+constexpr int KW64 = D / 2;  // score depth per warp (288)
+constexpr int CW64 = R / 2;  // output columns per warp (256)
+constexpr int Q_BYTES64 = ROWS64 * QLD * 2;
+constexpr int KV_BYTES64 = 2 * BN * QLD * 2;
+constexpr int SX_BYTES64 = NWARP64 * (BN / 8) * 32 * 16;  // one float4 per lane and n8 score tile
+constexpr int SMEM_BYTES64 = Q_BYTES64 + KV_BYTES64 + SX_BYTES64 + ROWS64 * 4;
+static_assert(BN * 8 == NT64 && CHUNKS % 8 == 0, "one thread per eighth cache row in the tile loader");
+static_assert(KW64 % 16 == 0 && CW64 % 16 == 0 && BN % 16 == 0, "tile shape");
+
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
+
+// Stage 1, 64-row variant: one CTA = 64 query rows of request blockIdx.z × key split blockIdx.y.
+template <typename T, typename TO>
+__global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* kvs = reinterpret_cast<uint16_t*>(smem + Q_BYTES64);
+  float4* sx = reinterpret_cast<float4*>(smem + Q_BYTES64 + KV_BYTES64);
+  int* lim_s = reinterpret_cast<int*>(smem + Q_BYTES64 + KV_BYTES64 + SX_BYTES64);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int slab = warp & 3, half = warp >> 2;  // rows 16·slab …, output columns 256·half …
+  const int g = lane >> 2, tq = lane & 3;       // mma fragment row group / column pair
+  const int m0 = blockIdx.x * ROWS64, split = blockIdx.y, b = blockIdx.z;
+  const int seq = p.seq[b];
+
+  if (tid < ROWS64) {
+    const int m = m0 + tid;
+    int lim = 0;
+    if (m < p.M) {
+      const int t = m / p.H;
+      lim = p.vis ? p.vis[(long long)b * p.s_visb + t] : seq - p.Tq + 1 + t;
+      lim = max(0, min(lim, seq));
+    }
+    lim_s[tid] = lim;
+  }
+  __syncthreads();
+
+  int maxlim = 0;
+#pragma unroll 8
+  for (int r = 0; r < ROWS64; ++r) maxlim = max(maxlim, lim_s[r]);
+  const int per = (seq + p.splits - 1) / p.splits;
+  const int chunk = (per + BN - 1) / BN * BN;
+  const long long start_ll = (long long)split * chunk;
+  const int start = (int)min(start_ll, (long long)seq);
+  const int end = min(start + chunk, min(seq, maxlim));
+  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+
+  // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 8, ...); rows past `end` zero-filled.
+  const int ld_row = tid >> 3, ld_sub = tid & 7;
+  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+  const int* bt_row = p.bt + (long long)b * p.s_btb;
+  auto issue = [&](int tile, int buf) {
+    const int pos = start + tile * BN + ld_row;
+    const uint16_t* src = kv;  // valid address even when nothing is read
+    int bytes = 0;
+    if (pos < end) {
+      const int blk = bt_row[pos / p.page];
+      src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr;
+      bytes = 16;
+    }
+    const uint32_t dst = smem_u32(kvs + (buf * BN + ld_row) * QLD) + ld_sub * 16;
+    src += ld_sub * 8;
+#pragma unroll
+    for (int i = 0; i < CHUNKS / 8; ++i) cp_async16(dst + i * 128, src + i * 64, bytes);
+  };
+  if (ntiles > 0) issue(0, 0);  // the first key tile loads while the Q tile is read
+  cp_async_commit();
+
+  {  // Q tile [64, 576] = [q_lat | q_rope], zero rows past M; 16-byte loads when every row is 16-byte aligned
+    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
+    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
+    const bool vec = ((reinterpret_cast<uintptr_t>(ql) | reinterpret_cast<uintptr_t>(qr)) & 15) == 0 &&
+                     ((p.s_qlb | p.s_qlt | p.s_qlh | p.s_qrb | p.s_qrt | p.s_qrh) & 7) == 0;
+    if (vec) {
+      for (int i = tid; i < ROWS64 * CHUNKS; i += NT64) {
+        const int r = i / CHUNKS, c = (i - r * CHUNKS) * 8, m = m0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m < p.M) {
+          const int t = m / p.H, h = m - t * p.H;
+          const uint16_t* src = c < R ? ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + c
+                                      : qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + (c - R);
+          v = *reinterpret_cast<const uint4*>(src);
+        }
+        *reinterpret_cast<uint4*>(qs + r * QLD + c) = v;
+      }
+    } else {
+      for (int i = tid; i < ROWS64 * D; i += NT64) {
+        const int r = i / D, c = i - r * D, m = m0 + r;
+        uint16_t v = 0;
+        if (m < p.M) {
+          const int t = m / p.H, h = m - t * p.H;
+          v = c < R ? ql[b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + c]
+                    : qr[b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + (c - R)];
+        }
+        qs[r * QLD + c] = v;
+      }
+    }
+  }
+
+  const int r_lo = slab * 16 + g, r_hi = r_lo + 8;  // this thread's two rows (fragment rows g, g + 8)
+  const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
+  float acc[CW64 / 8][4];
+#pragma unroll
+  for (int j = 0; j < CW64 / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // running max (base 2), partial row sums
+  const uint32_t q_addr = smem_u32(qs + (slab * 16 + (lane & 15)) * QLD + half * KW64 + (lane >> 4) * 8);
+  float4* sx_mine = sx + warp * (BN / 8) * 32 + lane;
+  const float4* sx_pair = sx + (warp ^ 4) * (BN / 8) * 32 + lane;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int buf = it & 1;
+    cp_async_wait0();
+    __syncthreads();  // tile `it` (and the Q tile) visible; every warp is done with tile it - 1 and its buffer
+    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
+    cp_async_commit();
+    const uint16_t* kt = kvs + buf * BN * QLD;
+
+    // partial scores S[16, 32] over this warp's 288 columns of the dot
+    float s[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const uint32_t k_addr = smem_u32(kt + ((lane & 7) + ((lane >> 4) << 3)) * QLD + half * KW64 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+    for (int ks = 0; ks < KW64 / 16; ++ks) {
+      uint32_t a[4];
+      ldsm_x4(a, q_addr + ks * 32);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bb[4];
+        ldsm_x4(bb, k_addr + (np * 16 * QLD + ks * 16) * 2);
+        Ty<T>::mma(s[2 * np], a, bb[0], bb[1]);
+        Ty<T>::mma(s[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    // swap partials with the other warp of the slab (same lane, same fragment layout) and add
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) sx_mine[j * 32] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+    pair_sync(1 + slab);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const float4 o = sx_pair[j * 32];
+      s[j][0] += o.x; s[j][1] += o.y; s[j][2] += o.z; s[j][3] += o.w;
+    }
+
+    // online softmax (base 2) of rows r_lo / r_hi; keys n0 + 8 j + e; the 4 lanes of a row group share a row
+    const int n0 = start + it * BN + 2 * tq;
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = n0 + j * 8 + e;
+        s[j][e] = n < lim_lo ? s[j][e] * p.scale_log2 : -INFINITY;
+        s[j][2 + e] = n < lim_hi ? s[j][2 + e] * p.scale_log2 : -INFINITY;
+        mx_lo = fmaxf(mx_lo, s[j][e]);
+        mx_hi = fmaxf(mx_hi, s[j][2 + e]);
+      }
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: m starts at -1e30
+    const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    float ps_lo = 0.f, ps_hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[j][e] = exp2f(s[j][e] - mn_lo);  // 0 for masked keys
+        s[j][2 + e] = exp2f(s[j][2 + e] - mn_hi);
+        ps_lo += s[j][e];
+        ps_hi += s[j][2 + e];
+      }
+    }
+    l_lo = l_lo * al_lo + ps_lo;
+    l_hi = l_hi * al_hi + ps_hi;
+
+    // O[16 rows, this warp's 256 columns] = alpha · O + P · V; the m16n8 score fragments of keys 16 ks … are
+    // the m16k16 A fragment of P (rounded to the input dtype)
+#pragma unroll
+    for (int j = 0; j < CW64 / 8; ++j) {
+      acc[j][0] *= al_lo; acc[j][1] *= al_lo; acc[j][2] *= al_hi; acc[j][3] *= al_hi;
+    }
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      const uint32_t a[4] = {Ty<T>::pack(s[2 * ks][0], s[2 * ks][1]), Ty<T>::pack(s[2 * ks][2], s[2 * ks][3]),
+                             Ty<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                             Ty<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+      const uint32_t v_addr = smem_u32(kt + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + half * CW64
+                                       + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < CW64 / 16; ++np) {
+        uint32_t bb[4];
+        ldsm_x4_t(bb, v_addr + np * 32);
+        Ty<T>::mma(acc[2 * np], a, bb[0], bb[1]);
+        Ty<T>::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+  }
+
+  // row totals over the 4 lanes of a row group, lse, 1 / l
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  const bool final_ = p.splits == 1;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = hh ? r_hi : r_lo, m = m0 + r;
+    if (m >= p.M) continue;
+    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (half == 0 && tq == 0) {
+      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+      if (final_) {
+        const int t = m / p.H, h = m - t * p.H;
+        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+      } else {
+        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+      }
+    }
+    if (final_) {
+      const int t = m / p.H, h = m - t * p.H;
+      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
+#pragma unroll
+      for (int j = 0; j < CW64 / 8; ++j) {
+        const int col = half * CW64 + j * 8 + 2 * tq;
+        store_out(orow + col, acc[j][2 * hh] * inv);
+        store_out(orow + col + 1, acc[j][2 * hh + 1] * inv);
+      }
+    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
+      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
+#pragma unroll
+      for (int j = 0; j < CW64 / 8; ++j) {
+        const int col = half * CW64 + j * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(prow + col) = make_float2(acc[j][2 * hh] * inv, acc[j][2 * hh + 1] * inv);
+      }
+    }
+  }
+}
+
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y; 4 columns per thread.
 template <typename TO>
 __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaParams p) {
@@ -406,32 +685,47 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaParams p) {
   if (tid == 0) p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
 }
 
-template <typename T, typename TO>
-cudaError_t launch_t(const MlaParams& p, cudaStream_t stream) {
-  auto kern = mla_split_kernel<T, TO>;
-  static bool raised[64] = {};  // opt-in shared memory limit, once per device
+template <typename K>
+cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in shared memory limit, once per device
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64 || !raised[dev]) {
-    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) raised[dev] = true;
   }
-  const dim3 grid((p.M + ROWS - 1) / ROWS, p.splits, p.B);
-  kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
+  return cudaSuccess;
+}
+
+template <typename T, typename TO>
+cudaError_t launch_t(const MlaParams& p, int rows, cudaStream_t stream) {
+  static bool raised16[64] = {}, raised64[64] = {};
+  cudaError_t err;
+  if (rows == ROWS64) {
+    auto kern = mla_split64_kernel<T, TO>;
+    err = raise_smem(kern, SMEM_BYTES64, raised64);
+    if (err != cudaSuccess) return err;
+    kern<<<dim3((p.M + ROWS64 - 1) / ROWS64, p.splits, p.B), NT64, SMEM_BYTES64, stream>>>(p);
+  } else {
+    auto kern = mla_split_kernel<T, TO>;
+    err = raise_smem(kern, SMEM_BYTES, raised16);
+    if (err != cudaSuccess) return err;
+    kern<<<dim3((p.M + ROWS - 1) / ROWS, p.splits, p.B), NT, SMEM_BYTES, stream>>>(p);
+  }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   mla_combine_kernel<TO><<<dim3(p.M, p.B), 128, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32)
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, cudaStream_t stream) {
-  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, stream);
-  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, stream);
-  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, stream);
-  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, stream);
+// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, cudaStream_t stream) {
+  if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
+  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, stream);
+  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, stream);
+  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, stream);
+  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, stream);
   return cudaErrorNotSupported;
 }
 }  // namespace k3mla
@@ -444,17 +738,18 @@ _CPP_SOURCE = r"""
 #include <cuda_runtime_api.h>
 namespace k3mla {
 __PARAMS__
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, cudaStream_t stream);
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, cudaStream_t stream);
 }
 
 void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt,
                        torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse,
                        std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part,
-                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt) {
+                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows) {
   TORCH_CHECK(q_lat.is_cuda() && q_lat.stride(3) == 1 && q_rope.stride(3) == 1 && kv.stride(2) == 1,
               "mla_decode_launch: inputs must be CUDA tensors with a contiguous last dim");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && seq.scalar_type() == torch::kInt, "mla_decode_launch: int32 indices");
   TORCH_CHECK(lse.scalar_type() == torch::kFloat, "mla_decode_launch: lse must be fp32");
+  TORCH_CHECK(rows == 16 || rows == 64, "mla_decode_launch: rows must be 16 or 64, got ", rows);
   const c10::cuda::CUDAGuard guard(q_lat.device());
   k3mla::MlaParams p;
   p.q_lat = q_lat.data_ptr();
@@ -489,7 +784,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
-  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt,
+  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
 }
@@ -498,7 +793,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
 _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt, "
          "torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse, "
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
-         "int64_t splits, int64_t in_dt, int64_t out_dt);")
+         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows);")
 
 CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
@@ -554,6 +849,26 @@ def build():
     return mod
 
 
+def rows_choice(rows: int | None = None) -> int:
+    """Query rows per stage-1 CTA: ``rows`` when given, else ``K3NN_MLA_CUDA_ROWS`` (read per call; unset or
+    empty: :data:`DEFAULT_ROWS`). Raises ``ValueError`` for anything but 16 or 64."""
+    if rows is not None:
+        if rows not in ROWS_VARIANTS:
+            raise ValueError(f"mla_decode_cuda: rows must be 16 or 64, got {rows!r}")
+        return int(rows)
+    env = os.environ.get(ROWS_ENV, "").strip()
+    if not env:
+        return DEFAULT_ROWS
+    try:
+        value = int(env)
+    except ValueError:
+        value = None
+    if value not in ROWS_VARIANTS:
+        raise ValueError(f"{ROWS_ENV} must be 16 or 64 (query rows per CTA of the CUDA MLA decode kernel), "
+                         f"got {env!r}")
+    return value
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -564,20 +879,25 @@ def _smem_limit(dev: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
 
-def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int = 2) -> int:
-    """Splits per request: about one wave of stage-1 CTAs (``ctas_per_sm`` resident per SM), at least four
-    32-key tiles per split of the longest possible request (``max_tokens``: the block table's width in tokens),
-    at most :data:`MAX_SPLITS`. Depends on shapes only (graph-safe)."""
-    per = B * math.ceil(M / ROWS)
+def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int | None = None,
+                       rows: int = ROWS) -> int:
+    """Splits per request for the ``rows``-row variant: about one wave of stage-1 CTAs (``ctas_per_sm``
+    resident per SM; default 2 for 16 rows, 1 for 64), at least four 32-key tiles per split of the longest
+    possible request (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`.
+    Depends on shapes only (graph-safe)."""
+    if ctas_per_sm is None:
+        ctas_per_sm = _CTAS_PER_SM[rows]
+    per = B * math.ceil(M / rows)
     by_wave = (ctas_per_sm * sm_count) // per
     by_len = math.ceil(max(1, max_tokens) / (4 * BLOCK_N))
     return max(1, min(MAX_SPLITS, by_wave, by_len))
 
 
 def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_lens=None, num_splits=None,
-             out_dtype=None, out=None) -> str | None:
+             out_dtype=None, out=None, rows=None) -> str | None:
     """None when :func:`mla_decode_cuda` takes this call, else the reason (inputs already checked by
-    ``check_mla_decode_inputs``)."""
+    ``check_mla_decode_inputs``; ``rows`` as in :func:`rows_choice`, whose error is the reason when the
+    environment asks for something else than 16 or 64)."""
     if not isinstance(q_lat, torch.Tensor) or q_lat.device.type != "cuda":
         return "inputs are not CUDA tensors"
     if q_lat.dtype not in _IN_CODES:
@@ -597,16 +917,23 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
         return f"batch {q_lat.shape[0]} > 65535 (grid z)"
     if block_table.shape[1] * kv_pool.shape[1] >= 2 ** 31:
         return "block table covers more than 2^31 tokens"
+    try:
+        nrows = rows_choice(rows)
+    except ValueError as e:
+        return str(e)
     lim = _smem_limit(q_lat.device)
-    if SMEM_BYTES > lim:
-        return f"needs {SMEM_BYTES} bytes of shared memory per CTA (limit {lim})"
+    need = SMEM_BYTES_BY_ROWS[nrows]
+    if need > lim:
+        return f"the {nrows}-row kernel needs {need} bytes of shared memory per CTA (limit {lim})"
     return None
 
 
 def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
-                    out_dtype=None, out=None):
+                    out_dtype=None, out=None, rows=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
-    :func:`supports`). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
+    :func:`supports`). ``rows``: 16 or 64 query rows per stage-1 CTA (None: ``K3NN_MLA_CUDA_ROWS``, else
+    :data:`DEFAULT_ROWS`). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
+    nrows = rows_choice(rows)
     B, Tq, H, r = q_lat.shape
     M = Tq * H
     dev = q_lat.device
@@ -622,12 +949,12 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
     else:
         o, lse = out
     S = int(num_splits) if num_splits else default_num_splits(B, M, bt.shape[1] * kv_pool.shape[1],
-                                                               _sm_count(dev.index or 0))
+                                                               _sm_count(dev.index or 0), rows=nrows)
     S = max(1, min(MAX_SPLITS, S))
     o_part = lse_part = None
     if S > 1:
         o_part = torch.empty(B, M, S, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
-                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype])
+                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows)
     return o, lse
