@@ -1,0 +1,52 @@
+"""Triton kernels compiled ahead of time for sm_90 (Hopper) on a machine without a GPU: the installed Triton's
+front end and ptxas run as they would on the H200, so compile errors the CPU interpreter cannot see (types of
+loop-carried values, helpers returning tuples, constexpr misuse, shared-memory limits) fail here, before a GPU
+run. The installed Triton may be newer than the GPU's (3.9 here, 3.6 there): some version-specific rules, like
+3.6 typing a subnormal float literal as fp64, need test_triton_literals.py. Each compile runs in a fresh process
+without TRITON_INTERPRET (the test session imports the kernels interpreted)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a few seconds per kernel (ptxas)
+
+_SCRIPT = textwrap.dedent('''
+    import sys, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import importlib
+    module, name, types, constexprs, default, warps, stages = eval(sys.argv[1])
+    fn = getattr(importlib.import_module(module), name)
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn  # autotuner / heuristics wrappers
+    sig = {a: "constexpr" if a in constexprs else types.get(a, default) for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    assert "cubin" in k.asm
+''')
+
+
+def _compile(module, name, types, constexprs, default="i32", warps=4, stages=1):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    spec = repr((module, name, types, constexprs, default, warps, stages))
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, spec], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("module,name", [("k3nn.kernels.kda.triton_intra_g", "_g_scores_kernel"),
+                                         ("k3nn.kernels.kda.triton_intra_split", "_split_scores_kernel")])
+def test_kda_intra_scores_compile(module, name):
+    _compile(module, name, {"q": "*bf16", "k": "*bf16", "beta": "*bf16", "chunk_start": "*i32",
+                            "chunk_len": "*i32", "G": "*fp32", "g": "*fp32", "A_out": "*fp32", "L_out": "*fp32",
+                            "scale": "fp32"}, {"K": 128, "BK": 32, "SPAN": 80.0}, warps=2, stages=2)
+
+
+@pytest.mark.parametrize("SUM", [True, False])
+def test_mla_merge_compiles(SUM):
+    _compile("k3nn.kernels.mla.merge", "_lse_merge_kernel",
+             {"lse_ptr": "*fp32", "o_ptr": "*fp32", "out_ptr": "*fp32", "lse_out_ptr": "*fp32"},
+             {"SUM": SUM, "BLOCK_S": 2, "BLOCK_M": 16, "BLOCK_R": 128})
