@@ -1,5 +1,6 @@
 """CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability and opt-in reasons, supports()
-reasons, the registry keeping auto on Triton/eager, the split heuristic and the generated source. The kernel
+reasons, the 16 / 64-row choice (K3NN_MLA_CUDA_ROWS), the registry keeping auto on Triton/eager, the split
+heuristics and the generated source (both stage-1 variants; the slow test compiles it with nvcc). The kernel
 itself runs in tests/gpu/test_mla_gpu.py."""
 
 import re
@@ -76,8 +77,40 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     q_lat, q_rope, _, table, sl = _inputs()
     padded = torch.randn(6, 64, 580).bfloat16()[..., :576]  # row stride 580: not 16-byte aligned
     assert "16-byte" in cd.supports(q_lat, q_rope, padded, table, sl, 0.07)
+    assert cd.supports(*_inputs(), 0.07, rows=64) is None
+    Props.shared_memory_per_block_optin = 150 * 1024  # enough for 16 rows (102 KB), not for 64 (162 KB)
+    assert cd.supports(*_inputs(), 0.07) is None
+    assert "64-row" in cd.supports(*_inputs(), 0.07, rows=64)
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
+    assert "64-row" in cd.supports(*_inputs(), 0.07)
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "32")
+    assert "K3NN_MLA_CUDA_ROWS" in cd.supports(*_inputs(), 0.07)
+    monkeypatch.delenv("K3NN_MLA_CUDA_ROWS")
     Props.shared_memory_per_block_optin = 48 * 1024
     assert "shared memory" in cd.supports(*_inputs(), 0.07)
+
+
+@pytest.mark.parametrize("value,rows", [(None, 16), ("", 16), ("16", 16), (" 64 ", 64)])
+def test_rows_knob(monkeypatch, value, rows):
+    if value is None:
+        monkeypatch.delenv("K3NN_MLA_CUDA_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", value)
+    assert cd.rows_choice() == rows
+    assert cd.rows_choice(64) == 64 and cd.rows_choice(16) == 16  # an explicit rows= wins
+    assert cd.DEFAULT_ROWS == 16  # until the 64-row kernel has been timed on the H200
+
+
+@pytest.mark.parametrize("value", ["32", "abc", "0", "64x"])
+def test_rows_knob_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", value)
+    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_ROWS must be 16 or 64"):
+        cd.rows_choice()
+    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_ROWS"):  # before any device work
+        cd.mla_decode_cuda(*_inputs(), 0.07)
+    monkeypatch.delenv("K3NN_MLA_CUDA_ROWS")
+    with pytest.raises(ValueError, match="rows must be 16 or 64"):
+        cd.mla_decode_cuda(*_inputs(), 0.07, rows=32)
 
 
 def test_default_splits():
@@ -87,6 +120,12 @@ def test_default_splits():
     assert cd.default_num_splits(1, 64, 256, 132) == 2  # short table: at least 4 tiles per split
     assert cd.default_num_splits(1, 1, 10 ** 6, 132) == cd.MAX_SPLITS
     assert cd.default_num_splits(500, 96, 4096, 132) == 1
+    # 64 rows, one CTA per SM: B=64 H=64 is 64 CTAs per split, so two splits fill the 132 SMs
+    assert cd.default_num_splits(64, 64, 8192, 132, rows=64) == 2
+    assert cd.default_num_splits(64, 96, 8192, 132, rows=64) == 1
+    assert cd.default_num_splits(1, 64, 32768, 132, rows=64) == 132
+    assert cd.default_num_splits(1, 64, 256, 132, rows=64) == 2
+    assert cd.default_num_splits(1, 64, 32768, 132, 2, rows=64) == 256  # ctas_per_sm still overrides
 
 
 def _braces_balanced(src: str) -> bool:
@@ -100,7 +139,9 @@ def _braces_balanced(src: str) -> bool:
 
 def test_generated_source_has_the_entry_points():
     cu = cd.kernel_source()
-    for name in ("mla_split_kernel", "mla_combine_kernel", "mla_decode_dispatch(", "struct MlaParams",
+    for name in ("mla_split_kernel", "mla_split64_kernel", "mla_combine_kernel", "mla_decode_dispatch(",
+                 "struct MlaParams", "launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, stream)",
+                 "if (rows == ROWS64)", "bar.sync %0, 64", "SMEM_BYTES64 = Q_BYTES64",
                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
                  "SMEM_BYTES = Q_BYTES"):
@@ -111,15 +152,20 @@ def test_generated_source_has_the_entry_points():
     # the Python mirror of the shared-memory size matches the CUDA constants
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+)", cu))
     assert int(consts["ROWS"]) == cd.ROWS and "BN = 32" in cu and cd.BLOCK_N == 32
+    assert int(consts["ROWS64"]) == 64 and "NWARP64 = 8" in cu and cd.ROWS_VARIANTS == (16, 64)
     assert cd.SMEM_BYTES < 114 * 1024  # two CTAs per SM on sm_90 (227 KB)
+    assert cd.SMEM_BYTES_BY_ROWS[64] <= 227 * 1024  # one 64-row CTA per SM
+    assert "int64_t rows" in cd._DECL and "(int)rows" in cd._CPP_SOURCE
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_source_compiles_for_sm90(tmp_path):
-    """The torch-free .cu through nvcc (no GPU needed): no errors, no register spills."""
+    """The torch-free .cu through nvcc (no GPU needed): both stage-1 variants, no errors, no register spills,
+    shared-memory sizes equal to the Python mirrors."""
     cu = tmp_path / "mla.cu"
-    cu.write_text(cd.kernel_source())
+    cu.write_text(cd.kernel_source() + f"static_assert(k3mla::SMEM_BYTES == {cd.SMEM_BYTES}, \"16-row smem\");\n"
+                  f"static_assert(k3mla::SMEM_BYTES64 == {cd.SMEM_BYTES_BY_ROWS[64]}, \"64-row smem\");\n")
     r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
                         str(tmp_path / "mla.o"), str(cu)], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -127,3 +173,6 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
     assert not spills, spills
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
     assert regs and max(regs) <= 255
+    entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
+    assert sum("mla_split_kernel" in e for e in entries) == 4, entries  # {bf16, fp16} x {input dtype, fp32} out
+    assert sum("mla_split64_kernel" in e for e in entries) == 4, entries
