@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 
 import torch
+
+from ..cuda_ext import toolchain_reason
 
 __all__ = ["available", "supports", "kda_fused_decode_cuda", "CUDA_SOURCE"]
 
@@ -193,12 +194,9 @@ _DECL = ("torch::Tensor kda_fused_decode_cuda(torch::Tensor qkv, torch::Tensor f
 
 @functools.lru_cache(maxsize=1)
 def available() -> str | None:
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
-        return "nvcc / CUDA toolkit not found (CUDA_HOME unset and no nvcc on PATH)"
+    why = toolchain_reason()
+    if why:
+        return why
     if os.environ.get("K3NN_KDA_CUDA", "0") in ("", "0"):
         return "opt-in: set K3NN_KDA_CUDA=1 (matches the reference on the H200 but is slower than the Triton kernel there)"
     return None

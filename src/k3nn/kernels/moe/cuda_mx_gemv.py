@@ -44,13 +44,13 @@ import functools
 import hashlib
 import inspect
 import os
-import shutil
 import time
 from typing import NamedTuple
 
 import torch
 
 from ...quant.mxfp4 import MXFP4Weight
+from ..cuda_ext import toolchain_reason
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
            "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
@@ -603,15 +603,7 @@ def _check_config(cfg: CudaGemvConfig) -> None:
 @functools.lru_cache(maxsize=1)
 def available() -> str | None:
     """None when the CUDA GEMV can be built and run here, else the reason."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
-        return "nvcc / CUDA toolkit not found (CUDA_HOME unset and no nvcc on PATH)"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return f"needs sm_80+ (mma.sync m16n8k16), got sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    return None
+    return toolchain_reason((8, 0), "mma.sync m16n8k16")
 
 
 #: seconds the last :func:`build` spent compiling (0 when the module was already loaded)
