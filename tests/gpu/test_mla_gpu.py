@@ -1,4 +1,5 @@
-"""MLA decode on the GPU: Triton bf16 at K3 dims vs the eager reference, CUDA-graph capture, DCP over NCCL."""
+"""MLA decode on the GPU: Triton bf16 at K3 dims vs the eager reference, CUDA-graph capture, DCP over NCCL; the
+CUDA kernel (opt-in) in both stage-1 variants (16 and 64 query rows per CTA)."""
 
 import os
 import subprocess
@@ -96,13 +97,16 @@ def _poisoned(q_lat, dtype):
             torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
 
 
-@pytest.fixture
-def cuda_mla(monkeypatch):
+@pytest.fixture(params=[16, 64], ids=["rows16", "rows64"])
+def cuda_mla(monkeypatch, request):
+    """The CUDA kernel, opted in, with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS)."""
     from k3nn.kernels.mla import cuda_decode
 
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", str(request.param))
     assert cuda_decode.enabled() is None
     assert cuda_decode.available() is None, cuda_decode.available()
+    assert cuda_decode.rows_choice() == request.param
     return cuda_decode
 
 
@@ -148,6 +152,27 @@ def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
     torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
     print(f"mla cuda build/load {cuda_mla.last_build_seconds:.1f} s")
+
+
+def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
+    """rows= overrides K3NN_MLA_CUDA_ROWS; the two variants give the same result up to accumulation order
+    (H=96: the 64-row grid has a half-empty last CTA; Tq=2: rows of two positions share a CTA)."""
+    from k3nn.kernels.mla import cuda_decode
+
+    assert cuda_decode.available() is None, cuda_decode.available()
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
+    q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
+    outs = {}
+    for rows in (16, 64):
+        for splits in (None, 1, 6):
+            out = _poisoned(q_lat, torch.float32)
+            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, rows=rows)
+            outs[rows, splits] = out
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+    for (rows, splits), (o, lse) in outs.items():
+        torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2, msg=lambda m, r=rows, s=splits: f"rows={r} S={s}: {m}")
+        torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
+        torch.testing.assert_close(o, outs[16, splits][0], atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 7])
