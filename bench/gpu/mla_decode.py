@@ -12,7 +12,8 @@ caches rotate over enough copies to exceed L2.
     PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only]
 
 The CUDA kernel (``k3nn.kernels.mla.cuda_decode``) runs after the sweep at B=64 L=8K H=64/96 and B=1 L=32K
-H=64 next to the default Triton plan, with its nvcc build time; ``--cuda-only`` runs only that comparison.
+H=64 next to the default Triton plan, with its nvcc build time, in both stage-1 variants (16 and 64 query rows
+per CTA; each at its default split count and a few others); ``--cuda-only`` runs only that comparison.
 
 Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
 read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
@@ -244,7 +245,8 @@ CUDA_CASES = [(64, 8192, 64, 1), (64, 8192, 96, 1), (1, 32768, 64, 1)]
 
 
 def cuda_compare(copy_tbps):
-    """The CUDA kernel (default splits and a few others) against the default Triton plan, same inputs."""
+    """The CUDA kernel, 16 and 64 rows per CTA (default splits and a few others), against the default Triton
+    plan, same inputs."""
     from k3nn.kernels.mla import cuda_decode as cdk
 
     why = cdk.available()
@@ -279,25 +281,36 @@ def cuda_compare(copy_tbps):
         n_calls = copies * max(1, min(40, int(2e9 // cache_bytes) or 1) // copies)
         case = f"B={B} L={L} H={H} Tq={Tq}"
         M = Tq * H
-        dflt = cdk.default_num_splits(B, M, nblk * BS, sms)
-        for S in sorted({dflt, max(1, dflt // 2), 2 * dflt if B == 1 else dflt}):
-            def call(i, S=S, sets=sets, copies=copies, sl=sl):
-                q, pool, bt, o = sets[i % copies]
-                cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=S, out=o)
-            out = poisoned(q0)
-            try:
-                cdk.mla_decode_cuda(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, num_splits=S, out=out)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001
-                log(f"  {case} CUDA S={S} FAILED TO RUN ({type(e).__name__}: {str(e)[:300]})")
-                break
-            err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
-            ok = "ok" if err < 1e-2 and lerr < 1e-2 else "WRONG"
-            ms = graph_ms(call, n_calls)
-            tb = cache_bytes / ms / 1e9
-            print(f"{case:22s} {'CUDA' + (' (default)' if S == dflt else ''):17s} {'16x32 w4 S' + str(S):26s} "
-                  f"{ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  rel err {err:.1e} lse {lerr:.1e} "
-                  f"{ok}", flush=True)
+        best = {}
+        for rows in cdk.ROWS_VARIANTS:
+            dflt = cdk.default_num_splits(B, M, nblk * BS, sms, rows=rows)
+            wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
+            for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt) if wide else dflt}):
+                def call(i, S=S, rows=rows, sets=sets, copies=copies, sl=sl):
+                    q, pool, bt, o = sets[i % copies]
+                    cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=S, out=o, rows=rows)
+                out = poisoned(q0)
+                try:
+                    cdk.mla_decode_cuda(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, num_splits=S, out=out,
+                                        rows=rows)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {case} CUDA rows={rows} S={S} FAILED TO RUN ({type(e).__name__}: {str(e)[:300]})")
+                    break
+                err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
+                ok = "ok" if err < 1e-2 and lerr < 1e-2 else "WRONG"
+                ms = graph_ms(call, n_calls)
+                tb = cache_bytes / ms / 1e9
+                if ok == "ok" and (rows not in best or ms < best[rows][0]):
+                    best[rows] = (ms, S)
+                tag = f"CUDA{rows}" + (" (default)" if S == dflt else "")
+                desc = f"{rows}x32 w{4 if rows == 16 else 8} S{S}"
+                print(f"{case:22s} {tag:17s} {desc:26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  "
+                      f"rel err {err:.1e} lse {lerr:.1e} {ok}", flush=True)
+        if best:
+            print(f"{case:22s} CUDA best per variant: " + ", ".join(
+                f"rows={r} S={S} {cache_bytes / ms / 1e9:.3f} TB/s" for r, (ms, S) in sorted(best.items()))
+                + f" (default rows {cdk.DEFAULT_ROWS})", flush=True)
         plan = td._default_plan(B, M, dev)
         why = check_plan(plan, q0, pool0, bt0, sl, ref)
         if why:
