@@ -51,10 +51,11 @@ import hashlib
 import inspect
 import math
 import os
-import shutil
 import time
 
 import torch
+
+from ..cuda_ext import toolchain_reason
 
 __all__ = [
     "BLOCK_N",
@@ -807,16 +808,7 @@ def kernel_source() -> str:
 @functools.lru_cache(maxsize=1)
 def available() -> str | None:
     """None when the kernel can be built and run on this machine, else the reason."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
-        return "nvcc / CUDA toolkit not found (CUDA_HOME unset and no nvcc on PATH)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (8, 0):
-        return f"needs sm_80+ (cp.async, ldmatrix, mma.sync m16n8k16), got sm_{cap[0]}{cap[1]}"
-    return None
+    return toolchain_reason((8, 0), "cp.async, ldmatrix, mma.sync m16n8k16")
 
 
 def enabled() -> str | None:
