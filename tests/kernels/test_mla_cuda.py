@@ -5,10 +5,10 @@ itself runs in tests/gpu/test_mla_gpu.py."""
 
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
+from conftest import nvcc_sm90
 
 import k3nn.kernels.mla.cuda_decode as cd
 from k3nn.kernels.registry import get_op, resolve
@@ -163,16 +163,13 @@ def test_generated_source_has_the_entry_points():
 def test_kernel_source_compiles_for_sm90(tmp_path):
     """The torch-free .cu through nvcc (no GPU needed): both stage-1 variants, no errors, no register spills,
     shared-memory sizes equal to the Python mirrors."""
-    cu = tmp_path / "mla.cu"
-    cu.write_text(cd.kernel_source() + f"static_assert(k3mla::SMEM_BYTES == {cd.SMEM_BYTES}, \"16-row smem\");\n"
-                  f"static_assert(k3mla::SMEM_BYTES64 == {cd.SMEM_BYTES_BY_ROWS[64]}, \"64-row smem\");\n")
-    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "mla.o"), str(cu)], check=False, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
+    log, spills = nvcc_sm90(tmp_path, cd.kernel_source()
+                            + f"static_assert(k3mla::SMEM_BYTES == {cd.SMEM_BYTES}, \"16-row smem\");\n"
+                            f"static_assert(k3mla::SMEM_BYTES64 == {cd.SMEM_BYTES_BY_ROWS[64]}, \"64-row smem\");\n",
+                            "mla")
     assert not spills, spills
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     assert regs and max(regs) <= 255
-    entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mla_split_kernel" in e for e in entries) == 4, entries  # {bf16, fp16} x {input dtype, fp32} out
     assert sum("mla_split64_kernel" in e for e in entries) == 4, entries

@@ -4,10 +4,10 @@ tests/gpu/test_moe_gpu.py."""
 
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
+from conftest import nvcc_sm90
 
 import k3nn.kernels.moe.cuda_mx_gemv as cm
 import k3nn.kernels.moe.triton_fused as tf
@@ -123,11 +123,5 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
     """The torch-free .cu through nvcc (no GPU needed): no errors, and at most a few bytes of register spills at
     the default config (the measured-best 32-row shape spills 4–12 bytes in two of its instantiations; a real
     spill problem is hundreds of bytes)."""
-    cu = tmp_path / "mx.cu"
-    cu.write_text(cm.kernel_source())
-    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "mx.o"), str(cu)], check=False, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack")]
-    big = [ln for ln in spills if int(re.search(r"(\d+) bytes spill stores", ln).group(1)) > 32]
-    assert not big, spills
+    _, spills = nvcc_sm90(tmp_path, cm.kernel_source(), "mx")
+    assert all(n <= 32 for _, n in spills), spills
