@@ -153,18 +153,9 @@ def graph_ms(fn, n_calls, rep=7):
     return ts[len(ts) // 2]
 
 
-def split_counts(B, M, tile, dev):
-    t = td.make_plan(tile, 1)
-    one = td.wave_splits(B, M, dev, t.bh, t.sv)
-    two = td.wave_splits(B, M, dev, t.bh, t.sv, waves=2.0)
-    return one, two
-
-
-def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
-    """Times ``tiles`` (first at the one-wave split count; the three best again at two waves, and one wave
-    rounded up when ``deep``); returns [(ms, tag, plan)] best first."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    dt = torch.bfloat16
+def make_case(B, L, H, Tq, dt=torch.bfloat16):
+    """Inputs of one case: enough copies of (q, pool, block table, out) to exceed L2, shuffled pages; the lengths,
+    the fp32 reference on the first copy, the cache bytes a decode moves and the calls per timed graph."""
     nblk = L // BS
     cache_bytes = B * L * (R + DR) * dt.itemsize
     copies = min(8, max(1, math.ceil(200e6 / cache_bytes)))
@@ -180,6 +171,23 @@ def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
     q0, pool0, bt0, _ = sets[0]
     ref = mla_decode_reference(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, out_dtype=torch.float32)
     n_calls = copies * max(1, min(40, int(2e9 // cache_bytes) or 1) // copies)
+    return sets, sl, ref, cache_bytes, n_calls
+
+
+def split_counts(B, M, tile, dev):
+    t = td.make_plan(tile, 1)
+    one = td.wave_splits(B, M, dev, t.bh, t.sv)
+    two = td.wave_splits(B, M, dev, t.bh, t.sv, waves=2.0)
+    return one, two
+
+
+def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
+    """Times ``tiles`` (first at the one-wave split count; the three best again at two waves, and one wave
+    rounded up when ``deep``); returns [(ms, tag, plan)] best first."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sets, sl, ref, cache_bytes, n_calls = make_case(B, L, H, Tq)
+    copies = len(sets)
+    q0, pool0, bt0, _ = sets[0]
     case = f"B={B} L={L} H={H} Tq={Tq}"
     res = []
     M = Tq * H
@@ -263,22 +271,10 @@ def cuda_compare(copy_tbps):
     dev = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for B, L, H, Tq in CUDA_CASES:
-        dt = torch.bfloat16
         nblk = L // BS
-        cache_bytes = B * L * (R + DR) * dt.itemsize
-        copies = min(8, max(1, math.ceil(200e6 / cache_bytes)))
-        gen = torch.Generator(device="cuda").manual_seed(B * 7 + H + Tq)
-        sets = []
-        for _ in range(copies):
-            pool = (torch.randn(B * nblk + 4, BS, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
-            bt = torch.randperm(B * nblk + 4, device="cuda", generator=gen)[:B * nblk].view(B, nblk).int()
-            q = (torch.randn(B, Tq, H, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
-            out = (torch.empty(B, Tq, H, R, device="cuda", dtype=dt), torch.empty(B, Tq, H, device="cuda"))
-            sets.append((q, pool, bt, out))
-        sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        sets, sl, ref, cache_bytes, n_calls = make_case(B, L, H, Tq)
+        copies = len(sets)
         q0, pool0, bt0, _ = sets[0]
-        ref = mla_decode_reference(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, out_dtype=torch.float32)
-        n_calls = copies * max(1, min(40, int(2e9 // cache_bytes) or 1) // copies)
         case = f"B={B} L={L} H={H} Tq={Tq}"
         M = Tq * H
         best = {}
