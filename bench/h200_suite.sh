@@ -25,6 +25,7 @@ STEPS=(
   "moe-mx-variants|120|$PY bench/gpu/moe_mx.py"
   "attnres-variants|90|$PY bench/gpu/attnres.py"
   "kda-prefill|200|$PY -m k3nn.bench.kda_prefill --quick"
+  "kda-prefill-64k|200|$PY -m k3nn.bench.kda_prefill --cases 65536:96:lower_bound,65536:32:softplus"
   "kda-decode|50|$PY -m k3nn.bench.kda_decode --quick"
   "mla-decode|120|$PY -m k3nn.bench.mla_decode"
   "moe|60|$PY -m k3nn.bench.moe --tokens 2048 8192 --mx-tokens 1 16"

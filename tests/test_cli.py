@@ -128,3 +128,11 @@ def test_demo_without_the_demo_extra_says_what_to_install(capsys, monkeypatch, t
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if `tokenizers` were not installed
     rc, _, err = run(capsys, "demo", "--size", "toy", "--out", str(tmp_path))
     assert rc != 0 and "k3nn[demo]" in err and "tokenizers" in err
+
+
+def test_kda_prefill_cases_parse_and_reject():
+    from k3nn.bench.kda_prefill import _parse_case
+    assert _parse_case(" 65536:96:lower_bound") == (1, 65536, 96, "lower_bound")
+    for bad in ("65536:96", "x:96:softplus", "4096:32:relu", "0:32:softplus"):
+        with pytest.raises(SystemExit, match="--cases"):
+            _parse_case(bad)

@@ -51,6 +51,8 @@ def _fla():
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="k3nn bench kda-prefill")
     ap.add_argument("--quick", action="store_true", help="four shapes (T 4K-32K, H 32 and 96), no varlen case")
+    ap.add_argument("--cases", default=None, metavar="T:H:GATE,...",
+                    help="only these shapes (B=1), e.g. 65536:96:lower_bound,65536:32:softplus; no varlen case")
     args = ap.parse_args(argv)
     dev = "cuda"
     device_meta()  # ceilings first (cached), so results can still be written if a later kernel fails
@@ -62,10 +64,12 @@ def main(argv=None):
              (1, 16384, 32, "softplus"), (1, 8192, 96, "softplus"), (1, 65536, 32, "softplus")]
     if args.quick:
         cases = cases[:4]
+    if args.cases:
+        cases = [_parse_case(c) for c in args.cases.split(",") if c.strip()]
     rows = []
     try:
         _cases(cases, rows, chunk_kda, gen, dev, D)
-        if not args.quick:
+        if not (args.quick or args.cases):
             _varlen(rows, chunk_kda, gen, dev, D)
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         print("interrupted: writing the rows measured so far")
@@ -76,6 +80,18 @@ def main(argv=None):
     path = write_results(SUITE, rows, meta)
     print(f"wrote {path}")
     return rows
+
+
+def _parse_case(text: str):
+    """``T:H:GATE`` → (1, T, H, GATE); a clear error naming --cases otherwise."""
+    try:
+        t, h, gate = text.strip().split(":")
+        t, h = int(t), int(h)
+    except ValueError:
+        raise SystemExit(f"--cases: expected T:H:GATE (e.g. 65536:96:lower_bound), got {text!r}") from None
+    if gate not in ("softplus", "lower_bound") or t < 1 or h < 1:
+        raise SystemExit(f"--cases: T and H must be positive and GATE softplus or lower_bound, got {text!r}")
+    return 1, t, h, gate
 
 
 def _kernel_split(run):
