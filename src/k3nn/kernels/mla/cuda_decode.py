@@ -26,10 +26,11 @@ fragments through shared memory (a 64-thread named barrier) and add them, so bot
 registers; each runs the (identical) online softmax for its two fragment rows and feeds P from the score
 registers straight into the A fragments of ``P·V`` (no P tile in shared memory). Key tiles: 32 tokens, two
 ``cp.async`` buffers, one block barrier per tile; shared memory 166 KB (one CTA per SM, 229 registers, no
-spills on sm_90). Select it with ``rows=64`` or ``K3NN_MLA_CUDA_ROWS=64`` (:func:`rows_choice`); the default
-stays 16 rows (:data:`DEFAULT_ROWS`) until the 64-row kernel has been checked and timed on the H200
-(``tests/gpu/test_mla_gpu.py``, ``bench/gpu/mla_decode.py --cuda-only``). Its split heuristic aims at one wave
-of one CTA per SM.
+spills on sm_90). It is the default (:data:`DEFAULT_ROWS`); ``rows=16`` or ``K3NN_MLA_CUDA_ROWS=16``
+(:func:`rows_choice`) selects the first variant. On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``,
+``bench/gpu/mla_decode.py --cuda-only``) it moved 1.66 / 0.88 / 0.58 TB/s at B=64 L=8K H=64 / H=96 and B=1
+L=32K H=64, against 0.91 / 0.46 / 0.43 for 16 rows — still behind the Triton kernel (2.37 / 1.35 / 1.07), so
+the CUDA path stays opt-in (``K3NN_MLA_CUDA=1``). Its split heuristic aims at one wave of one CTA per SM.
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B]``, merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
@@ -87,9 +88,9 @@ SMEM_BYTES = ROWS * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 4 * ROWS * _SLD * 4 + RO
 SMEM_BYTES_64 = 64 * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 8 * (BLOCK_N // 8) * 32 * 16 + 64 * 4
 SMEM_BYTES_BY_ROWS = {16: SMEM_BYTES, 64: SMEM_BYTES_64}
 ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
-#: rows per CTA when neither ``rows=`` nor the environment says otherwise; stays 16 until the 64-row
-#: variant has been timed on the H200 (``bench/gpu/mla_decode.py --cuda-only``)
-DEFAULT_ROWS = 16
+#: rows per CTA when neither ``rows=`` nor the environment says otherwise: 64 beat 16 at every H200 case
+#: (``bench/results/logs/h200-s5-run1-2026-11-30.log``)
+DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
 _CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
@@ -841,15 +842,18 @@ def build():
     return mod
 
 
-def rows_choice(rows: int | None = None) -> int:
+def rows_choice(rows: int | None = None, device: torch.device | None = None) -> int:
     """Query rows per stage-1 CTA: ``rows`` when given, else ``K3NN_MLA_CUDA_ROWS`` (read per call; unset or
-    empty: :data:`DEFAULT_ROWS`). Raises ``ValueError`` for anything but 16 or 64."""
+    empty: :data:`DEFAULT_ROWS`, or 16 where ``device`` cannot give a CTA the 64-row kernel's shared memory).
+    Raises ``ValueError`` for anything but 16 or 64."""
     if rows is not None:
         if rows not in ROWS_VARIANTS:
             raise ValueError(f"mla_decode_cuda: rows must be 16 or 64, got {rows!r}")
         return int(rows)
     env = os.environ.get(ROWS_ENV, "").strip()
     if not env:
+        if device is not None and SMEM_BYTES_BY_ROWS[DEFAULT_ROWS] > _smem_limit(device):
+            return 16
         return DEFAULT_ROWS
     try:
         value = int(env)
@@ -910,7 +914,7 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
     if block_table.shape[1] * kv_pool.shape[1] >= 2 ** 31:
         return "block table covers more than 2^31 tokens"
     try:
-        nrows = rows_choice(rows)
+        nrows = rows_choice(rows, q_lat.device)
     except ValueError as e:
         return str(e)
     lim = _smem_limit(q_lat.device)
@@ -924,8 +928,8 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
                     out_dtype=None, out=None, rows=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
     :func:`supports`). ``rows``: 16 or 64 query rows per stage-1 CTA (None: ``K3NN_MLA_CUDA_ROWS``, else
-    :data:`DEFAULT_ROWS`). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
-    nrows = rows_choice(rows)
+    :data:`DEFAULT_ROWS` where it fits). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
+    nrows = rows_choice(rows, q_lat.device)
     B, Tq, H, r = q_lat.shape
     M = Tq * H
     dev = q_lat.device
