@@ -45,7 +45,7 @@ import torch
 from ..cuda_ext import toolchain_reason
 
 __all__ = ["available", "supports", "kda_fused_decode_cuda", "kernel_source", "build", "plan", "smem_bytes",
-           "VARIANTS", "AUTO_DEFAULT", "AUTO_MIN_BH", "CUDA_SOURCE"]
+           "auto_enabled", "auto_reason", "VARIANTS", "AUTO_DEFAULT", "AUTO_MIN_BH", "CUDA_SOURCE"]
 
 D = 128
 VARIANTS = ("persistent", "regs", "block")
@@ -690,11 +690,18 @@ def supports(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurren
             return f"the persistent kernel needs {need} bytes of shared memory per CTA (limit {lim})"
         if torch.cuda.get_device_capability(qkv.device) < (9, 0):
             return "the persistent kernel needs sm_90 (cp.async.bulk, mbarrier tx counts)"
-    if not _on("K3NN_KDA_CUDA"):  # here through K3NN_KDA_CUDA_AUTO / AUTO_DEFAULT: large batches only
-        v = os.environ.get("K3NN_KDA_CUDA_AUTO_MIN", "").strip()
-        lo = int(v) if v else AUTO_MIN_BH
-        if B * H < lo:
-            return f"B*H = {B * H} < {lo}: the Triton kernel is faster there (K3NN_KDA_CUDA=1 forces this one)"
+    return auto_reason(B, H)
+
+
+def auto_reason(B: int, H: int) -> str | None:
+    """Without ``K3NN_KDA_CUDA=1`` (here through ``K3NN_KDA_CUDA_AUTO`` / :data:`AUTO_DEFAULT`) the kernel takes
+    large batches only: B·H >= ``K3NN_KDA_CUDA_AUTO_MIN`` (default :data:`AUTO_MIN_BH`)."""
+    if _on("K3NN_KDA_CUDA"):
+        return None
+    v = os.environ.get("K3NN_KDA_CUDA_AUTO_MIN", "").strip()
+    lo = int(v) if v else AUTO_MIN_BH
+    if B * H < lo:
+        return f"B*H = {B * H} < {lo}: the Triton kernel is faster there (K3NN_KDA_CUDA=1 forces this one)"
     return None
 
 
