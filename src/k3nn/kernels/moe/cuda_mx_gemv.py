@@ -4,15 +4,19 @@ it builds (``K3NN_MOE_GEMV=auto``; ``cuda`` insists, ``triton`` opts out); check
 ``tests/gpu/test_moe_gpu.py`` on the H200.
 
 Weights: packed u8 [E, N, K/2] (two E2M1 per byte, low nibble = even k), E8M0 scales u8 [E, N, K/32]; x, h, y
-bf16 or fp16. One CTA computes 16·RT output rows of one expert for the (up to 2·NT) rows of one alignment block
-(``align.py``, ``block_m`` ∈ {1, 2, 4, 8}); its RT·KS warps split the rows (RT tiles of 16) and K (KS slices of
-whole 128-k groups = four MX blocks).
+bf16 or fp16. One CTA computes 16·RT output rows of one expert for the valid rows of one alignment block
+(``align.py``, ``block_m`` ∈ {1, 2, 4, 8}, at most 2·NT rows: NT = ceil(block_m/2) n8 tiles is a template
+parameter that sizes shared memory); its RT·KS warps split the rows (RT tiles of 16) and K (KS slices of whole
+128-k groups = four MX blocks). Each CTA runs only NR ∈ {1, 2, 4} ≤ NT n8 tiles, picked at run time from the
+block's last valid row, and stages only those 2·NR activation rows: with :func:`cuda_block_m` sizing blocks to
+hold a whole expert (one read of its weights), a block of one or two pairs costs one mma per 16 k, not four.
 
 Per CTA::
 
-    prologue   first weight loads in flight; the block's activation rows → shared memory as fp16, each row
-               scaled by 2^(BIAS − e) with 2^e ≤ max|a| < 2^(e+1) (bf16/fp16 values stay exact), in the decode's
-               pair order; E8M0 bytes of the CTA's rows → fp32 in shared memory (0 → 2^-127, 255 → NaN)
+    prologue   first weight loads in flight; E8M0 bytes of the CTA's rows → shared memory (raw bytes, decoded
+               at use: 0 → 2^-127, 255 → NaN); [down with PDL: griddepcontrol.wait]; the block's 2·NR activation
+               rows → shared memory as fp16, each row scaled by 2^(BIAS − e) with 2^e ≤ max|a| < 2^(e+1)
+               (bf16/fp16 values stay exact), in the decode's pair order
     loop       per lane and group: one 16-byte load (= one MX block, 32 E2M1) per row and matrix, U groups per
                batch (PF: the next batch is loaded before the current one is used)
     decode     per 32-bit word (8 E2M1) four half2, exact:
@@ -36,6 +40,14 @@ Launch shape ``CudaGemvConfig(row_tiles, k_split, unroll, prefetch, decode)``; `
 :func:`build` compiles a set of configs (bf16/fp16, NT ∈ {1, 2, 4}, GLU on/off as template instances) into one
 module, the kernels in a torch-free ``.cu`` (nvcc) and the binding in a ``.cpp`` (host compiler) so the two
 compile in parallel. Launches are CUDA-graph capturable: no host syncs, no allocation except the ``h`` buffer.
+
+Programmatic dependent launch (sm_90+, ``K3NN_MOE_CUDA_PDL``, default 1): every up CTA executes
+``griddepcontrol.launch_dependents`` first, and the down kernel goes through ``cudaLaunchKernelEx`` with
+programmatic stream serialization, so its CTAs start as up CTAs retire, issue their first weight loads and stage
+their scales, and only then ``griddepcontrol.wait`` (returns once the whole up grid has completed and its h
+writes are visible) before reading h. The alignment arrays they read before the wait were written by a kernel
+that completed before the up kernel started. Registers: at most 128 per thread (two 256-thread CTAs per SM); the
+four-tile branch of the NT = 4 instance runs without prefetch to fit (a few spill bytes in the GLU kernel).
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import math
 import os
 import time
 from typing import NamedTuple
@@ -53,7 +66,7 @@ from ...quant.mxfp4 import MXFP4Weight
 from ..cuda_ext import toolchain_reason
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
-           "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
+           "pdl_enabled", "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
 
 
 class CudaGemvConfig(NamedTuple):
@@ -73,10 +86,11 @@ class CudaGemvConfig(NamedTuple):
 
 
 #: the best of eight launch shapes on the H200 at 1, 4 and 16 tokens (bench/gpu/moe_mx.py,
-#: bench/results/logs/h200-s4-run3-2026-11-30.log): 32 rows and two K slices per CTA, two groups per batch with
-#: prefetch, e4m3 decode — 56.5% / 61.5% / 45.4% of copy bandwidth against 47.8% / 49.9% / 36.8% for 16 rows.
-#: Below sm_89 (no e4m3 convert) :func:`supports` declines decode 1 and the Triton GEMV runs.
-DEFAULT_CONFIG = CudaGemvConfig(row_tiles=2, k_split=2, unroll=2, prefetch=True, decode=1)
+#: bench/results/logs/h200-s5-run1-2026-11-30.log): 64 rows and two K slices per CTA, two groups per batch with
+#: prefetch, e4m3 decode — 57.1% / 61.6% / 45.7% of copy bandwidth (block_m 2 everywhere, no PDL) against
+#: 55.6% / 61.2% / 45.3% for 32 rows. Below sm_89 (no e4m3 convert) :func:`supports` declines decode 1 and the
+#: Triton GEMV runs.
+DEFAULT_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=True, decode=1)
 
 _NTS = (1, 2, 4)  # n8 tiles of the mma = ceil(block_m / 2)
 _DTYPES = {torch.bfloat16: ("bf16", "__nv_bfloat16"), torch.float16: ("fp16", "__half")}
@@ -113,7 +127,7 @@ cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, cudaStr
 void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, torch::Tensor w3,
                     torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid,
                     torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token,
-                    int64_t act, bool cap, bool scale_vec, double beta, double linear_beta) {
+                    int64_t act, bool cap, bool scale_vec, double beta, double linear_beta, bool pdl) {
   TORCH_CHECK(a.is_cuda() && a.stride(-1) == 1 && a.stride(0) % 8 == 0, "mx_gemv_launch: bad activations");
   TORCH_CHECK(w1.scalar_type() == torch::kUInt8 && s1.scalar_type() == torch::kUInt8, "mx_gemv_launch: u8 weights");
   TORCH_CHECK(sorted.scalar_type() == torch::kInt && eid.scalar_type() == torch::kInt &&
@@ -144,6 +158,7 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
   p.act = (int)act;
   p.cap = cap;
   p.scale_vec = scale_vec;
+  p.pdl = pdl;
   p.beta = (float)beta;
   p.linear_beta = (float)linear_beta;
   TORCH_CHECK(bm == 1 || bm == 2 || bm == 4 || bm == 8, "mx_gemv_launch: block_m must be 1, 2, 4 or 8");
@@ -164,7 +179,7 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
 _DECL = ("void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, "
          "torch::Tensor w3, torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid, "
          "torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token, int64_t act, "
-         "bool cap, bool scale_vec, double beta, double linear_beta);")
+         "bool cap, bool scale_vec, double beta, double linear_beta, bool pdl);")
 
 ARGS = r"""struct Args {
   const void* a;            // activations: x [tokens, K] (up, rows gathered by token) or h [rows, K] (down)
@@ -181,6 +196,7 @@ ARGS = r"""struct Args {
   const int* num_rows;      // [1]
   int nb, bm, N, K, top_k, num_pairs;
   int a_by_token, act, cap, scale_vec;
+  int pdl;                  // launch as a programmatic dependent of the previous kernel (down after up)
   float beta, linear_beta;
 };"""
 BODY = r"""template <typename T> struct Io;
@@ -262,19 +278,158 @@ __device__ __forceinline__ float glu(float g, float u, int act, int cap, float b
   return a * u;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops when the launch carries no programmatic dependency).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int NT, int RT, int KS, bool GLU>
 struct Smem {
   static constexpr int BMX = 2 * NT, NM = GLU ? 2 : 1, ROWS = 16 * RT;
   static __host__ __device__ int astr(int G) { return G * 128 + 8; }  // halves per staged token row
-  static __host__ __device__ int sstr(int G) { return 4 * G + 2; }    // floats per scale row
+  static __host__ __device__ int sstr(int G) { return 4 * (G | 1); }  // bytes per E8M0 row (odd word count)
   static __host__ __device__ size_t act_bytes(int G) { return (size_t)BMX * astr(G) * 2; }
+  static __host__ __device__ size_t scl_bytes(int G) { return (size_t)NM * ROWS * sstr(G); }
   static __host__ __device__ size_t bytes(int G) {
-    return act_bytes(G) + 4 * ((size_t)NM * ROWS * sstr(G) + (size_t)KS * RT * NM * BMX * 16 + BMX);
+    return act_bytes(G) + scl_bytes(G) + 4 * ((size_t)KS * RT * NM * BMX * 16 + BMX);
   }
 };
 
-// One CTA: rows [n0, n0 + 16*RT) of one expert for the (up to 2*NT) rows of one alignment block.
+// One batch of U groups of weight loads (one 16-byte MX block per lane, row and matrix).
+template <int U, int NM, int KS>
+__device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&wr)[NM][2], int it, int ks,
+                                           int J, int NBLK, int q, bool ok0, bool ok1) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = it * U + u, b = 4 * (ks + KS * j) + q;
+    const bool v = j < J && b < NBLK;
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      d[u][m][0] = (v && ok0) ? ld_stream(wr[m][0] + b) : make_uint4(0u, 0u, 0u, 0u);
+      d[u][m][1] = (v && ok1) ? ld_stream(wr[m][1] + b) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// Steps 5-6 for NR n8 tiles (the block's first 2*NR staged rows): stream the warp's groups, then the quad
+// reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
+template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC>
+__device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
+                                            bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
+                                            int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
+  constexpr int ROWS = 16 * RT;
+  const bool diag = (g & 3) == q;
+  const int tokb = g >> 2;
+  const uint4* actv = reinterpret_cast<const uint4*>(act);
+  uint4 nxt[U][NM][2];
+  float acc[NM][NR][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc[m][nt][k] = 0.f;
+
+#pragma unroll 1
+  for (int it = 0; it < IT; ++it) {
+    if (PF) {
+      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
+    } else if (it > 0) {
+      load_batch<U, NM, KS>(cur, wr, it, ks, J, NBLK, q, ok0, ok1);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = it * U + u;
+      if (j < J) {
+        const int gr = ks + KS * j;
+        float c[NM][NR][4];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+          for (int nt = 0; nt < NR; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[m][nt][k] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint4 bq[NR];
+#pragma unroll
+          for (int nt = 0; nt < NR; ++nt) {
+            bq[nt] = make_uint4(0u, 0u, 0u, 0u);
+            if (diag) bq[nt] = actv[(2 * nt + tokb) * (ASTR >> 3) + (4 * gr + q) * 4 + i];
+          }
+#pragma unroll
+          for (int m = 0; m < NM; ++m) {
+            uint32_t x0[4], x1[4];
+            decode<DEC>(word(cur[u][m][0], i), x0);
+            decode<DEC>(word(cur[u][m][1], i), x1);
+#pragma unroll
+            for (int nt = 0; nt < NR; ++nt) {
+              mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
+              mma16816(c[m][nt], x0[2], x1[2], x0[3], x1[3], bq[nt].z, bq[nt].w);
+            }
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {  // E8M0 bytes of blocks 4gr + 2(q&1), +1 for rows g and g+8
+          const uint8_t* sb = scl + (m * ROWS + rt * 16 + g) * SSTR + 4 * gr + 2 * (q & 1);
+          const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
+          const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * SSTR);
+          const float s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
+#pragma unroll
+          for (int nt = 0; nt < NR; ++nt) {
+            acc[m][nt][0] = fmaf(c[m][nt][0], s00, acc[m][nt][0]);
+            acc[m][nt][1] = fmaf(c[m][nt][1], s01, acc[m][nt][1]);
+            acc[m][nt][2] = fmaf(c[m][nt][2], s10, acc[m][nt][2]);
+            acc[m][nt][3] = fmaf(c[m][nt][3], s11, acc[m][nt][3]);
+          }
+        }
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          cur[u][m][0] = nxt[u][m][0];
+          cur[u][m][1] = nxt[u][m][1];
+        }
+    }
+  }
+
+  // 6. quad reduction into shared memory (rows 2nt, 2nt+1 of each n8 tile)
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt) {
+      float v0 = acc[m][nt][0] + acc[m][nt][1];
+      float v1 = acc[m][nt][2] + acc[m][nt][3];
+      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
+      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
+      if ((q & 1) == 0) {
+        float* d = red + (((ks * RT + rt) * NM + m) * BMX + 2 * nt + (q >> 1)) * 16;
+        d[g] = v0;
+        d[g + 8] = v1;
+      }
+    }
+}
+
+// Registers: at most 128 per thread wherever two 256-thread CTAs (or more smaller ones) fit an SM.
+template <int NTHR>
+struct MinBlocks {
+  static constexpr int value = (512 / NTHR) > 0 ? 512 / NTHR : 1;
+};
+
+// One CTA: rows [n0, n0 + 16*RT) of one expert for the valid rows (at most bm <= 2*NT) of one alignment block.
 // Warp w: row tile w % RT (16 rows), K slice w / RT (groups ks, ks + KS, ...; a group = 4 MX blocks = 128 k).
+// The n8 tile count NR (1, 2 or 4, at most NT) follows the block's valid rows at run time: a block holding one
+// or two pairs costs one mma per 16 k whatever bm is, and only its 2*NR rows are staged.
 // Tensor-core mapping (mma m16n8k16, f16 in, f32 accumulate), lane = 4*g + q:
 //   A: rows g and g+8 of the tile; lane q holds block 4*gr + q of the group (one 16-byte load per row), so the
 //      k-slots of quad lane q in every mma are elements of block q only.
@@ -282,12 +437,15 @@ struct Smem {
 //      the others hold 0, so C[row, 4t + j] = the partial dot product of block j alone.
 //   C: lane holds columns 2q, 2q+1 = blocks 2(q&1), 2(q&1)+1 of token q>>1, which get their E8M0 scales after
 //      the group's 8 mmas (one FFMA each), then a shuffle with lane q^1 adds the other two blocks.
+// PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
+// griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
 template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-__global__ void __launch_bounds__(32 * RT * KS, ((NT >= 4 ? 256 : 512) / (32 * RT * KS)) > 0 ? (NT >= 4 ? 256 : 512) / (32 * RT * KS) : 1)
+__global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
   constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
+  if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
   const int nb = p.nb, bm = p.bm;
   const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
   if (blk * bm >= __ldg(p.num_rows)) return;
@@ -303,9 +461,9 @@ mx_gemv_kernel(const Args p) {
   const int ASTR = S::astr(G), SSTR = S::sstr(G);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  __half* act = reinterpret_cast<__half*>(smem);                       // [BMX][ASTR], permuted, scaled
-  float* scl = reinterpret_cast<float*>(smem + S::act_bytes(G));        // [NM][ROWS][SSTR] decoded scales
-  float* red = scl + NM * ROWS * SSTR;                                  // [KS][RT][NM][BMX][16]
+  __half* act = reinterpret_cast<__half*>(smem);                              // [BMX][ASTR], permuted, scaled
+  uint8_t* scl = smem + S::act_bytes(G);                                       // [NM][ROWS][SSTR] E8M0 bytes
+  float* red = reinterpret_cast<float*>(scl + S::scl_bytes(G));               // [KS][RT][NM][BMX][16]
   unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);  // [BMX] max |a| bits
 
   // 1. first weight loads in flight before anything else
@@ -321,27 +479,53 @@ mx_gemv_kernel(const Args p) {
     }
   }
   const bool ok0 = r0 < N, ok1 = r1 < N;
-  uint4 cur[U][NM][2], nxt[U][NM][2];
-  auto load = [&](int it, uint4 (&d)[U][NM][2]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = it * U + u, b = 4 * (ks + KS * j) + q;
-      const bool v = j < J && b < NBLK;
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        d[u][m][0] = (v && ok0) ? ld_stream(wr[m][0] + b) : make_uint4(0u, 0u, 0u, 0u);
-        d[u][m][1] = (v && ok1) ? ld_stream(wr[m][1] + b) : make_uint4(0u, 0u, 0u, 0u);
+  uint4 cur[U][NM][2];
+  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
+
+  // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
+  const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
+  const int nv = 32 - __clz(vb);
+  if (nv == 0) return;
+  const int nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);  // n8 tiles this CTA runs
+  const int rows2 = 2 * nr;                                              // activation rows staged
+
+  // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127)
+  if (tid < BMX) amx[tid] = 0u;
+#pragma unroll 1
+  for (int m = 0; m < NM; ++m) {
+    const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
+    if (p.scale_vec) {  // NBLK % 16 == 0 and 16-byte aligned rows: one 16-byte load per 16 blocks
+      const int CPR = NBLK >> 4;
+#pragma unroll 2
+      for (int i = tid; i < ROWS * CPR; i += NTHR) {
+        const int rr = i / CPR, c = i - rr * CPR, n = n0 + rr;
+        uint4 v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+        if (n < N) v = __ldg(reinterpret_cast<const uint4*>(sb + (long long)n * p.ssn) + c);
+        unsigned* d = reinterpret_cast<unsigned*>(scl + (m * ROWS + rr) * SSTR + 16 * c);
+        d[0] = v.x;
+        d[1] = v.y;
+        d[2] = v.z;
+        d[3] = v.w;
+      }
+    } else {
+#pragma unroll 4
+      for (int i = tid; i < ROWS * NBLK; i += NTHR) {
+        const int rr = i / NBLK, b = i - rr * NBLK, n = n0 + rr;
+        scl[(m * ROWS + rr) * SSTR + b] = n < N ? __ldg(sb + (long long)n * p.ssn + b) : (uint8_t)127;
       }
     }
-  };
-  load(0, cur);
-
-  // 2. activations of the block's rows -> shared memory (raw), and max |a| per row
-  if (tid < BMX) amx[tid] = 0u;
+    for (int i = tid; i < ROWS * (4 * G - NBLK); i += NTHR) {  // padded blocks of the last group
+      const int rr = i / (4 * G - NBLK);
+      scl[(m * ROWS + rr) * SSTR + NBLK + (i - rr * (4 * G - NBLK))] = (uint8_t)127;
+    }
+  }
+  if constexpr (!GLU) pdl_wait();  // h (the up kernel's output) is read from here on
   __syncthreads();
+
+  // 3. activations of the staged rows -> shared memory (raw), and max |a| per row
   const int KC = K >> 3, GC = G * 16;  // 8-element chunks: real / padded to whole groups
 #pragma unroll 1
-  for (int t = 0; t < BMX; ++t) {
+  for (int t = 0; t < rows2; ++t) {
     const int row = blk * bm + t;
     const int flat = t < bm ? __ldg(p.sorted + row) : p.num_pairs;
     const bool valid = flat < p.num_pairs;
@@ -361,38 +545,11 @@ mx_gemv_kernel(const Args p) {
     mx = __reduce_max_sync(0xFFFFFFFFu, mx);
     if (lane == 0 && mx) atomicMax(amx + t, mx);
   }
-  // 3. E8M0 scales of the CTA's rows -> fp32 in shared memory (exact; blocks past K read as 1)
-#pragma unroll 1
-  for (int m = 0; m < NM; ++m) {
-    const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
-    if (p.scale_vec) {  // NBLK % 16 == 0 and 16-byte aligned rows: one 16-byte load per 16 blocks
-      const int CPR = NBLK >> 4;
-#pragma unroll 2
-      for (int i = tid; i < ROWS * CPR; i += NTHR) {
-        const int rr = i / CPR, c = i - rr * CPR, n = n0 + rr;
-        uint4 v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-        if (n < N) v = __ldg(reinterpret_cast<const uint4*>(sb + (long long)n * p.ssn) + c);
-        float* d = scl + (m * ROWS + rr) * SSTR + 16 * c;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) d[k] = e8m0((word(v, k >> 2) >> (8 * (k & 3))) & 0xFFu);
-      }
-    } else {
-#pragma unroll 4
-      for (int i = tid; i < ROWS * NBLK; i += NTHR) {
-        const int rr = i / NBLK, b = i - rr * NBLK, n = n0 + rr;
-        scl[(m * ROWS + rr) * SSTR + b] = e8m0(n < N ? (unsigned)__ldg(sb + (long long)n * p.ssn + b) : 127u);
-      }
-    }
-    for (int i = tid; i < ROWS * (4 * G - NBLK); i += NTHR) {  // padded blocks of the last group
-      const int rr = i / (4 * G - NBLK);
-      scl[(m * ROWS + rr) * SSTR + NBLK + (i - rr * (4 * G - NBLK))] = 1.f;
-    }
-  }
   __syncthreads();
   // 4. scale each row by 2^(BIAS - e_t) (max |a| -> [2^BIAS, 2^(BIAS+1)), exact for bf16/fp16 values in the
   //    fp16 normal range), convert to fp16 in the decode's pair order, in place (same thread, same chunks)
 #pragma unroll 1
-  for (int t = 0; t < BMX; ++t) {
+  for (int t = 0; t < rows2; ++t) {
     const unsigned mb = amx[t];
     const float am = Io<T>::f(mb);
     int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
@@ -416,102 +573,21 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
 
-  // 5. stream the weights
-  const bool diag = (g & 3) == q;
-  const int tokb = g >> 2;
-  const uint4* actv = reinterpret_cast<const uint4*>(act);
-  const float2* sclv = reinterpret_cast<const float2*>(scl);
-  float acc[NM][NT][4];
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc[m][nt][k] = 0.f;
-
-#pragma unroll 1
-  for (int it = 0; it < IT; ++it) {
-    if (PF) {
-      if (it + 1 < IT) load(it + 1, nxt);
-    } else if (it > 0) {
-      load(it, cur);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = it * U + u;
-      if (j < J) {
-        const int gr = ks + KS * j;
-        float c[NM][NT][4];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) c[m][nt][k] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint4 bq[NT];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            bq[nt] = make_uint4(0u, 0u, 0u, 0u);
-            if (diag) bq[nt] = actv[(2 * nt + tokb) * (ASTR >> 3) + (4 * gr + q) * 4 + i];
-          }
-#pragma unroll
-          for (int m = 0; m < NM; ++m) {
-            uint32_t x0[4], x1[4];
-            decode<DEC>(word(cur[u][m][0], i), x0);
-            decode<DEC>(word(cur[u][m][1], i), x1);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
-              mma16816(c[m][nt], x0[2], x1[2], x0[3], x1[3], bq[nt].z, bq[nt].w);
-            }
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {
-          const int sb = (m * ROWS + rt * 16 + g) * SSTR + 4 * gr + 2 * (q & 1);
-          const float2 s0 = sclv[sb >> 1], s1 = sclv[(sb + 8 * SSTR) >> 1];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            acc[m][nt][0] = fmaf(c[m][nt][0], s0.x, acc[m][nt][0]);
-            acc[m][nt][1] = fmaf(c[m][nt][1], s0.y, acc[m][nt][1]);
-            acc[m][nt][2] = fmaf(c[m][nt][2], s1.x, acc[m][nt][2]);
-            acc[m][nt][3] = fmaf(c[m][nt][3], s1.y, acc[m][nt][3]);
-          }
-        }
-      }
-    }
-    if (PF) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {
-          cur[u][m][0] = nxt[u][m][0];
-          cur[u][m][1] = nxt[u][m][1];
-        }
-    }
+  // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
+  if (nr == 1) {
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
+  } else if (nr == 2) {
+    if constexpr (NT >= 2)
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
+  } else {
+    if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
   }
-
-  // 6. quad reduction, K-slice reduction in shared memory, epilogue
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float v0 = acc[m][nt][0] + acc[m][nt][1];
-      float v1 = acc[m][nt][2] + acc[m][nt][3];
-      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
-      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
-      if ((q & 1) == 0) {
-        float* d = red + (((ks * RT + rt) * NM + m) * BMX + 2 * nt + (q >> 1)) * 16;
-        d[g] = v0;
-        d[g + 8] = v1;
-      }
-    }
   __syncthreads();
-  for (int i = tid; i < RT * BMX * 16; i += NTHR) {
-    const int rr = i & 15, t = (i >> 4) % BMX, rti = i / (16 * BMX);
-    if (t >= bm) continue;
+
+  // 7. K-slice reduction and epilogue over the valid rows
+  for (int i = tid; i < RT * nv * 16; i += NTHR) {
+    const int rr = i & 15, t = (i >> 4) % nv, rti = i / (16 * nv);
     const int orow = blk * bm + t;
     const int flat = __ldg(p.sorted + orow);
     const int n = n0 + rti * 16 + rr;
@@ -552,8 +628,21 @@ cudaError_t launch(const Args& p, cudaStream_t stream) {
     }
   }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
-  const dim3 grid((unsigned)(tiles * p.nb));
-  kern<<<grid, 32 * RT * KS, smem, stream>>>(p);
+  const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
+  if (p.pdl) {  // may start while the previous kernel in the stream (the up GEMV) finishes
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = grid;
+    lc.blockDim = block;
+    lc.dynamicSmemBytes = smem;
+    lc.stream = stream;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    lc.attrs = at;
+    lc.numAttrs = 1;
+    return cudaLaunchKernelEx(&lc, kern, p);
+  }
+  kern<<<grid, block, smem, stream>>>(p);
   return cudaGetLastError();
 }
 """
@@ -644,7 +733,7 @@ def smem_bytes(cfg: CudaGemvConfig, block_m: int, K: int, glu: bool) -> int:
     """Dynamic shared memory of one CTA (mirrors ``Smem`` in the CUDA source)."""
     nt = 1 if block_m <= 2 else (2 if block_m == 4 else 4)
     G, bmx, nm, rows = (K + 127) // 128, 2 * nt, 2 if glu else 1, 16 * cfg.row_tiles
-    return bmx * (G * 128 + 8) * 2 + 4 * (nm * rows * (4 * G + 2) + cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
+    return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
 
 
 def _smem_limit(dev) -> int:
@@ -656,11 +745,31 @@ def _aligned16(t: torch.Tensor, dims=(0, 1)) -> bool:
     return t.data_ptr() % 16 == 0 and all(t.stride(d) % 16 == 0 for d in dims)
 
 
-def cuda_block_m(num_pairs: int, num_experts: int) -> int:
-    """Alignment rows per CTA for the CUDA GEMV: ≈ pairs per touched expert as 2, 4 or 8 (block_m 1 costs the
-    same mma work as 2, and every extra block re-reads the expert's weights)."""
-    per = num_pairs / max(1, min(num_experts, num_pairs))
-    return 2 if per <= 2.5 else (4 if per <= 4.5 else 8)
+def _poisson_tail(lam: float, b: int) -> float:
+    """P(X > b) for X ~ Poisson(lam)."""
+    term = total = math.exp(-lam)
+    for i in range(1, b + 1):
+        term *= lam / i
+        total += term
+    return max(0.0, 1.0 - total)
+
+
+def cuda_block_m(num_pairs: int, num_experts: int, per_expert: bool = True) -> int:
+    """Alignment rows per CTA for the CUDA GEMV, from the launch sizes only (CUDA-graph capturable).
+
+    ``per_expert`` (the default): the smallest of 2, 4, 8 that holds every touched expert's pairs in ONE block
+    unless the routing is far from uniform — E·P(Poisson(P/E) > block_m) ≤ 1/4 — so each expert's weights are
+    read once; the kernel runs only the n8 tiles a block's valid rows need, so the padding costs no mma work
+    (K3, 128 experts, top-16: 2 / 4 / 8 at 1 / 4 / 16 tokens). ``per_expert=False``: the earlier rule, ≈ pairs
+    per touched expert (2 at 16 tokens, where 3–6 pair experts then take 2–3 blocks and re-read their weights)."""
+    if not per_expert:
+        per = num_pairs / max(1, min(num_experts, num_pairs))
+        return 2 if per <= 2.5 else (4 if per <= 4.5 else 8)
+    lam = num_pairs / max(1, num_experts)
+    for bm in (2, 4):
+        if num_experts * _poisson_tail(lam, bm) <= 0.25:
+            return bm
+    return 8
 
 
 def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: int = 8, **kw) -> str | None:
@@ -689,13 +798,24 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
     return None
 
 
-def _launch(mod_cfg, cfg, glu, a, w, w3, out, al, top_k, num_pairs, a_by_token, act, cap, beta, linear_beta):
+def _launch(mod_cfg, cfg, glu, a, w, w3, out, al, top_k, num_pairs, a_by_token, act, cap, beta, linear_beta,
+            pdl=False):
     configs, dtypes = mod_cfg
     mod = build(configs, dtypes)
     idx = configs.index(cfg)
     svec = (w.shape[2] // 32) % 16 == 0 and _aligned16(w.scale) and _aligned16(w3.scale)
     mod.mx_gemv_launch(idx, glu, a, w.packed, w.scale, w3.packed, w3.scale, out, al.sorted_ids, al.expert_ids,
-                       al.num_rows, al.block_m, top_k, num_pairs, a_by_token, act, cap, svec, beta, linear_beta)
+                       al.num_rows, al.block_m, top_k, num_pairs, a_by_token, act, cap, svec, beta, linear_beta,
+                       pdl)
+
+
+def pdl_enabled(dev) -> bool:
+    """Whether the down GEMV is launched as a programmatic dependent of the up GEMV: ``K3NN_MOE_CUDA_PDL``
+    (read at each call; default 1, 0 turns it off) on sm_90+."""
+    v = os.environ.get("K3NN_MOE_CUDA_PDL", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"K3NN_MOE_CUDA_PDL must be 0 or 1, got {v!r}")
+    return v == "1" and torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
 def _module_for(cfg: CudaGemvConfig, configs, dtypes):
@@ -710,10 +830,12 @@ def _module_for(cfg: CudaGemvConfig, configs, dtypes):
 def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4Weight, al, y2: torch.Tensor,
                          num_pairs: int, top_k: int, act: int, cap: bool, beta: float, linear_beta: float,
                          cfg_up: CudaGemvConfig | None = None, cfg_down: CudaGemvConfig | None = None,
-                         configs=None, dtypes=("bf16", "fp16")) -> None:
+                         configs=None, dtypes=("bf16", "fp16"), pdl: bool | None = None) -> None:
     """Up (w1/w3 + GLU, act 0 SiLU / 1 SiTU, ``cap``: linear_beta·tanh(u/linear_beta)) and down (w2) over the
     alignment ``al`` (block_m ∈ {1, 2, 4, 8}); writes y2 [P, D] at flat pair ids (x.dtype). ``configs``: the
-    built set the two configs belong to (default: the defaults / the two configs themselves)."""
+    built set the two configs belong to (default: the defaults / the two configs themselves). ``pdl``: launch
+    the down kernel as a programmatic dependent of the up kernel (default :func:`pdl_enabled`); two launches,
+    no other work."""
     cu, cd = CudaGemvConfig(*(cfg_up or DEFAULT_CONFIG)), CudaGemvConfig(*(cfg_down or DEFAULT_CONFIG))
     if configs is None:
         configs = tuple(dict.fromkeys((DEFAULT_CONFIG, cu, cd)))
@@ -731,7 +853,10 @@ def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: 
     I = w1.packed.shape[1]
     h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)
     _launch(mc, cu, True, x, w1, w3, h, al, top_k, num_pairs, True, act, cap, beta, linear_beta)
-    _launch(mc, cd, False, h, w2, w2, y2, al, top_k, num_pairs, False, act, cap, beta, linear_beta)
+    if pdl is None:
+        pdl = pdl_enabled(x.device)
+    pdl = bool(pdl) and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    _launch(mc, cd, False, h, w2, w2, y2, al, top_k, num_pairs, False, act, cap, beta, linear_beta, pdl)
 
 
 def mx_gemv_linear_cuda(a: torch.Tensor, w: MXFP4Weight, cfg: CudaGemvConfig | None = None, block_m: int = 2,
