@@ -15,10 +15,15 @@ Variants: ``old`` = the grouped tensor-core GEMMs (tl.dot_scaled, autotuned), ``
 (BLOCK_N, BLOCK_K, VEC, warps, prefetch, decode, split_a) and rows per program ``bm``; ``word``: DECODE=2 (32-bit
 word decode); ``cuda r16 ks2 u2 pf`` = cuda_mx_gemv (K3NN_MOE_GEMV=cuda) with 16·RT rows per CTA, KS warps
 splitting K, U 128-k groups per load batch, PF prefetch, DEC 1 = e4m3 decode (``--cuda`` replaces the default
-set; all CUDA configs are built once, in one module, before timing: the nvcc time is printed). ``--triton
-default`` (the default) times only the grouped kernel and the dispatcher's Triton GEMV, ``all`` every Triton
-variant. Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default 95) so the whole run stays
-under two minutes.
+set; all CUDA configs are built once, in one module, before timing: the nvcc time is printed). Each CUDA config
+runs as an A/B of the alignment block size and the launch: ``old-bm`` = ``cuda_block_m(per_expert=False)`` (≈
+pairs per touched expert: 2 at 1-16 tokens) without PDL, ``expert`` = the per-expert blocks of ``cuda_block_m``
+(2 / 4 / 8 at 1 / 4 / 16 tokens), ``+pdl`` = the down kernel launched as a programmatic dependent of the up
+kernel, ``bm8`` = block_m 8 at every size (runs that repeat an earlier block size are skipped). ``--triton
+default`` (the default) times only the grouped kernel and the dispatcher's Triton GEMV (after the CUDA
+variants), ``all`` every Triton variant. Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default
+95) so the whole run stays under two minutes. The last lines (``summary T=...``) name the best variant per token
+count and the two A/B gains.
 """
 
 from __future__ import annotations
@@ -71,17 +76,16 @@ VARIANTS = [
 TRITON_DEFAULT = ("old(scaled)", "gemv ... word split-a (default)")
 
 # CUDA launch shapes (CudaGemvConfig: row_tiles, k_split, unroll, prefetch, decode) timed by default; up has 28
-# groups of 128 k per row, down 24, so k_split·unroll ∈ {2, 4, 14, 28} / {2, 3, 4, 6, 8, 12} wastes no slots
-CUDA_CFGS = [  # H200 runs 3-4 (h200-s4-run3/4): r32/r64 ks2 u2 pf e4m3 best at 1/4/16 tokens; wider CTAs around them (row_tiles ≤ 4)
-    cmx.CudaGemvConfig(2, 2, 2, True, 1),  # DEFAULT_CONFIG
-    cmx.CudaGemvConfig(4, 2, 2, True, 1),
-    cmx.CudaGemvConfig(4, 4, 1, True, 1),
-    cmx.CudaGemvConfig(4, 1, 2, True, 1),
-    cmx.CudaGemvConfig(4, 2, 1, True, 1),
-    cmx.CudaGemvConfig(4, 2, 2, False, 1),
-    cmx.CudaGemvConfig(4, 1, 4, True, 1),
-    cmx.CudaGemvConfig(2, 4, 1, True, 1),
+# groups of 128 k per row, down 24, so k_split·unroll ∈ {2, 4, 14, 28} / {2, 3, 4, 6, 8, 12} wastes no slots.
+# H200 run s5-run1 (h200-s5-run1-2026-11-30.log): r64 / r32 ks2 u2 pf e4m3 best at 1/4/16 tokens, the rest ≥ 5
+# points behind.
+CUDA_CFGS = [
+    cmx.CudaGemvConfig(4, 2, 2, True, 1),  # DEFAULT_CONFIG
+    cmx.CudaGemvConfig(2, 2, 2, True, 1),
 ]
+# (label, block size rule, PDL): decisive first; "old" = cuda_block_m(per_expert=False), "expert" = the default
+CUDA_AB = [("expert+pdl", "expert", True), ("expert", "expert", False), ("old-bm", "old", False),
+           ("bm8+pdl", 8, True)]
 
 
 def parse_args():
@@ -91,8 +95,6 @@ def parse_args():
     ap.add_argument("--cuda", nargs="*", default=None, metavar="RT,KS,U,PF,DEC",
                     help="CUDA configs to time (default: the built-in set); --cuda alone: no CUDA GEMV")
     ap.add_argument("--triton", choices=("all", "default", "none"), default="default")
-    ap.add_argument("--cuda-bm", type=int, nargs="*", default=[4], help="extra block_m runs of the first CUDA "
-                    "config at T=16 (where rows per expert can reach them)")
     return ap.parse_args()
 
 
@@ -111,7 +113,15 @@ def make_weights(dev):
     return mx(I, D), mx(I, D), mx(D, I)
 
 
-def run_variant(cfg, bm, z, q1, q3, q2, ids):
+def cuda_bm(rule, P):
+    if rule == "expert":
+        return cmx.cuda_block_m(P, E)
+    if rule == "old":
+        return cmx.cuda_block_m(P, E, per_expert=False)
+    return rule
+
+
+def run_variant(cfg, bm, z, q1, q3, q2, ids, pdl=None):
     """A zero-argument callable computing the expert outputs y [T, k, D] with alignment precomputed."""
     T = z.shape[0]
     P = T * TOPK
@@ -121,10 +131,10 @@ def run_variant(cfg, bm, z, q1, q3, q2, ids):
         return (lambda: fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN, align=al, out=y,
                                              mx_mode="scaled")), y
     if isinstance(cfg, cmx.CudaGemvConfig):
-        al = align_for(ids, E, bm or cmx.cuda_block_m(P, E))
+        al = align_for(ids, E, cuda_bm(bm or "expert", P))
         y2 = y.view(P, D)
         return (lambda: cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg,
-                                                 configs=tuple(CUDA_CFGS), dtypes=("bf16",))), y
+                                                 configs=tuple(CUDA_CFGS), dtypes=("bf16",), pdl=pdl)), y
     al = align_for(ids, E, bm or gemv_block_m(P, E))
     y2 = y.view(P, D)
     return (lambda: mx_gemv_experts(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg)), y
@@ -139,7 +149,8 @@ def main():
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']}: copy {copy} TB/s, "
           f"bf16 {meta['bf16_tflops']} TFLOP/s  [t={elapsed():.0f}s]")
-    variants = [v for v in VARIANTS if args.triton == "all" or (args.triton == "default" and v[0] in TRITON_DEFAULT)]
+    variants = [v + (None,) for v in VARIANTS
+                if args.triton == "all" or (args.triton == "default" and v[0] in TRITON_DEFAULT)]
     if args.cuda is not None:
         CUDA_CFGS = [cmx.CudaGemvConfig(*(int(v) for v in c.split(","))) for c in args.cuda]
     why = cmx.available()
@@ -150,9 +161,9 @@ def main():
             cmx.build(tuple(CUDA_CFGS), ("bf16",))
             print(f"CUDA GEMV: {len(CUDA_CFGS)} configs x 3 block sizes x up/down built in "
                   f"{cmx.last_build_seconds:.1f}s (nvcc + host binding; 0 = cached)  [t={elapsed():.0f}s]")
-            cuda_v = [(f"cuda {c.name()}", c, None) for c in CUDA_CFGS]
-            cuda_v += [(f"cuda {CUDA_CFGS[0].name()} bm={b}", CUDA_CFGS[0], b) for b in args.cuda_bm]
-            variants = variants[:2] + cuda_v + variants[2:]
+            cuda_v = [(f"cuda {c.name()} {lab}", c, rule, pdl) for c in CUDA_CFGS for lab, rule, pdl in CUDA_AB
+                      if not (lab == "bm8+pdl" and c != CUDA_CFGS[0])]
+            variants = cuda_v + variants
         except Exception as ex:  # a build failure must not hide the Triton numbers
             print(f"CUDA GEMV build FAILED {type(ex).__name__}: {str(ex)[-2000:]}")
     elif CUDA_CFGS:
@@ -167,17 +178,28 @@ def main():
         touched = torch.unique(ids).numel()
         nbytes = touched * per_expert
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float()
-        print(f"-- T={T}: {touched} experts touched, {nbytes / 1e6:.1f} MB of weights; gemv block_m "
-              f"{gemv_block_m(T * TOPK, E)} (cuda {cmx.cuda_block_m(T * TOPK, E)})  [t={elapsed():.0f}s]")
-        for name, cfg, bm in variants:
-            auto_bm = (cmx.cuda_block_m if isinstance(cfg, cmx.CudaGemvConfig) else gemv_block_m)(T * TOPK, E)
-            if bm is not None and (T < 16 or bm == auto_bm):
+        P = T * TOPK
+        load = torch.bincount(ids.flatten(), minlength=E)
+        print(f"-- T={T}: {touched} experts touched (max {load.max().item()} pairs), {nbytes / 1e6:.1f} MB of "
+              f"weights; gemv block_m {gemv_block_m(P, E)}, cuda block_m {cmx.cuda_block_m(P, E)} (old rule "
+              f"{cmx.cuda_block_m(P, E, per_expert=False)})  [t={elapsed():.0f}s]")
+        done = set()
+        for name, cfg, bm, pdl in variants:
+            if isinstance(cfg, cmx.CudaGemvConfig):
+                key = (cfg, cuda_bm(bm, P), bool(pdl))
+                if key in done:
+                    continue  # the same block size and launch as an earlier variant at this token count
+                done.add(key)
+                bmx = cuda_bm(bm, P)
+                blocks = int(((load + bmx - 1) // bmx).sum())
+                name = f"{name} bm{bmx}"
+            elif bm is not None and (T < 16 or bm == gemv_block_m(P, E)):
                 continue  # only where it differs from the dispatcher's choice and rows per expert can reach it
             if elapsed() > BUDGET_S:
                 print(f"   {name}: skipped (time budget)")
                 continue
             try:
-                fn, y = run_variant(cfg, bm, z, q1, q3, q2, ids)
+                fn, y = run_variant(cfg, bm, z, q1, q3, q2, ids, pdl)
                 fn()
                 torch.cuda.synchronize()
                 err = rel_err(y.float(), ref)
@@ -189,13 +211,14 @@ def main():
                 continue
             tbps = nbytes / us / 1e6 if ok else float("nan")
             rows.append((T, name, us, tbps, tbps / copy, err, mx_err, ok))
-            print(f"   {name:34s} {us:9.1f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy  "
-                  f"rel_err {err:.2e} max_rel {mx_err:.2e}{'' if ok else '  MISMATCH (not timed)'}"
+            extra = (f"  ({blocks / touched:.2f} blocks/expert)" if isinstance(cfg, cmx.CudaGemvConfig) else "")
+            print(f"   {name:40s} {us:9.1f} us  {tbps:6.3f} TB/s  {tbps / copy:6.1%} of copy  "
+                  f"rel_err {err:.2e} max_rel {mx_err:.2e}{'' if ok else '  MISMATCH (not timed)'}{extra}"
                   f"  [t={elapsed():.0f}s]")
     print(f"\nMXFP4 experts, K3 dims, E={E} top-{TOPK}, copy {copy} TB/s (floor 60%, goal 80%)")
-    print(f"{'T':>3} | {'variant':34s} | {'us':>9} | {'TB/s':>6} | {'frac':>6} | {'rel_err':>8} | {'max_rel':>8}")
+    print(f"{'T':>3} | {'variant':40s} | {'us':>9} | {'TB/s':>6} | {'frac':>6} | {'rel_err':>8} | {'max_rel':>8}")
     for T, name, us, tbps, frac, err, mx_err, ok in rows:
-        print(f"{T:>3} | {name:34s} | {us:9.1f} | {tbps:6.3f} | {frac:6.1%} | {err:8.1e} | {mx_err:8.1e}"
+        print(f"{T:>3} | {name:40s} | {us:9.1f} | {tbps:6.3f} | {frac:6.1%} | {err:8.1e} | {mx_err:8.1e}"
               f"{'' if ok else ' MISMATCH'}")
     for T in TOKENS:
         best = [r for r in rows if r[0] == T and r[7] and r[1] != "old(scaled)"]
@@ -203,10 +226,23 @@ def main():
         if best:
             b = min(best, key=lambda r: r[2])
             print(f"best T={T}: {b[1]} {b[4]:.1%} of copy" + (f" ({old[0][2] / b[2]:.2f}x vs old)" if old else ""))
-        cb = [r for r in best if r[1].startswith("cuda")]
-        if cb:
-            b = min(cb, key=lambda r: r[2])
-            print(f"best cuda T={T}: {b[1]} {b[4]:.1%} of copy")
+    for T in TOKENS:  # the A/B: per-expert blocks vs the old block size, PDL vs none (per CUDA config)
+        cb = {r[1]: r for r in rows if r[0] == T and r[7] and r[1].startswith("cuda")}
+        if not cb:
+            continue
+        b = min(cb.values(), key=lambda r: r[2])
+        ab = []
+        for c in CUDA_CFGS:
+            new, nopdl, old = (next((r for n, r in cb.items() if n.startswith(f"cuda {c.name()} {lab} ")), None)
+                               for lab in ("expert+pdl", "expert", "old-bm"))
+            base = nopdl or old  # at 1 token the per-expert block size is the old one (only one of them runs)
+            parts = [f"pdl {base[2] / new[2] - 1:+.1%}"] if new and base else []
+            if nopdl and old:
+                parts.append(f"per-expert blocks {old[2] / nopdl[2] - 1:+.1%}")
+            if parts:
+                ab.append(f"r{16 * c.row_tiles}: " + ", ".join(parts))
+        print(f"summary T={T}: best {b[1]} {b[4]:.1%} of copy ({b[2]:.1f} us)"
+              + (f"; speedups {'; '.join(ab)}" if ab else ""))
     print(f"done in {elapsed():.0f}s")
 
 
