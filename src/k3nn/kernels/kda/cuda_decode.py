@@ -128,51 +128,97 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(
 
 // ---- shared prologue: token t of request b, head h. Conv over [conv_state rows (W-1) ; new tokens] + SiLU of
 // the head's q | k | v channels into qs / ks / vs (rounded like the reference), exp(g) over K into es.
-// Channel c of the head is always handled by thread c % NT (conv_rewrite relies on it).
+// Channel c of the head is always handled by thread c % NT (conv_rewrite relies on it). For W <= WMAX the
+// window of each channel stays in registers (Taps): its loads are issued together, and conv_rewrite writes the
+// new conv rows from the last token's window without reading them again.
+constexpr int WMAX = 4;
+template <int NT>
+struct Taps {
+  static constexpr int CPT = (3 * D + NT - 1) / NT;  // channels per thread
+  float x[CPT][WMAX];
+};
+
 template <typename T, int NT>
 __device__ __forceinline__ void conv_gate_head(const KdaParams& p, int b, int h, int t, long long slot,
-                                               float* qs, float* ks, float* vs, float* es) {
+                                               float* qs, float* ks, float* vs, float* es, Taps<NT>& tp) {
+  constexpr int CPT = Taps<NT>::CPT;
+  constexpr int GOFF = NT >= 4 * D ? 3 * D : 0;  // threads computing exp(g): idle conv threads when there are
   const int tid = threadIdx.x;
   const long long C = (long long)p.H * D, C3 = 3 * C;
+  const long long row = (long long)b * p.Tn + t;
   const T* xb = static_cast<const T*>(p.qkv) + (long long)b * p.Tn * C3;
   const T* cs = static_cast<const T*>(p.conv_state) + slot * (long long)(p.W - 1) * C3;
   const T* cw = static_cast<const T*>(p.conv_w);
-  for (int c = tid; c < 3 * D; c += NT) {
-    const int grp = c / D, d = c % D;
-    const long long ch = grp * C + (long long)h * D + d;
-    float acc = 0.f;
-    for (int w = 0; w < p.W; ++w) {
-      const int r = t + w;  // row of [conv_state (W-1 rows) ; new tokens]
-      const float xv = r < p.W - 1 ? to_f(cs[(long long)r * C3 + ch]) : to_f(xb[(long long)(r - (p.W - 1)) * C3 + ch]);
-      acc += to_f(cw[ch * p.W + w]) * xv;
+  const int gi = tid - GOFF;
+  const bool gthr = gi >= 0 && gi < D;
+  float xg = 0.f;
+  if (gthr) xg = to_f(static_cast<const T*>(p.f)[row * C + (long long)h * D + gi]) + p.dt_bias[h * D + gi];
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    const int c = tid + i * NT;
+    if (c < 3 * D) {
+      const int grp = c / D, d = c % D;
+      const long long ch = grp * C + (long long)h * D + d;
+      float acc = 0.f;
+      if (p.W <= WMAX) {
+        float wv[WMAX];
+#pragma unroll
+        for (int w = 0; w < WMAX; ++w) {
+          const int r = t + w;  // row of [conv_state (W-1 rows) ; new tokens]
+          tp.x[i][w] = 0.f;
+          wv[w] = 0.f;
+          if (w < p.W) {
+            tp.x[i][w] = r < p.W - 1 ? to_f(cs[(long long)r * C3 + ch]) : to_f(xb[(long long)(r - (p.W - 1)) * C3 + ch]);
+            wv[w] = to_f(cw[ch * p.W + w]);
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < WMAX; ++w)
+          if (w < p.W) acc += wv[w] * tp.x[i][w];
+      } else {
+        for (int w = 0; w < p.W; ++w) {
+          const int r = t + w;
+          const float xv = r < p.W - 1 ? to_f(cs[(long long)r * C3 + ch]) : to_f(xb[(long long)(r - (p.W - 1)) * C3 + ch]);
+          acc += to_f(cw[ch * p.W + w]) * xv;
+        }
+      }
+      const float xv = round_t<T>(acc);
+      const float sv = round_t<T>(xv * sigm(xv));
+      (grp == 0 ? qs : (grp == 1 ? ks : vs))[d] = sv;
     }
-    const float xv = round_t<T>(acc);
-    const float sv = round_t<T>(xv * sigm(xv));
-    (grp == 0 ? qs : (grp == 1 ? ks : vs))[d] = sv;
   }
-  if (tid < D) {
-    const long long row = (long long)b * p.Tn + t;
+  if (gthr) {
     const float a = expf(p.A_log[h]);
-    const float xg = to_f(static_cast<const T*>(p.f)[row * C + (long long)h * D + tid]) + p.dt_bias[h * D + tid];
     const float g = p.softplus ? -a * (xg > 20.f ? xg : log1pf(expf(xg))) : p.lower_bound * sigm(a * xg);
-    es[tid] = expf(g);
+    es[gi] = expf(g);
   }
 }
 
-// conv state: new row i = window row Tn + i. Each channel is read and written by one thread (the one that read
-// it in conv_gate_head), and row Tn + i is never a row already rewritten (Tn >= 1).
+// conv state: new row i = window row Tn + i, i.e. tap i + 1 of the last token's window. Each channel is read and
+// written by one thread (the one that read it in conv_gate_head), and row Tn + i is never a row already
+// rewritten (Tn >= 1).
 template <typename T, int NT>
-__device__ __forceinline__ void conv_rewrite(const KdaParams& p, int b, int h, long long slot) {
+__device__ __forceinline__ void conv_rewrite(const KdaParams& p, int b, int h, long long slot, const Taps<NT>& tp) {
   const long long C = (long long)p.H * D, C3 = 3 * C;
   const T* xb = static_cast<const T*>(p.qkv) + (long long)b * p.Tn * C3;
   T* cs = static_cast<T*>(p.conv_state) + slot * (long long)(p.W - 1) * C3;
-  for (int c = threadIdx.x; c < 3 * D; c += NT) {
-    const int grp = c / D, d = c % D;
-    const long long ch = grp * C + (long long)h * D + d;
-    for (int i = 0; i < p.W - 1; ++i) {
-      const int r = p.Tn + i;
-      const T v = r < p.W - 1 ? cs[(long long)r * C3 + ch] : xb[(long long)(r - (p.W - 1)) * C3 + ch];
-      cs[(long long)i * C3 + ch] = v;
+#pragma unroll
+  for (int i = 0; i < Taps<NT>::CPT; ++i) {
+    const int c = threadIdx.x + i * NT;
+    if (c < 3 * D) {
+      const int grp = c / D, d = c % D;
+      const long long ch = grp * C + (long long)h * D + d;
+      if (p.W <= WMAX) {
+#pragma unroll
+        for (int k = 0; k < WMAX - 1; ++k)
+          if (k < p.W - 1) cs[(long long)k * C3 + ch] = from_f<T>(tp.x[i][k + 1]);
+      } else {
+        for (int k = 0; k < p.W - 1; ++k) {
+          const int r = p.Tn + k;
+          const T v = r < p.W - 1 ? cs[(long long)r * C3 + ch] : xb[(long long)(r - (p.W - 1)) * C3 + ch];
+          cs[(long long)k * C3 + ch] = v;
+        }
+      }
     }
   }
 }
@@ -205,9 +251,10 @@ __global__ void __launch_bounds__(NT_BLOCK) kda_block_kernel(const KdaParams p) 
   float st[KH];
 #pragma unroll
   for (int r = 0; r < KH; ++r) st[r] = __ldcs(Sp + (long long)(half * KH + r) * D + j);  // streamed: evict first
+  Taps<NT_BLOCK> tp;
   for (int t = 0; t < p.Tn; ++t) {
     const long long row = (long long)b * p.Tn + t;
-    conv_gate_head<T, NT_BLOCK>(p, b, h, t, slot, qs, ks, vs, es);
+    conv_gate_head<T, NT_BLOCK>(p, b, h, t, slot, qs, ks, vs, es, tp);
     __syncthreads();
     const float qv = tid < D ? qs[tid] : 0.f, kv = tid < D ? ks[tid] : 0.f;
     const float qn = block_sum(qv * qv, red);
@@ -246,7 +293,7 @@ __global__ void __launch_bounds__(NT_BLOCK) kda_block_kernel(const KdaParams p) 
   }
 #pragma unroll
   for (int r = 0; r < KH; ++r) __stcs(Sp + (long long)(half * KH + r) * D + j, st[r]);
-  conv_rewrite<T, NT_BLOCK>(p, b, h, slot);
+  conv_rewrite<T, NT_BLOCK>(p, b, h, slot, tp);
 }
 
 // ====================== regs / persistent: NW warps, a warp per 128/NW rows, 4 columns per lane ======================
@@ -263,12 +310,35 @@ struct Scratch {
   float* qn;
 };
 
+// Per-token values loaded before the prologue, so that their latency overlaps the conv loads: β's logit and,
+// for warp 0 (which writes y), the lane's 4 output-gate logits.
+template <typename T>
+struct TokenIn {
+  float b;
+  float g[4];
+};
+template <typename T>
+__device__ __forceinline__ TokenIn<T> token_in(const KdaParams& p, int b, int h, int t) {
+  TokenIn<T> in;
+  const long long row = (long long)b * p.Tn + t;
+  const int lane = threadIdx.x & 31;
+  in.b = to_f(static_cast<const T*>(p.bl)[row * p.H + h]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) in.g[i] = 0.f;
+  if (threadIdx.x < 32) {
+    const T* gp = static_cast<const T*>(p.gate) + row * (long long)p.H * D + (long long)h * D + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) in.g[i] = to_f(gp[i]);
+  }
+  return in;
+}
+
 // One token of the recurrence for the state rows this thread holds (st: rows w*RPW + r, columns 4*lane ...).
 // Expects conv_gate_head's outputs in sc.qs / ks / vs / es behind a block barrier. Block barriers: two. The
 // vectors may be overwritten (next token / item) by any thread once it has passed the second one.
 template <typename T, int NW>
 __device__ __forceinline__ void recur_token(const KdaParams& p, float4 (&st)[D / NW], const Scratch<NW>& sc,
-                                            int b, int h, int t) {
+                                            int b, int h, int t, const TokenIn<T>& in) {
   constexpr int RPW = D / NW;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const long long row = (long long)b * p.Tn + t;
@@ -278,7 +348,7 @@ __device__ __forceinline__ void recur_token(const KdaParams& p, float4 (&st)[D /
   const float qn = warp_sum(q4.x * q4.x + q4.y * q4.y + q4.z * q4.z + q4.w * q4.w);
   const float kn = warp_sum(k4.x * k4.x + k4.y * k4.y + k4.z * k4.z + k4.w * k4.w);
   const float rq = sqrtf(qn + 1e-6f), rk = sqrtf(kn + 1e-6f);
-  const float beta = sigm(to_f(static_cast<const T*>(p.bl)[row * p.H + h]));
+  const float beta = sigm(in.b);
   if (lane < RPW) {  // this warp's rows of the normalised k and q (rounded like the reference), for all lanes
     const int kr = w * RPW + lane;
     sc.kn[kr] = round_t<T>(sc.ks[kr] / rk);
@@ -308,19 +378,16 @@ __device__ __forceinline__ void recur_token(const KdaParams& p, float4 (&st)[D /
   }
   reinterpret_cast<float4*>(sc.part1)[w * (D / 4) + lane] = po;
   __syncthreads();
-  float4 o = reinterpret_cast<const float4*>(sc.part1)[lane];
+  if (w == 0) {  // the raw o (rounded like the reference) and the gated RMSNorm over the whole row, in warp 0
+    float4 o = reinterpret_cast<const float4*>(sc.part1)[lane];
 #pragma unroll
-  for (int i = 1; i < NW; ++i) o = add4(o, reinterpret_cast<const float4*>(sc.part1)[i * (D / 4) + lane]);
-  o = make_float4(round_t<T>(o.x), round_t<T>(o.y), round_t<T>(o.z), round_t<T>(o.w));
-  if (w == 0) {  // the gated RMSNorm: every warp holds the whole output row; warp 0 writes it
-    const float ss = warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
+    for (int i = 1; i < NW; ++i) o = add4(o, reinterpret_cast<const float4*>(sc.part1)[i * (D / 4) + lane]);
+    const float ov[4] = {round_t<T>(o.x), round_t<T>(o.y), round_t<T>(o.z), round_t<T>(o.w)};
+    const float ss = warp_sum(ov[0] * ov[0] + ov[1] * ov[1] + ov[2] * ov[2] + ov[3] * ov[3]);
     const float rs = rsqrtf(ss / D + p.eps);
-    const long long off = (row * p.H + h) * D + 4 * lane;
-    const T* gp = static_cast<const T*>(p.gate) + row * (long long)p.H * D + (long long)h * D + 4 * lane;
-    T* yp = static_cast<T*>(p.y) + off;
-    const float ov[4] = {o.x, o.y, o.z, o.w};
+    T* yp = static_cast<T*>(p.y) + (row * p.H + h) * D + 4 * lane;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) yp[i] = from_f<T>(ov[i] * rs * p.norm_w[4 * lane + i] * sigm(to_f(gp[i])));
+    for (int i = 0; i < 4; ++i) yp[i] = from_f<T>(ov[i] * rs * __ldg(p.norm_w + 4 * lane + i) * sigm(in.g[i]));
   }
 }
 
@@ -346,13 +413,15 @@ __global__ void __launch_bounds__(32 * NW, RegsBounds<NW>::min_blocks) kda_regs_
   float4 st[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) st[r] = __ldcs(reinterpret_cast<const float4*>(Sp + (long long)(w * RPW + r) * D) + lane);
+  Taps<NT> tp;
   for (int t = 0; t < p.Tn; ++t) {
-    conv_gate_head<T, NT>(p, b, h, t, slot, qs, ks, vs, es);
+    const TokenIn<T> in = token_in<T>(p, b, h, t);
+    conv_gate_head<T, NT>(p, b, h, t, slot, qs, ks, vs, es, tp);
     __syncthreads();
-    recur_token<T, NW>(p, st, sc, b, h, t);
+    recur_token<T, NW>(p, st, sc, b, h, t, in);
   }
   store_state<NW>(Sp, st);
-  conv_rewrite<T, NT>(p, b, h, slot);
+  conv_rewrite<T, NT>(p, b, h, slot, tp);
 }
 
 // ============================ persistent: bulk async copies of the next tiles ============================
@@ -414,11 +483,11 @@ __global__ void __launch_bounds__(32 * NW, 1) kda_persistent_kernel(const KdaPar
   const Scratch<NW> sc{part0, part1, qs, ks, vs, es, kn, qn};
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int items = p.B * p.H, G = p.grid;
-  auto tile_src = [&](int item) {
-    const int b = item / p.H, h = item - b * p.H;
-    const long long slot = p.idx ? p.idx[b] : (long long)b;
-    return p.S + (slot * p.H + h) * (long long)D * D;
+  auto slot_of = [&](int item) -> int {  // slots are < 2^31 (checked on the host)
+    const int b = item / p.H;
+    return p.idx ? (int)p.idx[b] : b;
   };
+  auto tile_of = [&](int item, int slot) { return p.S + ((long long)slot * p.H + (item % p.H)) * D * D; };
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(bars + s), 1);
@@ -426,36 +495,40 @@ __global__ void __launch_bounds__(32 * NW, 1) kda_persistent_kernel(const KdaPar
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       const int item = blockIdx.x + s * G;
-      if (item < items) tile_load(smem_u32(tiles + s * D * D), tile_src(item), smem_u32(bars + s));
+      if (item < items) tile_load(smem_u32(tiles + s * D * D), tile_of(item, slot_of(item)), smem_u32(bars + s));
     }
   }
   __syncthreads();  // barriers initialised before anyone waits on them
-  int j = 0;        // local item count
+  int slot_next = blockIdx.x < items ? slot_of(blockIdx.x) : 0;
+  int j = 0;  // local item count
   for (int item = blockIdx.x; item < items; item += G, ++j) {
     const int b = item / p.H, h = item - b * p.H;
-    const long long slot = p.idx ? p.idx[b] : (long long)b;
+    const long long slot = slot_next;
+    if (item + G < items) slot_next = slot_of(item + G);  // in flight during this item
+    const int ahead = item + STAGES * G;  // the item whose tile goes into this item's buffer
+    int slot_ahead = 0;
+    if (tid == 0 && ahead < items) slot_ahead = slot_of(ahead);
     const int s = j % STAGES;
     const float* tile = tiles + s * D * D;
     float4 st[RPW];
+    Taps<NT> tp;
     for (int t = 0; t < p.Tn; ++t) {
-      conv_gate_head<T, NT>(p, b, h, t, slot, qs, ks, vs, es);  // while the tile is (still) in flight
+      const TokenIn<T> in = token_in<T>(p, b, h, t);
+      conv_gate_head<T, NT>(p, b, h, t, slot, qs, ks, vs, es, tp);  // while the tile is (still) in flight
       if (t == 0) {
         mbar_wait(smem_u32(bars + s), (j / STAGES) & 1);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) st[r] = reinterpret_cast<const float4*>(tile + (w * RPW + r) * D)[lane];
       }
       __syncthreads();  // prologue outputs visible; for t == 0 every thread has its rows of the tile
-      if (t == 0 && tid == 0) {  // the buffer goes straight back to the copy engine, STAGES items ahead
-        const int next = item + STAGES * G;
-        if (next < items) {
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
-          tile_load(smem_u32(tile), tile_src(next), smem_u32(bars + s));
-        }
+      if (t == 0 && tid == 0 && ahead < items) {  // the buffer goes straight back to the copy engine
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
+        tile_load(smem_u32(tile), tile_of(ahead, slot_ahead), smem_u32(bars + s));
       }
-      recur_token<T, NW>(p, st, sc, b, h, t);
+      recur_token<T, NW>(p, st, sc, b, h, t, in);
     }
     store_state<NW>(p.S + (slot * p.H + h) * (long long)D * D, st);
-    conv_rewrite<T, NT>(p, b, h, slot);
+    conv_rewrite<T, NT>(p, b, h, slot, tp);
   }
 #endif
 }
