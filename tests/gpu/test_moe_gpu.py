@@ -126,13 +126,14 @@ def _cuda_cfgs():
     return cfgs
 
 
-def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None):
+def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None, pdl=None):
     E = w1.shape[0]
     P = ids.numel()
     al = align_for(ids, E, bm or cmx.cuda_block_m(P, E))
     y = torch.full((ids.shape[0], ids.shape[1], x.shape[1]), float("nan"), device="cuda", dtype=x.dtype)
     cmx.mx_gemv_experts_cuda(x, w1, w3, w2, al, y.view(P, -1), P, ids.shape[1], 0 if act == "silu" else 1,
-                             lin is not None, 4.0, lin if lin is not None else 1.0, cfg, cfg, configs=configs)
+                             lin is not None, 4.0, lin if lin is not None else 1.0, cfg, cfg, configs=configs,
+                             pdl=pdl)
     return y
 
 
@@ -140,17 +141,17 @@ def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None):
 @given(N=st.sampled_from([1, 2, 5, 16]), E=st.sampled_from([4, 16, 64]), k=st.sampled_from([1, 4, 8]),
        D=st.sampled_from([96, 256, 416]), I=st.sampled_from([64, 160, 384]), act=st.sampled_from(["silu", "situ"]),
        cap=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), bm=st.sampled_from([None, 1, 4, 8]),
-       ci=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
-def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, seed):
+       ci=st.integers(0, 3), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
     """K (= D, I) not a multiple of the 128-k group or of unroll·k_split, experts without tokens (E=64),
     block sizes 1-8, NaN-poisoned outputs; vs the eager reference in the activation dtype and in fp32."""
     cfgs = _cuda_cfgs()
     cfg = cfgs[ci % len(cfgs)]
     k = min(k, E)
-    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} dtype={dtype} bm={bm} cfg={cfg}")
+    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} dtype={dtype} bm={bm} cfg={cfg} pdl={pdl}")
     x, (w1, w3, w2), ids, _ = _problem(N, D, I, E, k, seed, True, dtype=dtype)
     lin = 25.0 if cap else None
-    y = _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, cfgs, bm)
+    y = _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, cfgs, bm, pdl)
     ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, act, 4.0, lin)
     assert _rel(y, ref) < 1e-2
     ref32 = moe_expert_outputs_reference(x.float(), w1, w3, w2, ids, act, 4.0, lin)
@@ -254,3 +255,69 @@ def test_cuda_gemv_matches_triton_gemv_at_k3_shapes():
         for cfg in cfgs:
             yc = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs).view(P, D)
             assert _rel(yc, yt) < 1e-2, cfg
+
+
+def _uneven_ids():
+    """12 tokens, top-4 of 16 experts (distinct per token): expert 0 in every token (12 pairs: two blocks of 8),
+    expert 1 in 5, expert 2 in 3, experts 3 and 4 in 1 and 2, experts 5 and 15 in none."""
+    rows = [[0, 1 if n < 5 else 6 + n % 3, 2 if n < 3 else 9 + n % 4, 3 if n == 0 else (4 if n in (1, 2) else
+            13 + n % 2)] for n in range(12)]
+    return torch.tensor(rows, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gemv_per_expert_blocks_uneven_loads(dtype):
+    """Per-expert blocks with the run-time n8 tile count: uneven loads (1-12 pairs, an expert over 8 pairs, idle
+    experts), 1 token, top-k = experts; every block size and config, with and without PDL, vs eager; PDL changes
+    no bit."""
+    cfgs = _cuda_cfgs()
+    D, I = 256, 160
+    cases = []
+    x, (w1, w3, w2), _, _ = _problem(12, D, I, 16, 4, 21, True, dtype=dtype)
+    cases.append((x, w1, w3, w2, _uneven_ids()))
+    x1, ws1, _, _ = _problem(1, D, I, 8, 8, 22, True, dtype=dtype)
+    cases.append((x1, *ws1, torch.randperm(8, device="cuda")[None]))  # 1 token, top-k = E
+    for x, w1, w3, w2, ids in cases:
+        ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+        assert cmx.cuda_block_m(ids.numel(), w1.shape[0]) in (2, 4, 8)
+        for cfg in cfgs:
+            for bm in (None, 2, 4, 8):
+                y = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs, bm, pdl=False)
+                assert _rel(y, ref) < 1e-2, (cfg, bm, ids.shape)
+                yp = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs, bm, pdl=True)
+                assert torch.equal(yp, y), (cfg, bm, ids.shape)
+
+
+def test_cuda_gemv_pdl_in_a_cuda_graph():
+    """Up and down (PDL on) captured back to back three times in one graph: the replay gives the eager bits;
+    the h of each call is fully written before its down kernel reads it (a stale h would change y)."""
+    cfgs = _cuda_cfgs()
+    cfg = cfgs[0]
+    x, (w1, w3, w2), _, _ = _problem(12, 256, 160, 16, 4, 23, True)
+    ids = _uneven_ids()
+    P = ids.numel()
+    al = align_for(ids, 16, cmx.cuda_block_m(P, 16))
+    xs = [x * (i + 1) for i in range(3)]
+    want = [_cuda_outputs(xi, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs, pdl=False) for xi in xs]
+    ys = [torch.full_like(want[0], float("nan")) for _ in xs]
+
+    def run():
+        for xi, yi in zip(xs, ys, strict=True):
+            cmx.mx_gemv_experts_cuda(xi, w1, w3, w2, al, yi.view(P, -1), P, 4, 1, True, 4.0, 25.0, cfg, cfg,
+                                     configs=cfgs, pdl=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for yi in ys:
+        yi.fill_(float("nan"))
+    for _ in range(2):
+        g.replay()
+    torch.cuda.synchronize()
+    for yi, wi in zip(ys, want, strict=True):
+        assert torch.equal(yi, wi)
