@@ -44,8 +44,21 @@ import torch
 
 from ..cuda_ext import toolchain_reason
 
-__all__ = ["available", "supports", "kda_fused_decode_cuda", "kernel_source", "build", "plan", "smem_bytes",
-           "auto_enabled", "auto_reason", "VARIANTS", "AUTO_DEFAULT", "AUTO_MIN_BH", "CUDA_SOURCE"]
+__all__ = [
+    "AUTO_DEFAULT",
+    "AUTO_MIN_BH",
+    "CUDA_SOURCE",
+    "VARIANTS",
+    "auto_enabled",
+    "auto_reason",
+    "available",
+    "build",
+    "kda_fused_decode_cuda",
+    "kernel_source",
+    "plan",
+    "smem_bytes",
+    "supports",
+]
 
 D = 128
 VARIANTS = ("persistent", "regs", "block")
