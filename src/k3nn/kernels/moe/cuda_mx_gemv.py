@@ -575,13 +575,16 @@ mx_gemv_kernel(const Args p) {
 
   // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
   if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
   } else if (nr == 2) {
     if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
   } else {
     if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act, scl, red);
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
   }
   __syncthreads();
 
