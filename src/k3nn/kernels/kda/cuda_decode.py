@@ -18,8 +18,10 @@ SiLU output, L2-normed q and k, raw o rounded to the activation dtype; RMSNorm a
   into shared memory with 1-D bulk async copies (``cp.async.bulk`` … ``mbarrier::complete_tx``, L2
   ``evict_first``) while it computes the current one; the current tile goes from shared memory into the
   ``regs`` layout, its buffer is handed straight back to the copy engine for the item ``STAGES`` ahead, and the
-  updated state leaves with 16-byte streaming stores (``st.global.cs.v4``) that nothing waits for. The math is
-  the ``regs`` kernel's. Shared memory: ``STAGES·64 KB`` + partials (:func:`smem_bytes`), one CTA per SM.
+  updated state leaves with 16-byte streaming stores (``st.global.cs.v4``) that nothing waits for. The prologue
+  inputs of the next item are prefetched into L2 and its cache slot loaded one item ahead, so the per-item
+  critical path (prologue, three barriers) stays short of the time its 128 KB of state traffic takes at copy
+  bandwidth. The math is the ``regs`` kernel's. Shared memory: ``STAGES·64 KB`` + partials (:func:`smem_bytes`), one CTA per SM.
 
 T > 1 (verify windows) runs in every kernel: a token loop over the state held in registers.
 
@@ -205,6 +207,33 @@ __device__ __forceinline__ void conv_gate_head(const KdaParams& p, int b, int h,
     const float g = p.softplus ? -a * (xg > 20.f ? xg : log1pf(expf(xg))) : p.lower_bound * sigm(a * xg);
     es[gi] = expf(g);
   }
+}
+
+// L2 prefetch of what conv_gate_head / token_in will read for request b, head h, token 0 (the persistent kernel
+// calls it one item ahead, so that the next prologue's loads hit L2 instead of waiting on loaded HBM queues).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+template <typename T, int NT>
+__device__ __forceinline__ void prefetch_head(const KdaParams& p, int b, int h, long long slot) {
+  constexpr int GOFF = NT >= 4 * D ? 3 * D : 0;
+  const int tid = threadIdx.x;
+  const long long C = (long long)p.H * D, C3 = 3 * C;
+  const long long row = (long long)b * p.Tn;
+  const T* xb = static_cast<const T*>(p.qkv) + (long long)b * p.Tn * C3;
+  const T* cs = static_cast<const T*>(p.conv_state) + slot * (long long)(p.W - 1) * C3;
+  // one thread per 64 channels (a 128-byte line of bf16) of the q | k | v blocks
+  if (tid < 3 * D / 64 * WMAX) {
+    const int c = (tid % (3 * D / 64)) * 64, r = tid / (3 * D / 64);  // window row r of token 0
+    const long long ch = (c / D) * C + (long long)h * D + c % D;
+    if (r < p.W) prefetch_l2(r < p.W - 1 ? cs + (long long)r * C3 + ch : xb + ch);
+  }
+  const int gi = tid - GOFF;
+  if (gi >= 0 && gi < D && gi % 32 == 0) {
+    prefetch_l2(static_cast<const T*>(p.f) + row * C + (long long)h * D + gi);
+    prefetch_l2(static_cast<const T*>(p.gate) + row * C + (long long)h * D + gi);
+  }
+  if (tid == 0) prefetch_l2(static_cast<const T*>(p.bl) + row * p.H + h);
 }
 
 // conv state: new row i = window row Tn + i, i.e. tap i + 1 of the last token's window. Each channel is read and
@@ -537,6 +566,10 @@ __global__ void __launch_bounds__(32 * NW, 1) kda_persistent_kernel(const KdaPar
       if (t == 0 && tid == 0 && ahead < items) {  // the buffer goes straight back to the copy engine
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
         tile_load(smem_u32(tile), tile_of(ahead, slot_ahead), smem_u32(bars + s));
+      }
+      if (t == 0 && item + G < items) {
+        const int bn = (item + G) / p.H;
+        prefetch_head<T, NT>(p, bn, item + G - bn * p.H, slot_next);
       }
       recur_token<T, NW>(p, st, sc, b, h, t, in);
     }
