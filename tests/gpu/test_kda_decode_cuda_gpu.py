@@ -6,8 +6,13 @@ y allocated over NaN-poisoned memory; plus CUDA-graph replay, run-to-run determi
     K3NN_TEST_GPU=1 python3 -m pytest -m gpu -q tests/gpu/test_kda_decode_cuda_gpu.py
 """
 
+import contextlib
+import os
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import k3nn
 from k3nn import ops
@@ -68,8 +73,8 @@ def poison_allocator(shape, dtype):
     del x
 
 
-def check(B, T, dtype, gate, seed, idx_dtype=torch.int64):
-    H = H_OF_B[B]
+def check(B, T, dtype, gate, seed, idx_dtype=torch.int64, H=None):
+    H = H or H_OF_B[B]
     args, S, cs, idx = inputs(B, T, H, dtype, seed)
     idx = idx.to(idx_dtype)
     kw = dict(gate_kind=gate, lower_bound=-5.0, norm_eps=1e-5)
@@ -106,6 +111,34 @@ def test_default_variant_matches_eager(cuda_on, dtype, B, T, gate):
 def test_variants_match_eager(cuda_on, name, dtype, B, T):
     use(cuda_on, name)
     check(B, T, dtype, "lower_bound" if (B + T) % 2 else "softplus", seed=7 * B + T, idx_dtype=torch.int32)
+
+
+@contextlib.contextmanager
+def env(**kv):
+    old = {k: os.environ.get(k) for k in KNOBS}
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    os.environ.update(kv)
+    cd.available.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        cd.available.cache_clear()
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 80), T=st.integers(1, 4), H=st.integers(1, 16), fp32=st.booleans(), softplus=st.booleans(),
+       name=st.sampled_from(list(VARIANTS)), grid=st.sampled_from(["", "1", "5"]), seed=st.integers(0, 2 ** 16))
+def test_drawn_shapes(B, T, H, fp32, softplus, name, grid, seed):
+    v, w, s = VARIANTS[name]
+    with env(K3NN_KDA_CUDA="1", K3NN_KDA_CUDA_VARIANT=v, K3NN_KDA_CUDA_WARPS=str(w), K3NN_KDA_CUDA_STAGES=str(s),
+             K3NN_KDA_CUDA_GRID=grid):
+        check(B, T, torch.float32 if fp32 else torch.bfloat16, "softplus" if softplus else "lower_bound", seed, H=H)
 
 
 @pytest.mark.parametrize("grid", ["1", "7", "1000"])
