@@ -41,6 +41,7 @@ STEPS=(
   "kda-intra-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k splitg"
   "mla-cuda-tests|240|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"
   "mla-cuda-bench|150|$PY bench/gpu/mla_decode.py --cuda-only"
+  "kda-decode-cuda-tests|150|$PYTEST tests/gpu/test_kda_decode_cuda_gpu.py"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"
   "kda-decode-cuda|80|env K3NN_KDA_CUDA=1 $PY -m k3nn.bench.kda_decode --quick"
   "decode-gpu-tests|100|$PYTEST tests/gpu/test_decode_gpu.py"
