@@ -1,7 +1,7 @@
 """GPU check + timing of the fused KDA decode kernels (Triton ``head`` / ``split``, CUDA ``persistent`` / ``regs`` /
 ``block``) against eager and fla-core.
 
-    PYTHONPATH=src python3 bench/gpu/kda_decode.py
+    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda]
 
 1. Build: the CUDA extension (kernels/kda/cuda_decode.py; compiled once, cached on disk by torch), timed.
 2. Correctness: every variant below in bf16 and fp32, B = 1 and 64, T = 1 and 3, shuffled cache slots: max
@@ -14,9 +14,10 @@
    as read + write 2·B·H·D²·4 bytes; ``frac_copy`` = achieved / copy bandwidth (target >= 0.80 at B >= 64).
 
 Variants are picked through the kernel modules' environment overrides (read at each call): Triton
-``K3NN_KDA_DECODE_PATH / _BV / _WARPS``, CUDA ``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
+``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG``, CUDA ``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
 ``K3NN_KDA_CUDA=1``). Triton variants that lost every shape on the H200 (split16w2, head16w2, head16w1,
-head64w8, head128w8, head128w16; bench/results/logs/h200-run2-2026-11-30.log) are no longer run. Stays within
+head64w8, head128w8, head128w16; bench/results/logs/h200-run2-2026-11-30.log) and the CUDA variants behind
+cu-pers16s2 / cu-regs16 (h200-s5-run2-2026-11-30.log) are no longer run. Stays within
 ~95 s: optional work is skipped (and says so) once the time budget runs low.
 """
 
@@ -48,24 +49,34 @@ def _pers(warps, stages):
     return dict(K3NN_KDA_CUDA_VARIANT="persistent", K3NN_KDA_CUDA_WARPS=str(warps), K3NN_KDA_CUDA_STAGES=str(stages))
 
 
+def _head(bv, warps, pf=1, maxnreg=0):
+    return dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(warps),
+                K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg))
+
+
 # name -> (backend, environment); the first Triton entry of each path is that path's default
 VARIANTS = {
     "split32w4": ("triton", dict(K3NN_KDA_DECODE_PATH="split", K3NN_KDA_DECODE_BV="32", K3NN_KDA_DECODE_WARPS="4")),
-    "head32w4": ("triton", dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV="32", K3NN_KDA_DECODE_WARPS="4")),
-    # CUDA: persistent (one CTA per SM looping over request-heads, state tiles streamed into shared memory
-    # STAGES ahead by bulk async copies), regs (one CTA per request-head, 16-byte state loads into registers),
-    # block (the first CUDA kernel: a column per thread)
-    "cu-pers16s3": ("cuda", _pers(16, 3)),
+    "head32w4": ("triton", _head(32, 4)),
+    # head path: more bytes in flight per SM — two chunks loaded ahead (pf2) and/or a register cap (rN) so
+    # that more programs fit an SM (65536 / (128 threads x N registers))
+    "head32w4r128": ("triton", _head(32, 4, 1, 128)),
+    "head32w4pf2": ("triton", _head(32, 4, 2)),
+    "head32w4pf2r168": ("triton", _head(32, 4, 2, 168)),
+    "head32w4pf2r128": ("triton", _head(32, 4, 2, 128)),
+    "head16w4pf2": ("triton", _head(16, 4, 2)),
+    "head16w4pf2r96": ("triton", _head(16, 4, 2, 96)),
+    "head32w8pf2": ("triton", _head(32, 8, 2)),
+    # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
+    # request-heads, state tiles streamed into shared memory STAGES ahead by bulk async copies), regs (one CTA
+    # per request-head, 16-byte state loads into registers)
     "cu-pers16s2": ("cuda", _pers(16, 2)),
-    "cu-pers8s3": ("cuda", _pers(8, 3)),
-    "cu-pers8s2": ("cuda", _pers(8, 2)),
-    "cu-regs8": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="8")),
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
-    "cu-block": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="block")),
 }
-ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_CUDA_VARIANT",
-       "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
-RACE = ("split32w4", "head32w4", "cu-pers16s3", "cu-pers8s3")
+ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_CUDA_VARIANT", "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES",
+       "K3NN_KDA_CUDA_GRID")
+RACE = ("split32w4", "head32w4", "head32w4pf2r168", "cu-pers16s2")
 D, W = 128, 4
 
 
@@ -216,7 +227,7 @@ def timing(variants, copy_tbps):
         if best:
             summary.append(f"B={B} H={H}: best {best[0]} {best[1] * 1e3:.2f} us "
                            f"({nbytes / best[1] / 1e9 / copy_tbps:.3f} of copy BW)")
-        for fam in ("cu-pers", "cu-"):  # best persistent CUDA kernel, best CUDA kernel of any kind
+        for fam in ("head", "cu-"):  # best persistent CUDA kernel, best CUDA kernel of any kind
             cu = min((r for r in row if r[0].startswith(fam)), key=lambda r: r[1], default=None)
             if cu:
                 summary.append(f"B={B} H={H}: best {fam}* {cu[0]} {cu[1] * 1e3:.2f} us "
@@ -243,7 +254,7 @@ def main():
     from k3nn.kernels.kda import cuda_decode
 
     cuda_decode.available.cache_clear()
-    why = cuda_decode.available()
+    why = "--no-cuda" if "--no-cuda" in sys.argv[1:] else cuda_decode.available()
     if why is None:
         t = time.time()
         try:

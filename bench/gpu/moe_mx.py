@@ -16,10 +16,10 @@ Variants: ``old`` = the grouped tensor-core GEMMs (tl.dot_scaled, autotuned), ``
 word decode); ``cuda r16 ks2 u2 pf`` = cuda_mx_gemv (K3NN_MOE_GEMV=cuda) with 16·RT rows per CTA, KS warps
 splitting K, U 128-k groups per load batch, PF prefetch, DEC 1 = e4m3 decode (``--cuda`` replaces the default
 set; all CUDA configs are built once, in one module, before timing: the nvcc time is printed). Each CUDA config
-runs as an A/B of the alignment block size and the launch: ``old-bm`` = ``cuda_block_m(per_expert=False)`` (≈
-pairs per touched expert: 2 at 1-16 tokens) without PDL, ``expert`` = the per-expert blocks of ``cuda_block_m``
-(2 / 4 / 8 at 1 / 4 / 16 tokens), ``+pdl`` = the down kernel launched as a programmatic dependent of the up
-kernel, ``bm8`` = block_m 8 at every size (runs that repeat an earlier block size are skipped). ``--triton
+runs as an A/B of the alignment block size (``cuda_block_m`` rules: ``one-block`` = 8 rows, the default;
+``poisson`` = 2 / 4 / 8 at 1 / 4 / 16 tokens; ``mean-bm`` = ≈ pairs per touched expert, the earlier rule) and the
+launch (``+pdl`` = the down kernel launched as a programmatic dependent of the up kernel); runs that repeat an
+earlier block size and launch are skipped. ``--triton
 default`` (the default) times only the grouped kernel and the dispatcher's Triton GEMV (after the CUDA
 variants), ``all`` every Triton variant. Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default
 95) so the whole run stays under two minutes. The last lines (``summary T=...``) name the best variant per token
@@ -83,9 +83,9 @@ CUDA_CFGS = [
     cmx.CudaGemvConfig(4, 2, 2, True, 1),  # DEFAULT_CONFIG
     cmx.CudaGemvConfig(2, 2, 2, True, 1),
 ]
-# (label, block size rule, PDL): decisive first; "old" = cuda_block_m(per_expert=False), "expert" = the default
-CUDA_AB = [("expert+pdl", "expert", True), ("expert", "expert", False), ("old-bm", "old", False),
-           ("bm8+pdl", 8, True)]
+# (label, cuda_block_m rule, PDL): decisive first; "one-block" (block_m 8) + PDL is the default
+CUDA_AB = [("one-block+pdl", "one-block", True), ("poisson+pdl", "poisson", True), ("one-block", "one-block", False),
+           ("mean-bm", "mean", False)]
 
 
 def parse_args():
@@ -95,6 +95,8 @@ def parse_args():
     ap.add_argument("--cuda", nargs="*", default=None, metavar="RT,KS,U,PF,DEC",
                     help="CUDA configs to time (default: the built-in set); --cuda alone: no CUDA GEMV")
     ap.add_argument("--triton", choices=("all", "default", "none"), default="default")
+    ap.add_argument("--experts", type=int, default=E,
+                    help=f"routed experts (default {E}; K3 has 896: at 16 tokens about one pair per touched expert)")
     return ap.parse_args()
 
 
@@ -114,11 +116,7 @@ def make_weights(dev):
 
 
 def cuda_bm(rule, P):
-    if rule == "expert":
-        return cmx.cuda_block_m(P, E)
-    if rule == "old":
-        return cmx.cuda_block_m(P, E, per_expert=False)
-    return rule
+    return cmx.cuda_block_m(P, E, rule)
 
 
 def run_variant(cfg, bm, z, q1, q3, q2, ids, pdl=None):
@@ -131,7 +129,7 @@ def run_variant(cfg, bm, z, q1, q3, q2, ids, pdl=None):
         return (lambda: fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN, align=al, out=y,
                                              mx_mode="scaled")), y
     if isinstance(cfg, cmx.CudaGemvConfig):
-        al = align_for(ids, E, cuda_bm(bm or "expert", P))
+        al = align_for(ids, E, cuda_bm(bm or "one-block", P))
         y2 = y.view(P, D)
         return (lambda: cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y2, P, TOPK, 1, True, BETA, LIN, cfg, cfg,
                                                  configs=tuple(CUDA_CFGS), dtypes=("bf16",), pdl=pdl)), y
@@ -141,8 +139,11 @@ def run_variant(cfg, bm, z, q1, q3, q2, ids, pdl=None):
 
 
 def main():
-    global CUDA_CFGS
+    global CUDA_CFGS, E
     args = parse_args()
+    if args.experts < TOPK:
+        raise SystemExit(f"--experts must be at least top-k = {TOPK}, got {args.experts}")
+    E = args.experts
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dev = "cuda"
     meta = device_meta()
@@ -161,8 +162,7 @@ def main():
             cmx.build(tuple(CUDA_CFGS), ("bf16",))
             print(f"CUDA GEMV: {len(CUDA_CFGS)} configs x 3 block sizes x up/down built in "
                   f"{cmx.last_build_seconds:.1f}s (nvcc + host binding; 0 = cached)  [t={elapsed():.0f}s]")
-            cuda_v = [(f"cuda {c.name()} {lab}", c, rule, pdl) for c in CUDA_CFGS for lab, rule, pdl in CUDA_AB
-                      if not (lab == "bm8+pdl" and c != CUDA_CFGS[0])]
+            cuda_v = [(f"cuda {c.name()} {lab}", c, rule, pdl) for c in CUDA_CFGS for lab, rule, pdl in CUDA_AB]
             variants = cuda_v + variants
         except Exception as ex:  # a build failure must not hide the Triton numbers
             print(f"CUDA GEMV build FAILED {type(ex).__name__}: {str(ex)[-2000:]}")
@@ -181,8 +181,8 @@ def main():
         P = T * TOPK
         load = torch.bincount(ids.flatten(), minlength=E)
         print(f"-- T={T}: {touched} experts touched (max {load.max().item()} pairs), {nbytes / 1e6:.1f} MB of "
-              f"weights; gemv block_m {gemv_block_m(P, E)}, cuda block_m {cmx.cuda_block_m(P, E)} (old rule "
-              f"{cmx.cuda_block_m(P, E, per_expert=False)})  [t={elapsed():.0f}s]")
+              f"weights; gemv block_m {gemv_block_m(P, E)}, cuda block_m {cmx.cuda_block_m(P, E)} (poisson "
+              f"{cmx.cuda_block_m(P, E, 'poisson')}, mean {cmx.cuda_block_m(P, E, 'mean')})  [t={elapsed():.0f}s]")
         done = set()
         for name, cfg, bm, pdl in variants:
             if isinstance(cfg, cmx.CudaGemvConfig):
@@ -226,19 +226,21 @@ def main():
         if best:
             b = min(best, key=lambda r: r[2])
             print(f"best T={T}: {b[1]} {b[4]:.1%} of copy" + (f" ({old[0][2] / b[2]:.2f}x vs old)" if old else ""))
-    for T in TOKENS:  # the A/B: per-expert blocks vs the old block size, PDL vs none (per CUDA config)
+    for T in TOKENS:  # the A/B per CUDA config: PDL vs none, one block per expert vs the smaller rules
         cb = {r[1]: r for r in rows if r[0] == T and r[7] and r[1].startswith("cuda")}
         if not cb:
             continue
         b = min(cb.values(), key=lambda r: r[2])
         ab = []
         for c in CUDA_CFGS:
-            new, nopdl, old = (next((r for n, r in cb.items() if n.startswith(f"cuda {c.name()} {lab} ")), None)
-                               for lab in ("expert+pdl", "expert", "old-bm"))
-            base = nopdl or old  # at 1 token the per-expert block size is the old one (only one of them runs)
-            parts = [f"pdl {base[2] / new[2] - 1:+.1%}"] if new and base else []
-            if nopdl and old:
-                parts.append(f"per-expert blocks {old[2] / nopdl[2] - 1:+.1%}")
+            one_pdl, poisson_pdl, one, mean = (
+                next((r for n, r in cb.items() if n.startswith(f"cuda {c.name()} {lab} ")), None)
+                for lab in ("one-block+pdl", "poisson+pdl", "one-block", "mean-bm"))
+            parts = [f"pdl {one[2] / one_pdl[2] - 1:+.1%}"] if one and one_pdl else []
+            if one_pdl and poisson_pdl:
+                parts.append(f"one-block vs poisson {poisson_pdl[2] / one_pdl[2] - 1:+.1%}")
+            if one and mean:
+                parts.append(f"one-block vs mean {mean[2] / one[2] - 1:+.1%}")
             if parts:
                 ab.append(f"r{16 * c.row_tiles}: " + ", ".join(parts))
         print(f"summary T={T}: best {b[1]} {b[4]:.1%} of copy ({b[2]:.1f} us)"

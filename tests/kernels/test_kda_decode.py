@@ -201,3 +201,21 @@ def test_paths_with_head_dim_not_a_power_of_two(path, bv, D, W, monkeypatch):
     monkeypatch.setenv("K3NN_KDA_DECODE_BV", str(bv))
     for T in (1, 2):
         _check_path(3, T, 2, D, W, 4, D + T, gate="softplus")
+
+
+@pytest.mark.parametrize("bv,D,T", [(32, 128, 1), (32, 128, 3), (16, 48, 2), (64, 128, 1)])
+def test_head_path_two_chunks_in_flight(bv, D, T, monkeypatch):
+    """K3NN_KDA_DECODE_PF=2: the head path loads two state chunks ahead (four chunks, three, two) — same result;
+    the register cap is a GPU compile option and is ignored by the interpreter."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+    monkeypatch.setenv("K3NN_KDA_DECODE_BV", str(bv))
+    monkeypatch.setenv("K3NN_KDA_DECODE_PF", "2")
+    monkeypatch.setenv("K3NN_KDA_DECODE_MAXNREG", "128")
+    _check_path(2, T, 2, D, 4, 5, 7 * T + bv)
+
+
+def test_head_path_prefetch_depth_is_checked(monkeypatch):
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+    monkeypatch.setenv("K3NN_KDA_DECODE_PF", "3")
+    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_PF"):
+        _check_path(1, 1, 1, 32, 4, 2, 1)

@@ -87,14 +87,18 @@ def test_config_checks_and_block_m():
         cm.build([cm.CudaGemvConfig(row_tiles=3)])
     with pytest.raises(ValueError, match="dtypes"):
         cm.build(dtypes=("fp32",))
-    # per-expert blocks: K3 (128 experts, top-16) at 1 / 4 / 16 tokens, then a few small and large expert counts
-    assert [cm.cuda_block_m(16 * t, 128) for t in (1, 4, 16, 64)] == [2, 4, 8, 8]
-    assert [cm.cuda_block_m(p, 896) for p in (16, 64, 256, 1024)] == [2, 2, 4, 8]
-    assert [cm.cuda_block_m(p, e) for p, e in ((1, 4), (12, 4), (32, 8))] == [2, 8, 8]
-    # the earlier rule (≈ pairs per touched expert), kept for the benchmark's A/B
-    assert [cm.cuda_block_m(p, 896, per_expert=False) for p in (16, 64, 256)] == [2, 2, 2]
-    assert [cm.cuda_block_m(p, e, per_expert=False) for p, e in ((12, 4), (32, 8), (64, 4))] == [4, 4, 8]
-    assert cm.cuda_block_m(256, 128, per_expert=False) == 2
+    # the default: one block of 8 rows per expert whatever the sizes
+    assert {cm.cuda_block_m(p, e) for p in (1, 16, 64, 256) for e in (4, 128, 896)} == {8}
+    # poisson: K3 (128 experts, top-16) at 1 / 4 / 16 tokens, then a few small and large expert counts
+    assert [cm.cuda_block_m(16 * t, 128, "poisson") for t in (1, 4, 16, 64)] == [2, 4, 8, 8]
+    assert [cm.cuda_block_m(p, 896, "poisson") for p in (16, 64, 256, 1024)] == [2, 2, 4, 8]
+    assert [cm.cuda_block_m(p, e, "poisson") for p, e in ((1, 4), (12, 4), (32, 8))] == [2, 8, 8]
+    # mean: the earlier rule (≈ pairs per touched expert), kept for the benchmark's A/B
+    assert [cm.cuda_block_m(p, 896, "mean") for p in (16, 64, 256)] == [2, 2, 2]
+    assert [cm.cuda_block_m(p, e, "mean") for p, e in ((12, 4), (32, 8), (64, 4))] == [4, 4, 8]
+    assert cm.cuda_block_m(256, 128, "mean") == 2
+    with pytest.raises(ValueError, match="rule"):
+        cm.cuda_block_m(16, 128, "bogus")
     # K3 shapes: every block size fits the H200's 227 KB
     for bm in (1, 2, 4, 8):
         assert cm.smem_bytes(cm.DEFAULT_CONFIG, bm, 3584, True) < 227 * 1024

@@ -28,7 +28,9 @@ sigmoid gate run in fp32 on the rounded o. See :mod:`.decode` for the contract.
 
 Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``head`` | ``split``;
 ``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
-``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path).
+``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path);
+``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
+register cap per thread, so more programs fit an SM; 0 = the compiler's choice).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_ready
+from ..registry import triton_interpreting, triton_ready
 
 __all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
 
@@ -119,11 +121,20 @@ def _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, cvf, md, T, C3: tl.constexpr, W: tl
 
 
 @triton.jit
+def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr):
+    """Column chunk ``c`` ([D, BV] fp32) of one request-head's state, streamed (touched once per step)."""
+    if EVEN:
+        return tl.load(s_b + c * BV + s_off, eviction_policy="evict_first")
+    return tl.load(s_b + c * BV + s_off, mask=md[:, None] & (c * BV + rb < D)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr):
+                     EVEN: tl.constexpr, PF: tl.constexpr = 1):
     b = tl.program_id(0)
     h = tl.program_id(1)
     DT = qkv.dtype.element_ty
@@ -138,11 +149,11 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     rb = tl.arange(0, BV)
     s_b = S_ptr + (slot * H + h) * (D * D)
     s_off = rd[:, None] * D + rb[None, :]
-    # the state is what this kernel waits for: issue its first chunk before anything else
-    if EVEN:
-        Sn = tl.load(s_b + s_off, eviction_policy="evict_first")
-    else:
-        Sn = tl.load(s_b + s_off, mask=md[:, None] & (rb < D)[None, :], other=0.0, eviction_policy="evict_first")
+    # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything else
+    Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN)
+    Sn2 = Sn
+    if PF == 2 and NC > 1:
+        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN)
     b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
@@ -155,12 +166,12 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                                DT, H, D, W, SOFTPLUS)
     for c in tl.static_range(NC):
         S = Sn
-        if c + 1 < NC:  # next chunk in flight while this one is updated
-            if EVEN:
-                Sn = tl.load(s_b + (c + 1) * BV + s_off, eviction_policy="evict_first")
-            else:
-                Sn = tl.load(s_b + (c + 1) * BV + s_off, mask=md[:, None] & ((c + 1) * BV + rb < D)[None, :],
-                             other=0.0, eviction_policy="evict_first")
+        if PF == 2:  # the next two chunks in flight while this one is updated
+            Sn = Sn2
+            if c + 2 < NC:
+                Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN)
+        elif c + 1 < NC:  # the next chunk in flight while this one is updated
+            Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN)
         rv = c * BV + rb
         mv = rv < D
         cv = 2 * C + h * D + rv
@@ -339,8 +350,15 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
                   HAS_IDX=state_indices is not None, T1=T == 1, EVEN=BD == D, num_warps=nw)
     # no autotune: the kernels update state in place
     if path == "head":
+        pf = _env_int("K3NN_KDA_DECODE_PF", 1)
+        if pf not in (1, 2):
+            raise ValueError(f"K3NN_KDA_DECODE_PF must be 1 or 2 (state chunks in flight ahead), got {pf}")
+        extra = {}
+        maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", 0)
+        if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
+            extra["maxnreg"] = maxnreg
         _kda_decode_head[(B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
-                                 NC=triton.cdiv(D, BV), **consts)
+                                 NC=triton.cdiv(D, BV), PF=pf, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
         _kda_decode_split[(B, H, triton.cdiv(D, BV))](*common, cnt, scale, float(lower_bound), float(norm_eps), T,

@@ -757,17 +757,27 @@ def _poisson_tail(lam: float, b: int) -> float:
     return max(0.0, 1.0 - total)
 
 
-def cuda_block_m(num_pairs: int, num_experts: int, per_expert: bool = True) -> int:
+BLOCK_RULES = ("one-block", "poisson", "mean")
+
+
+def cuda_block_m(num_pairs: int, num_experts: int, rule: str = "one-block") -> int:
     """Alignment rows per CTA for the CUDA GEMV, from the launch sizes only (CUDA-graph capturable).
 
-    ``per_expert`` (the default): the smallest of 2, 4, 8 that holds every touched expert's pairs in ONE block
-    unless the routing is far from uniform — E·P(Poisson(P/E) > block_m) ≤ 1/4 — so each expert's weights are
-    read once; the kernel runs only the n8 tiles a block's valid rows need, so the padding costs no mma work
-    (K3, 128 experts, top-16: 2 / 4 / 8 at 1 / 4 / 16 tokens). ``per_expert=False``: the earlier rule, ≈ pairs
-    per touched expert (2 at 16 tokens, where 3–6 pair experts then take 2–3 blocks and re-read their weights)."""
-    if not per_expert:
+    ``one-block`` (the default): 8, so an expert with up to 8 pairs is ONE block and its weights are read once;
+    the kernel runs only the n8 tiles a block's valid rows need, so the padding costs no mma work. On the H200
+    (K3 experts, 128 of them, top-16; ``bench/results/logs/h200-s5-run2-2026-11-30.log``) it beat the smaller
+    blocks of ``poisson`` at 1 token (61.2% of copy bandwidth against 52.8% with block_m 2) and lost 2 points at
+    4 tokens (62.0% against 63.9% with 4). ``poisson``: the smallest of 2, 4, 8 that holds every touched
+    expert's pairs in one block unless the routing is far from uniform (E·P(Poisson(P/E) > block_m) ≤ 1/4).
+    ``mean``: the earlier rule, ≈ pairs per touched expert (2 at 16 tokens, where 3–6 pair experts then take
+    2–3 blocks and re-read their weights: 40.5% against 57.4%)."""
+    if rule == "one-block":
+        return 8
+    if rule == "mean":
         per = num_pairs / max(1, min(num_experts, num_pairs))
         return 2 if per <= 2.5 else (4 if per <= 4.5 else 8)
+    if rule != "poisson":
+        raise ValueError(f"cuda_block_m: rule must be one of {BLOCK_RULES}, got {rule!r}")
     lam = num_pairs / max(1, num_experts)
     for bm in (2, 4):
         if num_experts * _poisson_tail(lam, bm) <= 0.25:
