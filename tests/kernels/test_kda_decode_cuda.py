@@ -59,16 +59,16 @@ def test_auto_default_switch(monkeypatch):
 
 
 def test_plan_defaults_and_knobs(monkeypatch):
-    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=3, grid=132)
+    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=2, grid=132)
     assert cd.plan(1, 96, 132)["grid"] == 96  # never more CTAs than request-heads
     monkeypatch.setenv("K3NN_KDA_CUDA_VARIANT", "regs")
     assert cd.plan(64, 96, 132)["variant"] == "regs" and cd.plan(64, 96, 132)["warps"] == 8
     monkeypatch.setenv("K3NN_KDA_CUDA_WARPS", "16")
     assert cd.plan(64, 96, 132)["warps"] == 16
     monkeypatch.setenv("K3NN_KDA_CUDA_VARIANT", "Persistent")
-    monkeypatch.setenv("K3NN_KDA_CUDA_STAGES", "2")
+    monkeypatch.setenv("K3NN_KDA_CUDA_STAGES", "3")
     monkeypatch.setenv("K3NN_KDA_CUDA_GRID", "264")
-    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=2, grid=264)
+    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=3, grid=264)
     for k, bad in (("K3NN_KDA_CUDA_VARIANT", "tma"), ("K3NN_KDA_CUDA_WARPS", "4"), ("K3NN_KDA_CUDA_STAGES", "4")):
         monkeypatch.setenv(k, bad)
         with pytest.raises(ValueError, match=k):

@@ -55,9 +55,9 @@ CUDA_GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_CUDA_GEMV_PAIRS", "256"))
 #: implementations of that GEMV, picked by K3NN_MOE_GEMV (read at each call): "auto" (the default: the CUDA GEMV
 #: where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or "cuda"
 #: (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
-#: misaligned weights — one warning and the Triton GEMV). H200: the CUDA GEMV moves the touched experts'
-#: weights at 56.5% / 61.5% / 45.4% of copy bandwidth at 1 / 4 / 16 tokens, the Triton one at 42.3% / 37.7% /
-#: 17.9%.
+#: misaligned weights — one warning and the Triton GEMV). H200 (bench/results/logs/h200-s5-run3-2026-11-30.log,
+#: K3 experts, top-16): the CUDA GEMV moves the touched experts' weights at 60.7% / 61.6% / 63.0% of copy bandwidth
+#: at 1 / 4 / 16 tokens with 896 experts (60.9% / 61.6% / 57.0% with 128), the Triton one at 42% / 38% / 18%.
 GEMV_IMPLS = ("auto", "triton", "cuda")
 
 
