@@ -20,6 +20,7 @@ STEPS=(
   "diag-decode-128|120|$PY bench/gpu/diag_decode.py --batches 1,8 --ctx 128 --prefill-backend auto"
   "attnres-sweep|140|$PY bench/gpu/attnres.py --budget 110 --tokens 8192"
   "kda-intra|120|$PY bench/gpu/kda_intra.py"
+  "kda-scores|170|env K3NN_SCORES_BUDGET_S=150 $PY bench/gpu/kda_scores.py"
   "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
   "kda-decode-triton|140|env KDA_DECODE_BUDGET_S=130 $PY bench/gpu/kda_decode.py --no-cuda"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"

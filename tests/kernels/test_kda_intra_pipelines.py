@@ -4,6 +4,7 @@ against the fused ``_kda_intra`` kernel under the Triton interpreter: the same q
 X = (I + L)⁻¹ to fp32 rounding (chunks cut by sequence starts and checkpoints included), and the full forward and
 backward under each mode against the eager form."""
 
+import os
 from unittest import mock
 
 import pytest
@@ -19,6 +20,8 @@ from k3nn.kernels.kda import triton_chunk_bwd, triton_intra_g
 from k3nn.kernels.kda.chunk_torch import kda_chunk_eager
 
 MODES = ("split", "splitg")
+#: the intra pipelines compared with the fused kernel: splitg-rows = splitg with the row-strip score kernel
+VARIANTS = ("split", "splitg", "splitg-rows")
 NAMES = ("qg", "kg", "w", "u", "A", "egl", "X")
 R64 = torch.arange(64)
 BLOCK_LOWER = (R64[None, :] // 16) <= (R64[:, None] // 16)  # the part of X every pipeline writes
@@ -43,14 +46,17 @@ def _nan_empty(*a, **kw):
 
 
 def run_both(mode, q, k, v, g, beta, cu=None, cuts=()):
-    """The fused kernel and ``mode`` on the same chunk plan (``cuts``: (sequence, position) checkpoint pairs,
-    which split chunks), every buffer (temporaries included) poisoned with NaN before the kernels write it."""
+    """The fused kernel and ``mode`` (one of VARIANTS) on the same chunk plan (``cuts``: (sequence, position)
+    checkpoint pairs, which split chunks), every buffer (temporaries included) poisoned with NaN before the
+    kernels write it."""
     T, K = q.shape[1], q.shape[-1]
     (NC, cs, cl, *_), _, _ = tc.build_chunk_plan(1, T, cu, list(cuts), "cpu")
+    scores = "rows" if mode == "splitg-rows" else "pairs"
     outs = []
-    for m in ("fused", mode):
+    for m in ("fused", mode.split("-")[0]):
         with mock.patch.object(torch, "empty", _nan_empty), \
-                mock.patch.object(torch, "empty_like", lambda x, **kw: _nan_empty(x.shape, dtype=x.dtype)):
+                mock.patch.object(torch, "empty_like", lambda x, **kw: _nan_empty(x.shape, dtype=x.dtype)), \
+                mock.patch.dict(os.environ, {"K3NN_KDA_SPLITG_SCORES": scores}):
             outs.append(tc._intra_launch(q, k, v, g, beta, K ** -0.5, NC, cs, cl, mode=m, return_x=True))
     return outs
 
@@ -63,7 +69,7 @@ def assert_same(fused, got, rtol=1e-5, atol=1e-5):
         torch.testing.assert_close(b.float(), a.float(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", VARIANTS)
 @settings(max_examples=8, deadline=None)
 @given(T=st.one_of(st.sampled_from([1, 63, 64, 65, 130]), st.integers(1, 130)), H=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), gate=st.sampled_from(["softplus", "lower_bound"]),
@@ -73,7 +79,7 @@ def test_matches_fused(mode, T, H, K, V, gate, seed):
     assert_same(*run_both(mode, *make(T, H, K, V, seed, gate)))
 
 
-@pytest.mark.parametrize("mode,qk", [("split", None), ("splitg", "wu"), ("splitg", "cumsum")])
+@pytest.mark.parametrize("mode,qk", [("split", None), ("splitg", "wu"), ("splitg", "cumsum"), ("splitg-rows", "wu")])
 def test_varlen_empty_sequence_and_checkpoint_cuts(mode, qk, monkeypatch):
     if qk:
         monkeypatch.setenv("K3NN_KDA_SPLITG_QK", qk)  # which splitg kernel writes qg / kg
@@ -86,7 +92,7 @@ def test_varlen_empty_sequence_and_checkpoint_cuts(mode, qk, monkeypatch):
     assert_same(fused, got)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", VARIANTS)
 @pytest.mark.parametrize("decay", [3.0, 300.0])
 def test_large_decay(mode, decay):
     # softplus gate scaled: a 16-token strip spans ~30 nats (capped row factor) or thousands (pairwise path),
@@ -96,7 +102,7 @@ def test_large_decay(mode, decay):
     assert_same(*run_both(mode, q, k, v, g, beta))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", VARIANTS)
 def test_fp16_matches_fused(mode):
     assert_same(*run_both(mode, *make(70, 1, 32, 32, 5, "lower_bound", dtype=torch.float16)),
                 rtol=2e-3, atol=2e-3)
@@ -145,3 +151,10 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("K3NN_KDA_SPLITG_QK", "both")
     with pytest.raises(ValueError):
         triton_intra_g.qk_stage()
+    monkeypatch.delenv("K3NN_KDA_SPLITG_SCORES", raising=False)
+    assert triton_intra_g.scores_stage() == "pairs"
+    monkeypatch.setenv("K3NN_KDA_SPLITG_SCORES", " Rows ")
+    assert triton_intra_g.scores_stage() == "rows"
+    monkeypatch.setenv("K3NN_KDA_SPLITG_SCORES", "blocks")
+    with pytest.raises(ValueError, match="K3NN_KDA_SPLITG_SCORES"):
+        triton_intra_g.scores_stage()

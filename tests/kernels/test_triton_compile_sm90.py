@@ -38,6 +38,7 @@ def _compile(module, name, types, constexprs, default="i32", warps=4, stages=1):
 
 
 @pytest.mark.parametrize("module,name", [("k3nn.kernels.kda.triton_intra_g", "_g_scores_kernel"),
+                                         ("k3nn.kernels.kda.triton_intra_g", "_g_scores_rows_kernel"),
                                          ("k3nn.kernels.kda.triton_intra_split", "_split_scores_kernel")])
 def test_kda_intra_scores_compile(module, name):
     _compile(module, name, {"q": "*bf16", "k": "*bf16", "beta": "*bf16", "chunk_start": "*i32",

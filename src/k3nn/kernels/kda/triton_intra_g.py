@@ -22,6 +22,9 @@ X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches
 
    Writes the Aqk block (scaled, causal) to A and ``L = β ⊙ Akk`` (strictly lower) to the scratch; the
    diagonal programs also write the zero upper blocks of A (as ``_split_scores``).
+   ``K3NN_KDA_SPLITG_SCORES=rows`` (:func:`scores_stage`) runs ``_g_scores_rows`` instead (grid: chunks·4 × heads):
+   one program per row strip i computes blocks (i, 0) … (i, i), loading strip i's q / k / G once per key tile
+   and forming its row factor ``e^{G_i − a}`` once — about half the loads of the pairs kernel, same values.
 3. ``_split_solve`` (:mod:`.triton_intra_split`, unchanged): X = (I + L)⁻¹ in place in the scratch.
 4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``,
    ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight from G (no strip rebuild).
@@ -51,7 +54,7 @@ from .triton_intra_split import (
     _xcol,
 )
 
-__all__ = ["g_buffer", "g_kernels", "intra_g_launch", "qk_stage"]
+__all__ = ["g_buffer", "g_kernels", "intra_g_launch", "qk_stage", "scores_stage"]
 
 
 def _cumsum_configs():
@@ -189,6 +192,88 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
 
 
 @triton.jit
+def _g_offdiag(k, Gc, bos, L, pid_h, H, j: tl.constexpr, kb, rd, mk, a, ki_e, qi_e, accA, accQ,
+               K: tl.constexpr, BK: tl.constexpr):
+    """Block (i, j), j < i, of one key tile added to its accumulators: ``(x_i e^{G_i − a}) · (k_j e^{a − G_j})ᵀ``
+    with the row factors ``ki_e`` / ``qi_e`` already formed (shared by every j of row strip i)."""
+    cd = ki_e.dtype
+    G_j = _g_strip(Gc, j * 16, rd, mk, K)
+    k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
+    colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before the anchor
+    return accA + tl.dot(ki_e, colT), accQ + tl.dot(qi_e, colT)
+
+
+@triton.jit
+def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
+                          K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    """Row-strip variant of ``_g_scores_kernel`` (``K3NN_KDA_SPLITG_SCORES=rows``): one program per chunk, head
+    and row strip i computes blocks (i, 0) … (i, i) — strip i's q, k and G are loaded once per key tile instead
+    of once per block, and its row factor ``e^{G_i − a}`` (a = G[16i − 1], which is also the diagonal block's
+    ``pre``) is computed once for the diagonal and every off-diagonal block. Same operations per block as the
+    pairs kernel, so the same values."""
+    pid_h = tl.program_id(1)
+    pid_c = tl.program_id(0) // 4
+    i = 3 - tl.program_id(0) % 4  # the longest rows first
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    cd = q.dtype.element_ty
+    r16 = tl.arange(0, 16)
+    ri = i * 16 + r16
+    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
+    accA = tl.zeros([16, 16], dtype=tl.float32)
+    accQ = tl.zeros([16, 16], dtype=tl.float32)
+    accA0 = tl.zeros([16, 16], dtype=tl.float32)
+    accQ0 = tl.zeros([16, 16], dtype=tl.float32)
+    accA1 = tl.zeros([16, 16], dtype=tl.float32)
+    accQ1 = tl.zeros([16, 16], dtype=tl.float32)
+    accA2 = tl.zeros([16, 16], dtype=tl.float32)
+    accQ2 = tl.zeros([16, 16], dtype=tl.float32)
+    Ap = A_out + ob * 4096
+    Lp = L_out + ob * 4096
+    Gc = G + ob * 64 * K
+    arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor; the diagonal's ``pre``)
+    for kb in range(0, K, BK):
+        rd = kb + tl.arange(0, BK)
+        mk = rd < K
+        G_s = _g_strip(Gc, i * 16, rd, mk, K)
+        pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
+        r = _g_row(Gc, i * 16 + 15, rd, mk, K)
+        q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+        k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+        ea = tl.exp(G_s - pre[None, :])
+        kbb = k_s * tl.exp(r[None, :] - G_s)
+        ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
+        dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
+        dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
+        if tl.max(pre - r, 0) > SPAN:
+            dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
+        accA += dA
+        accQ += dQ
+        if i > 0:  # off-diagonal blocks: anchor a = pre, row factor e^{G_i − a} = ea (≤ 1)
+            a = pre[None, :]
+            ki_e = (k_s * ea).to(cd)
+            qi_e = (q_s * ea).to(cd)
+            accA0, accQ0 = _g_offdiag(k, Gc, bos, L, pid_h, H, 0, kb, rd, mk, a, ki_e, qi_e, accA0, accQ0, K, BK)
+            if i > 1:
+                accA1, accQ1 = _g_offdiag(k, Gc, bos, L, pid_h, H, 1, kb, rd, mk, a, ki_e, qi_e, accA1, accQ1,
+                                          K, BK)
+                if i > 2:
+                    accA2, accQ2 = _g_offdiag(k, Gc, bos, L, pid_h, H, 2, kb, rd, mk, a, ki_e, qi_e, accA2, accQ2,
+                                              K, BK)
+    _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
+    if i > 0:
+        _bst(Lp, ri, 0, accA0 * b_i[:, None])
+        _bst(Ap, ri, 0, accQ0 * scale)
+        if i > 1:
+            _bst(Lp, ri, 16, accA1 * b_i[:, None])
+            _bst(Ap, ri, 16, accQ1 * scale)
+            if i > 2:
+                _bst(Lp, ri, 32, accA2 * b_i[:, None])
+                _bst(Ap, ri, 32, accQ2 * scale)
+
+
+@triton.jit
 def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.constexpr, d0, rd, mk, scale,
               K: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr):
     """z = β·k·e^G of strip s (returned) from the chunk's G tile; with QK also its qg, kg (stored)."""
@@ -253,6 +338,7 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
 
 _g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"])(_g_cumsum_kernel)
 _g_scores = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_kernel)
+_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_rows_kernel)
 _g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK"])(_g_wu_kernel)
 
 
@@ -266,6 +352,15 @@ def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
     return torch.empty(NC, H, 64, K, dtype=torch.float32, device=device)
 
 
+def scores_stage() -> str:
+    """``K3NN_KDA_SPLITG_SCORES``: ``pairs`` (default: one program per 16×16 block pair) or ``rows`` (one program
+    per row strip, its blocks (i, 0) … (i, i) sharing strip i's loads and row factor). Same values either way."""
+    m = os.environ.get("K3NN_KDA_SPLITG_SCORES", "pairs").strip().lower() or "pairs"
+    if m not in ("pairs", "rows"):
+        raise ValueError(f"K3NN_KDA_SPLITG_SCORES must be 'pairs' or 'rows', got {m!r}")
+    return m
+
+
 def qk_stage() -> str:
     """``K3NN_KDA_SPLITG_QK``: which kernel of the splitg pipeline writes qg and kg, ``wu`` (default: the w/u
     kernel, which loads k and G anyway) or ``cumsum`` (the cumsum kernel, which holds G already; the w/u kernel
@@ -277,12 +372,12 @@ def qk_stage() -> str:
 
 
 def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=None,
-                   stages=(0, 1, 2, 3), G=None, qk=None):
+                   stages=(0, 1, 2, 3), G=None, qk=None, scores=None):
     """Fill the fused kernel's outputs (qg, kg, w, u, A, egl and X in the fp32 scratch) with the four kernels
     (cumsum, scores, solve, w/u). ``configs``: an optional 4-tuple of ``triton.Config`` (None entries:
     autotuned); ``stages``: which of the four kernels to launch; ``G``: the [NC, H, 64, K] fp32 buffer to use
     (allocated here when None; benchmarks pass one so that single stages can be timed); ``qk``: which kernel
-    writes qg / kg (default: :func:`qk_stage`)."""
+    writes qg / kg (default: :func:`qk_stage`); ``scores``: ``pairs`` or ``rows`` (default: :func:`scores_stage`)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     configs = tuple(configs) if configs else (None, None, None, None)
@@ -294,8 +389,9 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
         _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": early},
              configs[0])
     if 1 in stages:
-        _run(_g_scores, (NC * 10, H), (q, k, G, beta, c_start, c_len, A, X, scale, H),
-             {"K": K, "SPAN": _SPAN}, configs[1])
+        rows = (scores or scores_stage()) == "rows"
+        _run(_g_scores_rows if rows else _g_scores, (NC * (4 if rows else 10), H),
+             (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN}, configs[1])
     if 2 in stages:
         _run(_split_solve, (NC, H), (X, H), {}, configs[2])
     if 3 in stages:
