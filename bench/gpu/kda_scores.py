@@ -1,6 +1,6 @@
-"""GPU A/B of the splitg score kernel: one program per 16×16 block pair (``K3NN_KDA_SPLITG_SCORES=pairs``, the
-default) against one program per row strip (``rows``: blocks (i, 0) … (i, i) share strip i's loads and row
-factor), B=1 K=V=128 bf16, K3's bounded gate.
+"""GPU A/B of the splitg score kernel: one program per 16×16 block pair (``K3NN_KDA_SPLITG_SCORES=pairs``)
+against one program per row strip (``rows``, the default since h200-s5-run5: blocks (i, 0) … (i, i) share strip
+i's loads and row factor), B=1 K=V=128 bf16, K3's bounded gate.
 
     PYTHONPATH=src python3 bench/gpu/kda_scores.py
 
