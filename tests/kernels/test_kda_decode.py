@@ -219,3 +219,15 @@ def test_head_path_prefetch_depth_is_checked(monkeypatch):
     monkeypatch.setenv("K3NN_KDA_DECODE_PF", "3")
     with pytest.raises(ValueError, match="K3NN_KDA_DECODE_PF"):
         _check_path(1, 1, 1, 32, 4, 2, 1)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_head_path_heads_first_order(T, monkeypatch):
+    """K3NN_KDA_DECODE_ORDER=hb: grid (H, B) instead of (B, H) — same result; anything else is refused."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
+    monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "hb")
+    _check_path(3, T, 2, 32, 4, 6, 40 + T)
+    monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "bhx")
+    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_ORDER"):
+        _check_path(1, 1, 1, 32, 4, 2, 1)

@@ -30,7 +30,10 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 ``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
 ``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path);
 ``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
-register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG`, 0 = the compiler's choice).
+register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG`, 0 = the compiler's choice);
+``K3NN_KDA_DECODE_ORDER`` (``head``: ``bh``, the default, launches the programs of one head for every request
+together — their states lie H·D²·4 bytes apart; ``hb`` launches the heads of one request together — one
+contiguous H·D²·4-byte block per request; not yet timed on a GPU).
 
 On the H200 (bench/results/logs/h200-s5-run3-2026-11-30.log, B=64 H=96, T=1) every head variant lands at 63–73%
 of copy bandwidth: 128 registers 261.5 µs (72.5%), the compiler's ~150 registers 264.9 µs, two chunks ahead
@@ -138,9 +141,13 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr, PF: tl.constexpr = 1):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False):
+    if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
@@ -366,8 +373,12 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG)
         if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
             extra["maxnreg"] = maxnreg
-        _kda_decode_head[(B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
-                                 NC=triton.cdiv(D, BV), PF=pf, **consts, **extra)
+        order = os.environ.get("K3NN_KDA_DECODE_ORDER", "bh").strip().lower() or "bh"
+        if order not in ("bh", "hb"):
+            raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the head path), got {order!r}")
+        hf = order == "hb"
+        _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
+                                                   NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
         _kda_decode_split[(B, H, triton.cdiv(D, BV))](*common, cnt, scale, float(lower_bound), float(norm_eps), T,
