@@ -140,6 +140,20 @@ def test_latent_finalize_matches_eager(N, k, D, norm, seed):
         _close(ops.moe_latent_finalize(y, w, gain, 1e-5), ref, 1e-5)
 
 
+def test_latent_finalize_reads_weights_of_any_float_dtype_and_stride():
+    """fp16 routing weights (cast to fp32 in the kernel, no extra cast launch) and a strided weight view."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(3, 4, 48, generator=g)
+    w16 = torch.rand(3, 4, generator=g).half()
+    wide = torch.rand(3, 8, generator=g)[:, ::2]  # last-dim stride 2
+    for w in (w16, wide):
+        ref = ops.moe_latent_finalize(y, w.float(), None, 1e-5)
+        out = poison(3, 48)
+        with backend("triton"):
+            moe_finalize_triton(y, w, None, 1e-5, out=out)
+        _close(out, ref, 1e-5)
+
+
 @pytest.mark.parametrize("kind,mx", [("latent", False), ("latent", True), ("standard", False)])
 def test_moe_layer_triton_matches_eager(kind, mx):
     cfg = KimiK3Config.tiny(moe_kind=kind, mxfp4_experts=mx, num_experts=6, num_experts_per_token=3)

@@ -349,7 +349,7 @@ def moe_finalize_triton(expert_out: torch.Tensor, topk_weights: torch.Tensor, no
     """[N, k, D] per-slot expert outputs → Σ_j w_j y_j (fp32 accumulate), then RMSNorm·gain if ``norm_weight``."""
     N, k, D = expert_out.shape
     y = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
-    w = topk_weights.float().contiguous()
+    w = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()  # read as fp32 in the kernel
     if out is None:
         out = torch.empty(N, D, dtype=out_dtype or expert_out.dtype, device=expert_out.device)
     if N == 0:
