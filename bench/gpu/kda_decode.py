@@ -14,7 +14,7 @@
    as read + write 2·B·H·D²·4 bytes; ``frac_copy`` = achieved / copy bandwidth (target >= 0.80 at B >= 64).
 
 Variants are picked through the kernel modules' environment overrides (read at each call): Triton
-``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG / _ORDER``, CUDA ``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
+``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG / _ORDER / _EVICT``, CUDA ``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
 ``K3NN_KDA_CUDA=1``). Triton variants that lost every shape on the H200 (split16w2, head16w2, head16w1,
 head64w8, head128w8, head128w16; bench/results/logs/h200-run2-2026-11-30.log) and the CUDA variants behind
 cu-pers16s2 / cu-regs16 (h200-s5-run2-2026-11-30.log) and the head variants behind the default in
@@ -51,9 +51,10 @@ def _pers(warps, stages):
     return dict(K3NN_KDA_CUDA_VARIANT="persistent", K3NN_KDA_CUDA_WARPS=str(warps), K3NN_KDA_CUDA_STAGES=str(stages))
 
 
-def _head(bv, warps, pf=1, maxnreg=0, order="bh"):
+def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both"):
     return dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(warps),
-                K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg), K3NN_KDA_DECODE_ORDER=order)
+                K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg), K3NN_KDA_DECODE_ORDER=order,
+                K3NN_KDA_DECODE_EVICT=evict)
 
 
 # name -> (backend, environment); the first Triton entry of each path is that path's default
@@ -63,6 +64,8 @@ VARIANTS = {
     # head path: programs of one request's heads launched together (hb: one contiguous 6 MB state block per
     # request at H=96), the compiler's register count (r0), two chunks loaded ahead capped at 168 registers
     "head32w4hb": ("triton", _head(32, 4, 1, 128, "hb")),
+    "head32w4ev-load": ("triton", _head(32, 4, 1, 128, "bh", "load")),  # evict_first on loads only
+    "head32w4ev-none": ("triton", _head(32, 4, 1, 128, "bh", "none")),  # no cache hints
     "head32w4r0": ("triton", _head(32, 4, 1, 0)),
     "head32w4pf2r168": ("triton", _head(32, 4, 2, 168)),
     "head32w4pf2r168hb": ("triton", _head(32, 4, 2, 168, "hb")),
@@ -73,7 +76,7 @@ VARIANTS = {
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
-       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_CUDA_VARIANT", "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES",
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_CUDA_VARIANT", "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES",
        "K3NN_KDA_CUDA_GRID")
 RACE = ("split32w4", "head32w4", "head32w4hb", "cu-pers16s2")
 D, W = 128, 4

@@ -231,3 +231,15 @@ def test_head_path_heads_first_order(T, monkeypatch):
     monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "bhx")
     with pytest.raises(ValueError, match="K3NN_KDA_DECODE_ORDER"):
         _check_path(1, 1, 1, 32, 4, 2, 1)
+
+
+@pytest.mark.parametrize("hints", ["load", "none"])
+def test_head_path_cache_hints(hints, monkeypatch):
+    """K3NN_KDA_DECODE_EVICT: evict_first on the loads only, or on nothing — same result; typos are refused."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
+    monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", hints)
+    _check_path(2, 1, 2, 32, 4, 5, 60)
+    monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", "store")
+    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_EVICT"):
+        _check_path(1, 1, 1, 32, 4, 2, 1)

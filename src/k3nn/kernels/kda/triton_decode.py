@@ -33,7 +33,8 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG`, 0 = the compiler's choice);
 ``K3NN_KDA_DECODE_ORDER`` (``head``: ``bh``, the default, launches the programs of one head for every request
 together — their states lie H·D²·4 bytes apart; ``hb`` launches the heads of one request together — one
-contiguous H·D²·4-byte block per request; not yet timed on a GPU).
+contiguous H·D²·4-byte block per request; not yet timed on a GPU) and ``K3NN_KDA_DECODE_EVICT`` (``head``:
+``evict_first`` on the state loads and stores, ``both`` by default, ``load`` only or ``none``; not yet timed).
 
 On the H200 (bench/results/logs/h200-s5-run3-2026-11-30.log, B=64 H=96, T=1) every head variant lands at 63–73%
 of copy bandwidth: 128 registers 261.5 µs (72.5%), the compiler's ~150 registers 264.9 µs, two chunks ahead
@@ -128,12 +129,13 @@ def _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, cvf, md, T, C3: tl.constexpr, W: tl
 
 
 @triton.jit
-def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr):
+def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr,
+                 EV: tl.constexpr = "evict_first"):
     """Column chunk ``c`` ([D, BV] fp32) of one request-head's state, streamed (touched once per step)."""
     if EVEN:
-        return tl.load(s_b + c * BV + s_off, eviction_policy="evict_first")
+        return tl.load(s_b + c * BV + s_off, eviction_policy=EV)
     return tl.load(s_b + c * BV + s_off, mask=md[:, None] & (c * BV + rb < D)[None, :], other=0.0,
-                   eviction_policy="evict_first")
+                   eviction_policy=EV)
 
 
 @triton.jit
@@ -141,7 +143,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False):
+                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
+                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -161,10 +164,10 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     s_b = S_ptr + (slot * H + h) * (D * D)
     s_off = rd[:, None] * D + rb[None, :]
     # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything else
-    Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN)
+    Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
     Sn2 = Sn
     if PF == 2 and NC > 1:
-        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN)
+        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
     b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
@@ -180,9 +183,9 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
         if PF == 2:  # the next two chunks in flight while this one is updated
             Sn = Sn2
             if c + 2 < NC:
-                Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN)
+                Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN, LD_EV)
         elif c + 1 < NC:  # the next chunk in flight while this one is updated
-            Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN)
+            Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN, LD_EV)
         rv = c * BV + rb
         mv = rv < D
         cv = 2 * C + h * D + rv
@@ -202,9 +205,9 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                 o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
             tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
         if EVEN:
-            tl.store(s_b + c * BV + s_off, S, eviction_policy="evict_first")
+            tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
         else:
-            tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy="evict_first")
+            tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy=ST_EV)
     # every thread's reads of the old conv rows (and, for NC > 1, stores of raw o) precede what follows
     tl.debug_barrier()
     if NC > 1:
@@ -377,6 +380,12 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         if order not in ("bh", "hb"):
             raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the head path), got {order!r}")
         hf = order == "hb"
+        hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "both").strip().lower() or "both"
+        if hints not in ("both", "load", "none"):
+            raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load or none (evict_first on the head path's "
+                             f"state loads / stores), got {hints!r}")
+        extra["LD_EV"] = "" if hints == "none" else "evict_first"
+        extra["ST_EV"] = "evict_first" if hints == "both" else ""
         _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
                                                    NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
     else:
