@@ -1,0 +1,67 @@
+"""Driver for a hardware-counter look at the batched KDA decode (B=64 H=96 T=1, bf16 activations, fp32 state):
+runs, in this order and after warm-up calls, an elementwise copy kernel (``torch.mul(src, 1, out=dst)``: a
+kernel, unlike ``copy_``'s memcpy) over as many bytes as the state traffic (the copy-bandwidth anchor), the Triton fused decode with the current defaults (``head`` path), and fla-core's
+``fused_recurrent_kda`` when importable — each a few times, so a profiler can pick one launch of each.
+
+    ncu --clock-control none --kernel-name regex:'elementwise|_kda_decode_head|recurrent' --launch-skip 2 \\
+        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
+        --section WarpStateStats python3 bench/gpu/profile_kda_decode.py
+
+(suite step ``kda-decode-ncu``). Without a profiler it prints the time of each call (CUDA events), so the run
+also says what was profiled. What to read: DRAM throughput and read / write bytes of the decode against the
+copy's; L2 hit rate of the state loads; achieved occupancy; the top warp stall reasons.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kda_decode import call, fla_fn, inputs, use  # noqa: E402
+
+REPS = 3
+
+
+def timed(name, fn):
+    for _ in range(2):  # warm-up (compilation, autotuning)
+        fn()
+    torch.cuda.synchronize()
+    for i in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        print(f"{name} call {i}: {a.elapsed_time(b) * 1e3:.1f} us", flush=True)
+
+
+def main():
+    B, H, D = 64, 96, 128
+    p, S, cs, idx = inputs(B, 1, H, torch.bfloat16, seed=7)
+    kw = dict(gate_kind="lower_bound", lower_bound=-5.0, norm_eps=1e-5)
+    nbytes = B * H * D * D * 4
+    src = torch.empty(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    timed(f"copy kernel {nbytes / 1e6:.0f} MB", lambda: torch.mul(src, 1.0, out=dst))
+    be = use("auto")
+    timed("k3nn decode B=64 H=96", lambda: call(be, p, S, cs, idx, kw))
+    fr = fla_fn()
+    if fr is not None:
+        y = p[0].float().reshape(B, 1, 3, H, D)
+        q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
+        g = p[1].reshape(B, 1, H, D).contiguous()
+        beta = p[2].contiguous()
+        h0 = S[:B].clone()
+        fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=h0, output_final_state=True,
+                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                   lower_bound=-5.0)
+        timed("fla fused_recurrent_kda B=64 H=96", lambda: fr(q, k, v, g, beta, **fkw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
