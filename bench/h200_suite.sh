@@ -22,7 +22,7 @@ STEPS=(
   "kda-intra|120|$PY bench/gpu/kda_intra.py"
   "kda-scores|170|env K3NN_SCORES_BUDGET_S=150 $PY bench/gpu/kda_scores.py"
   "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
-  "kda-decode-ncu|150|ncu --clock-control none --kernel-name regex:elementwise|_kda_decode_head|recurrent --launch-skip 2 --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats $PY bench/gpu/profile_kda_decode.py"
+  "kda-decode-ncu|150|ncu --clock-control none --kernel-name regex:neg_kernel|_kda_decode_head|recurrent --launch-count 9 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats $PY bench/gpu/profile_kda_decode.py"
   "kda-decode-triton|140|env KDA_DECODE_BUDGET_S=130 $PY bench/gpu/kda_decode.py --no-cuda"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"
   "moe-mx-variants|120|$PY bench/gpu/moe_mx.py"

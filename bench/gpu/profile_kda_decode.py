@@ -1,10 +1,11 @@
 """Driver for a hardware-counter look at the batched KDA decode (B=64 H=96 T=1, bf16 activations, fp32 state):
-runs, in this order and after warm-up calls, an elementwise copy kernel (``torch.mul(src, 1, out=dst)``: a
-kernel, unlike ``copy_``'s memcpy) over as many bytes as the state traffic (the copy-bandwidth anchor), the Triton fused decode with the current defaults (``head`` path), and fla-core's
-``fused_recurrent_kda`` when importable — each a few times, so a profiler can pick one launch of each.
+runs, in this order, an elementwise copy kernel (``torch.neg(src, out=dst)``: a kernel, unlike ``copy_``'s
+memcpy) over as many bytes as the state traffic (the copy-bandwidth anchor), the Triton fused decode with the current defaults (``head`` path), and fla-core's
+``fused_recurrent_kda`` when importable — each three times (two warm-up calls, one timed), nine launches that
+the filter below matches.
 
-    ncu --clock-control none --kernel-name regex:'elementwise|_kda_decode_head|recurrent' --launch-skip 2 \\
-        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
+    ncu --clock-control none --kernel-name regex:'neg_kernel|_kda_decode_head|recurrent' --launch-count 9 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section WarpStateStats python3 bench/gpu/profile_kda_decode.py
 
 (suite step ``kda-decode-ncu``). Without a profiler it prints the time of each call (CUDA events), so the run
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_decode import call, fla_fn, inputs, use  # noqa: E402
 
-REPS = 3
+REPS = 1
 
 
 def timed(name, fn):
@@ -46,7 +47,7 @@ def main():
     nbytes = B * H * D * D * 4
     src = torch.empty(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    timed(f"copy kernel {nbytes / 1e6:.0f} MB", lambda: torch.mul(src, 1.0, out=dst))
+    timed(f"copy kernel {nbytes / 1e6:.0f} MB", lambda: torch.neg(src, out=dst))
     be = use("auto")
     timed("k3nn decode B=64 H=96", lambda: call(be, p, S, cs, idx, kw))
     fr = fla_fn()
