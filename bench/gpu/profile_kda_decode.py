@@ -1,8 +1,8 @@
 """Driver for a hardware-counter look at the batched KDA decode (B=64 H=96 T=1, bf16 activations, fp32 state):
 runs, in this order, an elementwise copy kernel (``torch.neg(src, out=dst)``: a kernel, unlike ``copy_``'s
-memcpy) over as many bytes as the state traffic (the copy-bandwidth anchor), the Triton fused decode with the current defaults (``head`` path), and fla-core's
-``fused_recurrent_kda`` when importable — each three times (two warm-up calls, one timed), nine launches that
-the filter below matches.
+memcpy) over as many bytes as the state traffic (the copy-bandwidth anchor), the Triton fused decode with the
+current defaults (``head`` path), and fla-core's ``fused_recurrent_kda`` when importable — each three times (two
+warm-up calls, one timed): nine launches that the filter below matches.
 
     ncu --clock-control none --kernel-name regex:'neg_kernel|_kda_decode_head|recurrent' --launch-count 9 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
