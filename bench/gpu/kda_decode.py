@@ -14,7 +14,8 @@
    as read + write 2·B·H·D²·4 bytes; ``frac_copy`` = achieved / copy bandwidth (target >= 0.80 at B >= 64).
 
 Variants are picked through the kernel modules' environment overrides (read at each call): Triton
-``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG / _ORDER / _EVICT``, CUDA ``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
+``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG / _ORDER / _EVICT``, CUDA
+``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
 ``K3NN_KDA_CUDA=1``). Triton variants that lost every shape on the H200 (split16w2, head16w2, head16w1,
 head64w8, head128w8, head128w16; bench/results/logs/h200-run2-2026-11-30.log) and the CUDA variants behind
 cu-pers16s2 / cu-regs16 (h200-s5-run2-2026-11-30.log) and the head variants behind the default in
@@ -76,8 +77,8 @@ VARIANTS = {
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
-       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_CUDA_VARIANT", "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES",
-       "K3NN_KDA_CUDA_GRID")
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_CUDA_VARIANT",
+       "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
 RACE = ("split32w4", "head32w4", "head32w4hb", "cu-pers16s2")
 D, W = 128, 4
 

@@ -120,7 +120,8 @@ def forward_ab(gen, T):
 
 
 def main():
-    say(f"{torch.cuda.get_device_name()} torch {torch.__version__} K3NN_KDA_TUNE={os.environ.get('K3NN_KDA_TUNE', '1')}")
+    tune = os.environ.get("K3NN_KDA_TUNE", "1")
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__} K3NN_KDA_TUNE={tune}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, g, beta, _ = inputs(8192, 96, "lower_bound", gen)
     NC, cs, cl = plan(8192)

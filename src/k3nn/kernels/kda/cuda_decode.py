@@ -21,7 +21,8 @@ SiLU output, L2-normed q and k, raw o rounded to the activation dtype; RMSNorm a
   updated state leaves with 16-byte streaming stores (``st.global.cs.v4``) that nothing waits for. The prologue
   inputs of the next item are prefetched into L2 and its cache slot loaded one item ahead, so the per-item
   critical path (prologue, three barriers) stays short of the time its 128 KB of state traffic takes at copy
-  bandwidth. The math is the ``regs`` kernel's. Shared memory: ``STAGES·64 KB`` + partials (:func:`smem_bytes`), one CTA per SM.
+  bandwidth. The math is the ``regs`` kernel's. Shared memory: ``STAGES·64 KB`` + partials (:func:`smem_bytes`),
+  one CTA per SM.
 
 T > 1 (verify windows) runs in every kernel: a token loop over the state held in registers.
 

@@ -27,8 +27,9 @@ X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches
    loading strip i's q / k / G once per key tile and forming its row factor ``e^{G_i − a}`` once — about half
    the loads of the pairs kernel (``pairs`` selects it).
 3. ``_split_solve`` (:mod:`.triton_intra_split`, unchanged): X = (I + L)⁻¹ in place in the scratch.
-4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``, ``kg = k ⊙ e^{G_last − G}``,
-   ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight from G (no strip rebuild).
+4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``,
+   ``kg = k ⊙ e^{G_last − G}``, ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight
+   from G (no strip rebuild).
    ``K3NN_KDA_SPLITG_QK=cumsum`` moves qg and kg into the cumsum kernel instead (:func:`qk_stage`).
 
 Numerics equal the fused kernel's up to fp32 rounding (qg, kg and z take one exponential of G instead of a
