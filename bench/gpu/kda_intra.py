@@ -63,16 +63,21 @@ def bench(fn, rep=25):
 
 
 @contextlib.contextmanager
-def intra(mode):
-    old = os.environ.get("K3NN_KDA_INTRA")
-    os.environ["K3NN_KDA_INTRA"] = mode
+def env_set(name, value):
+    """Environment variable ``name`` = ``value`` inside the block, restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("K3NN_KDA_INTRA", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["K3NN_KDA_INTRA"] = old
+            os.environ[name] = old
+
+
+def intra(mode):
+    return env_set("K3NN_KDA_INTRA", mode)
 
 
 def rel(a, b):
@@ -196,12 +201,8 @@ def g_variants(args):
             if ms is not None and (best is None or ms < best[0]):
                 best = (ms, cfg_name(cfg))
         say(f"  {names[stage]} (qk in cumsum) best: {best}")
-    old = os.environ.get("K3NN_KDA_SPLITG_QK")
-    os.environ["K3NN_KDA_SPLITG_QK"] = "cumsum"
-    try:
+    with env_set("K3NN_KDA_SPLITG_QK", "cumsum"):
         t_c = bench(lambda: tc._intra_launch(*args, mode="splitg"))
-    finally:
-        os.environ.pop("K3NN_KDA_SPLITG_QK") if old is None else os.environ.__setitem__("K3NN_KDA_SPLITG_QK", old)
     say(f"  splitg (qk in cumsum) autotuned total: {t_c:.3f} ms (default qk in w/u: {t_g:.3f} ms)")
     return t_g, t_c
 

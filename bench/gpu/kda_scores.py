@@ -15,7 +15,6 @@ Ends with ``summary: scores pairs X ms, rows Y ms (T=8K); forward pairs/rows ...
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from kda_intra import _bufs, bench, cfg_name, inputs, plan, rel, say, sync  # noqa: E402
+from kda_intra import _bufs, bench, cfg_name, env_set, inputs, plan, rel, say, sync  # noqa: E402
 
 from k3nn import backend, ops  # noqa: E402
 from k3nn.kernels.kda import triton_chunk as tc  # noqa: E402
@@ -38,17 +37,8 @@ def left():
     return BUDGET_S - (time.time() - T0)
 
 
-@contextlib.contextmanager
 def scores(mode):
-    old = os.environ.get("K3NN_KDA_SPLITG_SCORES")
-    os.environ["K3NN_KDA_SPLITG_SCORES"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("K3NN_KDA_SPLITG_SCORES", None)
-        else:
-            os.environ["K3NN_KDA_SPLITG_SCORES"] = old
+    return env_set("K3NN_KDA_SPLITG_SCORES", mode)
 
 
 def stage_ab(args):

@@ -139,6 +139,29 @@ def _g_row(Gc, row, rd, mk, K: tl.constexpr):
 
 
 @triton.jit
+def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    """Diagonal block (i, i) over key tile kb: the fused kernel's treatment with ``pre = G[16i − 1]`` (0 for
+    the first strip) and ``r = G[16i + 15]`` (capped row factor, pairwise beyond SPAN nats). Returns the block's
+    (Akk, Aqk) contributions and, for the off-diagonal blocks of the same row strip, ``pre``, the row factor
+    ``e^{G_i − pre}`` and the strip's q and k (fp32)."""
+    rd = kb + tl.arange(0, BK)
+    mk = rd < K
+    G_s = _g_strip(Gc, i * 16, rd, mk, K)
+    pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
+    r = _g_row(Gc, i * 16 + 15, rd, mk, K)
+    q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+    k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+    ea = tl.exp(G_s - pre[None, :])
+    kbb = k_s * tl.exp(r[None, :] - G_s)
+    ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
+    dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
+    dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
+    if tl.max(pre - r, 0) > SPAN:
+        dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
+    return dA, dQ, pre, ea, q_s, k_s
+
+
+@triton.jit
 def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
                      K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     pid_h = tl.program_id(1)
@@ -158,20 +181,7 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
     arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor)
     if i == j:
         for kb in range(0, K, BK):
-            rd = kb + tl.arange(0, BK)
-            mk = rd < K
-            G_s = _g_strip(Gc, i * 16, rd, mk, K)
-            pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
-            r = _g_row(Gc, i * 16 + 15, rd, mk, K)
-            q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-            k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-            ea = tl.exp(G_s - pre[None, :])
-            kbb = k_s * tl.exp(r[None, :] - G_s)
-            ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
-            dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
-            dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
-            if tl.max(pre - r, 0) > SPAN:
-                dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
+            dA, dQ, _, _, _, _ = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN)
             accA += dA
             accQ += dQ
         _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
@@ -238,18 +248,7 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
     for kb in range(0, K, BK):
         rd = kb + tl.arange(0, BK)
         mk = rd < K
-        G_s = _g_strip(Gc, i * 16, rd, mk, K)
-        pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
-        r = _g_row(Gc, i * 16 + 15, rd, mk, K)
-        q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-        k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-        ea = tl.exp(G_s - pre[None, :])
-        kbb = k_s * tl.exp(r[None, :] - G_s)
-        ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
-        dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
-        dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
-        if tl.max(pre - r, 0) > SPAN:
-            dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
+        dA, dQ, pre, ea, q_s, k_s = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN)
         accA += dA
         accQ += dQ
         if i > 0:  # off-diagonal blocks: anchor a = pre, row factor e^{G_i − a} = ea (≤ 1)
