@@ -3,11 +3,15 @@ the machine, checked in one place."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import os
 import shutil
+import time
 
 import torch
 
-__all__ = ["toolchain_reason"]
+__all__ = ["load_inline_module", "toolchain_reason"]
 
 
 def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "") -> str | None:
@@ -25,3 +29,19 @@ def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "
             need = "".join(map(str, min_capability))
             return f"needs sm_{need}+{f' ({why})' if why else ''}, got sm_{''.join(map(str, cc))}"
     return None
+
+
+def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str]):
+    """Compile (cached on disk by torch under a hash of the sources) and load a torch extension whose ``.cu``
+    includes no torch headers; returns ``(module, seconds spent)``. ``K3NN_BUILD_VERBOSE=1`` shows the build."""
+    from torch.utils.cpp_extension import load_inline
+
+    tag = hashlib.sha1((cuda_source + cpp_source).encode()).hexdigest()[:12]
+    kw = {}
+    if "no_implicit_headers" in inspect.signature(load_inline).parameters:  # keep torch headers out of the .cu
+        kw["no_implicit_headers"] = True
+    t0 = time.perf_counter()
+    mod = load_inline(name=f"{prefix}_{tag}", cpp_sources=[cpp_source], cuda_sources=[cuda_source],
+                      functions=functions, extra_cflags=["-O2"], extra_cuda_cflags=["-O3", "-std=c++17"],
+                      verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)
+    return mod, time.perf_counter() - t0

@@ -44,14 +44,11 @@ Availability: CUDA and nvcc. Opt-in: ``K3NN_KDA_CUDA=1`` takes the CUDA kernel f
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import os
-import time
 
 import torch
 
-from ..cuda_ext import toolchain_reason
+from ..cuda_ext import load_inline_module, toolchain_reason
 
 __all__ = [
     "AUTO_DEFAULT",
@@ -737,18 +734,7 @@ last_build_seconds = 0.0
 def build():
     """Compile (once per process; cached on disk by torch under a source hash) and return the module."""
     global last_build_seconds
-    from torch.utils.cpp_extension import load_inline
-
-    tag = hashlib.sha1((CUDA_SOURCE + _CPP_SOURCE).encode()).hexdigest()[:12]
-    kw = {}
-    if "no_implicit_headers" in inspect.signature(load_inline).parameters:  # keep torch headers out of the .cu
-        kw["no_implicit_headers"] = True
-    t0 = time.perf_counter()
-    mod = load_inline(name=f"k3nn_kda_decode_{tag}", cpp_sources=[_CPP_SOURCE + "\n" + _DECL],
-                      cuda_sources=[CUDA_SOURCE], functions=["kda_fused_decode_cuda"], extra_cflags=["-O2"],
-                      extra_cuda_cflags=["-O3", "-std=c++17"],
-                      verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)
-    last_build_seconds = time.perf_counter() - t0
+    mod, last_build_seconds = load_inline_module("k3nn_kda_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL, ["kda_fused_decode_cuda"])
     return mod
 
 
