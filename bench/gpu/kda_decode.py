@@ -170,6 +170,18 @@ def race_check(variants):
             log(f"  {v:11s} T={T}: {'identical' if bad == 0 else f'{bad}/19 runs DIFFER  <-- RACE'}")
 
 
+def fla_args(p, S, B, H):
+    """fla's ``fused_recurrent_kda`` arguments for the same step (bare recurrence: q, k, v taken from the
+    un-convolved projections, gate / β / L2 norm in its kernel): ``(args, kwargs)``."""
+    y = p[0].float().reshape(B, 1, 3, H, D)
+    q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
+    g = p[1].reshape(B, 1, H, D).contiguous()
+    fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=S[:B].clone(), output_final_state=True,
+               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+               lower_bound=-5.0)
+    return (q, k, v, g, p[2].contiguous()), fkw
+
+
 def fla_fn():
     try:
         from fla.ops.kda import fused_recurrent_kda
@@ -207,17 +219,9 @@ def timing(variants, copy_tbps):
             row.append((v if v != "auto" else f"auto={auto[0]}{auto[1]}w{auto[2]}", ms))
         use("auto")
         if fr is not None and left() > 4:
-            y = p[0].float().reshape(B, 1, 3, H, D)
-            q, k, v_ = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
-            g = p[1].reshape(B, 1, H, D).contiguous()
-            beta = p[2].contiguous()
-            h0 = S[:B].clone()
-            fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=h0, output_final_state=True,
-                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                       lower_bound=-5.0)
+            fa, fkw = fla_args(p, S, B, H)
             try:
-                fr(q, k, v_, g, beta, **fkw)
-                fa = (q, k, v_, g, beta)
+                fr(*fa, **fkw)
                 row.append(("fla fused_recurrent_kda", graph_bench_ms(lambda a=fa, kw_=fkw: fr(*a, **kw_))))
             except Exception as e:  # noqa: BLE001
                 log(f"  fla failed at B={B} H={H}: {type(e).__name__}: {e}")

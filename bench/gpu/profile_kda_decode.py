@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kda_decode import call, fla_fn, inputs, use  # noqa: E402
+from kda_decode import call, fla_args, fla_fn, inputs, use  # noqa: E402
 
 REPS = 1
 
@@ -52,15 +52,8 @@ def main():
     timed("k3nn decode B=64 H=96", lambda: call(be, p, S, cs, idx, kw))
     fr = fla_fn()
     if fr is not None:
-        y = p[0].float().reshape(B, 1, 3, H, D)
-        q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
-        g = p[1].reshape(B, 1, H, D).contiguous()
-        beta = p[2].contiguous()
-        h0 = S[:B].clone()
-        fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=h0, output_final_state=True,
-                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                   lower_bound=-5.0)
-        timed("fla fused_recurrent_kda B=64 H=96", lambda: fr(q, k, v, g, beta, **fkw))
+        fa, fkw = fla_args(p, S, B, H)
+        timed("fla fused_recurrent_kda B=64 H=96", lambda: fr(*fa, **fkw))
     return 0
 
 
