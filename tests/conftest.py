@@ -1,4 +1,5 @@
 import os
+import re
 
 # Triton kernels run under the interpreter on CPU; this must be set before triton is imported.
 if not os.environ.get("K3NN_TEST_GPU"):
@@ -33,7 +34,6 @@ def poison(*shape, dtype=torch.float32, device="cpu"):
 def nvcc_sm90(tmp_path, source: str, name: str = "kernel") -> tuple[str, list[tuple[str, int]]]:
     """Compile a torch-free .cu for sm_90 with nvcc (no GPU needed); returns ptxas' verbose log and the
     (line, bytes of spill stores) of every function that spills. Fails the test on a compile error."""
-    import re
     import subprocess
 
     cu = tmp_path / f"{name}.cu"
@@ -44,3 +44,13 @@ def nvcc_sm90(tmp_path, source: str, name: str = "kernel") -> tuple[str, list[tu
     spills = [(ln, int(m.group(1))) for ln in r.stderr.splitlines()
               if (m := re.search(r"(\d+) bytes spill stores", ln)) and int(m.group(1)) > 0]
     return r.stderr, spills
+
+
+def braces_balanced(src: str) -> bool:
+    """Every ``{`` of a generated C++/CUDA source closed in order (string literals ignored)."""
+    depth = 0
+    for ch in re.sub(r'"(\\.|[^"\\])*"', '""', src):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0

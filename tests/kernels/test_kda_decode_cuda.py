@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import nvcc_sm90
+from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.kda.cuda_decode as cd
 from k3nn.kernels.registry import resolve
@@ -102,7 +102,7 @@ def test_auto_stays_off_cuda_here(monkeypatch):
 
 
 def _braces_balanced(src):
-    return src.count("{") == src.count("}") and src.count("(") == src.count(")")
+    return braces_balanced(src) and src.count("(") == src.count(")")
 
 
 def test_source_is_torch_free_and_mirrors_python():

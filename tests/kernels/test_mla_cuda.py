@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import nvcc_sm90
+from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.mla.cuda_decode as cd
 from k3nn.kernels.registry import get_op, resolve
@@ -129,15 +129,6 @@ def test_default_splits():
     assert cd.default_num_splits(1, 64, 32768, 132, 2, rows=64) == 256  # ctas_per_sm still overrides
 
 
-def _braces_balanced(src: str) -> bool:
-    depth = 0
-    for ch in re.sub(r'"(\\.|[^"\\])*"', '""', src):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
 def test_generated_source_has_the_entry_points():
     cu = cd.kernel_source()
     for name in ("mla_split_kernel", "mla_split64_kernel", "mla_combine_kernel", "mla_decode_dispatch(",
@@ -148,7 +139,7 @@ def test_generated_source_has_the_entry_points():
                  "SMEM_BYTES = Q_BYTES"):
         assert name in cu, name
     assert "torch" not in cu and "__PARAMS__" not in cu  # the .cu compiles without torch headers
-    assert _braces_balanced(cu) and _braces_balanced(cd._CPP_SOURCE)
+    assert braces_balanced(cu) and braces_balanced(cd._CPP_SOURCE)
     assert re.sub(r"\s+", " ", cd._DECL.rstrip(";")) in re.sub(r"\s+", " ", cd._CPP_SOURCE)
     # the Python mirror of the shared-memory size matches the CUDA constants
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+)", cu))

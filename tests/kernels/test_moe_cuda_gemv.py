@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import nvcc_sm90
+from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.moe.cuda_mx_gemv as cm
 import k3nn.kernels.moe.triton_fused as tf
@@ -114,15 +114,6 @@ def test_pdl_knob(monkeypatch):
         cm.pdl_enabled("cpu")
 
 
-def _braces_balanced(src: str) -> bool:
-    depth = 0
-    for ch in re.sub(r'"(\\.|[^"\\])*"', '""', src):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
 def test_generated_source_has_the_entry_points():
     cfgs = (cm.DEFAULT_CONFIG, cm.CudaGemvConfig(2, 4, 1, False, 1))
     cu = cm.kernel_source(cfgs, ("bf16",))
@@ -134,7 +125,7 @@ def test_generated_source_has_the_entry_points():
     assert "torch" not in cu  # the .cu compiles without torch headers
     assert f"kTable[{len(cfgs)}][2][3][2]" in cu
     assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, true>" in cu and "&launch<__half" not in cu
-    assert _braces_balanced(cu) and _braces_balanced(cm._CPP_SOURCE)
+    assert braces_balanced(cu) and braces_balanced(cm._CPP_SOURCE)
     decl = cm._DECL.rstrip(";")
     assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cm._CPP_SOURCE)  # binding matches its declaration
 

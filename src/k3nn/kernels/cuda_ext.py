@@ -3,6 +3,7 @@ the machine, checked in one place."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["load_inline_module", "toolchain_reason"]
+__all__ = ["load_inline_module", "sm_count", "smem_per_block", "toolchain_reason"]
 
 
 def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "") -> str | None:
@@ -45,3 +46,15 @@ def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions
                       functions=functions, extra_cflags=["-O2"], extra_cuda_cflags=["-O3", "-std=c++17"],
                       verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)
     return mod, time.perf_counter() - t0
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (cached)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def smem_per_block(device) -> int:
+    """Shared memory one block may opt in to on ``device`` (48 KB, the guaranteed amount, if torch does not say)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)

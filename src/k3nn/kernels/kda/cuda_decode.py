@@ -49,6 +49,8 @@ import os
 import torch
 
 from ..cuda_ext import load_inline_module, toolchain_reason
+from ..cuda_ext import sm_count as _sm_count
+from ..cuda_ext import smem_per_block as _smem_limit
 
 __all__ = [
     "AUTO_DEFAULT",
@@ -734,18 +736,9 @@ last_build_seconds = 0.0
 def build():
     """Compile (once per process; cached on disk by torch under a source hash) and return the module."""
     global last_build_seconds
-    mod, last_build_seconds = load_inline_module("k3nn_kda_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL, ["kda_fused_decode_cuda"])
+    mod, last_build_seconds = load_inline_module("k3nn_kda_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL,
+                                                 ["kda_fused_decode_cuda"])
     return mod
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _smem_limit(dev: torch.device) -> int:
-    props = torch.cuda.get_device_properties(dev)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
 def _env_choice(name: str, choices: tuple, default):

@@ -54,6 +54,8 @@ import os
 import torch
 
 from ..cuda_ext import load_inline_module, toolchain_reason
+from ..cuda_ext import sm_count as _sm_count
+from ..cuda_ext import smem_per_block as _smem_limit
 
 __all__ = [
     "BLOCK_N",
@@ -824,7 +826,8 @@ last_build_seconds = 0.0
 def build():
     """Compile (once per process; cached on disk by torch under a source hash) and return the module."""
     global last_build_seconds
-    mod, last_build_seconds = load_inline_module("k3nn_mla_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL, ["mla_decode_launch"])
+    mod, last_build_seconds = load_inline_module("k3nn_mla_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL,
+                                                 ["mla_decode_launch"])
     return mod
 
 
@@ -849,16 +852,6 @@ def rows_choice(rows: int | None = None, device: torch.device | None = None) -> 
         raise ValueError(f"{ROWS_ENV} must be 16 or 64 (query rows per CTA of the CUDA MLA decode kernel), "
                          f"got {env!r}")
     return value
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _smem_limit(dev: torch.device) -> int:
-    props = torch.cuda.get_device_properties(dev)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
 
 def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int | None = None,

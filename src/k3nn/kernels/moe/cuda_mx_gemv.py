@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 
 from ...quant.mxfp4 import MXFP4Weight
+from ..cuda_ext import smem_per_block as _smem_limit
 from ..cuda_ext import toolchain_reason
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
@@ -737,11 +738,6 @@ def smem_bytes(cfg: CudaGemvConfig, block_m: int, K: int, glu: bool) -> int:
     nt = 1 if block_m <= 2 else (2 if block_m == 4 else 4)
     G, bmx, nm, rows = (K + 127) // 128, 2 * nt, 2 if glu else 1, 16 * cfg.row_tiles
     return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
-
-
-def _smem_limit(dev) -> int:
-    props = torch.cuda.get_device_properties(dev)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
 
 def _aligned16(t: torch.Tensor, dims=(0, 1)) -> bool:
