@@ -1,7 +1,7 @@
 """GPU check + timing of the fused KDA decode kernels (Triton ``head`` / ``split``, CUDA ``persistent`` / ``regs`` /
 ``block``) against eager and fla-core.
 
-    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda]
+    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda] [--timing-first] [--shapes B:H,...]
 
 1. Build: the CUDA extension (kernels/kda/cuda_decode.py; compiled once, cached on disk by torch), timed.
 2. Correctness: every variant below in bf16 and fp32, B = 1 and 64, T = 1 and 3, shuffled cache slots: max
@@ -67,7 +67,9 @@ VARIANTS = {
     "head32w4hb": ("triton", _head(32, 4, 1, 128, "hb")),
     "head32w4ev-load": ("triton", _head(32, 4, 1, 128, "bh", "load")),  # evict_first on loads only
     "head32w4ev-none": ("triton", _head(32, 4, 1, 128, "bh", "none")),  # no cache hints
+    "head32w4hbev-none": ("triton", _head(32, 4, 1, 128, "hb", "none")),
     "head32w4r0": ("triton", _head(32, 4, 1, 0)),
+    "head32w4r0hb": ("triton", _head(32, 4, 1, 0, "hb")),
     "head32w4pf2r168": ("triton", _head(32, 4, 2, 168)),
     "head32w4pf2r168hb": ("triton", _head(32, 4, 2, 168, "hb")),
     # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
@@ -191,10 +193,19 @@ def fla_fn():
         return None
 
 
+def _arg(flag, default):
+    a = sys.argv[1:]
+    return a[a.index(flag) + 1] if flag in a else default
+
+
+# --shapes B:H,B:H,... (default: the five below); --timing-first: time before the correctness checks
+SHAPES = [tuple(int(x) for x in s.split(":")) for s in _arg("--shapes", "1:96,8:96,64:96,256:96,64:32").split(",")]
+
+
 def timing(variants, copy_tbps):
     log("== per-layer time in a CUDA graph (T=1, bf16 activations, fp32 state, lower_bound gate) ==")
     fr = fla_fn()
-    shapes = [(1, 96), (8, 96), (64, 96), (256, 96), (64, 32)]
+    shapes = SHAPES
     summary = []
     for B, H in shapes:
         if left() < 8:
@@ -272,11 +283,14 @@ def main():
     if why is not None:
         log(f"CUDA variants skipped: {why}")
         variants = [v for v in variants if VARIANTS[v][0] != "cuda"]
+    if "--timing-first" in sys.argv[1:]:
+        timing(variants, copy_tbps)
     worst = correctness(variants)
     log("   worst rel err per variant: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     race_check([v for v in RACE if v in variants])
     log(f"   ({time.time() - T0:.1f}s so far)")
-    timing(variants, copy_tbps)
+    if "--timing-first" not in sys.argv[1:]:
+        timing(variants, copy_tbps)
     use("auto")
     log(f"done in {time.time() - T0:.1f}s")
     return 0
