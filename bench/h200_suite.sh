@@ -22,7 +22,7 @@ STEPS=(
   "kda-intra|120|$PY bench/gpu/kda_intra.py"
   "kda-scores|170|env K3NN_SCORES_BUDGET_S=150 $PY bench/gpu/kda_scores.py"
   "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
-  "kda-decode-ncu|150|ncu --clock-control none --kernel-name regex:neg_kernel|_kda_decode_head|recurrent --launch-count 9 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats $PY bench/gpu/profile_kda_decode.py"
+  "kda-decode-ncu|150|ncu --clock-control none --kernel-name regex:neg_kernel|_kda_decode_head|recurrent --launch-count 12 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats $PY bench/gpu/profile_kda_decode.py auto head32w4hb"
   "kda-decode-triton|140|env KDA_DECODE_BUDGET_S=130 $PY bench/gpu/kda_decode.py --no-cuda"
   "kda-decode-order|150|env KDA_DECODE_BUDGET_S=140 $PY bench/gpu/kda_decode.py --no-cuda --timing-first --shapes 64:96,256:96,64:32,8:96"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"
