@@ -233,13 +233,23 @@ def test_head_path_heads_first_order(T, monkeypatch):
         _check_path(1, 1, 1, 32, 4, 2, 1)
 
 
-@pytest.mark.parametrize("hints", ["load", "none"])
-def test_head_path_cache_hints(hints, monkeypatch):
-    """K3NN_KDA_DECODE_EVICT: evict_first on the loads only, or on nothing — same result; typos are refused."""
-    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+def test_split_path_heads_first_order(monkeypatch):
+    """K3NN_KDA_DECODE_ORDER=hb on the split path: grid (NS·H, B) — same result, counters still reset."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "split")
+    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
+    monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "hb")
+    _check_path(3, 2, 2, 32, 4, 6, 44)
+    _check_path(2, 1, 3, 32, 4, 5, 45)
+
+
+@pytest.mark.parametrize("path,hints", [("head", "load"), ("head", "store"), ("head", "none"), ("split", "none")])
+def test_cache_hints(path, hints, monkeypatch):
+    """K3NN_KDA_DECODE_EVICT: evict_first on the loads only, the stores only, or on nothing — same result;
+    typos are refused."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", path)
     monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
     monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", hints)
     _check_path(2, 1, 2, 32, 4, 5, 60)
-    monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", "store")
+    monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", "stores")
     with pytest.raises(ValueError, match="K3NN_KDA_DECODE_EVICT"):
         _check_path(1, 1, 1, 32, 4, 2, 1)

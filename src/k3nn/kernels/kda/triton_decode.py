@@ -225,10 +225,16 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
                       scale, lower_bound, eps, T,
                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
                       W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                      EVEN: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
+                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
+                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+    if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
+        sp = tl.program_id(0) % NS
+        h = tl.program_id(0) // NS
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
@@ -243,9 +249,9 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
     s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
     mdv = md[:, None] & mv[None, :]
     if EVEN:
-        S = tl.load(S_ptr + s_off, eviction_policy="evict_first")
+        S = tl.load(S_ptr + s_off, eviction_policy=LD_EV)
     else:
-        S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy="evict_first")
+        S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy=LD_EV)
     b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
@@ -265,9 +271,9 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         o = tl.sum(S * q[:, None], 0)
         tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
     if EVEN:
-        tl.store(S_ptr + s_off, S, eviction_policy="evict_first")
+        tl.store(S_ptr + s_off, S, eviction_policy=ST_EV)
     else:
-        tl.store(S_ptr + s_off, S, mask=mdv, eviction_policy="evict_first")
+        tl.store(S_ptr + s_off, S, mask=mdv, eviction_policy=ST_EV)
     # The last of the NS programs of this (request, head) finishes: RMSNorm over the whole head needs every V
     # block, and the conv state may only be rewritten once every program has read it. The barrier puts every
     # thread's y stores and conv reads before the (single-thread, acq_rel, GPU-scope) arrival.
@@ -332,6 +338,19 @@ def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
     return path, bv, nw
 
 
+def _order_and_hints() -> tuple[bool, dict]:
+    """(heads first?, cache-hint constexprs) from ``K3NN_KDA_DECODE_ORDER`` / ``K3NN_KDA_DECODE_EVICT``."""
+    order = os.environ.get("K3NN_KDA_DECODE_ORDER", "bh").strip().lower() or "bh"
+    if order not in ("bh", "hb"):
+        raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the decode grid), got {order!r}")
+    hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "both").strip().lower() or "both"
+    if hints not in ("both", "load", "store", "none"):
+        raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load, store or none (evict_first on the state "
+                         f"loads / stores), got {hints!r}")
+    return order == "hb", dict(LD_EV="evict_first" if hints in ("both", "load") else "",
+                               ST_EV="evict_first" if hints in ("both", "store") else "")
+
+
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
                           state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None):
     r = triton_ready(qkv, f, b, gate, recurrent_state, conv_state)
@@ -368,29 +387,21 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
                   HAS_IDX=state_indices is not None, T1=T == 1, EVEN=BD == D, num_warps=nw)
     # no autotune: the kernels update state in place
+    hf, extra = _order_and_hints()
     if path == "head":
         pf = _env_int("K3NN_KDA_DECODE_PF", 1)
         if pf not in (1, 2):
             raise ValueError(f"K3NN_KDA_DECODE_PF must be 1 or 2 (state chunks in flight ahead), got {pf}")
-        extra = {}
         # the cap was measured for the default tile ([D, 32] chunks, 4 warps); other tiles keep the compiler's count
         maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG if (BV, nw) == (32, 4) else 0)
         if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
             extra["maxnreg"] = maxnreg
-        order = os.environ.get("K3NN_KDA_DECODE_ORDER", "bh").strip().lower() or "bh"
-        if order not in ("bh", "hb"):
-            raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the head path), got {order!r}")
-        hf = order == "hb"
-        hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "both").strip().lower() or "both"
-        if hints not in ("both", "load", "none"):
-            raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load or none (evict_first on the head path's "
-                             f"state loads / stores), got {hints!r}")
-        extra["LD_EV"] = "" if hints == "none" else "evict_first"
-        extra["ST_EV"] = "evict_first" if hints == "both" else ""
         _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
                                                    NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
-        _kda_decode_split[(B, H, triton.cdiv(D, BV))](*common, cnt, scale, float(lower_bound), float(norm_eps), T,
-                                                     NS=triton.cdiv(D, BV), **consts)
+        ns = triton.cdiv(D, BV)
+        _kda_decode_split[(ns * H, B) if hf else (B, H, ns)](*common, cnt, scale, float(lower_bound),
+                                                              float(norm_eps), T, NS=ns, HEADS_FIRST=hf,
+                                                              **consts, **extra)
     return y
