@@ -52,10 +52,10 @@ def _pers(warps, stages):
     return dict(K3NN_KDA_CUDA_VARIANT="persistent", K3NN_KDA_CUDA_WARPS=str(warps), K3NN_KDA_CUDA_STAGES=str(stages))
 
 
-def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both"):
+def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both", items=1):
     return dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(warps),
                 K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg), K3NN_KDA_DECODE_ORDER=order,
-                K3NN_KDA_DECODE_EVICT=evict)
+                K3NN_KDA_DECODE_EVICT=evict, K3NN_KDA_DECODE_ITEMS=str(items))
 
 
 # name -> (backend, environment); the first Triton entry of each path is that path's default
@@ -64,25 +64,17 @@ VARIANTS = {
     "head32w4": ("triton", _head(32, 4, 1, 128)),  # the default: 128 registers (h200-s5-run3)
     # program order: hb launches the heads of one request together (one contiguous 6 MB state block per request
     # at H=96; +7.5% at B=64, +9.6% at B=256 in h200-s6-run1); cache hints on the state loads / stores
+    # (ev-store: evict_first on the stores only, the best at B=64 and B=256 H=96 in h200-s6-run2)
     "head32w4hb": ("triton", _head(32, 4, 1, 128, "hb")),
-    "head32w4ev-none": ("triton", _head(32, 4, 1, 128, "bh", "none")),  # no cache hints
-    "head32w4hbev-none": ("triton", _head(32, 4, 1, 128, "hb", "none")),
     "head32w4hbev-store": ("triton", _head(32, 4, 1, 128, "hb", "store")),
-    "head32w4hbev-load": ("triton", _head(32, 4, 1, 128, "hb", "load")),
-    "head32w4r0hb": ("triton", _head(32, 4, 1, 0, "hb")),
-    "head32w4r0hbev-none": ("triton", _head(32, 4, 1, 0, "hb", "none")),
+    "head32w4hbev-none": ("triton", _head(32, 4, 1, 128, "hb", "none")),
+    "head32w4r96hbev-store": ("triton", _head(32, 4, 1, 96, "hb", "store")),  # 5 programs per SM
+    # several neighbouring heads per program, the next one's first chunk loaded during the last chunk
+    "head32w4i2": ("triton", _head(32, 4, 1, 128, "hb", "both", 2)),
+    "head32w4i2ev-store": ("triton", _head(32, 4, 1, 128, "hb", "store", 2)),
+    "head32w4i4ev-store": ("triton", _head(32, 4, 1, 128, "hb", "store", 4)),
+    "head32w4i2ev-none": ("triton", _head(32, 4, 1, 128, "hb", "none", 2)),
     "head32w4pf2r168hb": ("triton", _head(32, 4, 2, 168, "hb")),
-    "head32w4pf2r168hbev-none": ("triton", _head(32, 4, 2, 168, "hb", "none")),
-    # wider chunks (lost every shape in bh order, h200-run2), retried in hb order
-    "head64w8hb": ("triton", _head(64, 8, 1, 0, "hb")),
-    "head128w8hb": ("triton", _head(128, 8, 1, 0, "hb")),
-    "head128w16hb": ("triton", _head(128, 16, 1, 0, "hb")),
-    # split path in hb order: the four column blocks of a head run together (whole 512-byte state rows)
-    "split32w4hb": ("triton", dict(K3NN_KDA_DECODE_PATH="split", K3NN_KDA_DECODE_BV="32", K3NN_KDA_DECODE_WARPS="4",
-                                   K3NN_KDA_DECODE_ORDER="hb")),
-    "split32w4hbev-none": ("triton", dict(K3NN_KDA_DECODE_PATH="split", K3NN_KDA_DECODE_BV="32",
-                                          K3NN_KDA_DECODE_WARPS="4", K3NN_KDA_DECODE_ORDER="hb",
-                                          K3NN_KDA_DECODE_EVICT="none")),
     # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
     # request-heads, state tiles streamed into shared memory STAGES ahead by bulk async copies), regs (one CTA
     # per request-head, 16-byte state loads into registers)
@@ -90,9 +82,9 @@ VARIANTS = {
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
-       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_CUDA_VARIANT",
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS", "K3NN_KDA_CUDA_VARIANT",
        "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
-RACE = ("split32w4", "head32w4", "head32w4hbev-none", "split32w4hb", "cu-pers16s2")
+RACE = ("split32w4", "head32w4", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
 D, W = 128, 4
 
 

@@ -233,6 +233,19 @@ def test_head_path_heads_first_order(T, monkeypatch):
         _check_path(1, 1, 1, 32, 4, 2, 1)
 
 
+@pytest.mark.parametrize("T,items", [(1, 2), (2, 4)])
+def test_head_path_several_heads_per_program(T, items, monkeypatch):
+    """K3NN_KDA_DECODE_ITEMS: a program updates ITEMS neighbouring heads of one request, each one's first chunk
+    loaded during the previous one's last — same result; a count not dividing H (or with PF=2) is refused."""
+    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
+    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
+    monkeypatch.setenv("K3NN_KDA_DECODE_ITEMS", str(items))
+    _check_path(3, T, 4, 32, 4, 6, 50 + T)
+    monkeypatch.setenv("K3NN_KDA_DECODE_ITEMS", "3")
+    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_ITEMS"):
+        _check_path(1, 1, 4, 32, 4, 2, 1)
+
+
 def test_split_path_heads_first_order(monkeypatch):
     """K3NN_KDA_DECODE_ORDER=hb on the split path: grid (NS·H, B) — same result, counters still reset."""
     monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "split")

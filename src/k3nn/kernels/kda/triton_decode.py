@@ -139,35 +139,17 @@ def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN:
 
 
 @triton.jit
-def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
-                     scale, lower_bound, eps, T,
-                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
-                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
-                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
-    if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
+               b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_next,
+               H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
+               SOFTPLUS: tl.constexpr, T1: tl.constexpr, EVEN: tl.constexpr, PF: tl.constexpr,
+               HAS_NEXT: tl.constexpr, LD_EV: tl.constexpr, ST_EV: tl.constexpr):
+    """One request-head of the head path. ``Sn`` (and with PF = 2 ``Sn2``) hold its first state chunk(s),
+    already in flight; with HAS_NEXT the first chunk of the next request-head (state at ``s_next``) is loaded
+    while the last chunk is updated, and returned."""
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    if HAS_IDX:
-        slot = tl.load(idx + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
-    rd = tl.arange(0, BD)
-    md = rd < D
-    rb = tl.arange(0, BV)
-    s_b = S_ptr + (slot * H + h) * (D * D)
-    s_off = rd[:, None] * D + rb[None, :]
-    # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything else
-    Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
-    Sn2 = Sn
-    if PF == 2 and NC > 1:
-        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
     b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
@@ -186,6 +168,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                 Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN, LD_EV)
         elif c + 1 < NC:  # the next chunk in flight while this one is updated
             Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN, LD_EV)
+        elif HAS_NEXT:  # last chunk: the next request-head's first chunk in flight
+            Sn = _state_chunk(s_next, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
         rv = c * BV + rb
         mv = rv < D
         cv = 2 * C + h * D + rv
@@ -218,6 +202,59 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             o = _gated_rmsnorm(o, gate, row, h, rd, md, nwf, eps, D, H)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
     _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
+    return Sn
+
+
+@triton.jit
+def _slot(idx, b, HAS_IDX: tl.constexpr):
+    if HAS_IDX:
+        return tl.load(idx + b).to(tl.int64)
+    return b.to(tl.int64)
+
+
+@triton.jit
+def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
+                     scale, lower_bound, eps, T,
+                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
+                     ITEMS: tl.constexpr = 1,
+                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+    rd = tl.arange(0, BD)
+    md = rd < D
+    rb = tl.arange(0, BV)
+    s_off = rd[:, None] * D + rb[None, :]
+    if ITEMS == 1:
+        if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            h = tl.program_id(1)
+        slot = _slot(idx, b, HAS_IDX)
+        s_b = S_ptr + (slot * H + h) * (D * D)
+        # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything
+        Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
+        Sn2 = Sn
+        if PF == 2 and NC > 1:
+            Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
+        _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
+                   b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_b,
+                   H, D, BV, NC, W, SOFTPLUS, T1, EVEN, PF, False, LD_EV, ST_EV)
+    else:  # grid (B·H / ITEMS,): request-heads pid·ITEMS … pid·ITEMS + ITEMS − 1 (heads of one request; H % ITEMS
+        # == 0), each one's first chunk loaded while the previous one's last chunk is updated
+        item = tl.program_id(0) * ITEMS
+        b = item // H
+        h = item % H
+        slot = _slot(idx, b, HAS_IDX)
+        s_b = S_ptr + (slot * H + h) * (D * D)
+        Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
+        for it in tl.static_range(ITEMS):
+            s_next = s_b + D * D  # the next head of the same request
+            Sn = _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps,
+                            T, b, h + it, slot, s_b, s_off, rd, md, rb, Sn, Sn, s_next,
+                            H, D, BV, NC, W, SOFTPLUS, T1, EVEN, 1, it + 1 < ITEMS, LD_EV, ST_EV)
+            s_b = s_next
 
 
 @triton.jit
@@ -396,8 +433,13 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG if (BV, nw) == (32, 4) else 0)
         if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
             extra["maxnreg"] = maxnreg
-        _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
-                                                   NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
+        items = _env_int("K3NN_KDA_DECODE_ITEMS", 1)
+        if items < 1 or H % items or (items > 1 and pf != 1):
+            raise ValueError(f"K3NN_KDA_DECODE_ITEMS (request-heads per program of the head path) must divide the "
+                             f"head count {H} and needs K3NN_KDA_DECODE_PF=1, got {items}")
+        grid = (B * H // items,) if items > 1 else (H, B) if hf else (B, H)
+        _kda_decode_head[grid](*common, scale, float(lower_bound), float(norm_eps), T, NC=triton.cdiv(D, BV), PF=pf,
+                               HEADS_FIRST=hf, ITEMS=items, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
         ns = triton.cdiv(D, BV)
