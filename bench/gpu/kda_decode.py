@@ -1,7 +1,7 @@
 """GPU check + timing of the fused KDA decode kernels (Triton ``head`` / ``split``, CUDA ``persistent`` / ``regs`` /
 ``block``) against eager and fla-core.
 
-    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda] [--timing-first] [--shapes B:H,...]
+    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda] [--timing-first] [--shapes B:H,...] [--variants NAME,...]
 
 1. Build: the CUDA extension (kernels/kda/cuda_decode.py; compiled once, cached on disk by torch), timed.
 2. Correctness: every variant below in bf16 and fp32, B = 1 and 64, T = 1 and 3, shuffled cache slots: max
@@ -80,10 +80,14 @@ VARIANTS = {
     # per request-head, 16-byte state loads into registers)
     "cu-pers16s2": ("cuda", _pers(16, 2)),
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
+    # block / regs in hb order (grid (H, B))
+    "cu-regs16hb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16", K3NN_KDA_CUDA_ORDER="hb")),
+    "cu-regs8hb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="8", K3NN_KDA_CUDA_ORDER="hb")),
+    "cu-blockhb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="block", K3NN_KDA_CUDA_ORDER="hb")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
        "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS", "K3NN_KDA_CUDA_VARIANT",
-       "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
+       "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
 RACE = ("split32w4", "head32w4", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
 D, W = 128, 4
 
@@ -270,7 +274,7 @@ def main():
     meta = device_meta()
     copy_tbps = meta["copy_tbps"]
     log(f"copy bandwidth {copy_tbps} TB/s (read + write), setup {time.time() - T0:.1f}s")
-    variants = list(VARIANTS)
+    variants = _arg("--variants", ",".join(VARIANTS)).split(",")  # --variants a,b,...: these only
     os.environ["K3NN_KDA_CUDA"] = "1"  # the CUDA kernels are opt-in
     from k3nn.kernels.kda import cuda_decode
 

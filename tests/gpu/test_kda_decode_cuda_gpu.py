@@ -23,11 +23,12 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 D, W = 128, 4
 KNOBS = ("K3NN_KDA_CUDA", "K3NN_KDA_CUDA_AUTO", "K3NN_KDA_CUDA_AUTO_MIN", "K3NN_KDA_CUDA_VARIANT",
-         "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
-# name -> (variant, warps, stages)
+         "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
+# name -> (variant, warps, stages[, order])
 VARIANTS = {"persistent16s3": ("persistent", 16, 3), "persistent16s2": ("persistent", 16, 2),
             "persistent8s3": ("persistent", 8, 3), "persistent8s2": ("persistent", 8, 2),
-            "regs8": ("regs", 8, 3), "regs16": ("regs", 16, 3), "block": ("block", 8, 3)}
+            "regs8": ("regs", 8, 3), "regs16": ("regs", 16, 3), "block": ("block", 8, 3),
+            "regs16hb": ("regs", 16, 3, "hb"), "blockhb": ("block", 8, 3, "hb")}
 H_OF_B = {1: 96, 3: 12, 64: 96, 200: 12}  # B=200 at H=12: 2400 items, ~18 per persistent CTA (every stage reused)
 
 
@@ -48,10 +49,11 @@ def cuda_on(monkeypatch):
 
 
 def use(mp, name):
-    v, w, s = VARIANTS[name]
+    v, w, s, *o = VARIANTS[name]
     mp.setenv("K3NN_KDA_CUDA_VARIANT", v)
     mp.setenv("K3NN_KDA_CUDA_WARPS", str(w))
     mp.setenv("K3NN_KDA_CUDA_STAGES", str(s))
+    mp.setenv("K3NN_KDA_CUDA_ORDER", o[0] if o else "bh")
 
 
 def inputs(B, T, H, dtype, seed, extra_slots=5):
@@ -135,9 +137,9 @@ def env(**kv):
 @given(B=st.integers(1, 80), T=st.integers(1, 4), H=st.integers(1, 16), fp32=st.booleans(), softplus=st.booleans(),
        name=st.sampled_from(list(VARIANTS)), grid=st.sampled_from(["", "1", "5"]), seed=st.integers(0, 2 ** 16))
 def test_drawn_shapes(B, T, H, fp32, softplus, name, grid, seed):
-    v, w, s = VARIANTS[name]
+    v, w, s, *o = VARIANTS[name]
     with env(K3NN_KDA_CUDA="1", K3NN_KDA_CUDA_VARIANT=v, K3NN_KDA_CUDA_WARPS=str(w), K3NN_KDA_CUDA_STAGES=str(s),
-             K3NN_KDA_CUDA_GRID=grid):
+             K3NN_KDA_CUDA_GRID=grid, K3NN_KDA_CUDA_ORDER=o[0] if o else "bh"):
         check(B, T, torch.float32 if fp32 else torch.bfloat16, "softplus" if softplus else "lower_bound", seed, H=H)
 
 

@@ -14,7 +14,7 @@ import k3nn.kernels.kda.cuda_decode as cd
 from k3nn.kernels.registry import resolve
 
 KNOBS = ("K3NN_KDA_CUDA", "K3NN_KDA_CUDA_AUTO", "K3NN_KDA_CUDA_AUTO_MIN", "K3NN_KDA_CUDA_VARIANT",
-         "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID")
+         "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,7 @@ def test_auto_default_switch(monkeypatch):
 
 
 def test_plan_defaults_and_knobs(monkeypatch):
-    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=2, grid=132)
+    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=2, grid=132, heads_first=False)
     assert cd.plan(1, 96, 132)["grid"] == 96  # never more CTAs than request-heads
     monkeypatch.setenv("K3NN_KDA_CUDA_VARIANT", "regs")
     assert cd.plan(64, 96, 132)["variant"] == "regs" and cd.plan(64, 96, 132)["warps"] == 8
@@ -68,8 +68,11 @@ def test_plan_defaults_and_knobs(monkeypatch):
     monkeypatch.setenv("K3NN_KDA_CUDA_VARIANT", "Persistent")
     monkeypatch.setenv("K3NN_KDA_CUDA_STAGES", "3")
     monkeypatch.setenv("K3NN_KDA_CUDA_GRID", "264")
-    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=3, grid=264)
-    for k, bad in (("K3NN_KDA_CUDA_VARIANT", "tma"), ("K3NN_KDA_CUDA_WARPS", "4"), ("K3NN_KDA_CUDA_STAGES", "4")):
+    assert cd.plan(64, 96, 132) == dict(variant="persistent", warps=16, stages=3, grid=264, heads_first=False)
+    monkeypatch.setenv("K3NN_KDA_CUDA_ORDER", "hb")
+    assert cd.plan(64, 96, 132)["heads_first"] and not cd.plan(70000, 2, 132)["heads_first"]  # grid y <= 65535
+    for k, bad in (("K3NN_KDA_CUDA_VARIANT", "tma"), ("K3NN_KDA_CUDA_WARPS", "4"), ("K3NN_KDA_CUDA_STAGES", "4"),
+                   ("K3NN_KDA_CUDA_ORDER", "hbb")):
         monkeypatch.setenv(k, bad)
         with pytest.raises(ValueError, match=k):
             cd.plan(64, 96, 132)

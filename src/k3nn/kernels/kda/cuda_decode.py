@@ -28,7 +28,9 @@ T > 1 (verify windows) runs in every kernel: a token loop over the state held in
 
 Knobs (read per call): ``K3NN_KDA_CUDA_VARIANT`` = ``persistent`` (default) | ``regs`` | ``block``;
 ``K3NN_KDA_CUDA_WARPS`` = 8 | 16 (``regs`` / ``persistent``; default 8 and 16); ``K3NN_KDA_CUDA_STAGES`` = 2 |
-3 (``persistent``, default 2); ``K3NN_KDA_CUDA_GRID`` (``persistent`` CTAs, default the SM count).
+3 (``persistent``, default 2); ``K3NN_KDA_CUDA_GRID`` (``persistent`` CTAs, default the SM count);
+``K3NN_KDA_CUDA_ORDER`` = ``bh`` (default) | ``hb`` (``block`` / ``regs``: grid (H, B), the heads of one request
+launched together, as the Triton ``head`` path's default order).
 
 H200 (``bench/results/logs/h200-s5-run2-2026-11-30.log``, T=1, H=96, CUDA graph): all three pass the GPU tests
 against eager; at B=64 the persistent kernel moves the state at 68.1% of copy bandwidth (16 warps, 2 stages;
@@ -101,6 +103,7 @@ struct KdaParams {
   const long long* idx; // [B] or nullptr (slots 0..B-1)
   void* y;              // [B, Tn, H, D] act
   int B, Tn, H, W, grid;
+  int heads_first;      // block / regs: grid (H, B) instead of (B, H), the heads of a request run together
   float scale, lower_bound, eps;
   int softplus;
 };
@@ -289,7 +292,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 template <typename T>
 __global__ void __launch_bounds__(NT_BLOCK) kda_block_kernel(const KdaParams p) {
-  const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int b = p.heads_first ? blockIdx.y : blockIdx.x, h = p.heads_first ? blockIdx.x : blockIdx.y;
+  const int tid = threadIdx.x;
   const int j = tid & (D - 1), half = tid >> 7;
   const int H = p.H;
   const long long C = (long long)H * D;
@@ -452,7 +456,7 @@ template <int NW> struct RegsBounds { static constexpr int min_blocks = NW == 8 
 template <typename T, int NW>
 __global__ void __launch_bounds__(32 * NW, RegsBounds<NW>::min_blocks) kda_regs_kernel(const KdaParams p) {
   constexpr int NT = 32 * NW, RPW = D / NW;
-  const int b = blockIdx.x, h = blockIdx.y;
+  const int b = p.heads_first ? blockIdx.y : blockIdx.x, h = p.heads_first ? blockIdx.x : blockIdx.y;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const long long slot = p.idx ? p.idx[b] : (long long)b;
   __shared__ __align__(16) float part0[NW * D], part1[NW * D], qs[D], ks[D], vs[D], es[D], kn[D], qn[D];
@@ -612,13 +616,14 @@ cudaError_t launch_persistent(const KdaParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_t(const KdaParams& p, int variant, int nw, int stages, cudaStream_t stream) {
+  const dim3 bh = p.heads_first ? dim3(p.H, p.B) : dim3(p.B, p.H);
   if (variant == 0) {
-    kda_block_kernel<T><<<dim3(p.B, p.H), NT_BLOCK, 0, stream>>>(p);
+    kda_block_kernel<T><<<bh, NT_BLOCK, 0, stream>>>(p);
     return cudaGetLastError();
   }
   if (variant == 1) {
-    if (nw == 8) kda_regs_kernel<T, 8><<<dim3(p.B, p.H), 256, 0, stream>>>(p);
-    else if (nw == 16) kda_regs_kernel<T, 16><<<dim3(p.B, p.H), 512, 0, stream>>>(p);
+    if (nw == 8) kda_regs_kernel<T, 8><<<bh, 256, 0, stream>>>(p);
+    else if (nw == 16) kda_regs_kernel<T, 16><<<bh, 512, 0, stream>>>(p);
     else return cudaErrorInvalidValue;
     return cudaGetLastError();
   }
@@ -657,7 +662,7 @@ torch::Tensor kda_fused_decode_cuda(torch::Tensor qkv, torch::Tensor f, torch::T
                                     torch::Tensor norm_w, torch::Tensor S, torch::Tensor conv_state,
                                     std::optional<torch::Tensor> idx, bool softplus, double lower_bound,
                                     double eps, double scale, int64_t dt, int64_t variant, int64_t warps,
-                                    int64_t stages, int64_t grid) {
+                                    int64_t stages, int64_t grid, bool heads_first) {
   const c10::cuda::CUDAGuard guard(qkv.device());
   const int64_t B = qkv.size(0), Tn = qkv.size(1), H = A_log.size(0);
   auto y = torch::empty({B, Tn, H, 128}, qkv.options());
@@ -684,6 +689,8 @@ torch::Tensor kda_fused_decode_cuda(torch::Tensor qkv, torch::Tensor f, torch::T
   p.y = y.data_ptr();
   p.B = (int)B; p.Tn = (int)Tn; p.H = (int)H; p.W = (int)conv_w.size(1);
   p.grid = (int)std::min<int64_t>(grid, B * H);
+  p.heads_first = heads_first ? 1 : 0;
+  TORCH_CHECK(B <= 65535 || !heads_first, "kda_fused_decode_cuda: heads-first order needs B <= 65535");
   p.scale = (float)scale; p.lower_bound = (float)lower_bound; p.eps = (float)eps; p.softplus = softplus ? 1 : 0;
   const cudaError_t err = k3kda::kda_decode_dispatch(p, (int)dt, (int)variant, (int)warps, (int)stages,
                                                      c10::cuda::getCurrentCUDAStream(qkv.device().index()));
@@ -696,7 +703,7 @@ _DECL = ("torch::Tensor kda_fused_decode_cuda(torch::Tensor qkv, torch::Tensor f
          "torch::Tensor gate, torch::Tensor conv_w, torch::Tensor A_log, torch::Tensor dt_bias, "
          "torch::Tensor norm_w, torch::Tensor S, torch::Tensor conv_state, std::optional<torch::Tensor> idx, "
          "bool softplus, double lower_bound, double eps, double scale, int64_t dt, int64_t variant, "
-         "int64_t warps, int64_t stages, int64_t grid);")
+         "int64_t warps, int64_t stages, int64_t grid, bool heads_first);")
 
 CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
@@ -761,7 +768,9 @@ def plan(B: int, H: int, sm_count: int | None = None) -> dict:
     grid = int(g) if g else (sm_count if sm_count is not None else 132)
     if variant == "block":
         warps = 8
-    return dict(variant=variant, warps=warps, stages=stages, grid=max(1, min(grid, max(1, B * H))))
+    order = _env_choice("K3NN_KDA_CUDA_ORDER", ("bh", "hb"), "bh")
+    return dict(variant=variant, warps=warps, stages=stages, grid=max(1, min(grid, max(1, B * H))),
+                heads_first=order == "hb" and B <= 65535)
 
 
 def supports(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
@@ -818,4 +827,5 @@ def kda_fused_decode_cuda(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_wei
     return build().kda_fused_decode_cuda(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight,
                                          recurrent_state, conv_state, state_indices, gate_kind == "softplus",
                                          float(lower_bound), float(norm_eps), scale, _DT_CODES[qkv.dtype],
-                                         _VARIANT_CODES[pl["variant"]], pl["warps"], pl["stages"], pl["grid"])
+                                         _VARIANT_CODES[pl["variant"]], pl["warps"], pl["stages"], pl["grid"],
+                                         pl["heads_first"])
