@@ -52,10 +52,10 @@ def _pers(warps, stages):
     return dict(K3NN_KDA_CUDA_VARIANT="persistent", K3NN_KDA_CUDA_WARPS=str(warps), K3NN_KDA_CUDA_STAGES=str(stages))
 
 
-def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both", items=1):
+def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both", items=1, out="mem"):
     return dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(warps),
                 K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg), K3NN_KDA_DECODE_ORDER=order,
-                K3NN_KDA_DECODE_EVICT=evict, K3NN_KDA_DECODE_ITEMS=str(items))
+                K3NN_KDA_DECODE_EVICT=evict, K3NN_KDA_DECODE_ITEMS=str(items), K3NN_KDA_DECODE_OUT=out)
 
 
 # name -> (backend, environment); the first Triton entry of each path is that path's default
@@ -75,6 +75,12 @@ VARIANTS = {
     "head32w4i4ev-store": ("triton", _head(32, 4, 1, 128, "hb", "store", 4)),
     "head32w4i2ev-none": ("triton", _head(32, 4, 1, 128, "hb", "none", 2)),
     "head32w4pf2r168hb": ("triton", _head(32, 4, 2, 168, "hb")),
+    # T = 1 outputs gathered in registers for the RMSNorm (no store + reload of y after a barrier)
+    "head32w4hbo": ("triton", _head(32, 4, 1, 128, "hb", "both", 1, "reg")),
+    "head32w4hbev-storeo": ("triton", _head(32, 4, 1, 128, "hb", "store", 1, "reg")),
+    # [D, 64] chunks over 4 warps (256-byte row pieces; two chunks per head)
+    "head64w4hb": ("triton", _head(64, 4, 1, 0, "hb")),
+    "head64w4hbev-store": ("triton", _head(64, 4, 1, 0, "hb", "store")),
     # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
     # request-heads, state tiles streamed into shared memory STAGES ahead by bulk async copies), regs (one CTA
     # per request-head, 16-byte state loads into registers)
@@ -86,7 +92,8 @@ VARIANTS = {
     "cu-blockhb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="block", K3NN_KDA_CUDA_ORDER="hb")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
-       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS", "K3NN_KDA_CUDA_VARIANT",
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS",
+       "K3NN_KDA_DECODE_OUT", "K3NN_KDA_CUDA_VARIANT",
        "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
 RACE = ("split32w4", "head32w4", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
 D, W = 128, 4

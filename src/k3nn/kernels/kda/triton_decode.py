@@ -141,12 +141,13 @@ def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN:
 @triton.jit
 def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
                b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_next,
-               H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
+               H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
                SOFTPLUS: tl.constexpr, T1: tl.constexpr, EVEN: tl.constexpr, PF: tl.constexpr,
-               HAS_NEXT: tl.constexpr, LD_EV: tl.constexpr, ST_EV: tl.constexpr):
+               HAS_NEXT: tl.constexpr, LD_EV: tl.constexpr, ST_EV: tl.constexpr, O_REG: tl.constexpr = False):
     """One request-head of the head path. ``Sn`` (and with PF = 2 ``Sn2``) hold its first state chunk(s),
     already in flight; with HAS_NEXT the first chunk of the next request-head (state at ``s_next``) is loaded
-    while the last chunk is updated, and returned."""
+    while the last chunk is updated, and returned. O_REG (T = 1, several chunks): each chunk's raw output is
+    gathered into a whole-head register vector, normalised there and stored once (no store and reload of y)."""
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
@@ -175,6 +176,8 @@ def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scal
         cv = 2 * C + h * D + rv
         if NC == 1:
             nw = tl.load(norm_w + rv, mask=mv, other=0.0).to(tl.float32)
+        if O_REG and c == 0:
+            o_all = tl.zeros([BD], tl.float32)
         for t in range(1 if T1 else T):  # T1: a constant trip count, the loop folds away (fewer registers)
             row = b64 * T + t
             if not T1:
@@ -185,16 +188,23 @@ def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scal
             pred = tl.sum(S * k[:, None], 0)
             S = S + (beta * k)[:, None] * (v - pred)[None, :]
             o = tl.sum(S * q[:, None], 0).to(DT).to(tl.float32)  # raw o, rounded like eager
-            if NC == 1:  # the whole head is here: normalise in registers
-                o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
-            tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
+            if O_REG:  # this chunk's columns into the whole-head vector (rows of the state's layout)
+                o_all += tl.sum(tl.where(rd[:, None] == rv[None, :], o[None, :], 0.0), 1)
+            else:
+                if NC == 1:  # the whole head is here: normalise in registers
+                    o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
+                tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
         if EVEN:
             tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
         else:
             tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy=ST_EV)
+    if O_REG:
+        nwf = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
+        o_all = _gated_rmsnorm(o_all, gate, b64, h, rd, md, nwf, eps, D, H)
+        tl.store(y + (b64 * H + h) * D + rd, o_all.to(y.dtype.element_ty), mask=md)
     # every thread's reads of the old conv rows (and, for NC > 1, stores of raw o) precede what follows
     tl.debug_barrier()
-    if NC > 1:
+    if NC > 1 and not O_REG:
         nwf = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
         for t in range(1 if T1 else T):
             row = b64 * T + t
@@ -219,7 +229,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
                      EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
                      ITEMS: tl.constexpr = 1,
-                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
+                     O_REG: tl.constexpr = False):
     rd = tl.arange(0, BD)
     md = rd < D
     rb = tl.arange(0, BV)
@@ -240,7 +251,7 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
         _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
                    b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_b,
-                   H, D, BV, NC, W, SOFTPLUS, T1, EVEN, PF, False, LD_EV, ST_EV)
+                   H, D, BD, BV, NC, W, SOFTPLUS, T1, EVEN, PF, False, LD_EV, ST_EV, O_REG and T1 and NC > 1)
     else:  # grid (B·H / ITEMS,): request-heads pid·ITEMS … pid·ITEMS + ITEMS − 1 (heads of one request; H % ITEMS
         # == 0), each one's first chunk loaded while the previous one's last chunk is updated
         item = tl.program_id(0) * ITEMS
@@ -253,7 +264,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             s_next = s_b + D * D  # the next head of the same request
             Sn = _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps,
                             T, b, h + it, slot, s_b, s_off, rd, md, rb, Sn, Sn, s_next,
-                            H, D, BV, NC, W, SOFTPLUS, T1, EVEN, 1, it + 1 < ITEMS, LD_EV, ST_EV)
+                            H, D, BD, BV, NC, W, SOFTPLUS, T1, EVEN, 1, it + 1 < ITEMS, LD_EV, ST_EV,
+                            O_REG and T1 and NC > 1)
             s_b = s_next
 
 
@@ -437,6 +449,11 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         if items < 1 or H % items or (items > 1 and pf != 1):
             raise ValueError(f"K3NN_KDA_DECODE_ITEMS (request-heads per program of the head path) must divide the "
                              f"head count {H} and needs K3NN_KDA_DECODE_PF=1, got {items}")
+        oreg = os.environ.get("K3NN_KDA_DECODE_OUT", "mem").strip().lower() or "mem"
+        if oreg not in ("mem", "reg"):
+            raise ValueError(f"K3NN_KDA_DECODE_OUT must be mem or reg (head path, T = 1: raw outputs stored and "
+                             f"reloaded for the RMSNorm, or gathered in registers), got {oreg!r}")
+        extra["O_REG"] = oreg == "reg"
         grid = (B * H // items,) if items > 1 else (H, B) if hf else (B, H)
         _kda_decode_head[grid](*common, scale, float(lower_bound), float(norm_eps), T, NC=triton.cdiv(D, BV), PF=pf,
                                HEADS_FIRST=hf, ITEMS=items, **consts, **extra)
