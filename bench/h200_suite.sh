@@ -24,7 +24,7 @@ STEPS=(
   "kda-decode-variants|100|$PY bench/gpu/kda_decode.py"
   "kda-decode-ncu|150|ncu --clock-control none --kernel-name regex:neg_kernel|_kda_decode_head|recurrent --launch-count 12 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats $PY bench/gpu/profile_kda_decode.py auto head32w4hb"
   "kda-decode-triton|140|env KDA_DECODE_BUDGET_S=130 $PY bench/gpu/kda_decode.py --no-cuda"
-  "kda-decode-order|150|env KDA_DECODE_BUDGET_S=140 $PY bench/gpu/kda_decode.py --no-cuda --timing-first --shapes 64:96,256:96,64:32,8:96 --variants head32w4,head32w4hb,head32w4hbev-store,head32w4hbo,head32w4hbev-storeo,head64w4hb,head64w4hbev-store,head32w4pf2r168hb"
+  "kda-decode-order|150|env KDA_DECODE_BUDGET_S=140 $PY bench/gpu/kda_decode.py --no-cuda --timing-first --shapes 64:96,256:96,64:32,8:96 --variants head64w4hb,head64w4r168hb,head64w4hbev-load,head64w4,head32w4hb,head32w4"
   "kda-decode-cuda-order|150|env KDA_DECODE_BUDGET_S=120 $PY bench/gpu/kda_decode.py --timing-first --shapes 64:96,256:96,64:32 --variants head32w4,head32w4hb,head32w4hbev-store,cu-pers16s2,cu-regs16,cu-regs16hb,cu-regs8hb,cu-blockhb"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"
   "moe-mx-variants|120|$PY bench/gpu/moe_mx.py"

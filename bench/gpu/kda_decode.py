@@ -61,7 +61,12 @@ def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both", items=1, out="me
 # name -> (backend, environment); the first Triton entry of each path is that path's default
 VARIANTS = {
     "split32w4": ("triton", dict(K3NN_KDA_DECODE_PATH="split", K3NN_KDA_DECODE_BV="32", K3NN_KDA_DECODE_WARPS="4")),
-    "head32w4": ("triton", _head(32, 4, 1, 128)),  # the default: 128 registers (h200-s5-run3)
+    # the default: [D, 64] chunks, 4 warps, the compiler's register count, hb order (h200-s6-run5)
+    "head64w4hb": ("triton", _head(64, 4, 1, 0, "hb")),
+    "head64w4r168hb": ("triton", _head(64, 4, 1, 168, "hb")),
+    "head64w4hbev-load": ("triton", _head(64, 4, 1, 0, "hb", "load")),
+    "head64w4": ("triton", _head(64, 4, 1, 0, "bh")),
+    "head32w4": ("triton", _head(32, 4, 1, 128)),  # the previous default: [D, 32], 128 registers, bh order
     # program order: hb launches the heads of one request together (one contiguous 6 MB state block per request
     # at H=96; +7.5% at B=64, +9.6% at B=256 in h200-s6-run1); cache hints on the state loads / stores
     # (ev-store: evict_first on the stores only, the best at B=64 and B=256 H=96 in h200-s6-run2)
@@ -79,7 +84,6 @@ VARIANTS = {
     "head32w4hbo": ("triton", _head(32, 4, 1, 128, "hb", "both", 1, "reg")),
     "head32w4hbev-storeo": ("triton", _head(32, 4, 1, 128, "hb", "store", 1, "reg")),
     # [D, 64] chunks over 4 warps (256-byte row pieces; two chunks per head)
-    "head64w4hb": ("triton", _head(64, 4, 1, 0, "hb")),
     "head64w4hbev-store": ("triton", _head(64, 4, 1, 0, "hb", "store")),
     # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
     # request-heads, state tiles streamed into shared memory STAGES ahead by bulk async copies), regs (one CTA
@@ -95,7 +99,7 @@ ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K
        "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS",
        "K3NN_KDA_DECODE_OUT", "K3NN_KDA_CUDA_VARIANT",
        "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
-RACE = ("split32w4", "head32w4", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
+RACE = ("split32w4", "head64w4hb", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
 D, W = 128, 4
 
 

@@ -106,7 +106,7 @@ def _decode_inputs(B, T, H, D, W, N, seed, dtype):
 
 
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
-@pytest.mark.parametrize("B,T,H", [(1, 1, 96), (64, 1, 8), (5, 4, 6)])
+@pytest.mark.parametrize("B,T,H", [(1, 1, 96), (64, 1, 8), (48, 3, 8), (5, 4, 6)])
 def test_fused_decode_bf16(gate, B, T, H):
     args, S, cs, idx = _decode_inputs(B, T, H, 128, 4, B + 2, B * 7 + T, torch.bfloat16)
     kw = dict(gate_kind=gate, lower_bound=-5.0, norm_eps=1e-5)

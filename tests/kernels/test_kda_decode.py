@@ -161,7 +161,7 @@ def test_decode_plan_dispatches_on_batch_times_heads(monkeypatch):
     for var in ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_HEAD_MIN", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS"):
         monkeypatch.delenv(var, raising=False)
     assert decode_plan(1, 96, 128) == ("split", 32, 4)
-    assert decode_plan(64, 96, 128) == ("head", 32, 4)
+    assert decode_plan(64, 96, 128) == ("head", 64, 4)
     assert decode_plan(HEAD_MIN, 1, 48)[0] == "head" and decode_plan(HEAD_MIN, 1, 16)[1] == 16
     monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "split")
     monkeypatch.setenv("K3NN_KDA_DECODE_BV", "64")

@@ -2,9 +2,10 @@
 
 Two kernels, picked per call by the number of (request, head) pairs B·H (:func:`decode_plan`):
 
-* ``head`` (B·H large, the batched-decode case): grid (B, H), one program owns a whole request-head. Its fp32
-  state ``[D, D]`` streams through registers in column chunks of BV (default 32 with 4 warps: ~150 registers,
-  three programs per SM on sm_90; BV = D holds the whole head at once); the load of the first chunk is issued
+* ``head`` (B·H large, the batched-decode case): grid (H, B), one program owns a whole request-head, and the
+  programs launched together cover neighbouring heads of one request (one contiguous H·D²·4-byte state block per
+  request). Its fp32 state ``[D, D]`` streams through registers in column chunks of BV (default 64 with 4 warps,
+  two chunks per 128-wide head; BV = D holds the whole head at once); the load of the first chunk is issued
   before anything else, so the conv / L2-norm / gate prologue runs while it is in flight, and each later chunk
   is loaded while the previous one is updated. q, k, g and β
   are computed once per token for the whole head (for T = 1 once per program, not once per chunk). The gated
@@ -30,15 +31,20 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 ``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
 ``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path);
 ``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
-register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG`, 0 = the compiler's choice);
-``K3NN_KDA_DECODE_ORDER`` (``head``: ``bh``, the default, launches the programs of one head for every request
-together — their states lie H·D²·4 bytes apart; ``hb`` launches the heads of one request together — one
-contiguous H·D²·4-byte block per request; not yet timed on a GPU) and ``K3NN_KDA_DECODE_EVICT`` (``head``:
-``evict_first`` on the state loads and stores, ``both`` by default, ``load`` only or ``none``; not yet timed).
+register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4
+warps, otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one
+request launched together; ``bh``: the programs of one head for every request together, their states H·D²·4
+bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both`` by default,
+``load``, ``store`` or ``none``); ``K3NN_KDA_DECODE_ITEMS`` (``head``: request-heads per program, the next one's
+first chunk loaded during the last chunk; default 1) and ``K3NN_KDA_DECODE_OUT`` (``head``, T = 1: ``mem``, the
+default, stores the raw outputs and reloads them for the RMSNorm; ``reg`` gathers them in registers).
 
-On the H200 (bench/results/logs/h200-s5-run3-2026-11-30.log, B=64 H=96, T=1) every head variant lands at 63–73%
-of copy bandwidth: 128 registers 261.5 µs (72.5%), the compiler's ~150 registers 264.9 µs, two chunks ahead
-299 µs (fewer programs per SM) or 262.7 µs when capped at 168; fla's bare recurrence 250.7 µs (75.6%).
+On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
+same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
+and from 72.3% to 79.3–79.9% at B=256; [D, 64] chunks then reach 80.3% at B=64 H=96 (236 µs; fla's bare
+recurrence 74.7%), 83.2% at B=64 H=32 and 79.2% at B=8 H=96. Slower, kept as knobs: evict_first on the stores
+only (+1.3% at B=64 H=96, −2.5% at H=32), several heads per program (−4%), outputs in registers (−10%), two
+chunks ahead, 96 registers (spills), wider tiles over 8 or 16 warps.
 """
 
 from __future__ import annotations
@@ -376,8 +382,8 @@ def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
         raise ValueError(f"K3NN_KDA_DECODE_PATH must be auto, head or split, got {path!r}")
     if path == "auto":
         path = "head" if B * H >= _env_int("K3NN_KDA_DECODE_HEAD_MIN", HEAD_MIN) else "split"
-    if path == "head":  # [D, 32] chunks, 4 warps: ~150 registers, no spills, 3 programs per SM (sm_90)
-        bv, nw = 32, 4
+    if path == "head":  # [D, 64] chunks over 4 warps (h200-s6-run5: 80.3% of copy at B=64 H=96, [D, 32] 77.7%)
+        bv, nw = 64, 4
     else:
         bv, nw = 32, 4
     bv = _env_int("K3NN_KDA_DECODE_BV", bv)
@@ -389,7 +395,7 @@ def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
 
 def _order_and_hints() -> tuple[bool, dict]:
     """(heads first?, cache-hint constexprs) from ``K3NN_KDA_DECODE_ORDER`` / ``K3NN_KDA_DECODE_EVICT``."""
-    order = os.environ.get("K3NN_KDA_DECODE_ORDER", "bh").strip().lower() or "bh"
+    order = os.environ.get("K3NN_KDA_DECODE_ORDER", "hb").strip().lower() or "hb"
     if order not in ("bh", "hb"):
         raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the decode grid), got {order!r}")
     hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "both").strip().lower() or "both"
