@@ -259,6 +259,19 @@ def test_head_path_several_heads_per_program(T, items, monkeypatch):
         _check_path(1, 1, 4, 32, 4, 2, 1)
 
 
+def test_default_order_and_cache_hints(monkeypatch):
+    """Heads of one request launched together by default; very large batches drop the store hint."""
+    from k3nn.kernels.kda.triton_decode import EVICT_LOAD_ONLY_MIN, _order_and_hints
+
+    for var in ("K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT"):
+        monkeypatch.delenv(var, raising=False)
+    assert _order_and_hints(64, 96) == (True, dict(LD_EV="evict_first", ST_EV="evict_first"))
+    assert _order_and_hints(EVICT_LOAD_ONLY_MIN, 1) == (True, dict(LD_EV="evict_first", ST_EV=""))
+    monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", "both")
+    monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "bh")
+    assert _order_and_hints(EVICT_LOAD_ONLY_MIN, 1) == (False, dict(LD_EV="evict_first", ST_EV="evict_first"))
+
+
 def test_split_path_heads_first_order(monkeypatch):
     """K3NN_KDA_DECODE_ORDER=hb on the split path: grid (NS·H, B) — same result, counters still reset."""
     monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "split")

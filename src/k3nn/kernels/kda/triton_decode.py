@@ -34,10 +34,11 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4
 warps, otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one
 request launched together; ``bh``: the programs of one head for every request together, their states H·D²·4
-bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both`` by default,
-``load``, ``store`` or ``none``); ``K3NN_KDA_DECODE_ITEMS`` (``head``: request-heads per program, the next one's
-first chunk loaded during the last chunk; default 1) and ``K3NN_KDA_DECODE_OUT`` (``head``, T = 1: ``mem``, the
-default, stores the raw outputs and reloads them for the RMSNorm; ``reg`` gathers them in registers).
+bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both``, ``load``,
+``store`` or ``none``; by default ``both``, and ``load`` from B·H = :data:`EVICT_LOAD_ONLY_MIN`); ``K3NN_KDA_DECODE_ITEMS``
+(``head``: request-heads per program, the next one's first chunk loaded during the last chunk; default 1) and
+``K3NN_KDA_DECODE_OUT`` (``head``, T = 1: ``mem``, the default, stores the raw outputs and reloads them for the
+RMSNorm; ``reg`` gathers them in registers).
 
 On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
 same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
@@ -393,12 +394,18 @@ def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
     return path, bv, nw
 
 
-def _order_and_hints() -> tuple[bool, dict]:
+#: B·H from which the state loads alone carry ``evict_first`` (stores plain): at B=256 H=96 (3.2 GB of state)
+#: 81.1% of copy against 79.5% with both hints; at B=64 H=96 79.1% against 80.4% (h200-s6-run6)
+EVICT_LOAD_ONLY_MIN = 16384
+
+
+def _order_and_hints(B: int, H: int) -> tuple[bool, dict]:
     """(heads first?, cache-hint constexprs) from ``K3NN_KDA_DECODE_ORDER`` / ``K3NN_KDA_DECODE_EVICT``."""
     order = os.environ.get("K3NN_KDA_DECODE_ORDER", "hb").strip().lower() or "hb"
     if order not in ("bh", "hb"):
         raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the decode grid), got {order!r}")
-    hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "both").strip().lower() or "both"
+    hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "").strip().lower() or (
+        "load" if B * H >= EVICT_LOAD_ONLY_MIN else "both")
     if hints not in ("both", "load", "store", "none"):
         raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load, store or none (evict_first on the state "
                          f"loads / stores), got {hints!r}")
@@ -442,7 +449,7 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
                   HAS_IDX=state_indices is not None, T1=T == 1, EVEN=BD == D, num_warps=nw)
     # no autotune: the kernels update state in place
-    hf, extra = _order_and_hints()
+    hf, extra = _order_and_hints(B, H)
     if path == "head":
         pf = _env_int("K3NN_KDA_DECODE_PF", 1)
         if pf not in (1, 2):
