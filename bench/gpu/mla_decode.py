@@ -9,7 +9,7 @@ batch (uneven lengths, a 1-token request, shuffled pages, NaN in unused rows) ch
 TB/s counts the latent cache only (``B·L·576·2`` bytes), against the copy bandwidth measured in this process;
 caches rotate over enough copies to exceed L2.
 
-    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only]
+    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only] [--no-cuda] [--tiles a,b]
 
 The CUDA kernel (``k3nn.kernels.mla.cuda_decode``) runs after the sweep at B=64 L=8K H=64/96 and B=1 L=32K
 H=64 next to the default Triton plan, with its nvcc build time, in both stage-1 variants (16 and 64 query rows
@@ -17,7 +17,8 @@ per CTA; each at its default split count and a few others); ``--cuda-only`` runs
 
 Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
 read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
-summary also gives the full tuple to pin with ``K3NN_MLA_TILE=bh,bn,warps,stages,lazy,sv,ahead,opaque``.
+summary also gives the full tuple to pin with ``K3NN_MLA_TILE=bh,bn,warps,stages,lazy,sv,ahead,opaque,tma`` (flag T = whole tiles through tensor
+descriptors).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ SWEEP_TILES = [
     ("deep-dup", (64, 32, 8, 4, True, 1, True, False)),
     ("colsplit-deep", (64, 32, 4, 4, True, 2, True, False)),
     ("colsplit64", (64, 64, 4, 2, False, 2, True, False)),
+    ("tma-opaque", (64, 64, 8, 2, False, 1, True, True, True)),
+    ("tma-opaque-lazy", (64, 64, 8, 2, True, 1, True, True, True)),
+    ("tma-deep-opaque", (64, 32, 8, 4, False, 1, True, True, True)),
+    ("tma-deep-opaque-lazy", (64, 32, 8, 4, True, 1, True, True, True)),
+    ("tma-deep3-opaque", (64, 32, 8, 3, False, 1, True, True, True)),
 ]
 # (B, L, H, Tq, tiles): "all" sweeps every tile; an int n sweeps the n best tiles of the first case + default.
 CASES = [
@@ -325,6 +331,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only B=64 L=8K H=64 and B=1 L=32K H=64")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds after which no new plan starts")
+    ap.add_argument("--tiles", default="", help="comma-separated sweep tags: only these tiles")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernel comparison")
     ap.add_argument("--cuda-only", action="store_true",
                     help="only the CUDA kernel against the default Triton plan (no sweep, no FlashMLA)")
     args = ap.parse_args()
@@ -341,6 +349,10 @@ def main():
         cuda_compare(copy_tbps)
         log("done")
         return
+    global SWEEP_TILES
+    if args.tiles:
+        want = args.tiles.split(",")
+        SWEEP_TILES = [(t, tile) for t, tile in SWEEP_TILES if t in want]
     broken: set = set()
     log("== ragged correctness (bf16 vs eager reference), every tile")
     ragged_check(SWEEP_TILES, broken)
@@ -374,8 +386,9 @@ def main():
         print(line, flush=True)
         print(f"{'':22s}   tile {tuple(plan.tile)} splits {plan.splits}; runner-up: "
               + ", ".join(f"{t} {p.short()} {nbytes / m / 1e9:.2f}" for m, t, p in best[1:4]), flush=True)
-    log("== CUDA kernel vs the default Triton plan")
-    cuda_compare(copy_tbps)
+    if not args.no_cuda:
+        log("== CUDA kernel vs the default Triton plan")
+        cuda_compare(copy_tbps)
     log("done")
 
 

@@ -174,11 +174,13 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("tile", [(16, 16, 4, 1, False), (16, 32, 4, 1, True), (16, 16, 4, 1, True),
                                   (16, 32, 4, 1, True, 2, True, True), (16, 16, 4, 1, False, 2, False, True),
-                                  (16, 32, 4, 1, False, 1, True, False)])
+                                  (16, 32, 4, 1, False, 1, True, False), (16, 16, 4, 1, False, 1, True, True, True),
+                                  (16, 32, 4, 1, True, 1, False, False, True)])
 @pytest.mark.parametrize("bs", [8, 64])
 def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
     """Both rescaling schemes (eager and lazy, threshold 2^8), tiles spanning several pages, and scores whose
-    running max grows by small and large steps across tiles."""
+    running max grows by small and large steps across tiles; tensor-descriptor tiles (whole tiles through
+    descriptors, the partial last one masked, NaN in the unused page rows) where a tile is one page's rows."""
     from k3nn.kernels.mla import triton_decode
 
     monkeypatch.setattr(triton_decode, "_INTERP_TILE", tile)
@@ -193,16 +195,34 @@ def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
     check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, 2.0, atol=5e-5)
 
 
+@pytest.mark.parametrize("dr", [0, 16])
+def test_tensor_descriptor_tiles(monkeypatch, dr):
+    """The tensor-descriptor path really runs (a spy on the descriptor builder) and matches the layer: lengths
+    that end mid-tile, a request shorter than one tile, more splits than whole tiles, NaN past every sequence."""
+    from k3nn.kernels.mla import triton_decode
+
+    made = []
+    build = triton_decode._tma_descriptors
+    monkeypatch.setattr(triton_decode, "_tma_descriptors", lambda *a: made.append(build(*a)) or made[-1])
+    monkeypatch.setattr(triton_decode, "_INTERP_TILE", (16, 16, 4, 1, True, 1, True, True, True))
+    lens = [150, 9, 64]
+    q_lat, q_rope, pool, table, sl, c, kr = make_case(11, lens, 1, 2, 32, dr, 64)
+    for splits in (1, 4):
+        o, lse = run("triton", q_lat, q_rope, pool, table, sl, 0.3, num_splits=splits)
+        check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, 0.3, atol=3e-5)
+    assert made and all(d is not None for d in made)
+
+
 @given(data=st.data())
 def test_plan_variants(data):
     """Every constexpr variant of a plan (column split, block ids read ahead, opaque scores, lazy or eager
-    rescaling, key tiles within or across pages) against the eager reference, with verify windows and explicit
+    rescaling, tensor-descriptor tiles, key tiles within or across pages) against the eager reference, with verify windows and explicit
     visible lengths."""
     from k3nn.kernels.mla import triton_decode
 
     tile = (16, data.draw(st.sampled_from([16, 32]), label="BLOCK_N"), 4, 1, data.draw(st.booleans(), label="lazy"),
             data.draw(st.sampled_from([1, 2]), label="sv"), data.draw(st.booleans(), label="ahead"),
-            data.draw(st.booleans(), label="opaque"))
+            data.draw(st.booleans(), label="opaque"), data.draw(st.booleans(), label="tma"))
     bs = data.draw(st.sampled_from([8, 16, 64]), label="block_size")
     Tq = data.draw(st.integers(1, 3), label="Tq")
     B = data.draw(st.integers(1, 2), label="B")
@@ -246,14 +266,14 @@ def test_plans_and_split_counts(monkeypatch):
     assert td.choose_num_splits(64, 64, dev, 32) == 3  # the default plan's count (about two waves)
     assert td.wave_splits(1, 64, torch.device("cpu"), 64) == 1
     p = td.make_plan((64, 32, 8, 4, True, 1, True, True), 2)
-    assert p == td.Plan(64, 32, 8, 4, True, 1, True, True, 2) and p.tile == (64, 32, 8, 4, True, 1, True, True)
+    assert p == td.Plan(64, 32, 8, 4, True, 1, True, True, splits=2) and p.tile == (64, 32, 8, 4, True, 1, True, True, False)
     assert p.short() == "64x32w8s4-LAO/S2"
-    assert td.make_plan((32, 64, 4, 2, True), 3) == td.Plan(32, 64, 4, 2, True, 1, False, False, 3)
+    assert td.make_plan((32, 64, 4, 2, True), 3) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=3)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))  # Hopper: the wide tile
-    assert td._default_plan(64, 64, dev) == td.Plan(64, 64, 8, 2, False, 1, True, True, 2)
-    assert td._default_plan(64, 32, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, 5)
+    assert td._default_plan(64, 64, dev) == td.Plan(64, 64, 8, 2, False, 1, True, True, splits=2)
+    assert td._default_plan(64, 32, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=5)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert td._default_plan(64, 64, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, 3)
+    assert td._default_plan(64, 64, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=3)
     for M, rows in [(16, {16}), (64, {32, 64}), (96, {32, 64}), (128, {32, 64})]:
         cands = td._candidates(64, M, dev)
         assert {c.bh for c in cands} == rows, M
@@ -266,5 +286,7 @@ def test_plans_and_split_counts(monkeypatch):
     assert max(c.splits for c in td._candidates(1, 64, dev, max_blocks=40)) == 40
     monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,1,2,1,0")
     assert td._env_tile() == (64, 32, 8, 4, True, 2, True, False)
+    monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,0,1,1,1,1")
+    assert td.make_plan(td._env_tile(), 2).short() == "64x32w8s4-AOT/S2"
     monkeypatch.delenv("K3NN_MLA_TILE")
     assert td._env_tile() is None

@@ -64,3 +64,16 @@ def test_kda_decode_head_variants_compile(pf, order_hb, ld_ev, st_ev, items, o_r
              {"H": 96, "D": 128, "BD": 128, "BV": 32, "NC": 4, "W": 4, "SOFTPLUS": False, "HAS_IDX": True,
               "T1": True, "EVEN": True, "PF": pf, "HEADS_FIRST": order_hb, "ITEMS": items, "LD_EV": ld_ev,
               "ST_EV": st_ev, "O_REG": o_reg})
+
+
+@pytest.mark.parametrize("bn,stages,tma", [(64, 2, True), (32, 4, True), (32, 4, False)])
+def test_mla_decode_stage1_compiles(bn, stages, tma):
+    """The 64-row split-score tile, with whole key tiles through tensor descriptors or through pointers."""
+    desc = {"KV_DESC": f"tensordesc<bf16[{bn},512]>", "KR_DESC": f"tensordesc<bf16[{bn},64]>"} if tma else {
+        "KV_DESC": "*bf16", "KR_DESC": "*bf16"}
+    _compile("k3nn.kernels.mla.triton_decode", "_mla_decode_stage1",
+             {"Q_lat": "*bf16", "Q_rope": "*bf16", "KV": "*bf16", "BT": "*i32", "SEQ": "*i32", "VIS": "*i32",
+              "O_part": "*fp32", "LSE_part": "*fp32", "O": "*bf16", "LSE": "*fp32", "qk_scale_log2": "fp32", **desc},
+             {"R": 512, "DR": 64, "PAGE": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "HAS_ROPE": True, "HAS_VIS": False,
+              "FINAL": False, "IEEE": False, "LAZY": False, "BLOCK_H": 64, "BLOCK_N": bn, "SPLIT_V": 1,
+              "AHEAD": True, "OPAQUE": True, "TMA": tma}, warps=8, stages=stages)

@@ -28,8 +28,8 @@ Plans (:class:`Plan`) select the tile and the constexpr variants:
 The plan depends only on ``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a
 call can be captured in a CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first
 call of a shape (outside capture) times a few plans on its own inputs and keeps the fastest
-(``K3NN_MLA_NO_TUNE=1``: the heuristic plan; ``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque]``: that
-tile, one wave of splits; ``K3NN_MLA_TUNE_VERBOSE=1`` prints the timings).
+(``K3NN_MLA_NO_TUNE=1``: the heuristic plan; ``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque,tma]``:
+that tile, one wave of splits; ``K3NN_MLA_TUNE_VERBOSE=1`` prints the timings).
 """
 
 from __future__ import annotations
@@ -85,11 +85,47 @@ def _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY: tl.c
     return p, m_i, l_i, acc
 
 
+@triton.jit
+def _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
+                 IEEE: tl.constexpr, LAZY: tl.constexpr, OPAQUE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                 SPLIT_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile: scores ``q·cᵀ (+ q2·c2ᵀ) (+ qr·krᵀ)``, online softmax, ``acc += p·c``. Returns (m, l, acc)."""
+    s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    if OPAQUE:
+        s_r = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    if HAS_ROPE:
+        if OPAQUE:
+            s_r = _mm(qr, tl.trans(kr), s_r, IEEE)
+        else:
+            s = _mm(qr, tl.trans(kr), s, IEEE)
+    s = _mm(q, tl.trans(c), s, IEEE)
+    if SPLIT_V == 2:
+        s = _mm(q2, tl.trans(c2), s, IEEE)
+    if OPAQUE:
+        # The scores reach the softmax through a branch the compiler cannot fold. Seen from a product, its
+        # result then feeds no other product, and the compiler spreads the warps of a two-warp-group
+        # program over the keys (each group computes half the score tile once) instead of over the rows
+        # only (with BLOCK_H = 64, one group's height, both groups would compute the whole tile).
+        # (the products are awaited outside the branch: a product's first use inside a branch fails to
+        # pipeline)
+        s = s * qk_scale_log2
+        s_r = s_r * qk_scale_log2
+        if alive:
+            s = s + s_r
+        else:
+            s = s_r
+        p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, 1.0, LAZY)
+    else:
+        p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY)
+    acc = _mm(p32.to(c.dtype), c, acc, IEEE)
+    return m_i, l_i, acc
+
+
 # Integers that vary with the batch, the split count and the table width are not specialised (divisible by 16,
 # equal to 1): one compile serves every split count and table.
 @triton.jit(do_not_specialize=["s_btb", "s_visb", "s_lpb", "s_lpm", "Tq", "H", "M", "NUM_SPLITS"])
 def _mla_decode_stage1(
-    Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE,
+    Q_lat, Q_rope, KV, BT, SEQ, VIS, O_part, LSE_part, O, LSE, KV_DESC, KR_DESC,
     s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh,
     s_kvb, s_kvr, s_btb, s_visb,
     s_opb, s_opm, s_ops, s_lpb, s_lpm,
@@ -98,7 +134,7 @@ def _mla_decode_stage1(
     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_VIS: tl.constexpr, FINAL: tl.constexpr, IEEE: tl.constexpr,
     LAZY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_V: tl.constexpr,
-    AHEAD: tl.constexpr, OPAQUE: tl.constexpr,
+    AHEAD: tl.constexpr, OPAQUE: tl.constexpr, TMA: tl.constexpr = False,
 ):
     BV: tl.constexpr = BLOCK_R // SPLIT_V  # value / output columns of this program
     EVEN_R: tl.constexpr = BLOCK_R == R  # no column masks: loads stay 16-byte vectors
@@ -131,6 +167,8 @@ def _mla_decode_stage1(
         q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None], other=0.0)
     else:
         q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < R), other=0.0)
+    q2 = q
+    qr = q
     if SPLIT_V == 2:
         offs_w = (1 - pid_v) * BV + tl.arange(0, BV)
         if EVEN_R:
@@ -156,64 +194,74 @@ def _mla_decode_stage1(
         # not depend on a load of the same iteration and the pipeliner can issue tiles num_stages - 1 ahead.
         blk_next = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
     alive = seq_len >= 0  # always true, but opaque to the compiler (see OPAQUE)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        if ONE_PAGE:
+    if TMA:
+        # Whole tiles (every row a cached token) come in through the tensor-memory accelerator: one page row
+        # range of the pool per tile, no per-thread address arithmetic. A last, partial tile takes the masked
+        # pointer path below, so rows past the sequence (any bits, NaN included) are never read.
+        full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
             if AHEAD:
                 blk = blk_next
                 n1 = n0 + BLOCK_N
                 blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
             else:
                 blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            row = blk * s_kvb + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
-        else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            row = blk * s_kvb + (offs_n % PAGE) * s_kvr
-        kv_row = KV + row[:, None]
-        # One load per column range of the tile; the same tile feeds both products.
-        if EVEN_R:
+            r0 = (blk * PAGE + (n0 % PAGE)).to(tl.int32)
+            c = KV_DESC.load([r0, 0])
+            kr = c
+            if HAS_ROPE:
+                kr = KR_DESC.load([r0, R])
+            m_i, l_i, acc = _tile_update(q, q, qr, c, c, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
+                                         IEEE, LAZY, OPAQUE, HAS_ROPE, 1, BLOCK_H, BLOCK_N)
+        if full < end:
+            offs_n = full + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            blk = tl.load(bt_row + full // PAGE).to(tl.int64)
+            kv_row = KV + (blk * s_kvb + ((full % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr)[:, None]
             c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
-        if SPLIT_V == 2:
-            if EVEN_R:
-                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
-        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        if OPAQUE:
-            s_r = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        if HAS_ROPE:
-            if EVEN_DR:
+            kr = c
+            if HAS_ROPE:
                 kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            m_i, l_i, acc = _tile_update(q, q, qr, c, c, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
+                                         IEEE, LAZY, OPAQUE, HAS_ROPE, 1, BLOCK_H, BLOCK_N)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            if ONE_PAGE:
+                if AHEAD:
+                    blk = blk_next
+                    n1 = n0 + BLOCK_N
+                    blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
+                else:
+                    blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+                row = blk * s_kvb + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
             else:
-                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
-            if OPAQUE:
-                s_r = _mm(qr, tl.trans(kr), s_r, IEEE)
+                blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+                row = blk * s_kvb + (offs_n % PAGE) * s_kvr
+            kv_row = KV + row[:, None]
+            # One load per column range of the tile; the same tile feeds both products.
+            if EVEN_R:
+                c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
             else:
-                s = _mm(qr, tl.trans(kr), s, IEEE)
-        s = _mm(q, tl.trans(c), s, IEEE)
-        if SPLIT_V == 2:
-            s = _mm(q2, tl.trans(c2), s, IEEE)
-        if OPAQUE:
-            # The scores reach the softmax through a branch the compiler cannot fold. Seen from a product, its
-            # result then feeds no other product, and the compiler spreads the warps of a two-warp-group
-            # program over the keys (each group computes half the score tile once) instead of over the rows
-            # only (with BLOCK_H = 64, one group's height, both groups would compute the whole tile).
-            # (the products are awaited outside the branch: a product's first use inside a branch fails to
-            # pipeline)
-            s = s * qk_scale_log2
-            s_r = s_r * qk_scale_log2
-            if alive:
-                s = s + s_r
-            else:
-                s = s_r
-            p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, 1.0, LAZY)
-        else:
-            p32, m_i, l_i, acc = _softmax_step(s, lim, offs_n, n_ok, m_i, l_i, acc, qk_scale_log2, LAZY)
-        p = p32.to(c.dtype)
-        acc = _mm(p, c, acc, IEEE)
+                c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
+            c2 = c
+            if SPLIT_V == 2:
+                if EVEN_R:
+                    c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
+                else:
+                    c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
+            kr = c
+            if HAS_ROPE:
+                if EVEN_DR:
+                    kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                else:
+                    kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR),
+                                 other=0.0)
+            m_i, l_i, acc = _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2,
+                                         alive, IEEE, LAZY, OPAQUE, HAS_ROPE, SPLIT_V, BLOCK_H, BLOCK_N)
 
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -278,7 +326,8 @@ class Plan(NamedTuple):
     columns split over this many programs (1 or 2; each recomputes the scores); ``ahead``: block ids read one
     tile ahead (tiles then pipeline ``stages - 1`` deep, not ``stages - 2``); ``opaque``: scores reach the
     softmax through an opaque branch (two warp groups split the score tile instead of both computing it);
-    ``splits``: key splits per request (more than one adds the LSE merge kernel)."""
+    ``tma``: whole key tiles loaded through tensor descriptors (the tensor-memory accelerator on Hopper; the
+    last, partial tile of a split through masked loads; needs ``sv = 1`` and one page per tile); ``splits``: key splits per request (more than one adds the LSE merge kernel)."""
 
     bh: int
     bn: int
@@ -288,6 +337,7 @@ class Plan(NamedTuple):
     sv: int = 1
     ahead: bool = False
     opaque: bool = False
+    tma: bool = False
     splits: int = 1
 
     @property
@@ -295,14 +345,15 @@ class Plan(NamedTuple):
         return tuple(self)[:-1]
 
     def short(self) -> str:
-        flags = "".join(f for f, on in (("L", self.lazy), ("A", self.ahead), ("O", self.opaque)) if on)
+        flags = "".join(f for f, on in (("L", self.lazy), ("A", self.ahead), ("O", self.opaque), ("T", self.tma))
+                        if on)
         return (f"{self.bh}x{self.bn}w{self.warps}s{self.stages}{('v' + str(self.sv)) if self.sv > 1 else ''}"
                 f"{('-' + flags) if flags else ''}/S{self.splits}")
 
 
 def make_plan(tile, splits: int) -> Plan:
     """Plan from a tile tuple (any prefix of Plan's fields but ``splits``) and a split count."""
-    return Plan(*tuple(tile)[:8], splits=int(splits))
+    return Plan(*tuple(tile)[:9], splits=int(splits))
 
 
 # Tiles (Plan fields but the split count) the GPU tuner times. H200 runs before the 64-row rework
@@ -322,6 +373,10 @@ _GPU_TILES = [
     (64, 32, 8, 4, True, 1, True, True),            # + three 32-key tiles in flight
     (64, 32, 8, 4, False, 1, True, True),
     (64, 32, 8, 4, True, 1, True, False),
+    # the same tiles with whole key tiles through tensor descriptors (TMA)
+    (64, 64, 8, 2, False, 1, True, True, True),
+    (64, 32, 8, 4, False, 1, True, True, True),
+    (64, 32, 8, 3, False, 1, True, True, True),
 ]
 _INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
@@ -398,7 +453,7 @@ def _candidates(B, M, dev, tiles=None, max_blocks=None):
 
 def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
     plan = make_plan(plan[:-1], plan[-1]) if not isinstance(plan, Plan) else plan
-    bh, bn, warps, stages, lazy, sv, ahead, opaque, S = plan
+    bh, bn, warps, stages, lazy, sv, ahead, opaque, tma, S = plan
     B = q_lat.shape[0]
     dev = q_lat.device
     final = S == 1
@@ -411,17 +466,20 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
     block_r = triton.next_power_of_2(R)
     sv = sv if block_r >= 32 else 1  # each half keeps at least 16 columns (the product's minimum depth)
+    block_dr = max(16, triton.next_power_of_2(max(DR, 1)))
+    descs = _tma_descriptors(kv, bn, block_r, block_dr, R, DR) if tma and sv == 1 else None
     _mla_decode_stage1[(triton.cdiv(M, bh) * sv, S, B)](
         q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
+        *(descs or (kv, kv)),
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         kv.stride(0), kv.stride(1), bt.stride(0), vis.stride(0) if vis is not None else 0,
         *sp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         float(scale) * _LOG2E, Tq, H, M, S,
-        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=block_r,
-        BLOCK_DR=max(16, triton.next_power_of_2(max(DR, 1))),
+        R=R, DR=DR, PAGE=kv.shape[1], BLOCK_R=block_r, BLOCK_DR=block_dr,
         HAS_ROPE=DR > 0, HAS_VIS=vis is not None, FINAL=final, IEEE=q_lat.dtype == torch.float32,
         LAZY=bool(lazy), BLOCK_H=bh, BLOCK_N=bn, SPLIT_V=sv, AHEAD=bool(ahead), OPAQUE=bool(opaque),
+        TMA=descs is not None,
         num_warps=warps, num_stages=stages,
     )
     if not final:
@@ -432,6 +490,24 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             H, R, S, BLOCK_S=bsz, BLOCK_RC=brc, num_warps=4,
         )
+
+
+def _tma_descriptors(kv, bn, block_r, block_dr, R, DR):
+    """Tensor descriptors over the pool seen as ``[pages · PAGE, R + DR]`` rows: ``[bn, R]`` latent tiles and
+    ``[bn, DR]`` rope tiles. None (the pointer path) where a tile cannot be one descriptor box of rows: a tile
+    crossing pages, a page stride that is not PAGE rows, padded column blocks, misaligned rows, 2^31 rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, page, width = kv.shape
+    rows = nb * page
+    if (page % bn or block_r != R or (DR and block_dr != DR) or kv.stride(2) != 1
+            or kv.stride(0) != page * kv.stride(1) or (kv.stride(1) * kv.element_size()) % 16 or kv.data_ptr() % 16
+            or rows >= 2 ** 31):
+        return None
+    shape, strides = [rows, width], [kv.stride(1), 1]
+    lat = TensorDescriptor(kv, shape, strides, [bn, R])
+    rope = TensorDescriptor(kv, shape, strides, [bn, block_dr]) if DR else lat
+    return lat, rope
 
 
 def _time_plan(fn) -> float:
@@ -445,12 +521,12 @@ def _time_plan(fn) -> float:
 
 
 def _env_tile():
-    """``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque]`` pins the tile on the GPU (no tuning)."""
+    """``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque,tma]`` pins the tile on the GPU (no tuning)."""
     v = os.environ.get("K3NN_MLA_TILE")
     if not v:
         return None
     f = [int(x) for x in v.split(",")]
-    return tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:8]))
+    return tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:9]))
 
 
 def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
