@@ -270,7 +270,7 @@ def test_plans_and_split_counts(monkeypatch):
     assert p.short() == "64x32w8s4-LAO/S2"
     assert td.make_plan((32, 64, 4, 2, True), 3) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=3)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))  # Hopper: the wide tile
-    assert td._default_plan(64, 64, dev) == td.Plan(64, 64, 8, 2, False, 1, True, True, splits=2)
+    assert td._default_plan(64, 64, dev) == td.Plan(64, 64, 8, 2, False, 1, True, True, True, splits=2)
     assert td._default_plan(64, 32, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=5)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert td._default_plan(64, 64, dev) == td.Plan(32, 64, 4, 2, True, 1, False, False, splits=3)

@@ -363,18 +363,20 @@ def make_plan(tile, splits: int) -> Plan:
 # (the product feeds the value product, so the compiler puts all warps on the rows), and (ii) keeps only one
 # tile in flight with two stages and block ids read in the loop (the page lookup takes a pipeline stage) —
 # ``ahead`` gives 64×32 tiles with 4 stages four buffers (three tiles in flight, 220 KB of shared memory).
-_HOPPER_WIDE_TILE = (64, 64, 8, 2, False, 1, True, True)
+# Whole key tiles through tensor descriptors (TMA) then took B=64 L=8K H=64 from 247 to 229 µs (2.68 TB/s) and
+# every other measured shape 3–19% further (bench/results/logs/h200-s6-run8-2026-11-30.log).
+_HOPPER_WIDE_TILE = (64, 64, 8, 2, False, 1, True, True, True)
 _GPU_TILES = [
     (32, 64, 4, 2, True),                           # the default below 64 rows
     (32, 32, 4, 3, True, 1, True),                  # 32-key tiles two deep; two programs per SM
     (16, 64, 4, 2, True),                           # few rows (Tq·H <= 32: heads sharded by TP)
     (64, 64, 8, 2, True),                           # the previous 64-row best
-    _HOPPER_WIDE_TILE,                              # score tile split between the warp groups, no spills
+    (64, 64, 8, 2, False, 1, True, True),           # score tile split between the warp groups, no spills
     (64, 32, 8, 4, True, 1, True, True),            # + three 32-key tiles in flight
     (64, 32, 8, 4, False, 1, True, True),
     (64, 32, 8, 4, True, 1, True, False),
     # the same tiles with whole key tiles through tensor descriptors (TMA)
-    (64, 64, 8, 2, False, 1, True, True, True),
+    _HOPPER_WIDE_TILE,
     (64, 32, 8, 4, False, 1, True, True, True),
     (64, 32, 8, 3, False, 1, True, True, True),
 ]
