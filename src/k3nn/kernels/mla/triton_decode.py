@@ -24,6 +24,12 @@ Plans (:class:`Plan`) select the tile and the constexpr variants:
   rows — both warp groups compute the whole score tile — because its result feeds another product; behind
   the branch each group computes half of the keys' scores.
 * ``lazy`` rescales the accumulator only when a row max grows by more than 8 (p stays below 2^8).
+* ``tma`` loads every whole key tile through two tensor descriptors over the pool seen as ``[pages · PAGE,
+  r + dr]`` rows (a ``[BLOCK_N, r]`` latent box and a ``[BLOCK_N, dr]`` rope box at one row offset): on Hopper
+  the tensor-memory accelerator copies the tile into shared memory with no per-thread address arithmetic. A
+  split's last tile, when partial, takes the masked pointer path, so no row past a sequence is ever read (pool
+  rows there may hold any bits). Needs ``sv = 1``, one page per tile and unpadded column blocks; otherwise
+  the plan runs the pointer path.
 
 The plan depends only on ``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a
 call can be captured in a CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first
