@@ -15,12 +15,11 @@
 
 Variants are picked through the kernel modules' environment overrides (read at each call): Triton
 ``K3NN_KDA_DECODE_PATH / _BV / _WARPS / _PF / _MAXNREG / _ORDER / _EVICT``, CUDA
-``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES`` (with
-``K3NN_KDA_CUDA=1``). Triton variants that lost every shape on the H200 (split16w2, head16w2, head16w1,
-head64w8, head128w8, head128w16; bench/results/logs/h200-run2-2026-11-30.log) and the CUDA variants behind
-cu-pers16s2 / cu-regs16 (h200-s5-run2-2026-11-30.log) and the head variants behind the default in
-h200-s5-run3-2026-11-30.log (two chunks ahead uncapped or capped at 128 registers, BV=16, 8 warps) are no longer
-run. Stays within
+``K3NN_KDA_CUDA_VARIANT / _WARPS / _STAGES / _ORDER`` (with ``K3NN_KDA_CUDA=1``). Variants that lost every shape
+on the H200 are no longer run: split16w2, head16w2, head16w1, head64w8, head128w8, head128w16
+(h200-run2-2026-11-30.log; head64w8 / head128w8 / head128w16 again in hb order, h200-s6-run2); the CUDA variants
+behind cu-pers16s2 / cu-regs16 (h200-s5-run2); two chunks ahead uncapped or capped at 128 registers, BV=16,
+8 warps (h200-s5-run3); 96 registers, no cache hints, the split path in hb order (h200-s6-run2/3). Stays within
 ~95 s: optional work is skipped (and says so) once the time budget runs low.
 """
 
@@ -52,54 +51,42 @@ def _pers(warps, stages):
     return dict(K3NN_KDA_CUDA_VARIANT="persistent", K3NN_KDA_CUDA_WARPS=str(warps), K3NN_KDA_CUDA_STAGES=str(stages))
 
 
-def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both", items=1, out="mem"):
+def _head(bv, warps, pf=1, maxnreg=0, order="bh", evict="both"):
     return dict(K3NN_KDA_DECODE_PATH="head", K3NN_KDA_DECODE_BV=str(bv), K3NN_KDA_DECODE_WARPS=str(warps),
                 K3NN_KDA_DECODE_PF=str(pf), K3NN_KDA_DECODE_MAXNREG=str(maxnreg), K3NN_KDA_DECODE_ORDER=order,
-                K3NN_KDA_DECODE_EVICT=evict, K3NN_KDA_DECODE_ITEMS=str(items), K3NN_KDA_DECODE_OUT=out)
+                K3NN_KDA_DECODE_EVICT=evict)
 
 
 # name -> (backend, environment); the first Triton entry of each path is that path's default
 VARIANTS = {
     "split32w4": ("triton", dict(K3NN_KDA_DECODE_PATH="split", K3NN_KDA_DECODE_BV="32", K3NN_KDA_DECODE_WARPS="4")),
-    # the default: [D, 64] chunks, 4 warps, the compiler's register count, hb order (h200-s6-run5)
+    # the default: [D, 64] chunks, 4 warps, the compiler's register count, hb order (h200-s6-run5..7)
     "head64w4hb": ("triton", _head(64, 4, 1, 0, "hb")),
-    "head64w4r168hb": ("triton", _head(64, 4, 1, 168, "hb")),
-    "head64w4hbev-load": ("triton", _head(64, 4, 1, 0, "hb", "load")),
+    "head64w4r168hb": ("triton", _head(64, 4, 1, 168, "hb")),  # 3 programs per SM: spills
+    "head64w4hbev-load": ("triton", _head(64, 4, 1, 0, "hb", "load")),  # the default hints from B·H = 16384
+    "head64w4hbev-store": ("triton", _head(64, 4, 1, 0, "hb", "store")),
     "head64w4": ("triton", _head(64, 4, 1, 0, "bh")),
-    "head32w4": ("triton", _head(32, 4, 1, 128)),  # the previous default: [D, 32], 128 registers, bh order
-    # program order: hb launches the heads of one request together (one contiguous 6 MB state block per request
-    # at H=96; +7.5% at B=64, +9.6% at B=256 in h200-s6-run1); cache hints on the state loads / stores
-    # (ev-store: evict_first on the stores only, the best at B=64 and B=256 H=96 in h200-s6-run2)
+    # [D, 32] chunks (the default before h200-s6-run5: 128 registers, bh order). hb launches the heads of one
+    # request together (one contiguous 6 MB state block per request at H=96): +7.5% at B=64, +9.6% at B=256
+    # (h200-s6-run1); ev-store (evict_first on the stores only): +1.3% at B=64 H=96, -2.5% at H=32
+    "head32w4": ("triton", _head(32, 4, 1, 128)),
     "head32w4hb": ("triton", _head(32, 4, 1, 128, "hb")),
     "head32w4hbev-store": ("triton", _head(32, 4, 1, 128, "hb", "store")),
-    "head32w4hbev-none": ("triton", _head(32, 4, 1, 128, "hb", "none")),
-    "head32w4r96hbev-store": ("triton", _head(32, 4, 1, 96, "hb", "store")),  # 5 programs per SM
-    # several neighbouring heads per program, the next one's first chunk loaded during the last chunk
-    "head32w4i2": ("triton", _head(32, 4, 1, 128, "hb", "both", 2)),
-    "head32w4i2ev-store": ("triton", _head(32, 4, 1, 128, "hb", "store", 2)),
-    "head32w4i4ev-store": ("triton", _head(32, 4, 1, 128, "hb", "store", 4)),
-    "head32w4i2ev-none": ("triton", _head(32, 4, 1, 128, "hb", "none", 2)),
     "head32w4pf2r168hb": ("triton", _head(32, 4, 2, 168, "hb")),
-    # T = 1 outputs gathered in registers for the RMSNorm (no store + reload of y after a barrier)
-    "head32w4hbo": ("triton", _head(32, 4, 1, 128, "hb", "both", 1, "reg")),
-    "head32w4hbev-storeo": ("triton", _head(32, 4, 1, 128, "hb", "store", 1, "reg")),
-    # [D, 64] chunks over 4 warps (256-byte row pieces; two chunks per head)
-    "head64w4hbev-store": ("triton", _head(64, 4, 1, 0, "hb", "store")),
     # CUDA (h200-s5-run2: behind head32w4 at every batch): persistent (one CTA per SM looping over
     # request-heads, state tiles streamed into shared memory STAGES ahead by bulk async copies), regs (one CTA
-    # per request-head, 16-byte state loads into registers)
+    # per request-head, 16-byte state loads into registers); regs / block in hb order (grid (H, B)): +1-3%
+    # (h200-s6-run4)
     "cu-pers16s2": ("cuda", _pers(16, 2)),
     "cu-regs16": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16")),
-    # block / regs in hb order (grid (H, B))
     "cu-regs16hb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="16", K3NN_KDA_CUDA_ORDER="hb")),
     "cu-regs8hb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="regs", K3NN_KDA_CUDA_WARPS="8", K3NN_KDA_CUDA_ORDER="hb")),
     "cu-blockhb": ("cuda", dict(K3NN_KDA_CUDA_VARIANT="block", K3NN_KDA_CUDA_ORDER="hb")),
 }
 ENV = ("K3NN_KDA_DECODE_PATH", "K3NN_KDA_DECODE_BV", "K3NN_KDA_DECODE_WARPS", "K3NN_KDA_DECODE_PF",
-       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_DECODE_ITEMS",
-       "K3NN_KDA_DECODE_OUT", "K3NN_KDA_CUDA_VARIANT",
+       "K3NN_KDA_DECODE_MAXNREG", "K3NN_KDA_DECODE_ORDER", "K3NN_KDA_DECODE_EVICT", "K3NN_KDA_CUDA_VARIANT",
        "K3NN_KDA_CUDA_WARPS", "K3NN_KDA_CUDA_STAGES", "K3NN_KDA_CUDA_GRID", "K3NN_KDA_CUDA_ORDER")
-RACE = ("split32w4", "head64w4hb", "head32w4hbev-store", "head32w4i2ev-store", "cu-pers16s2")
+RACE = ("split32w4", "head64w4hb", "head32w4hbev-store", "cu-pers16s2")
 D, W = 128, 4
 
 

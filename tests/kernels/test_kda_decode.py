@@ -233,32 +233,6 @@ def test_head_path_heads_first_order(T, monkeypatch):
         _check_path(1, 1, 1, 32, 4, 2, 1)
 
 
-@pytest.mark.parametrize("T,D", [(1, 32), (1, 24), (2, 32)])
-def test_head_path_outputs_in_registers(T, D, monkeypatch):
-    """K3NN_KDA_DECODE_OUT=reg: T = 1 outputs gathered in registers for the RMSNorm (T > 1 keeps the store and
-    reload) — same result, also with a head dim that is not a power of two; typos are refused."""
-    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
-    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
-    monkeypatch.setenv("K3NN_KDA_DECODE_OUT", "reg")
-    _check_path(3, T, 2, D, 4, 6, 70 + T + D)
-    monkeypatch.setenv("K3NN_KDA_DECODE_OUT", "regs")
-    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_OUT"):
-        _check_path(1, 1, 1, 32, 4, 2, 1)
-
-
-@pytest.mark.parametrize("T,items", [(1, 2), (2, 4)])
-def test_head_path_several_heads_per_program(T, items, monkeypatch):
-    """K3NN_KDA_DECODE_ITEMS: a program updates ITEMS neighbouring heads of one request, each one's first chunk
-    loaded during the previous one's last — same result; a count not dividing H (or with PF=2) is refused."""
-    monkeypatch.setenv("K3NN_KDA_DECODE_PATH", "head")
-    monkeypatch.setenv("K3NN_KDA_DECODE_BV", "16")
-    monkeypatch.setenv("K3NN_KDA_DECODE_ITEMS", str(items))
-    _check_path(3, T, 4, 32, 4, 6, 50 + T)
-    monkeypatch.setenv("K3NN_KDA_DECODE_ITEMS", "3")
-    with pytest.raises(ValueError, match="K3NN_KDA_DECODE_ITEMS"):
-        _check_path(1, 1, 4, 32, 4, 2, 1)
-
-
 def test_default_order_and_cache_hints(monkeypatch):
     """Heads of one request launched together by default; very large batches drop the store hint."""
     from k3nn.kernels.kda.triton_decode import EVICT_LOAD_ONLY_MIN, _order_and_hints

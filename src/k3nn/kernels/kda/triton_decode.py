@@ -11,8 +11,9 @@ Two kernels, picked per call by the number of (request, head) pairs B·H (:func:
   are computed once per token for the whole head (for T = 1 once per program, not once per chunk). The gated
   RMSNorm (in registers when BV = D; otherwise over the raw outputs this program stored, after a block barrier)
   and the conv-state rewrite are done by the same program: no atomics, no data read from other programs.
-* ``split`` (B·H small, B = 1 latency): grid (B, H, D/BV), a program owns a ``[D, BV]`` column block (more
-  programs in flight than there are heads). The last program of a request-head to arrive (an atomic arrival
+* ``split`` (B·H small, B = 1 latency): grid (D/BV · H, B), a program owns a ``[D, BV]`` column block (more
+  programs in flight than there are heads; the column blocks of a head, then the heads of a request, launched
+  together). The last program of a request-head to arrive (an atomic arrival
   counter, acquire-release at GPU scope, after a block barrier so that every thread's stores of the raw output
   precede it) applies the RMSNorm over the whole head and rewrites the conv state, after every program has read
   it. Counters live in per-device buffers that every call leaves at zero and that are never freed while the
@@ -35,17 +36,16 @@ register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG
 warps, otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one
 request launched together; ``bh``: the programs of one head for every request together, their states H·D²·4
 bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both``, ``load``,
-``store`` or ``none``; by default ``both``, and ``load`` from B·H = :data:`EVICT_LOAD_ONLY_MIN`); ``K3NN_KDA_DECODE_ITEMS``
-(``head``: request-heads per program, the next one's first chunk loaded during the last chunk; default 1) and
-``K3NN_KDA_DECODE_OUT`` (``head``, T = 1: ``mem``, the default, stores the raw outputs and reloads them for the
-RMSNorm; ``reg`` gathers them in registers).
+``store`` or ``none``; by default ``both``, and ``load`` from B·H = :data:`EVICT_LOAD_ONLY_MIN`).
 
 On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
 same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
 and from 72.3% to 79.3–79.9% at B=256; [D, 64] chunks then reach 80.3% at B=64 H=96 (236 µs; fla's bare
 recurrence 74.7%), 83.2% at B=64 H=32 and 79.2% at B=8 H=96. Slower, kept as knobs: evict_first on the stores
-only (+1.3% at B=64 H=96, −2.5% at H=32), several heads per program (−4%), outputs in registers (−10%), two
-chunks ahead, 96 registers (spills), wider tiles over 8 or 16 warps.
+only (+1.3% at B=64 H=96, −2.5% at H=32), two chunks ahead, 96 registers (spills), wider tiles over 8 or 16
+warps. Tried and removed: several neighbouring heads per program, each one's first chunk loaded during the
+previous one's last chunk (−4%, h200-s6-run3); the T = 1 outputs gathered in registers for the RMSNorm instead
+of stored and reloaded (−10%, h200-s6-run5).
 """
 
 from __future__ import annotations
@@ -146,18 +146,35 @@ def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN:
 
 
 @triton.jit
-def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
-               b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_next,
-               H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
-               SOFTPLUS: tl.constexpr, T1: tl.constexpr, EVEN: tl.constexpr, PF: tl.constexpr,
-               HAS_NEXT: tl.constexpr, LD_EV: tl.constexpr, ST_EV: tl.constexpr, O_REG: tl.constexpr = False):
-    """One request-head of the head path. ``Sn`` (and with PF = 2 ``Sn2``) hold its first state chunk(s),
-    already in flight; with HAS_NEXT the first chunk of the next request-head (state at ``s_next``) is loaded
-    while the last chunk is updated, and returned. O_REG (T = 1, several chunks): each chunk's raw output is
-    gathered into a whole-head register vector, normalised there and stored once (no store and reload of y)."""
+def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
+                     scale, lower_bound, eps, T,
+                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
+                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+    if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
+    if HAS_IDX:
+        slot = tl.load(idx + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    rd = tl.arange(0, BD)
+    md = rd < D
+    rb = tl.arange(0, BV)
+    s_b = S_ptr + (slot * H + h) * (D * D)
+    s_off = rd[:, None] * D + rb[None, :]
+    # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything else
+    Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
+    Sn2 = Sn
+    if PF == 2 and NC > 1:
+        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
     b64 = b.to(tl.int64)
     cq = h * D + rd
     ck = C + h * D + rd
@@ -176,15 +193,11 @@ def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scal
                 Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN, LD_EV)
         elif c + 1 < NC:  # the next chunk in flight while this one is updated
             Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN, LD_EV)
-        elif HAS_NEXT:  # last chunk: the next request-head's first chunk in flight
-            Sn = _state_chunk(s_next, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
         rv = c * BV + rb
         mv = rv < D
         cv = 2 * C + h * D + rv
         if NC == 1:
             nw = tl.load(norm_w + rv, mask=mv, other=0.0).to(tl.float32)
-        if O_REG and c == 0:
-            o_all = tl.zeros([BD], tl.float32)
         for t in range(1 if T1 else T):  # T1: a constant trip count, the loop folds away (fewer registers)
             row = b64 * T + t
             if not T1:
@@ -195,23 +208,16 @@ def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scal
             pred = tl.sum(S * k[:, None], 0)
             S = S + (beta * k)[:, None] * (v - pred)[None, :]
             o = tl.sum(S * q[:, None], 0).to(DT).to(tl.float32)  # raw o, rounded like eager
-            if O_REG:  # this chunk's columns into the whole-head vector (rows of the state's layout)
-                o_all += tl.sum(tl.where(rd[:, None] == rv[None, :], o[None, :], 0.0), 1)
-            else:
-                if NC == 1:  # the whole head is here: normalise in registers
-                    o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
-                tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
+            if NC == 1:  # the whole head is here: normalise in registers
+                o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
+            tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
         if EVEN:
             tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
         else:
             tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy=ST_EV)
-    if O_REG:
-        nwf = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
-        o_all = _gated_rmsnorm(o_all, gate, b64, h, rd, md, nwf, eps, D, H)
-        tl.store(y + (b64 * H + h) * D + rd, o_all.to(y.dtype.element_ty), mask=md)
     # every thread's reads of the old conv rows (and, for NC > 1, stores of raw o) precede what follows
     tl.debug_barrier()
-    if NC > 1 and not O_REG:
+    if NC > 1:
         nwf = tl.load(norm_w + rd, mask=md, other=0.0).to(tl.float32)
         for t in range(1 if T1 else T):
             row = b64 * T + t
@@ -219,61 +225,6 @@ def _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scal
             o = _gated_rmsnorm(o, gate, row, h, rd, md, nwf, eps, D, H)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
     _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
-    return Sn
-
-
-@triton.jit
-def _slot(idx, b, HAS_IDX: tl.constexpr):
-    if HAS_IDX:
-        return tl.load(idx + b).to(tl.int64)
-    return b.to(tl.int64)
-
-
-@triton.jit
-def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
-                     scale, lower_bound, eps, T,
-                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
-                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
-                     ITEMS: tl.constexpr = 1,
-                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
-                     O_REG: tl.constexpr = False):
-    rd = tl.arange(0, BD)
-    md = rd < D
-    rb = tl.arange(0, BV)
-    s_off = rd[:, None] * D + rb[None, :]
-    if ITEMS == 1:
-        if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
-            h = tl.program_id(0)
-            b = tl.program_id(1)
-        else:
-            b = tl.program_id(0)
-            h = tl.program_id(1)
-        slot = _slot(idx, b, HAS_IDX)
-        s_b = S_ptr + (slot * H + h) * (D * D)
-        # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything
-        Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
-        Sn2 = Sn
-        if PF == 2 and NC > 1:
-            Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
-        _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps, T,
-                   b, h, slot, s_b, s_off, rd, md, rb, Sn, Sn2, s_b,
-                   H, D, BD, BV, NC, W, SOFTPLUS, T1, EVEN, PF, False, LD_EV, ST_EV, O_REG and T1 and NC > 1)
-    else:  # grid (B·H / ITEMS,): request-heads pid·ITEMS … pid·ITEMS + ITEMS − 1 (heads of one request; H % ITEMS
-        # == 0), each one's first chunk loaded while the previous one's last chunk is updated
-        item = tl.program_id(0) * ITEMS
-        b = item // H
-        h = item % H
-        slot = _slot(idx, b, HAS_IDX)
-        s_b = S_ptr + (slot * H + h) * (D * D)
-        Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
-        for it in tl.static_range(ITEMS):
-            s_next = s_b + D * D  # the next head of the same request
-            Sn = _head_item(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, cs_ptr, y, scale, lower_bound, eps,
-                            T, b, h + it, slot, s_b, s_off, rd, md, rb, Sn, Sn, s_next,
-                            H, D, BD, BV, NC, W, SOFTPLUS, T1, EVEN, 1, it + 1 < ITEMS, LD_EV, ST_EV,
-                            O_REG and T1 and NC > 1)
-            s_b = s_next
 
 
 @triton.jit
@@ -458,18 +409,8 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG if (BV, nw) == (32, 4) else 0)
         if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
             extra["maxnreg"] = maxnreg
-        items = _env_int("K3NN_KDA_DECODE_ITEMS", 1)
-        if items < 1 or H % items or (items > 1 and pf != 1):
-            raise ValueError(f"K3NN_KDA_DECODE_ITEMS (request-heads per program of the head path) must divide the "
-                             f"head count {H} and needs K3NN_KDA_DECODE_PF=1, got {items}")
-        oreg = os.environ.get("K3NN_KDA_DECODE_OUT", "mem").strip().lower() or "mem"
-        if oreg not in ("mem", "reg"):
-            raise ValueError(f"K3NN_KDA_DECODE_OUT must be mem or reg (head path, T = 1: raw outputs stored and "
-                             f"reloaded for the RMSNorm, or gathered in registers), got {oreg!r}")
-        extra["O_REG"] = oreg == "reg"
-        grid = (B * H // items,) if items > 1 else (H, B) if hf else (B, H)
-        _kda_decode_head[grid](*common, scale, float(lower_bound), float(norm_eps), T, NC=triton.cdiv(D, BV), PF=pf,
-                               HEADS_FIRST=hf, ITEMS=items, **consts, **extra)
+        _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
+                                                   NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
         ns = triton.cdiv(D, BV)
