@@ -127,6 +127,32 @@ def _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scal
     return m_i, l_i, acc
 
 
+@triton.jit
+def _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R: tl.constexpr, DR: tl.constexpr, EVEN_R: tl.constexpr,
+              EVEN_DR: tl.constexpr, HAS_ROPE: tl.constexpr, SPLIT_V: tl.constexpr):
+    """One key tile through masked pointer loads (rows ``row`` of the pool, those past ``n_ok`` read as 0):
+    (this program's latent columns, the other half with SPLIT_V = 2, the rope columns). Each column range is
+    loaded once; the same tile feeds both products."""
+    kv_row = KV + row[:, None]
+    if EVEN_R:
+        c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
+    c2 = c
+    if SPLIT_V == 2:
+        if EVEN_R:
+            c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
+    kr = c
+    if HAS_ROPE:
+        if EVEN_DR:
+            kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR), other=0.0)
+    return c, c2, kr
+
+
 # Integers that vary with the batch, the split count and the table width are not specialised (divisible by 16,
 # equal to 1): one compile serves every split count and table.
 @triton.jit(do_not_specialize=["s_btb", "s_visb", "s_lpb", "s_lpm", "Tq", "H", "M", "NUM_SPLITS"])
@@ -175,6 +201,8 @@ def _mla_decode_stage1(
         q = tl.load(q_row + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < R), other=0.0)
     q2 = q
     qr = q
+    offs_w = offs_v
+    offs_d = tl.arange(0, BLOCK_DR)
     if SPLIT_V == 2:
         offs_w = (1 - pid_v) * BV + tl.arange(0, BV)
         if EVEN_R:
@@ -182,7 +210,6 @@ def _mla_decode_stage1(
         else:
             q2 = tl.load(q_row + offs_w[None, :], mask=m_ok[:, None] & (offs_w[None, :] < R), other=0.0)
     if HAS_ROPE:
-        offs_d = tl.arange(0, BLOCK_DR)
         qr_row = Q_rope + b * s_qrb + t[:, None] * s_qrt + h[:, None] * s_qrh
         if EVEN_DR:
             qr = tl.load(qr_row + offs_d[None, :], mask=m_ok[:, None], other=0.0)
@@ -225,11 +252,8 @@ def _mla_decode_stage1(
             offs_n = full + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
             blk = tl.load(bt_row + full // PAGE).to(tl.int64)
-            kv_row = KV + (blk * s_kvb + ((full % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr)[:, None]
-            c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
-            kr = c
-            if HAS_ROPE:
-                kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            row = blk * s_kvb + ((full % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
+            c, c2, kr = _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R, DR, EVEN_R, EVEN_DR, HAS_ROPE, 1)
             m_i, l_i, acc = _tile_update(q, q, qr, c, c, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
                                          IEEE, LAZY, OPAQUE, HAS_ROPE, 1, BLOCK_H, BLOCK_N)
     else:
@@ -247,25 +271,7 @@ def _mla_decode_stage1(
             else:
                 blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
                 row = blk * s_kvb + (offs_n % PAGE) * s_kvr
-            kv_row = KV + row[:, None]
-            # One load per column range of the tile; the same tile feeds both products.
-            if EVEN_R:
-                c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                c = tl.load(kv_row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < R), other=0.0)
-            c2 = c
-            if SPLIT_V == 2:
-                if EVEN_R:
-                    c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None], other=0.0)
-                else:
-                    c2 = tl.load(kv_row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < R), other=0.0)
-            kr = c
-            if HAS_ROPE:
-                if EVEN_DR:
-                    kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                else:
-                    kr = tl.load(kv_row + R + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < DR),
-                                 other=0.0)
+            c, c2, kr = _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R, DR, EVEN_R, EVEN_DR, HAS_ROPE, SPLIT_V)
             m_i, l_i, acc = _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2,
                                          alive, IEEE, LAZY, OPAQUE, HAS_ROPE, SPLIT_V, BLOCK_H, BLOCK_N)
 
