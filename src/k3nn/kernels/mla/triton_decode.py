@@ -128,6 +128,19 @@ def _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scal
 
 
 @triton.jit
+def _tile_page(bt_row, n0, end, blk_next, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
+    """(block id of the one-page tile at key ``n0``, the carried block id for the next tile): with AHEAD the
+    id comes from the previous iteration and the next one is read now."""
+    if AHEAD:
+        blk = blk_next
+        n1 = n0 + BLOCK_N
+        blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+    return blk, blk_next
+
+
+@triton.jit
 def _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R: tl.constexpr, DR: tl.constexpr, EVEN_R: tl.constexpr,
               EVEN_DR: tl.constexpr, HAS_ROPE: tl.constexpr, SPLIT_V: tl.constexpr):
     """One key tile through masked pointer loads (rows ``row`` of the pool, those past ``n_ok`` read as 0):
@@ -222,6 +235,7 @@ def _mla_decode_stage1(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BV], tl.float32)
     bt_row = BT + b * s_btb
+    blk_next = seq_len.to(tl.int64) * 0  # carried block id of the next tile (AHEAD)
     if AHEAD and ONE_PAGE:
         # The block id of the next tile is read one iteration ahead and carried, so the tile's address does
         # not depend on a load of the same iteration and the pipeliner can issue tiles num_stages - 1 ahead.
@@ -235,12 +249,7 @@ def _mla_decode_stage1(
         for n0 in range(start, full, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            if AHEAD:
-                blk = blk_next
-                n1 = n0 + BLOCK_N
-                blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
-            else:
-                blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            blk, blk_next = _tile_page(bt_row, n0, end, blk_next, PAGE, BLOCK_N, AHEAD)
             r0 = (blk * PAGE + (n0 % PAGE)).to(tl.int32)
             c = KV_DESC.load([r0, 0])
             kr = c
@@ -261,12 +270,7 @@ def _mla_decode_stage1(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
             if ONE_PAGE:
-                if AHEAD:
-                    blk = blk_next
-                    n1 = n0 + BLOCK_N
-                    blk_next = tl.load(bt_row + n1 // PAGE, mask=n1 < end, other=0).to(tl.int64)
-                else:
-                    blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+                blk, blk_next = _tile_page(bt_row, n0, end, blk_next, PAGE, BLOCK_N, AHEAD)
                 row = blk * s_kvb + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
             else:
                 blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
