@@ -146,6 +146,30 @@ def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN:
 
 
 @triton.jit
+def _slot(idx, b, HAS_IDX: tl.constexpr):
+    """Cache slot of request ``b`` (int64): ``idx[b]``, or ``b`` itself without state indices."""
+    if HAS_IDX:
+        slot = tl.load(idx + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    return slot
+
+
+@triton.jit
+def _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H: tl.constexpr, D: tl.constexpr,
+                 W: tl.constexpr):
+    """Per request-head pointers and constants: (b as int64, q and k channel columns, the request's tokens, its
+    conv-state rows, a = exp(A_log[h]), the gate bias over the head)."""
+    C3: tl.constexpr = 3 * H * D
+    b64 = b.to(tl.int64)
+    x_b = qkv + b64 * T * C3
+    cs_b = cs_ptr + slot * (W - 1) * C3
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
+    return b64, h * D + rd, H * D + h * D + rd, x_b, cs_b, a, dtb
+
+
+@triton.jit
 def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
@@ -161,10 +185,7 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    if HAS_IDX:
-        slot = tl.load(idx + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
+    slot = _slot(idx, b, HAS_IDX)
     rd = tl.arange(0, BD)
     md = rd < D
     rb = tl.arange(0, BV)
@@ -175,13 +196,7 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     Sn2 = Sn
     if PF == 2 and NC > 1:
         Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
-    b64 = b.to(tl.int64)
-    cq = h * D + rd
-    ck = C + h * D + rd
-    x_b = qkv + b64 * T * C3
-    cs_b = cs_ptr + slot * (W - 1) * C3
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
+    b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     if T1:  # one token: q, k, g, β once for every chunk
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
                                DT, H, D, W, SOFTPLUS)
@@ -245,10 +260,7 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    if HAS_IDX:
-        slot = tl.load(idx + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
+    slot = _slot(idx, b, HAS_IDX)
     rd = tl.arange(0, BD)
     md = rd < D
     rv = sp * BV + tl.arange(0, BV)
@@ -259,14 +271,8 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         S = tl.load(S_ptr + s_off, eviction_policy=LD_EV)
     else:
         S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy=LD_EV)
-    b64 = b.to(tl.int64)
-    cq = h * D + rd
-    ck = C + h * D + rd
+    b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     cv = 2 * C + h * D + rv
-    x_b = qkv + b64 * T * C3
-    cs_b = cs_ptr + slot * (W - 1) * C3
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    dtb = tl.load(dt_bias + h * D + rd, mask=md, other=0.0).to(tl.float32)
     for t in range(1 if T1 else T):
         row = b64 * T + t
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
