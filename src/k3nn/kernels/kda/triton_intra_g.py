@@ -53,6 +53,7 @@ from .triton_intra_split import (
     _run,
     _split_solve,
     _store_diag,
+    _strip_setup,
     _xcol,
 )
 
@@ -166,17 +167,10 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
                      K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     pid_h = tl.program_id(1)
     pid_c, i, j = _block_pair(tl.program_id(0))
-    bos = tl.load(chunk_start + pid_c)
-    L = tl.load(chunk_len + pid_c)
-    ob = (pid_c * H + pid_h).to(tl.int64)
+    bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
     cd = q.dtype.element_ty
-    r16 = tl.arange(0, 16)
-    ri = i * 16 + r16
-    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
     accA = tl.zeros([16, 16], dtype=tl.float32)
     accQ = tl.zeros([16, 16], dtype=tl.float32)
-    Ap = A_out + ob * 4096
-    Lp = L_out + ob * 4096
     Gc = G + ob * 64 * K
     arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor)
     if i == j:
@@ -226,13 +220,8 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
     pid_h = tl.program_id(1)
     pid_c = tl.program_id(0) // 4
     i = 3 - tl.program_id(0) % 4  # the longest rows first
-    bos = tl.load(chunk_start + pid_c)
-    L = tl.load(chunk_len + pid_c)
-    ob = (pid_c * H + pid_h).to(tl.int64)
+    bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
     cd = q.dtype.element_ty
-    r16 = tl.arange(0, 16)
-    ri = i * 16 + r16
-    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
     accA = tl.zeros([16, 16], dtype=tl.float32)
     accQ = tl.zeros([16, 16], dtype=tl.float32)
     accA0 = tl.zeros([16, 16], dtype=tl.float32)
@@ -241,8 +230,6 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
     accQ1 = tl.zeros([16, 16], dtype=tl.float32)
     accA2 = tl.zeros([16, 16], dtype=tl.float32)
     accQ2 = tl.zeros([16, 16], dtype=tl.float32)
-    Ap = A_out + ob * 4096
-    Lp = L_out + ob * 4096
     Gc = G + ob * 64 * K
     arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor; the diagonal's ``pre``)
     for kb in range(0, K, BK):

@@ -129,21 +129,26 @@ def _store_diag(Ap, Lp, i, accA, accQ, b_i, scale):
 
 
 @triton.jit
+def _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H):
+    """Row strip i of one chunk and head: (first token, chunk length, chunk-head index, the strip's rows, their β,
+    this chunk-head's [64, 64] Aqk and L blocks)."""
+    bos = tl.load(chunk_start + pid_c)
+    L = tl.load(chunk_len + pid_c)
+    ob = (pid_c * H + pid_h).to(tl.int64)
+    ri = i * 16 + tl.arange(0, 16)
+    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
+    return bos, L, ob, ri, b_i, A_out + ob * 4096, L_out + ob * 4096
+
+
+@triton.jit
 def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
                          K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     pid_h = tl.program_id(1)
     pid_c, i, j = _block_pair(tl.program_id(0))
-    bos = tl.load(chunk_start + pid_c)
-    L = tl.load(chunk_len + pid_c)
-    ob = (pid_c * H + pid_h).to(tl.int64)
+    bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
     cd = q.dtype.element_ty
-    r16 = tl.arange(0, 16)
-    ri = i * 16 + r16
-    b_i = tl.load(beta + (bos + ri).to(tl.int64) * H + pid_h, mask=ri < L, other=0.0).to(tl.float32)
     accA = tl.zeros([16, 16], dtype=tl.float32)
     accQ = tl.zeros([16, 16], dtype=tl.float32)
-    Ap = A_out + ob * 4096
-    Lp = L_out + ob * 4096
     if i == j:
         for kb in range(0, K, BK):
             g_s = _ld_rows(g, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
