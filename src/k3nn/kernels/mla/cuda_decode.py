@@ -190,6 +190,46 @@ __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
 
+// Keys query row m of request b may see (0 for rows past M): its visible length, or the causal limit.
+__device__ __forceinline__ int row_limit(const MlaParams& p, int m, int b, int seq) {
+  int lim = 0;
+  if (m < p.M) {
+    const int t = m / p.H;
+    lim = p.vis ? p.vis[(long long)b * p.s_visb + t] : seq - p.Tq + 1 + t;
+    lim = max(0, min(lim, seq));
+  }
+  return lim;
+}
+
+// Key range [start, end) of split `split` (BN-aligned chunks, cut at the longest visible row) and its tiles.
+struct KeyRange { int start, end, ntiles; };
+__device__ __forceinline__ KeyRange key_range(const MlaParams& p, int split, int seq, int maxlim, int bn) {
+  const int per = (seq + p.splits - 1) / p.splits;
+  const int chunk = (per + bn - 1) / bn * bn;
+  const long long start_ll = (long long)split * chunk;
+  const int start = (int)min(start_ll, (long long)seq);
+  const int end = min(start + chunk, min(seq, maxlim));
+  return {start, end, end > start ? (end - start + bn - 1) / bn : 0};
+}
+
+// Async copy of this thread's share of cache row `pos` (LANES threads per row, thread `sub` taking 16-byte chunks
+// sub, sub + LANES, ...) into shared memory at `dst`; a row at or past `end` is zero-filled, its address never read.
+template <int LANES, int CH>
+__device__ __forceinline__ void issue_row(const MlaParams& p, const uint16_t* kv, const int* bt_row, int pos, int end,
+                                          int sub, uint32_t dst) {
+  const uint16_t* src = kv;  // valid address even when nothing is read
+  int bytes = 0;
+  if (pos < end) {
+    const int blk = bt_row[pos / p.page];
+    src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr;
+    bytes = 16;
+  }
+  dst += sub * 16;
+  src += sub * 8;
+#pragma unroll
+  for (int i = 0; i < CH / LANES; ++i) cp_async16(dst + i * 16 * LANES, src + i * 8 * LANES, bytes);
+}
+
 // Stage 1: one CTA = 16 query rows of request blockIdx.z × key split blockIdx.y.
 template <typename T, typename TO>
 __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
@@ -207,16 +247,7 @@ __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
-  if (tid < ROWS) {
-    const int m = m0 + tid;
-    int lim = 0;
-    if (m < p.M) {
-      const int t = m / p.H;
-      lim = p.vis ? p.vis[(long long)b * p.s_visb + t] : seq - p.Tq + 1 + t;
-      lim = max(0, min(lim, seq));
-    }
-    lim_s[tid] = lim;
-  }
+  if (tid < ROWS) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
   {  // Q tile [16, 576] = [q_lat | q_rope], zero rows past M
     const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
     const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
@@ -236,30 +267,16 @@ __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
   int maxlim = 0;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) maxlim = max(maxlim, lim_s[r]);
-  const int per = (seq + p.splits - 1) / p.splits;
-  const int chunk = (per + BN - 1) / BN * BN;
-  const long long start_ll = (long long)split * chunk;
-  const int start = (int)min(start_ll, (long long)seq);
-  const int end = min(start + chunk, min(seq, maxlim));
-  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+  const KeyRange kr = key_range(p, split, seq, maxlim, BN);
+  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
 
   // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 4, ...); rows past `end` zero-filled.
   const int ld_row = tid >> 2, ld_sub = tid & 3;
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int* bt_row = p.bt + (long long)b * p.s_btb;
   auto issue = [&](int tile, int buf) {
-    const int pos = start + tile * BN + ld_row;
-    const uint16_t* src = kv;  // valid address even when nothing is read
-    int bytes = 0;
-    if (pos < end) {
-      const int blk = bt_row[pos / p.page];
-      src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr;
-      bytes = 16;
-    }
-    const uint32_t dst = smem_u32(kvs + (buf * BN + ld_row) * QLD) + ld_sub * 16;
-    src += ld_sub * 8;
-#pragma unroll
-    for (int i = 0; i < CHUNKS / 4; ++i) cp_async16(dst + i * 64, src + i * 32, bytes);
+    issue_row<4, CHUNKS>(p, kv, bt_row, start + tile * BN + ld_row, end, ld_sub,
+                          smem_u32(kvs + (buf * BN + ld_row) * QLD));
   };
 
   float acc[CW / 8][4];
@@ -440,45 +457,22 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
   const int m0 = blockIdx.x * ROWS64, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
-  if (tid < ROWS64) {
-    const int m = m0 + tid;
-    int lim = 0;
-    if (m < p.M) {
-      const int t = m / p.H;
-      lim = p.vis ? p.vis[(long long)b * p.s_visb + t] : seq - p.Tq + 1 + t;
-      lim = max(0, min(lim, seq));
-    }
-    lim_s[tid] = lim;
-  }
+  if (tid < ROWS64) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
   __syncthreads();
 
   int maxlim = 0;
 #pragma unroll 8
   for (int r = 0; r < ROWS64; ++r) maxlim = max(maxlim, lim_s[r]);
-  const int per = (seq + p.splits - 1) / p.splits;
-  const int chunk = (per + BN - 1) / BN * BN;
-  const long long start_ll = (long long)split * chunk;
-  const int start = (int)min(start_ll, (long long)seq);
-  const int end = min(start + chunk, min(seq, maxlim));
-  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+  const KeyRange kr = key_range(p, split, seq, maxlim, BN);
+  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
 
   // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 8, ...); rows past `end` zero-filled.
   const int ld_row = tid >> 3, ld_sub = tid & 7;
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int* bt_row = p.bt + (long long)b * p.s_btb;
   auto issue = [&](int tile, int buf) {
-    const int pos = start + tile * BN + ld_row;
-    const uint16_t* src = kv;  // valid address even when nothing is read
-    int bytes = 0;
-    if (pos < end) {
-      const int blk = bt_row[pos / p.page];
-      src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr;
-      bytes = 16;
-    }
-    const uint32_t dst = smem_u32(kvs + (buf * BN + ld_row) * QLD) + ld_sub * 16;
-    src += ld_sub * 8;
-#pragma unroll
-    for (int i = 0; i < CHUNKS / 8; ++i) cp_async16(dst + i * 128, src + i * 64, bytes);
+    issue_row<8, CHUNKS>(p, kv, bt_row, start + tile * BN + ld_row, end, ld_sub,
+                          smem_u32(kvs + (buf * BN + ld_row) * QLD));
   };
   if (ntiles > 0) issue(0, 0);  // the first key tile loads while the Q tile is read
   cp_async_commit();
