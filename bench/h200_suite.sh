@@ -27,7 +27,7 @@ STEPS=(
   "kda-decode-order|150|env KDA_DECODE_BUDGET_S=140 $PY bench/gpu/kda_decode.py --no-cuda --timing-first --shapes 64:96,256:96,64:32,8:96 --variants head64w4hb,head64w4r168hb,head64w4hbev-load,head64w4,head32w4hb,head32w4"
   "kda-decode-cuda-order|150|env KDA_DECODE_BUDGET_S=120 $PY bench/gpu/kda_decode.py --timing-first --shapes 64:96,256:96,64:32 --variants head32w4,head32w4hb,head32w4hbev-store,cu-pers16s2,cu-regs16,cu-regs16hb,cu-regs8hb,cu-blockhb"
   "mla-decode-variants|110|$PY bench/gpu/mla_decode.py"
-  "mla-tma|130|$PY bench/gpu/mla_decode.py --quick --no-cuda --budget 95 --tiles opaque,deep-opaque,deep-opaque-lazy,tma-opaque,tma-opaque-lazy,tma-deep-opaque,tma-deep-opaque-lazy,tma-deep3-opaque"
+  "mla-tma|130|$PY bench/gpu/mla_decode.py --quick --no-cuda --budget 95 --tiles deep-opaque,tma-opaque,tma-deep-opaque,tma-deep3-opaque,tma-colsplit-opaque,tma-colsplit-deep,tma-colsplit-w4"
   "moe-mx-variants|120|$PY bench/gpu/moe_mx.py"
   "moe-mx-k3|120|$PY bench/gpu/moe_mx.py --experts 896"
   "attnres-variants|90|$PY bench/gpu/attnres.py"

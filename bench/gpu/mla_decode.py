@@ -55,6 +55,10 @@ SWEEP_TILES = [
     ("tma-deep-opaque", (64, 32, 8, 4, False, 1, True, True, True)),
     ("tma-deep-opaque-lazy", (64, 32, 8, 4, True, 1, True, True, True)),
     ("tma-deep3-opaque", (64, 32, 8, 3, False, 1, True, True, True)),
+    # column split through descriptors (not yet timed): half the partial output per program at B=1
+    ("tma-colsplit-opaque", (64, 64, 8, 2, False, 2, True, True, True)),
+    ("tma-colsplit-deep", (64, 32, 8, 4, False, 2, True, True, True)),
+    ("tma-colsplit-w4", (64, 32, 4, 3, False, 2, True, False, True)),
 ]
 # (B, L, H, Tq, tiles): "all" sweeps every tile; an int n sweeps the n best tiles of the first case + default.
 CASES = [

@@ -195,16 +195,16 @@ def test_tile_variants_and_growing_scores(monkeypatch, tile, bs):
     check_vs_layer(o, lse, q_lat, q_rope, c, kr, lens, 2.0, atol=5e-5)
 
 
-@pytest.mark.parametrize("dr", [0, 16])
-def test_tensor_descriptor_tiles(monkeypatch, dr):
-    """The tensor-descriptor path really runs (a spy on the descriptor builder) and matches the layer: lengths
-    that end mid-tile, a request shorter than one tile, more splits than whole tiles, NaN past every sequence."""
+@pytest.mark.parametrize("dr,sv", [(0, 1), (16, 1), (16, 2)])
+def test_tensor_descriptor_tiles(monkeypatch, dr, sv):
+    """The tensor-descriptor path really runs (a spy on the descriptor builder; with the column split, one box
+    per half) and matches the layer: lengths that end mid-tile, a request shorter than one tile, more splits than whole tiles, NaN past every sequence."""
     from k3nn.kernels.mla import triton_decode
 
     made = []
     build = triton_decode._tma_descriptors
     monkeypatch.setattr(triton_decode, "_tma_descriptors", lambda *a: made.append(build(*a)) or made[-1])
-    monkeypatch.setattr(triton_decode, "_INTERP_TILE", (16, 16, 4, 1, True, 1, True, True, True))
+    monkeypatch.setattr(triton_decode, "_INTERP_TILE", (16, 16, 4, 1, True, sv, True, True, True))
     lens = [150, 9, 64]
     q_lat, q_rope, pool, table, sl, c, kr = make_case(11, lens, 1, 2, 32, dr, 64)
     for splits in (1, 4):

@@ -64,14 +64,15 @@ def test_kda_decode_head_variants_compile(pf, order_hb, ld_ev, st_ev, bv):
               "T1": True, "EVEN": True, "PF": pf, "HEADS_FIRST": order_hb, "LD_EV": ld_ev, "ST_EV": st_ev})
 
 
-@pytest.mark.parametrize("bn,stages,tma", [(64, 2, True), (32, 4, True), (32, 4, False)])
-def test_mla_decode_stage1_compiles(bn, stages, tma):
-    """The 64-row split-score tile, with whole key tiles through tensor descriptors or through pointers."""
-    desc = {"KV_DESC": f"tensordesc<bf16[{bn},512]>", "KR_DESC": f"tensordesc<bf16[{bn},64]>"} if tma else {
+@pytest.mark.parametrize("bn,stages,tma,sv", [(64, 2, True, 1), (32, 4, True, 1), (32, 4, False, 1), (64, 2, True, 2)])
+def test_mla_decode_stage1_compiles(bn, stages, tma, sv):
+    """The 64-row split-score tile, with whole key tiles through tensor descriptors (one box per column half
+    with sv = 2) or through pointers."""
+    desc = {"KV_DESC": f"tensordesc<bf16[{bn},{512 // sv}]>", "KR_DESC": f"tensordesc<bf16[{bn},64]>"} if tma else {
         "KV_DESC": "*bf16", "KR_DESC": "*bf16"}
     _compile("k3nn.kernels.mla.triton_decode", "_mla_decode_stage1",
              {"Q_lat": "*bf16", "Q_rope": "*bf16", "KV": "*bf16", "BT": "*i32", "SEQ": "*i32", "VIS": "*i32",
               "O_part": "*fp32", "LSE_part": "*fp32", "O": "*bf16", "LSE": "*fp32", "qk_scale_log2": "fp32", **desc},
              {"R": 512, "DR": 64, "PAGE": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "HAS_ROPE": True, "HAS_VIS": False,
-              "FINAL": False, "IEEE": False, "LAZY": False, "BLOCK_H": 64, "BLOCK_N": bn, "SPLIT_V": 1,
+              "FINAL": False, "IEEE": False, "LAZY": False, "BLOCK_H": 64, "BLOCK_N": bn, "SPLIT_V": sv,
               "AHEAD": True, "OPAQUE": True, "TMA": tma}, warps=8, stages=stages)

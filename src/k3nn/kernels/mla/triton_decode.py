@@ -28,8 +28,8 @@ Plans (:class:`Plan`) select the tile and the constexpr variants:
   r + dr]`` rows (a ``[BLOCK_N, r]`` latent box and a ``[BLOCK_N, dr]`` rope box at one row offset): on Hopper
   the tensor-memory accelerator copies the tile into shared memory with no per-thread address arithmetic. A
   split's last tile, when partial, takes the masked pointer path, so no row past a sequence is ever read (pool
-  rows there may hold any bits). Needs ``sv = 1``, one page per tile and unpadded column blocks; otherwise
-  the plan runs the pointer path.
+  rows there may hold any bits). With ``sv = 2`` each half of the latent columns is its own ``[BLOCK_N, r/2]``
+  box. Needs one page per tile and unpadded column blocks; otherwise the plan runs the pointer path.
 
 The plan depends only on ``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a
 call can be captured in a CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first
@@ -251,20 +251,23 @@ def _mla_decode_stage1(
             n_ok = offs_n < end
             blk, blk_next = _tile_page(bt_row, n0, end, blk_next, PAGE, BLOCK_N, AHEAD)
             r0 = (blk * PAGE + (n0 % PAGE)).to(tl.int32)
-            c = KV_DESC.load([r0, 0])
+            c = KV_DESC.load([r0, pid_v * BV])  # this program's latent columns
+            c2 = c
+            if SPLIT_V == 2:  # the other half: scores only
+                c2 = KV_DESC.load([r0, (1 - pid_v) * BV])
             kr = c
             if HAS_ROPE:
                 kr = KR_DESC.load([r0, R])
-            m_i, l_i, acc = _tile_update(q, q, qr, c, c, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
-                                         IEEE, LAZY, OPAQUE, HAS_ROPE, 1, BLOCK_H, BLOCK_N)
+            m_i, l_i, acc = _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2,
+                                         alive, IEEE, LAZY, OPAQUE, HAS_ROPE, SPLIT_V, BLOCK_H, BLOCK_N)
         if full < end:
             offs_n = full + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
             blk = tl.load(bt_row + full // PAGE).to(tl.int64)
             row = blk * s_kvb + ((full % PAGE) + tl.arange(0, BLOCK_N)) * s_kvr
-            c, c2, kr = _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R, DR, EVEN_R, EVEN_DR, HAS_ROPE, 1)
-            m_i, l_i, acc = _tile_update(q, q, qr, c, c, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2, alive,
-                                         IEEE, LAZY, OPAQUE, HAS_ROPE, 1, BLOCK_H, BLOCK_N)
+            c, c2, kr = _ptr_tile(KV, row, offs_v, offs_w, offs_d, n_ok, R, DR, EVEN_R, EVEN_DR, HAS_ROPE, SPLIT_V)
+            m_i, l_i, acc = _tile_update(q, q2, qr, c, c2, kr, offs_n, n_ok, lim, m_i, l_i, acc, qk_scale_log2,
+                                         alive, IEEE, LAZY, OPAQUE, HAS_ROPE, SPLIT_V, BLOCK_H, BLOCK_N)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -343,7 +346,7 @@ class Plan(NamedTuple):
     tile ahead (tiles then pipeline ``stages - 1`` deep, not ``stages - 2``); ``opaque``: scores reach the
     softmax through an opaque branch (two warp groups split the score tile instead of both computing it);
     ``tma``: whole key tiles loaded through tensor descriptors (the tensor-memory accelerator on Hopper; the
-    last, partial tile of a split through masked loads; needs ``sv = 1`` and one page per tile); ``splits``: key splits per request (more than one adds the LSE merge kernel)."""
+    last, partial tile of a split through masked loads; needs one page per tile); ``splits``: key splits per request (more than one adds the LSE merge kernel)."""
 
     bh: int
     bn: int
@@ -485,7 +488,7 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
     block_r = triton.next_power_of_2(R)
     sv = sv if block_r >= 32 else 1  # each half keeps at least 16 columns (the product's minimum depth)
     block_dr = max(16, triton.next_power_of_2(max(DR, 1)))
-    descs = _tma_descriptors(kv, bn, block_r, block_dr, R, DR) if tma and sv == 1 else None
+    descs = _tma_descriptors(kv, bn, block_r, block_dr, R, DR, sv) if tma else None
     _mla_decode_stage1[(triton.cdiv(M, bh) * sv, S, B)](
         q_lat, qr, kv, bt, sl, vis if vis is not None else sl, o_part, lse_part, out, lse,
         *(descs or (kv, kv)),
@@ -510,9 +513,9 @@ def _launch(plan, q_lat, qr, kv, bt, sl, vis, out, lse, scale, Tq, H, M, R, DR):
         )
 
 
-def _tma_descriptors(kv, bn, block_r, block_dr, R, DR):
-    """Tensor descriptors over the pool seen as ``[pages · PAGE, R + DR]`` rows: ``[bn, R]`` latent tiles and
-    ``[bn, DR]`` rope tiles. None (the pointer path) where a tile cannot be one descriptor box of rows: a tile
+def _tma_descriptors(kv, bn, block_r, block_dr, R, DR, sv=1):
+    """Tensor descriptors over the pool seen as ``[pages · PAGE, R + DR]`` rows: ``[bn, R / sv]`` latent tiles
+    (``sv = 2``: one per column half) and ``[bn, DR]`` rope tiles. None (the pointer path) where a tile cannot be one descriptor box of rows: a tile
     crossing pages, a page stride that is not PAGE rows, padded column blocks, misaligned rows, 2^31 rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -523,7 +526,7 @@ def _tma_descriptors(kv, bn, block_r, block_dr, R, DR):
             or rows >= 2 ** 31):
         return None
     shape, strides = [rows, width], [kv.stride(1), 1]
-    lat = TensorDescriptor(kv, shape, strides, [bn, R])
+    lat = TensorDescriptor(kv, shape, strides, [bn, R // sv])
     rope = TensorDescriptor(kv, shape, strides, [bn, block_dr]) if DR else lat
     return lat, rope
 
