@@ -213,6 +213,25 @@ def test_tensor_descriptor_tiles(monkeypatch, dr, sv):
     assert made and all(d is not None for d in made)
 
 
+def test_tensor_descriptor_fallbacks():
+    """Pools a descriptor box cannot tile go to the pointer path (None): tiles crossing pages, padded rope or
+    latent blocks, pages not PAGE rows apart, a misaligned base; padded rows (a wider last dim) are fine."""
+    from k3nn.kernels.mla.triton_decode import _tma_descriptors
+
+    pool = torch.empty(3, 64, 48, dtype=torch.bfloat16)
+    lat, rope = _tma_descriptors(pool, 32, 32, 16, 32, 16)
+    assert lat.block_shape == [32, 32] and rope.block_shape == [32, 16] and lat.strides == [48, 1]
+    assert _tma_descriptors(pool, 32, 32, 16, 32, 16, 2)[0].block_shape == [32, 16]  # one box per half
+    wide = torch.empty(3, 64, 56, dtype=torch.bfloat16)[..., :48]  # rows 112 bytes apart
+    assert _tma_descriptors(wide, 32, 32, 16, 32, 16)[0].strides == [56, 1]
+    assert _tma_descriptors(pool, 128, 32, 16, 32, 16) is None  # a tile would cross pages
+    assert _tma_descriptors(torch.empty(3, 64, 40, dtype=torch.bfloat16), 32, 32, 16, 32, 8) is None  # dr 8 < 16
+    assert _tma_descriptors(torch.empty(3, 64, 56, dtype=torch.bfloat16), 32, 64, 16, 40, 16) is None  # r 40
+    assert _tma_descriptors(torch.empty(64, 3, 48, dtype=torch.bfloat16).transpose(0, 1), 32, 32, 16, 32, 16) is None
+    odd = torch.empty(3 * 64 * 48 + 1, dtype=torch.bfloat16)[1:].view(3, 64, 48)  # base 2 bytes off
+    assert _tma_descriptors(odd, 32, 32, 16, 32, 16) is None
+
+
 @given(data=st.data())
 def test_plan_variants(data):
     """Every constexpr variant of a plan (column split, block ids read ahead, opaque scores, lazy or eager
