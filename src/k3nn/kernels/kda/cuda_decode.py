@@ -34,9 +34,10 @@ launched together, as the Triton ``head`` path's default order).
 
 H200 (``bench/results/logs/h200-s5-run2-2026-11-30.log``, T=1, H=96, CUDA graph): all three pass the GPU tests
 against eager; at B=64 the persistent kernel moves the state at 68.1% of copy bandwidth (16 warps, 2 stages;
-280 µs), ``regs`` 47–56%, ``block`` 56%, against 72% for the Triton ``head`` kernel and 75% for fla's bare
-recurrence; at B=1 ``regs`` takes 8.5 µs against 7.1 µs for the Triton ``split`` kernel. So the CUDA kernels
-stay opt-in.
+280 µs), ``regs`` 47–56%, ``block`` 56%, against 72% for the Triton ``head`` kernel then and 75% for fla's bare
+recurrence; at B=1 ``regs`` takes 8.5 µs against 7.1 µs for the Triton ``split`` kernel. Launched heads first
+(``K3NN_KDA_CUDA_ORDER=hb``, h200-s6-run4) ``regs`` gains 1–3% (57% with 8 warps), ``block`` reaches 56%, the
+persistent kernel 68–70%, while the Triton ``head`` path now reaches 80.7%. So the CUDA kernels stay opt-in.
 
 Availability: CUDA and nvcc. Opt-in: ``K3NN_KDA_CUDA=1`` takes the CUDA kernel for every call it supports.
 ``K3NN_KDA_CUDA_AUTO=1`` (or :data:`AUTO_DEFAULT`) lets ``auto`` take it only for B·H ≥

@@ -322,8 +322,8 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 HEAD_MIN = 256  # B·H from which `auto` takes the head path (B=1 H=96 stays split; B>=3 at H=96 goes head)
 
 
-#: ``head`` path register cap for its default tile ([D, 32] chunks, 4 warps): 4 programs of 128 threads per SM
-#: instead of 3 (+1.3% at B=64 and B=256 H=96 on the H200, h200-s5-run3)
+#: ``head`` path register cap for [D, 32] chunks over 4 warps (its default tile before h200-s6-run5): 4 programs
+#: of 128 threads per SM instead of 3 (+1.3% at B=64 and B=256 H=96 on the H200, h200-s5-run3)
 HEAD_MAXNREG = 128
 
 
@@ -411,7 +411,7 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         pf = _env_int("K3NN_KDA_DECODE_PF", 1)
         if pf not in (1, 2):
             raise ValueError(f"K3NN_KDA_DECODE_PF must be 1 or 2 (state chunks in flight ahead), got {pf}")
-        # the cap was measured for the default tile ([D, 32] chunks, 4 warps); other tiles keep the compiler's count
+        # the cap was measured for [D, 32] chunks over 4 warps; other tiles keep the compiler's count
         maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG if (BV, nw) == (32, 4) else 0)
         if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
             extra["maxnreg"] = maxnreg

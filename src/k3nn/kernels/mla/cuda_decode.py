@@ -29,8 +29,8 @@ registers straight into the A fragments of ``P·V`` (no P tile in shared memory)
 spills on sm_90). It is the default (:data:`DEFAULT_ROWS`); ``rows=16`` or ``K3NN_MLA_CUDA_ROWS=16``
 (:func:`rows_choice`) selects the first variant. On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``,
 ``bench/gpu/mla_decode.py --cuda-only``) it moved 1.66 / 0.88 / 0.58 TB/s at B=64 L=8K H=64 / H=96 and B=1
-L=32K H=64, against 0.91 / 0.46 / 0.43 for 16 rows — still behind the Triton kernel (2.37 / 1.35 / 1.07), so
-the CUDA path stays opt-in (``K3NN_MLA_CUDA=1``). Its split heuristic aims at one wave of one CTA per SM.
+L=32K H=64, against 0.91 / 0.46 / 0.43 for 16 rows — still behind the Triton kernel (2.37 / 1.35 / 1.07 then;
+2.68 / 1.49 / 1.28 with tensor-descriptor tiles, h200-s6-run8), so the CUDA path stays opt-in (``K3NN_MLA_CUDA=1``). Its split heuristic aims at one wave of one CTA per SM.
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B]``, merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
