@@ -241,6 +241,7 @@ def test_default_order_and_cache_hints(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert _order_and_hints(64, 96) == (True, dict(LD_EV="evict_first", ST_EV="evict_first"))
     assert _order_and_hints(EVICT_LOAD_ONLY_MIN, 1) == (True, dict(LD_EV="evict_first", ST_EV=""))
+    assert not _order_and_hints(65536, 1)[0]  # more requests than the grid's second axis holds: batch first
     monkeypatch.setenv("K3NN_KDA_DECODE_EVICT", "both")
     monkeypatch.setenv("K3NN_KDA_DECODE_ORDER", "bh")
     assert _order_and_hints(EVICT_LOAD_ONLY_MIN, 1) == (False, dict(LD_EV="evict_first", ST_EV="evict_first"))

@@ -34,8 +34,8 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 ``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
 register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4
 warps, otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one
-request launched together; ``bh``: the programs of one head for every request together, their states H·D²·4
-bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both``, ``load``,
+request launched together — batch first anyway above 65535 requests; ``bh``: the programs of one head for every
+request together, their states H·D²·4 bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both``, ``load``,
 ``store`` or ``none``; by default ``both``, and ``load`` from B·H = :data:`EVICT_LOAD_ONLY_MIN`).
 
 On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
@@ -366,7 +366,8 @@ def _order_and_hints(B: int, H: int) -> tuple[bool, dict]:
     if hints not in ("both", "load", "store", "none"):
         raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load, store or none (evict_first on the state "
                          f"loads / stores), got {hints!r}")
-    return order == "hb", dict(LD_EV="evict_first" if hints in ("both", "load") else "",
+    # heads first puts the batch on the grid's second axis, which holds at most 65535 programs
+    return order == "hb" and B <= 65535, dict(LD_EV="evict_first" if hints in ("both", "load") else "",
                                ST_EV="evict_first" if hints in ("both", "store") else "")
 
 
