@@ -32,11 +32,12 @@ Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``
 ``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
 ``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path);
 ``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
-register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4
-warps, otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one
-request launched together — batch first anyway above 65535 requests; ``bh``: the programs of one head for every
-request together, their states H·D²·4 bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and stores: ``both``, ``load``,
-``store`` or ``none``; by default ``both``, and ``load`` from B·H = :data:`EVICT_LOAD_ONLY_MIN`).
+register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4 warps,
+otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one request
+launched together — batch first anyway above 65535 requests; ``bh``: the programs of one head for every request
+together, their states H·D²·4 bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and
+stores: ``both``, ``load``, ``store`` or ``none``; by default ``both``, and ``load`` from B·H =
+:data:`EVICT_LOAD_ONLY_MIN`).
 
 On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
 same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
