@@ -35,6 +35,7 @@ STEPS=(
   "kda-prefill-64k|200|$PY -m k3nn.bench.kda_prefill --cases 65536:96:lower_bound,65536:32:softplus"
   "kda-decode|50|$PY -m k3nn.bench.kda_decode --quick"
   "kda-decode-full|150|$PY -m k3nn.bench.kda_decode"
+  "kda-decode-window|150|env KDA_DECODE_BUDGET_S=140 $PY bench/gpu/kda_decode.py --no-cuda --timing-first --shapes 1:96:4,1:96:8,16:96:4,64:96:4 --variants head64w4hb,head32w4hb,head32w4pf2r168hb,split32w4"
   "mla-decode|120|$PY -m k3nn.bench.mla_decode"
   "moe|60|$PY -m k3nn.bench.moe --tokens 2048 8192 --mx-tokens 1 16"
   "moe-mx-official-k3|120|$PY -m k3nn.bench.moe --experts 896 --skip-bf16 --mx-tokens 1 4 16"

@@ -1,7 +1,7 @@
 """GPU check + timing of the fused KDA decode kernels (Triton ``head`` / ``split``, CUDA ``persistent`` / ``regs`` /
 ``block``) against eager and fla-core.
 
-    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda] [--timing-first] [--shapes B:H,...] [--variants NAME,...]
+    PYTHONPATH=src python3 bench/gpu/kda_decode.py [--no-cuda] [--timing-first] [--shapes B:H[:T],...] [--variants NAME,...]
 
 1. Build: the CUDA extension (kernels/kda/cuda_decode.py; compiled once, cached on disk by torch), timed.
 2. Correctness: every variant below in bf16 and fp32, B = 1 and 64, T = 1 and 3, shuffled cache slots: max
@@ -177,12 +177,12 @@ def race_check(variants):
             log(f"  {v:11s} T={T}: {'identical' if bad == 0 else f'{bad}/19 runs DIFFER  <-- RACE'}")
 
 
-def fla_args(p, S, B, H):
+def fla_args(p, S, B, H, T=1):
     """fla's ``fused_recurrent_kda`` arguments for the same step (bare recurrence: q, k, v taken from the
     un-convolved projections, gate / β / L2 norm in its kernel): ``(args, kwargs)``."""
-    y = p[0].float().reshape(B, 1, 3, H, D)
+    y = p[0].float().reshape(B, T, 3, H, D)
     q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))
-    g = p[1].reshape(B, 1, H, D).contiguous()
+    g = p[1].reshape(B, T, H, D).contiguous()
     fkw = dict(A_log=p[5], dt_bias=p[6], initial_state=S[:B].clone(), output_final_state=True,
                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                lower_bound=-5.0)
@@ -203,20 +203,22 @@ def _arg(flag, default):
     return a[a.index(flag) + 1] if flag in a else default
 
 
-# --shapes B:H,B:H,... (default: the five below); --timing-first: time before the correctness checks
-SHAPES = [tuple(int(x) for x in s.split(":")) for s in _arg("--shapes", "1:96,8:96,64:96,256:96,64:32").split(",")]
+# --shapes B:H[:T],... (default: the five below, T = 1; T > 1: verify windows); --timing-first: time before the
+# correctness checks
+SHAPES = [(tuple(int(x) for x in s.split(":")) + (1,))[:3]
+          for s in _arg("--shapes", "1:96,8:96,64:96,256:96,64:32").split(",")]
 
 
 def timing(variants, copy_tbps):
-    log("== per-layer time in a CUDA graph (T=1, bf16 activations, fp32 state, lower_bound gate) ==")
+    log("== per-layer time in a CUDA graph (bf16 activations, fp32 state, lower_bound gate) ==")
     fr = fla_fn()
-    shapes = SHAPES
     summary = []
-    for B, H in shapes:
+    for B, H, T in SHAPES:
+        tag = f"B={B} H={H}" + (f" T={T}" if T > 1 else "")
         if left() < 8:
-            log(f"  (time budget: B={B} H={H} and later shapes skipped)")
+            log(f"  (time budget: {tag} and later shapes skipped)")
             break
-        p, S, cs, idx = inputs(B, 1, H, torch.bfloat16, seed=B + H)
+        p, S, cs, idx = inputs(B, T, H, torch.bfloat16, seed=B + H + T - 1)
         kw = dict(gate_kind="lower_bound", lower_bound=-5.0, norm_eps=1e-5)
         nbytes = 2 * B * H * D * D * 4
         use("auto")
@@ -230,30 +232,30 @@ def timing(variants, copy_tbps):
             try:
                 ms = graph_bench_ms(lambda a=(p, S, cs, idx, kw), be=be: call(be, *a))
             except Exception as e:  # noqa: BLE001
-                log(f"  B={B} H={H} {v}: failed {type(e).__name__}: {e}")
+                log(f"  {tag} {v}: failed {type(e).__name__}: {e}")
                 continue
             row.append((v if v != "auto" else f"auto={auto[0]}{auto[1]}w{auto[2]}", ms))
         use("auto")
         if fr is not None and left() > 4:
-            fa, fkw = fla_args(p, S, B, H)
+            fa, fkw = fla_args(p, S, B, H, T)
             try:
                 fr(*fa, **fkw)
                 row.append(("fla fused_recurrent_kda", graph_bench_ms(lambda a=fa, kw_=fkw: fr(*a, **kw_))))
             except Exception as e:  # noqa: BLE001
-                log(f"  fla failed at B={B} H={H}: {type(e).__name__}: {e}")
-        log(f"  -- B={B} H={H} (state {nbytes / 1e6:.1f} MB moved per call)")
+                log(f"  fla failed at {tag}: {type(e).__name__}: {e}")
+        log(f"  -- {tag} (state {nbytes / 1e6:.1f} MB moved per call)")
         log(f"     {'variant':26s} {'us':>8s} {'TB/s':>7s} {'frac_copy':>9s}")
         for name, ms in row:
             tb = nbytes / ms / 1e9
             log(f"     {name:26s} {ms * 1e3:8.2f} {tb:7.3f} {tb / copy_tbps:9.3f}")
         best = min((r for r in row if not r[0].startswith("fla")), key=lambda r: r[1], default=None)
         if best:
-            summary.append(f"B={B} H={H}: best {best[0]} {best[1] * 1e3:.2f} us "
+            summary.append(f"{tag}: best {best[0]} {best[1] * 1e3:.2f} us "
                            f"({nbytes / best[1] / 1e9 / copy_tbps:.3f} of copy BW)")
         for fam in ("head", "cu-"):  # best persistent CUDA kernel, best CUDA kernel of any kind
             cu = min((r for r in row if r[0].startswith(fam)), key=lambda r: r[1], default=None)
             if cu:
-                summary.append(f"B={B} H={H}: best {fam}* {cu[0]} {cu[1] * 1e3:.2f} us "
+                summary.append(f"{tag}: best {fam}* {cu[0]} {cu[1] * 1e3:.2f} us "
                                f"({nbytes / cu[1] / 1e9 / copy_tbps:.3f} of copy BW)")
         p = S = cs = None
         torch.cuda.empty_cache()
