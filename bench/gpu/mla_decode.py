@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from k3nn.bench.common import device_meta, rel_err
+from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
 from k3nn.kernels.mla import triton_decode as td
 from k3nn.kernels.mla.reference import mla_decode_reference
 
@@ -139,28 +139,8 @@ def ragged_check(tiles, broken):
 
 
 def graph_ms(fn, n_calls, rep=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n_calls)
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Per-call ms of ``fn(i)``, i = 0 … n_calls − 1, replayed in one CUDA graph (inputs rotate over copies)."""
+    return graph_bench_ms(fn, inner=n_calls, rep=rep, indexed=True)
 
 
 def make_case(B, L, H, Tq, dt=torch.bfloat16):

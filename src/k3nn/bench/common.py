@@ -45,18 +45,20 @@ def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def graph_bench_ms(fn: Callable[[], Any], inner: int = 50, rep: int = 20) -> float:
-    """Per-call milliseconds of ``fn`` replayed ``inner`` times inside one captured CUDA graph (median of rep)."""
+def graph_bench_ms(fn: Callable[..., Any], inner: int = 50, rep: int = 20, indexed: bool = False) -> float:
+    """Per-call milliseconds of ``fn`` replayed ``inner`` times inside one captured CUDA graph (median of rep).
+    ``indexed``: ``fn`` takes the call's index 0 … inner − 1 (e.g. to rotate over input copies larger than L2)."""
+    call = fn if indexed else (lambda i: fn())
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            call(i)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
+        for i in range(inner):
+            call(i)
     g.replay()
     torch.cuda.synchronize()
     times = []
