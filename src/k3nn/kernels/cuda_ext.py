@@ -12,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["load_inline_module", "sm_count", "smem_per_block", "toolchain_reason"]
+__all__ = ["RAISE_SMEM_SOURCE", "load_inline_module", "sm_count", "smem_per_block", "toolchain_reason"]
 
 
 def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "") -> str | None:
@@ -30,6 +30,23 @@ def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "
             need = "".join(map(str, min_capability))
             return f"needs sm_{need}+{f' ({why})' if why else ''}, got sm_{''.join(map(str, cc))}"
     return None
+
+
+#: C++ for the CUDA sources: ``raise_smem(kernel, bytes, raised)`` opts a kernel in to ``bytes`` of dynamic shared
+#: memory, once per device (``raised`` is the caller's per-device flag array)
+RAISE_SMEM_SOURCE = r"""template <typename K>
+cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in shared memory limit, once per device
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64 || !raised[dev]) {
+    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) raised[dev] = true;
+  }
+  return cudaSuccess;
+}
+"""
 
 
 def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str]):

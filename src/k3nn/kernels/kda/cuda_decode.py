@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from ..cuda_ext import load_inline_module, toolchain_reason
+from ..cuda_ext import RAISE_SMEM_SOURCE, load_inline_module, toolchain_reason
 from ..cuda_ext import sm_count as _sm_count
 from ..cuda_ext import smem_per_block as _smem_limit
 
@@ -591,18 +591,7 @@ __global__ void __launch_bounds__(32 * NW, 1) kda_persistent_kernel(const KdaPar
 }
 
 // --------------------------------------------------------------------------------------------------------------
-template <typename K>
-cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in shared memory limit, once per device
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !raised[dev]) {
-    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = true;
-  }
-  return cudaSuccess;
-}
+__RAISE_SMEM__
 
 template <typename T, int NW, int STAGES>
 cudaError_t launch_persistent(const KdaParams& p, cudaStream_t stream) {
@@ -706,7 +695,7 @@ _DECL = ("torch::Tensor kda_fused_decode_cuda(torch::Tensor qkv, torch::Tensor f
          "bool softplus, double lower_bound, double eps, double scale, int64_t dt, int64_t variant, "
          "int64_t warps, int64_t stages, int64_t grid, bool heads_first);")
 
-CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
+CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 
 

@@ -53,7 +53,7 @@ import os
 
 import torch
 
-from ..cuda_ext import load_inline_module, toolchain_reason
+from ..cuda_ext import RAISE_SMEM_SOURCE, load_inline_module, toolchain_reason
 from ..cuda_ext import sm_count as _sm_count
 from ..cuda_ext import smem_per_block as _smem_limit
 
@@ -680,18 +680,7 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaParams p) {
   if (tid == 0) p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
 }
 
-template <typename K>
-cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in shared memory limit, once per device
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !raised[dev]) {
-    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = true;
-  }
-  return cudaSuccess;
-}
+__RAISE_SMEM__
 
 template <typename T, typename TO>
 cudaError_t launch_t(const MlaParams& p, int rows, cudaStream_t stream) {
@@ -790,7 +779,7 @@ _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torc
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
          "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows);")
 
-CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
+CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 
 
