@@ -51,6 +51,8 @@ STEPS=(
   "kda-intra-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k splitg"
   "mla-cuda-tests|240|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"
   "mla-cuda-bench|150|$PY bench/gpu/mla_decode.py --cuda-only"
+  "mla-wgmma-tests|200|$PYTEST tests/gpu/test_mla_gpu.py -k 'wgmma or variants'"
+  "mla-decode-ncu|150|ncu --clock-control none --kernel-name regex:_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla --launch-count 9 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters $PY bench/gpu/profile_mla_decode.py"
   "kda-decode-cuda-tests|150|$PYTEST tests/gpu/test_kda_decode_cuda_gpu.py"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"
   "kda-decode-cuda|80|env K3NN_KDA_CUDA=1 $PY -m k3nn.bench.kda_decode --quick"

@@ -31,14 +31,14 @@ def poison(*shape, dtype=torch.float32, device="cpu"):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def nvcc_sm90(tmp_path, source: str, name: str = "kernel") -> tuple[str, list[tuple[str, int]]]:
-    """Compile a torch-free .cu for sm_90 with nvcc (no GPU needed); returns ptxas' verbose log and the
-    (line, bytes of spill stores) of every function that spills. Fails the test on a compile error."""
+def nvcc_sm90(tmp_path, source: str, name: str = "kernel", arch: str = "sm_90") -> tuple[str, list[tuple[str, int]]]:
+    """Compile a torch-free .cu for ``arch`` (sm_90 or sm_90a) with nvcc (no GPU needed); returns ptxas' verbose
+    log and the (line, bytes of spill stores) of every function that spills. Fails the test on a compile error."""
     import subprocess
 
     cu = tmp_path / f"{name}.cu"
     cu.write_text(source)
-    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+    r = subprocess.run(["nvcc", "-std=c++17", "-O3", f"-arch={arch}", "-c", "-Xptxas", "-v", "-o",
                         str(tmp_path / f"{name}.o"), str(cu)], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     spills = [(ln, int(m.group(1))) for ln in r.stderr.splitlines()

@@ -239,12 +239,12 @@ def time_case(B, L, H, Tq, tiles, fm, copy_tbps, broken, rows, budget, deep):
     return best
 
 
-CUDA_CASES = [(64, 8192, 64, 1), (64, 8192, 96, 1), (1, 32768, 64, 1)]
+CUDA_CASES = [(64, 8192, 64, 1), (64, 8192, 96, 1), (1, 32768, 64, 1), (1, 32768, 96, 1), (64, 8192, 64, 2)]
 
 
 def cuda_compare(copy_tbps):
-    """The CUDA kernel, 16 and 64 rows per CTA (default splits and a few others), against the default Triton
-    plan, same inputs."""
+    """The CUDA kernels — mma.sync with 16 and 64 rows per CTA, warp-group MMA (sm_90) — at their default split
+    counts and a few others, against the default Triton plan, same inputs."""
     from k3nn.kernels.mla import cuda_decode as cdk
 
     why = cdk.available()
@@ -268,35 +268,40 @@ def cuda_compare(copy_tbps):
         case = f"B={B} L={L} H={H} Tq={Tq}"
         M = Tq * H
         best = {}
-        for rows in cdk.ROWS_VARIANTS:
-            dflt = cdk.default_num_splits(B, M, nblk * BS, sms, rows=rows)
+        variants = [("mma", rows) for rows in cdk.ROWS_VARIANTS]
+        if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
+            variants.insert(0, ("wgmma", 64))
+        for kernel, rows in variants:
+            name = "wgmma" if kernel == "wgmma" else f"mma{rows}"
+            bn = cdk.WG_BLOCK_N if kernel == "wgmma" else cdk.BLOCK_N
+            dflt = cdk.default_num_splits(B, M, nblk * BS, sms, rows=rows, block_n=bn)
             wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
             for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt) if wide else dflt}):
-                def call(i, S=S, rows=rows, sets=sets, copies=copies, sl=sl):
+                kw = dict(num_splits=S, rows=rows, kernel=kernel)
+
+                def call(i, kw=kw, sets=sets, copies=copies, sl=sl):
                     q, pool, bt, o = sets[i % copies]
-                    cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=S, out=o, rows=rows)
+                    cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=o, **kw)
                 out = poisoned(q0)
                 try:
-                    cdk.mla_decode_cuda(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, num_splits=S, out=out,
-                                        rows=rows)
+                    cdk.mla_decode_cuda(q0[..., :R], q0[..., R:], pool0, bt0, sl, SCALE, out=out, **kw)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001
-                    log(f"  {case} CUDA rows={rows} S={S} FAILED TO RUN ({type(e).__name__}: {str(e)[:300]})")
+                    log(f"  {case} CUDA {name} S={S} FAILED TO RUN ({type(e).__name__}: {str(e)[:300]})")
                     break
                 err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
                 ok = "ok" if err < 1e-2 and lerr < 1e-2 else "WRONG"
                 ms = graph_ms(call, n_calls)
                 tb = cache_bytes / ms / 1e9
-                if ok == "ok" and (rows not in best or ms < best[rows][0]):
-                    best[rows] = (ms, S)
-                tag = f"CUDA{rows}" + (" (default)" if S == dflt else "")
-                desc = f"{rows}x32 w{4 if rows == 16 else 8} S{S}"
+                if ok == "ok" and (name not in best or ms < best[name][0]):
+                    best[name] = (ms, S)
+                tag = f"CUDA {name}" + (" (default)" if S == dflt else "")
+                desc = f"{rows}x{bn} w{4 if rows == 16 else 8} S{S}"
                 print(f"{case:22s} {tag:17s} {desc:26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  "
                       f"rel err {err:.1e} lse {lerr:.1e} {ok}", flush=True)
         if best:
             print(f"{case:22s} CUDA best per variant: " + ", ".join(
-                f"rows={r} S={S} {cache_bytes / ms / 1e9:.3f} TB/s" for r, (ms, S) in sorted(best.items()))
-                + f" (default rows {cdk.DEFAULT_ROWS})", flush=True)
+                f"{n} S={S} {cache_bytes / ms / 1e9:.3f} TB/s" for n, (ms, S) in sorted(best.items())), flush=True)
         plan = td._default_plan(B, M, dev)
         why = check_plan(plan, q0, pool0, bt0, sl, ref)
         if why:

@@ -1,5 +1,5 @@
 """MLA decode on the GPU: Triton bf16 at K3 dims vs the eager reference, CUDA-graph capture, DCP over NCCL; the
-CUDA kernel (opt-in) in both stage-1 variants (16 and 64 query rows per CTA)."""
+CUDA kernel (opt-in) in its stage-1 variants (mma.sync with 16 and 64 query rows per CTA; warp-group MMA on sm_90)."""
 
 import os
 import subprocess
@@ -97,16 +97,22 @@ def _poisoned(q_lat, dtype):
             torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
 
 
-@pytest.fixture(params=[16, 64], ids=["rows16", "rows64"])
+@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64)], ids=["rows16", "rows64", "wgmma"])
 def cuda_mla(monkeypatch, request):
-    """The CUDA kernel, opted in, with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS)."""
+    """The CUDA kernel, opted in: mma.sync with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS), or
+    the warp-group kernel (sm_90 only)."""
     from k3nn.kernels.mla import cuda_decode
 
+    kernel, rows = request.param
+    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for sm_90 only")
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", str(request.param))
+    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", kernel)
+    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", str(rows))
     assert cuda_decode.enabled() is None
     assert cuda_decode.available() is None, cuda_decode.available()
-    assert cuda_decode.rows_choice() == request.param
+    assert cuda_decode.kernel_choice(device=torch.device("cuda")) == kernel
+    assert cuda_decode.rows_choice() == rows
     return cuda_decode
 
 
@@ -155,24 +161,27 @@ def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
 
 
 def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
-    """rows= overrides K3NN_MLA_CUDA_ROWS; the two variants give the same result up to accumulation order
-    (H=96: the 64-row grid has a half-empty last CTA; Tq=2: rows of two positions share a CTA)."""
+    """rows= and kernel= override the environment; the variants (mma.sync with 16 / 64 rows, wgmma on sm_90)
+    give the same result up to accumulation order (H=96: the 64-row grid has a half-empty last CTA; Tq=2: rows
+    of two positions share a CTA)."""
     from k3nn.kernels.mla import cuda_decode
 
     assert cuda_decode.available() is None, cuda_decode.available()
     monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
     q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
     outs = {}
-    for rows in (16, 64):
+    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64)] * (torch.cuda.get_device_capability() == (9, 0))
+    for kernel, rows in variants:
         for splits in (None, 1, 6):
             out = _poisoned(q_lat, torch.float32)
-            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, rows=rows)
-            outs[rows, splits] = out
+            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, rows=rows,
+                                        kernel=kernel)
+            outs[kernel + str(rows), splits] = out
     o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
     for (rows, splits), (o, lse) in outs.items():
         torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2, msg=lambda m, r=rows, s=splits: f"rows={r} S={s}: {m}")
         torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
-        torch.testing.assert_close(o, outs[16, splits][0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(o, outs["mma16", splits][0], atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 7])

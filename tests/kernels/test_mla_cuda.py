@@ -65,6 +65,7 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     """The shape / dtype checks behind the device check (the device check is patched away)."""
     class Props:
         shared_memory_per_block_optin = 227 * 1024
+        major, minor = 8, 0  # an A100: the mma.sync kernel
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
@@ -89,6 +90,39 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     monkeypatch.delenv("K3NN_MLA_CUDA_ROWS")
     Props.shared_memory_per_block_optin = 48 * 1024
     assert "shared memory" in cd.supports(*_inputs(), 0.07)
+
+
+def test_kernel_choice_on_fake_cuda(monkeypatch):
+    """wgmma is the default on sm_90 and refused elsewhere; K3NN_MLA_CUDA_KERNEL and kernel= pick; its shared
+    memory is checked; unknown names are errors naming the knob."""
+    class Props:
+        shared_memory_per_block_optin = 227 * 1024
+        major, minor = 9, 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL", raising=False)
+    dev = torch.device("cuda", 0)
+    assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
+    assert cd.kernel_choice("mma", dev) == "mma"
+    assert cd.supports(*_inputs(), 0.07) is None
+    assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
+    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "mma")
+    assert cd.kernel_choice(device=dev) == "mma"
+    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "tcgen05")
+    assert "K3NN_MLA_CUDA_KERNEL" in cd.supports(*_inputs(), 0.07)
+    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_KERNEL"):
+        cd.kernel_choice(device=dev)
+    with pytest.raises(ValueError, match="kernel"):
+        cd.kernel_choice("wmma", dev)
+    monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL")
+    Props.shared_memory_per_block_optin = 200 * 1024
+    assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
+    assert cd.supports(*_inputs(), 0.07, kernel="mma") is None
+    Props.major = 8
+    with pytest.raises(ValueError, match="sm_90"):
+        cd.kernel_choice("wgmma", dev)
+    assert "sm_90" in cd.supports(*_inputs(), 0.07, kernel="wgmma")
 
 
 @pytest.mark.parametrize("value,rows", [(None, 64), ("", 64), ("16", 16), (" 64 ", 64)])
@@ -132,7 +166,9 @@ def test_default_splits():
 def test_generated_source_has_the_entry_points():
     cu = cd.kernel_source()
     for name in ("mla_split_kernel", "mla_split64_kernel", "mla_combine_kernel", "mla_decode_dispatch(",
-                 "struct MlaParams", "launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, stream)",
+                 "struct MlaParams", "launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, wgmma, stream)",
+                 "mla_wgmma_kernel", "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "fence.proxy.async.shared::cta",
                  "if (rows == ROWS64)", "bar.sync %0, 64", "SMEM_BYTES64 = Q_BYTES64",
                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
@@ -148,6 +184,21 @@ def test_generated_source_has_the_entry_points():
     assert cd.SMEM_BYTES < 114 * 1024  # two CTAs per SM on sm_90 (227 KB)
     assert cd.SMEM_BYTES_BY_ROWS[64] <= 227 * 1024  # one 64-row CTA per SM
     assert "int64_t rows" in cd._DECL and "(int)rows" in cd._CPP_SOURCE
+    assert "int64_t wgmma" in cd._DECL and "wgmma != 0" in cd._CPP_SOURCE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_wgmma_kernel_compiles_for_sm90a(tmp_path):
+    """The warp-group kernel for sm_90a (no GPU needed): four instantiations, no spills, its shared memory equal to
+    the Python mirror and within one CTA per SM."""
+    log, spills = nvcc_sm90(tmp_path, cd.kernel_source()
+                            + f"static_assert(k3mla::WG_SMEM == {cd.SMEM_BYTES_WGMMA}, \"wgmma smem\");\n",
+                            "mla_wg", arch="sm_90a")
+    assert not spills, spills
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
+    assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
 
 
 @pytest.mark.slow

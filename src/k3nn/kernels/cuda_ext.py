@@ -49,18 +49,20 @@ cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in share
 """
 
 
-def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str]):
-    """Compile (cached on disk by torch under a hash of the sources) and load a torch extension whose ``.cu``
-    includes no torch headers; returns ``(module, seconds spent)``. ``K3NN_BUILD_VERBOSE=1`` shows the build."""
+def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str],
+                       arch_flags: tuple[str, ...] = ()):
+    """Compile (cached on disk by torch under a hash of the sources and flags) and load a torch extension whose
+    ``.cu`` includes no torch headers; returns ``(module, seconds spent)``. ``arch_flags`` (``-gencode=...``)
+    replace torch's choice of targets. ``K3NN_BUILD_VERBOSE=1`` shows the build."""
     from torch.utils.cpp_extension import load_inline
 
-    tag = hashlib.sha1((cuda_source + cpp_source).encode()).hexdigest()[:12]
+    tag = hashlib.sha1((cuda_source + cpp_source + " ".join(arch_flags)).encode()).hexdigest()[:12]
     kw = {}
     if "no_implicit_headers" in inspect.signature(load_inline).parameters:  # keep torch headers out of the .cu
         kw["no_implicit_headers"] = True
     t0 = time.perf_counter()
     mod = load_inline(name=f"{prefix}_{tag}", cpp_sources=[cpp_source], cuda_sources=[cuda_source],
-                      functions=functions, extra_cflags=["-O2"], extra_cuda_cflags=["-O3", "-std=c++17"],
+                      functions=functions, extra_cflags=["-O2"], extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags],
                       verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)
     return mod, time.perf_counter() - t0
 

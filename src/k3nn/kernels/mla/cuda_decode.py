@@ -70,6 +70,7 @@ __all__ = [
     "build",
     "default_num_splits",
     "enabled",
+    "kernel_choice",
     "kernel_source",
     "mla_decode_cuda",
     "rows_choice",
@@ -91,6 +92,11 @@ ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
 #: (``bench/results/logs/h200-s5-run1-2026-11-30.log``)
 DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
+KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
+KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
+WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
+#: shared memory of the wgmma kernel: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row stats
+SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4
 _CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -680,13 +686,19 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaParams p) {
   if (tid == 0) p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
 }
 
+__WGMMA_KERNEL__
 __RAISE_SMEM__
 
 template <typename T, typename TO>
-cudaError_t launch_t(const MlaParams& p, int rows, cudaStream_t stream) {
-  static bool raised16[64] = {}, raised64[64] = {};
+cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stream) {
+  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
-  if (rows == ROWS64) {
+  if (wgmma) {
+    auto kern = mla_wgmma_kernel<T, TO>;
+    err = raise_smem(kern, WG_SMEM, raised_wg);
+    if (err != cudaSuccess) return err;
+    kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
+  } else if (rows == ROWS64) {
     auto kern = mla_split64_kernel<T, TO>;
     err = raise_smem(kern, SMEM_BYTES64, raised64);
     if (err != cudaSuccess) return err;
@@ -703,17 +715,314 @@ cudaError_t launch_t(const MlaParams& p, int rows, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, cudaStream_t stream) {
+// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA of the
+// mma.sync kernels; wgmma: the 64-row warp-group kernel instead (sm_90a builds only)
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, bool wgmma,
+                                cudaStream_t stream) {
   if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
-  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, stream);
-  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, stream);
-  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, stream);
-  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, stream);
+  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, wgmma, stream);
+  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, wgmma, stream);
+  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, wgmma, stream);
+  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, wgmma, stream);
   return cudaErrorNotSupported;
 }
 }  // namespace k3mla
 """
+
+WGMMA_SOURCE = r"""
+// ---- Hopper variant: warp-group MMA (wgmma) from 128-byte-swizzled shared memory --------------------------------
+// One CTA = 64 query rows of request blockIdx.z × key split blockIdx.y, 256 threads = two warp groups. Q [64, 576]
+// and two 64-key tiles sit in shared memory as nine "atoms" of 64 columns (64 rows × 128 B, the 16-byte chunks of
+// row r XOR-ed with r % 8: the canonical 128-byte swizzle that wgmma descriptors read). Per key tile:
+//   scores   S[64, 32 keys of this group] = Q · Kᵀ     (36 × wgmma m64n32k16, both operands K-major in smem)
+//   softmax  row max exchanged between the groups through shared memory; P rounded to the input dtype into a
+//            swizzled [64, 64] tile
+//   output   O[64, 256 columns of this group] += P · V  (4 × wgmma m64n256k16; V is the same key tile read
+//            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart)
+// The next tile's cp.async copies are issued right after the barrier that frees its buffer, so they run under
+// this tile's products.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define K3MLA_WGMMA 1
+#endif
+constexpr int WG_ROWS = 64, WG_BN = 64, WG_NT = 256;
+constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
+constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
+constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
+constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4;  // + alignment slack, row stats, limits
+static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
+
+#ifdef K3MLA_WGMMA
+__device__ __forceinline__ uint32_t sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading / stride byte offsets (16-byte units).
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous products.
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__WGMMA_OPS__
+template <typename T> struct Wg;
+template <> struct Wg<__nv_bfloat16> {
+  static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
+  static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_bf16(d, a, b); }
+};
+template <> struct Wg<__half> {
+  static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
+  static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_f16(d, a, b); }
+};
+#endif
+
+template <typename T, typename TO>
+__global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
+#ifdef K3MLA_WGMMA
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
+  float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // [2 groups][64 rows]
+  int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = warp >> 2, wq = warp & 3;  // warp group (its 32 keys of the scores, its 256 output columns)
+  const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
+  const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
+  const int seq = p.seq[b];
+
+  if (tid < WG_ROWS) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
+  __syncthreads();
+  int maxlim = 0;
+#pragma unroll 8
+  for (int r = 0; r < WG_ROWS; ++r) maxlim = max(maxlim, lim_s[r]);
+  const KeyRange kr = key_range(p, split, seq, maxlim, WG_BN);
+  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
+
+  // Loader: thread -> rows ld_row and ld_row + 32, chunk ld_sub of each atom (8 threads cover a 128-byte span).
+  const int ld_row = tid >> 3, ld_sub = tid & 7;
+  {  // Q [64, 576] = [q_lat | q_rope], rows past M zero-filled (16-byte aligned rows: checked by the caller)
+    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
+    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = ld_row + 32 * hh, m = m0 + r;
+      const uint16_t* lat = ql;
+      const uint16_t* rope = qr;
+      int bytes = 0;
+      if (m < p.M) {
+        const int t = m / p.H, h = m - t * p.H;
+        lat = ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + ld_sub * 8;
+        rope = qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + ld_sub * 8;
+        bytes = 16;
+      }
+      const uint32_t dst = q_s + sw128(r, ld_sub);
+#pragma unroll
+      for (int a = 0; a < WG_ATOMS - 1; ++a) cp_async16(dst + a * WG_ATOM, lat + (bytes ? a * 64 : 0), bytes);
+      cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
+    }
+  }
+  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+  const int* bt_row = p.bt + (long long)b * p.s_btb;
+  auto issue = [&](int tile, int buf) {  // key rows past `end` zero-filled, their addresses never read
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = ld_row + 32 * hh, pos = start + tile * WG_BN + r;
+      const uint16_t* src = kv;
+      int bytes = 0;
+      if (pos < end) {
+        const int blk = bt_row[pos / p.page];
+        src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr + ld_sub * 8;
+        bytes = 16;
+      }
+      const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
+#pragma unroll
+      for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+    }
+  };
+  if (ntiles > 0) issue(0, 0);
+  cp_async_commit();
+
+  const int r_lo = wq * 16 + g, r_hi = r_lo + 8;  // this thread's two rows
+  const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // running max (base 2), partial row sums
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int buf = it & 1;
+    cp_async_wait0();
+    fence_async_smem();  // the copies (generic proxy) become visible to the products (async proxy)
+    __syncthreads();     // tile `it` landed; both groups are done with tile it - 1, its buffer and P
+    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
+    cp_async_commit();
+    const uint32_t kt = kv_s + buf * WG_TILE;
+
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    reg_fence(s);
+    wg_fence();
+#pragma unroll
+    for (int a = 0; a < WG_ATOMS; ++a) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        Wg<T>::qk(s, gmma_desc(q_s + a * WG_ATOM + kk * 32, 16, 1024),
+                  gmma_desc(kt + a * WG_ATOM + grp * 32 * 128 + kk * 32, 16, 1024));
+    }
+    wg_commit();
+    wg_wait0();
+    reg_fence(s);
+
+    // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
+    const int n0 = start + it * WG_BN + grp * 32 + 2 * tq;
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = n0 + j * 8 + e;
+        s[4 * j + e] = n < lim_lo ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+        s[4 * j + 2 + e] = n < lim_hi ? s[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
+        mx_lo = fmaxf(mx_lo, s[4 * j + e]);
+        mx_hi = fmaxf(mx_hi, s[4 * j + 2 + e]);
+      }
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    if (tq == 0) {
+      red[grp * WG_ROWS + r_lo] = mx_lo;
+      red[grp * WG_ROWS + r_hi] = mx_hi;
+    }
+    __syncthreads();
+    mx_lo = fmaxf(red[r_lo], red[WG_ROWS + r_lo]);
+    mx_hi = fmaxf(red[r_hi], red[WG_ROWS + r_hi]);
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: m starts at -1e30
+    const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    float ps_lo = 0.f, ps_hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * j + e] = exp2f(s[4 * j + e] - mn_lo);  // 0 for masked keys
+        s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - mn_hi);
+        ps_lo += s[4 * j + e];
+        ps_hi += s[4 * j + 2 + e];
+      }
+    }
+    l_lo = l_lo * al_lo + ps_lo;
+    l_hi = l_hi * al_hi + ps_hi;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
+    }
+    // P into the swizzled [64 rows, 64 keys] tile: keys 32 grp + 8 j + 2 tq (+1) are chunk 4 grp + j
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sts32(p_s + sw128(r_lo, 4 * grp + j) + 4 * tq, Ty<T>::pack(s[4 * j], s[4 * j + 1]));
+      sts32(p_s + sw128(r_hi, 4 * grp + j) + 4 * tq, Ty<T>::pack(s[4 * j + 2], s[4 * j + 3]));
+    }
+    fence_async_smem();
+    __syncthreads();  // both halves of P written
+    reg_fence(acc);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      Wg<T>::pv(acc, gmma_desc(p_s + kk * 32, 16, 1024),
+                gmma_desc(kt + 4 * grp * WG_ATOM + kk * 16 * 128, WG_ATOM, 1024));
+    wg_commit();
+    wg_wait0();
+    reg_fence(acc);
+  }
+
+  // row sums: the 4 lanes of a row group, then the two warp groups (red is free: its last reads came before the
+  // P barrier)
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  if (tq == 0) {
+    red[grp * WG_ROWS + r_lo] = l_lo;
+    red[grp * WG_ROWS + r_hi] = l_hi;
+  }
+  __syncthreads();
+  l_lo = red[r_lo] + red[WG_ROWS + r_lo];
+  l_hi = red[r_hi] + red[WG_ROWS + r_hi];
+  const bool final_ = p.splits == 1;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = hh ? r_hi : r_lo, m = m0 + r;
+    if (m >= p.M) continue;
+    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (grp == 0 && tq == 0) {
+      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+      if (final_) {
+        const int t = m / p.H, h = m - t * p.H;
+        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+      } else {
+        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+      }
+    }
+    if (final_) {
+      const int t = m / p.H, h = m - t * p.H;
+      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = grp * 256 + j * 8 + 2 * tq;
+        store_out(orow + col, acc[4 * j + 2 * hh] * inv);
+        store_out(orow + col + 1, acc[4 * j + 2 * hh + 1] * inv);
+      }
+    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
+      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = grp * 256 + j * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(prow + col) = make_float2(acc[4 * j + 2 * hh] * inv, acc[4 * j + 2 * hh + 1] * inv);
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
+}
+"""
+
+
+def _wgmma_ops() -> str:
+    """The four wgmma wrappers (scores m64n32k16, K-major B; output m64n256k16, MN-major B; bf16 and fp16 inputs):
+    generated, as each names every accumulator register."""
+    out = []
+    for ty, ptx in (("bf16", "bf16"), ("f16", "f16")):
+        for name, n, trans_b in (("qk", 32, 0), ("pv", 256, 1)):
+            k = n // 2
+            regs = ", ".join(f"%{i}" for i in range(k))
+            outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
+            out.append(
+                f"__device__ __forceinline__ void wg_{name}_{ty}(float (&d)[{k}], uint64_t da, uint64_t db) {{\n"
+                f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
+                f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, %{k}, %{k + 1}, '
+                f'p, 1, 1, 0, {trans_b};\\n}}\\n"\n'
+                f'               : {outs}\n'
+                f'               : "l"(da), "l"(db), "r"(1));\n'
+                f"}}")
+    return "\n".join(out)
+
+
+WGMMA_SOURCE = WGMMA_SOURCE.replace("__WGMMA_OPS__", _wgmma_ops())
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -722,13 +1031,15 @@ _CPP_SOURCE = r"""
 #include <cuda_runtime_api.h>
 namespace k3mla {
 __PARAMS__
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, cudaStream_t stream);
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, bool wgmma,
+                                cudaStream_t stream);
 }
 
 void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt,
                        torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse,
                        std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part,
-                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows) {
+                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows,
+                       int64_t wgmma) {
   TORCH_CHECK(q_lat.is_cuda() && q_lat.stride(3) == 1 && q_rope.stride(3) == 1 && kv.stride(2) == 1,
               "mla_decode_launch: inputs must be CUDA tensors with a contiguous last dim");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && seq.scalar_type() == torch::kInt, "mla_decode_launch: int32 indices");
@@ -768,7 +1079,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
-  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows,
+  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, wgmma != 0,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
 }
@@ -777,9 +1088,10 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
 _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt, "
          "torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse, "
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
-         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows);")
+         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t wgmma);")
 
-CUDA_SOURCE = CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
+CUDA_SOURCE = (CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
+               .replace("__WGMMA_KERNEL__", WGMMA_SOURCE))
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 
 
@@ -805,13 +1117,38 @@ def enabled() -> str | None:
 last_build_seconds = 0.0
 
 
+def _arch_flags() -> tuple[str, ...]:
+    """Targets of the build: sm_90a on a Hopper GPU (the warp-group kernel needs the arch-specific features);
+    elsewhere torch's choice (the wgmma kernel then compiles to a trap and is never picked)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        return ("-gencode=arch=compute_90a,code=sm_90a",)
+    return ()
+
+
 @functools.lru_cache(maxsize=1)
 def build():
     """Compile (once per process; cached on disk by torch under a source hash) and return the module."""
     global last_build_seconds
     mod, last_build_seconds = load_inline_module("k3nn_mla_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL,
-                                                 ["mla_decode_launch"])
+                                                 ["mla_decode_launch"], _arch_flags())
     return mod
+
+
+def kernel_choice(kernel: str | None = None, device: torch.device | None = None) -> str:
+    """Stage-1 kernel: ``"wgmma"`` (64 query rows, warp-group MMA from swizzled shared memory; sm_90 only) or
+    ``"mma"`` (``mma.sync``, 16 or 64 rows, see :func:`rows_choice`). ``kernel`` when given, else
+    ``K3NN_MLA_CUDA_KERNEL`` (read per call), else ``"wgmma"`` on an sm_90 ``device`` and ``"mma"`` elsewhere.
+    Raises ``ValueError`` for other names, and for ``"wgmma"`` on a device that is not sm_90."""
+    name = kernel if kernel is not None else os.environ.get(KERNEL_ENV, "").strip()
+    hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if not name:
+        return "wgmma" if hopper else "mma"
+    if name not in KERNELS:
+        src = f"{KERNEL_ENV}" if kernel is None else "mla_decode_cuda: kernel"
+        raise ValueError(f"{src} must be one of {KERNELS}, got {name!r}")
+    if name == "wgmma" and device is not None and not hopper:
+        raise ValueError("the wgmma MLA decode kernel needs an sm_90 GPU (H100 / H200)")
+    return name
 
 
 def rows_choice(rows: int | None = None, device: torch.device | None = None) -> int:
@@ -838,24 +1175,24 @@ def rows_choice(rows: int | None = None, device: torch.device | None = None) -> 
 
 
 def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int | None = None,
-                       rows: int = ROWS) -> int:
+                       rows: int = ROWS, block_n: int = BLOCK_N) -> int:
     """Splits per request for the ``rows``-row variant: about one wave of stage-1 CTAs (``ctas_per_sm``
-    resident per SM; default 2 for 16 rows, 1 for 64), at least four 32-key tiles per split of the longest
-    possible request (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`.
+    resident per SM; default 2 for 16 rows, 1 for 64), at least four ``block_n``-key tiles per split of the
+    longest possible request (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`.
     Depends on shapes only (graph-safe)."""
     if ctas_per_sm is None:
         ctas_per_sm = _CTAS_PER_SM[rows]
     per = B * math.ceil(M / rows)
     by_wave = (ctas_per_sm * sm_count) // per
-    by_len = math.ceil(max(1, max_tokens) / (4 * BLOCK_N))
+    by_len = math.ceil(max(1, max_tokens) / (4 * block_n))
     return max(1, min(MAX_SPLITS, by_wave, by_len))
 
 
 def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_lens=None, num_splits=None,
-             out_dtype=None, out=None, rows=None) -> str | None:
+             out_dtype=None, out=None, rows=None, kernel=None) -> str | None:
     """None when :func:`mla_decode_cuda` takes this call, else the reason (inputs already checked by
-    ``check_mla_decode_inputs``; ``rows`` as in :func:`rows_choice`, whose error is the reason when the
-    environment asks for something else than 16 or 64)."""
+    ``check_mla_decode_inputs``; ``rows`` as in :func:`rows_choice` and ``kernel`` as in :func:`kernel_choice`,
+    whose errors are the reason when the environment asks for something they do not offer)."""
     if not isinstance(q_lat, torch.Tensor) or q_lat.device.type != "cuda":
         return "inputs are not CUDA tensors"
     if q_lat.dtype not in _IN_CODES:
@@ -876,27 +1213,44 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
     if block_table.shape[1] * kv_pool.shape[1] >= 2 ** 31:
         return "block table covers more than 2^31 tokens"
     try:
+        kern = kernel_choice(kernel, q_lat.device)
         nrows = rows_choice(rows, q_lat.device)
     except ValueError as e:
         return str(e)
     lim = _smem_limit(q_lat.device)
+    if kern == "wgmma":
+        if SMEM_BYTES_WGMMA > lim:
+            return f"the wgmma kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
+        return None
     need = SMEM_BYTES_BY_ROWS[nrows]
     if need > lim:
         return f"the {nrows}-row kernel needs {need} bytes of shared memory per CTA (limit {lim})"
     return None
 
 
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when every row is 16-byte aligned (the wgmma kernel copies Q in 16-byte chunks), else a contiguous
+    copy."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
 def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
-                    out_dtype=None, out=None, rows=None):
+                    out_dtype=None, out=None, rows=None, kernel=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
-    :func:`supports`). ``rows``: 16 or 64 query rows per stage-1 CTA (None: ``K3NN_MLA_CUDA_ROWS``, else
-    :data:`DEFAULT_ROWS` where it fits). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
-    nrows = rows_choice(rows, q_lat.device)
+    :func:`supports`). ``kernel``: ``"wgmma"`` or ``"mma"`` (None: :func:`kernel_choice`); ``rows``: 16 or 64
+    query rows per stage-1 CTA of the ``mma`` kernel (None: ``K3NN_MLA_CUDA_ROWS``, else :data:`DEFAULT_ROWS`
+    where it fits; the wgmma kernel always takes 64). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
+    wgmma = kernel_choice(kernel, q_lat.device) == "wgmma"
+    nrows = 64 if wgmma else rows_choice(rows, q_lat.device)
     B, Tq, H, r = q_lat.shape
     M = Tq * H
     dev = q_lat.device
-    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
-    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    if wgmma:
+        q_lat, q_rope = _rows16(q_lat), _rows16(q_rope)
+    else:
+        q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+        q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
         block_table.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
@@ -907,12 +1261,14 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
     else:
         o, lse = out
     S = int(num_splits) if num_splits else default_num_splits(B, M, bt.shape[1] * kv_pool.shape[1],
-                                                               _sm_count(dev.index or 0), rows=nrows)
+                                                               _sm_count(dev.index or 0), rows=nrows,
+                                                               block_n=WG_BLOCK_N if wgmma else BLOCK_N)
     S = max(1, min(MAX_SPLITS, S))
     o_part = lse_part = None
     if S > 1:
         o_part = torch.empty(B, M, S, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
-                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows)
+                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows,
+                              int(wgmma))
     return o, lse

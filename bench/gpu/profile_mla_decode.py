@@ -1,0 +1,73 @@
+"""Driver for a hardware-counter look at the Triton MLA decode next to FlashMLA (B=64 L=8K H=64 Tq=1, bf16,
+paged latent cache): runs the default Triton plan (and each plan named on the command line as
+``bh,bn,warps,stages,lazy,sv,ahead,opaque,tma/splits``), the CUDA warp-group kernel (sm_90), then FlashMLA's
+legacy SM90 kernel when it imports — each three times (two warm-up calls, one timed).
+
+    ncu --clock-control none --kernel-name regex:'_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla' --launch-count 9 \\
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        --section SchedulerStats --section SourceCounters python3 bench/gpu/profile_mla_decode.py [PLAN ...]
+
+(suite step ``mla-decode-ncu``). Without a profiler it prints the time of each call (CUDA events). What to read:
+tensor-pipe utilisation and issue-slot use of stage 1 against FlashMLA's, the top warp stall reasons and the
+SASS lines they sit on (waits on the tensor-memory loads, on the products, on barriers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mla_decode import R, SCALE, flashmla, launch, make_case  # noqa: E402
+
+from k3nn.kernels.mla import triton_decode as td  # noqa: E402
+
+
+def timed(name, fn):
+    for _ in range(2):  # warm-up (compilation)
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    print(f"{name}: {a.elapsed_time(b) * 1e3:.1f} us", flush=True)
+
+
+def parse_plan(text: str) -> td.Plan:
+    tile, _, splits = text.partition("/")
+    f = [int(x) for x in tile.split(",")]
+    return td.make_plan(tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:9])),
+                        int(splits or 1))
+
+
+def main():
+    B, L, H = 64, 8192, 64
+    sets, sl, _, _, _ = make_case(B, L, H, 1)
+    q, pool, bt, out = sets[0]
+    dev = q.device
+    plans = [td._default_plan(B, H, dev)] + [parse_plan(a) for a in sys.argv[1:]]
+    for p in plans:
+        timed(f"k3nn stage 1 {p.short()} B={B} L={L} H={H}", lambda p=p: launch(p, q, pool, bt, sl, out))
+    from k3nn.kernels.mla import cuda_decode as cdk
+
+    if cdk.available() is None and torch.cuda.get_device_capability(dev) == (9, 0):
+        timed("k3nn CUDA wgmma S=2", lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE,
+                                                                 num_splits=2, out=out, kernel="wgmma"))
+    fm, why = flashmla()
+    if fm is None:
+        print(f"FlashMLA: {why}")
+        return 0
+    fwd, get_meta = fm
+    meta = get_meta()[0]
+    timed("FlashMLA legacy", lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE,
+                                         use_legacy=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
