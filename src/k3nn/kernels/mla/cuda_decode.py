@@ -830,12 +830,19 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
       cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
     }
   }
+  // Key tiles: warp group g copies its own output columns (atoms 4g … 4g + 3, 8 threads per 128-byte span, rows
+  // 16 apart) and rows 32g … 32g + 31 of the rope atom — the parts of a buffer only it still reads once the
+  // scores of the tile are done, so it refills them right after its own P·V. Rows past `end` are zero-filled,
+  // their addresses never read.
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int* bt_row = p.bt + (long long)b * p.s_btb;
-  auto issue = [&](int tile, int buf) {  // key rows past `end` zero-filled, their addresses never read
+  const int wl = tid & 127, cp_row = wl >> 3;
+  auto issue = [&](int tile, int buf) {
+    const uint32_t tile_s = kv_s + buf * WG_TILE;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = ld_row + 32 * hh, pos = start + tile * WG_BN + r;
+    for (int pass = 0; pass < 6; ++pass) {  // 4 latent passes (16 rows each), 2 rope passes
+      const int r = pass < 4 ? cp_row + 16 * pass : 32 * grp + cp_row + 16 * (pass - 4);
+      const int pos = start + tile * WG_BN + r;
       const uint16_t* src = kv;
       int bytes = 0;
       if (pos < end) {
@@ -843,13 +850,20 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
         src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr + ld_sub * 8;
         bytes = 16;
       }
-      const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
+      const uint32_t dst = tile_s + sw128(r, ld_sub);
+      if (pass < 4) {
 #pragma unroll
-      for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+        for (int a = 4 * grp; a < 4 * grp + 4; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+      } else {
+        cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, src + (bytes ? R : 0), bytes);
+      }
     }
   };
+  // Two tiles in flight from the start; then tile it + 2 goes into tile it's buffer as soon as it is free.
   if (ntiles > 0) issue(0, 0);
-  cp_async_commit();
+  cp_async_commit();  // group: Q + tile 0
+  if (ntiles > 1) issue(1, 1);
+  cp_async_commit();  // group: tile 1 (empty when there is none)
 
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;  // this thread's two rows
   const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
@@ -857,15 +871,18 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // running max (base 2), partial row sums
+  // Descriptors: Q; this group's 32 keys of buffer 0 (K-major); P; this group's 256 value columns of buffer 0
+  // (MN-major: 64-column atoms 8 KB apart, 8-key groups 1 KB apart). Offsets are added in 16-byte units.
+  const uint64_t d_q = gmma_desc(q_s, 16, 1024), d_p = gmma_desc(p_s, 16, 1024);
+  const uint64_t d_k0 = gmma_desc(kv_s + grp * 32 * 128, 16, 1024);
+  const uint64_t d_v0 = gmma_desc(kv_s + 4 * grp * WG_ATOM, WG_ATOM, 1024);
 
   for (int it = 0; it < ntiles; ++it) {
     const int buf = it & 1;
-    cp_async_wait0();
+    cp_async_wait1();    // this thread's copies of tile `it` landed (tile it + 1 may still be in flight)
     fence_async_smem();  // the copies (generic proxy) become visible to the products (async proxy)
-    __syncthreads();     // tile `it` landed; both groups are done with tile it - 1, its buffer and P
-    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
-    cp_async_commit();
-    const uint32_t kt = kv_s + buf * WG_TILE;
+    __syncthreads();     // every thread's copies of tile `it`
+    const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
 
     float s[16];
 #pragma unroll
@@ -875,9 +892,10 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
 #pragma unroll
     for (int a = 0; a < WG_ATOMS; ++a) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        Wg<T>::qk(s, gmma_desc(q_s + a * WG_ATOM + kk * 32, 16, 1024),
-                  gmma_desc(kt + a * WG_ATOM + grp * 32 * 128 + kk * 32, 16, 1024));
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
+        Wg<T>::qk(s, d_q + off, d_k + off);
+      }
     }
     wg_commit();
     wg_wait0();
@@ -905,7 +923,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
       red[grp * WG_ROWS + r_lo] = mx_lo;
       red[grp * WG_ROWS + r_hi] = mx_hi;
     }
-    __syncthreads();
+    __syncthreads();  // row maxima of both groups; both groups are done with the scores (and P of tile it - 1)
     mx_lo = fmaxf(red[r_lo], red[WG_ROWS + r_lo]);
     mx_hi = fmaxf(red[r_hi], red[WG_ROWS + r_hi]);
     const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: m starts at -1e30
@@ -940,12 +958,12 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     reg_fence(acc);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      Wg<T>::pv(acc, gmma_desc(p_s + kk * 32, 16, 1024),
-                gmma_desc(kt + 4 * grp * WG_ATOM + kk * 16 * 128, WG_ATOM, 1024));
+    for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
     wg_commit();
     wg_wait0();
     reg_fence(acc);
+    if (it + 2 < ntiles) issue(it + 2, buf);  // this group's parts of the buffer are free now
+    cp_async_commit();
   }
 
   // row sums: the 4 lanes of a row group, then the two warp groups (red is free: its last reads came before the
