@@ -125,6 +125,7 @@ struct MlaParams {
 
 CUDA_SOURCE = r"""
 #include <cstdint>
+#include <cstdlib>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -694,7 +695,9 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
   static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
   if (wgmma) {
-    auto kern = mla_wgmma_kernel<T, TO>;
+    const char* lm = getenv("K3NN_MLA_WG_LOAD");
+    const int mode = lm ? atoi(lm) : 0;
+    auto kern = mode == 1 ? mla_wgmma_kernel<T, TO, 1> : mode == 2 ? mla_wgmma_kernel<T, TO, 2> : mla_wgmma_kernel<T, TO, 0>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
@@ -784,7 +787,7 @@ template <> struct Wg<__half> {
 };
 #endif
 
-template <typename T, typename TO>
+template <typename T, typename TO, int LOAD>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
@@ -837,8 +840,30 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int* bt_row = p.bt + (long long)b * p.s_btb;
   const int wl = tid & 127, cp_row = wl >> 3;
+  const bool one_page = p.page == WG_BN;  // start is a multiple of 64: a tile is one page
+  auto issue_all = [&](int tile, int buf) {  // every thread: rows ld_row, ld_row + 32, all nine atoms
+    const int pos0 = start + tile * WG_BN;
+    const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = ld_row + 32 * hh, pos = pos0 + r;
+      const uint16_t* src = kv;
+      int bytes = 0;
+      if (pos < end) {
+        const int blk = one_page ? blk0 : bt_row[pos / p.page];
+        src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
+        bytes = 16;
+      }
+      const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
+#pragma unroll
+      for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+    }
+  };
   auto issue = [&](int tile, int buf) {
+    if (LOAD != 1) { issue_all(tile, buf); return; }
     const uint32_t tile_s = kv_s + buf * WG_TILE;
+    const int pos0 = start + tile * WG_BN;
+    const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
 #pragma unroll
     for (int pass = 0; pass < 6; ++pass) {  // 4 latent passes (16 rows each), 2 rope passes
       const int r = pass < 4 ? cp_row + 16 * pass : 32 * grp + cp_row + 16 * (pass - 4);
@@ -846,8 +871,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
       const uint16_t* src = kv;
       int bytes = 0;
       if (pos < end) {
-        const int blk = bt_row[pos / p.page];
-        src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr + ld_sub * 8;
+        const int blk = one_page ? blk0 : bt_row[pos / p.page];
+        src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
         bytes = 16;
       }
       const uint32_t dst = tile_s + sw128(r, ld_sub);
@@ -862,7 +887,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   // Two tiles in flight from the start; then tile it + 2 goes into tile it's buffer as soon as it is free.
   if (ntiles > 0) issue(0, 0);
   cp_async_commit();  // group: Q + tile 0
-  if (ntiles > 1) issue(1, 1);
+  if (LOAD != 0 && ntiles > 1) issue(1, 1);
   cp_async_commit();  // group: tile 1 (empty when there is none)
 
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;  // this thread's two rows
@@ -879,9 +904,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
 
   for (int it = 0; it < ntiles; ++it) {
     const int buf = it & 1;
-    cp_async_wait1();    // this thread's copies of tile `it` landed (tile it + 1 may still be in flight)
+    if (LOAD == 0) cp_async_wait0(); else cp_async_wait1();  // tile `it` landed (it + 1 may be in flight)
     fence_async_smem();  // the copies (generic proxy) become visible to the products (async proxy)
     __syncthreads();     // every thread's copies of tile `it`
+    if (LOAD == 0) {
+      if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
+      cp_async_commit();
+    }
     const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
 
     float s[16];
@@ -962,8 +991,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     wg_commit();
     wg_wait0();
     reg_fence(acc);
-    if (it + 2 < ntiles) issue(it + 2, buf);  // this group's parts of the buffer are free now
-    cp_async_commit();
+    if (LOAD == 2) __syncthreads();
+    if (LOAD != 0) {
+      if (it + 2 < ntiles) issue(it + 2, buf);  // this group's parts of the buffer are free now
+      cp_async_commit();
+    }
   }
 
   // row sums: the 4 lanes of a row group, then the two warp groups (red is free: its last reads came before the
