@@ -53,6 +53,7 @@ STEPS=(
   "mla-cuda-bench|150|$PY bench/gpu/mla_decode.py --cuda-only"
   "mla-wgmma-tests|200|$PYTEST tests/gpu/test_mla_gpu.py -k wgmma"
   "mla-cuda-variants-test|100|$PYTEST tests/gpu/test_mla_gpu.py -k variants"
+  "mla-wgmma-sass|120|bash bench/gpu/ncu_sass.sh mla_wgmma_kernel bench/gpu/profile_mla_decode.py"
   "mla-decode-ncu|150|ncu --clock-control none --kernel-name regex:_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla --launch-count 9 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters $PY bench/gpu/profile_mla_decode.py"
   "kda-decode-cuda-tests|150|$PYTEST tests/gpu/test_kda_decode_cuda_gpu.py"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"

@@ -125,7 +125,6 @@ struct MlaParams {
 
 CUDA_SOURCE = r"""
 #include <cstdint>
-#include <cstdlib>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -695,9 +694,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
   static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
   if (wgmma) {
-    const char* lm = getenv("K3NN_MLA_WG_LOAD");
-    const int mode = lm ? atoi(lm) : 0;
-    auto kern = mode == 1 ? mla_wgmma_kernel<T, TO, 1> : mode == 2 ? mla_wgmma_kernel<T, TO, 2> : mla_wgmma_kernel<T, TO, 0>;
+    auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
@@ -738,12 +735,14 @@ WGMMA_SOURCE = r"""
 // and two 64-key tiles sit in shared memory as nine "atoms" of 64 columns (64 rows × 128 B, the 16-byte chunks of
 // row r XOR-ed with r % 8: the canonical 128-byte swizzle that wgmma descriptors read). Per key tile:
 //   scores   S[64, 32 keys of this group] = Q · Kᵀ     (36 × wgmma m64n32k16, both operands K-major in smem)
-//   softmax  row max exchanged between the groups through shared memory; P rounded to the input dtype into a
-//            swizzled [64, 64] tile
+//   softmax  row max exchanged between the groups through shared memory, lazy rescale (a row's reference max
+//            moves only when it grows by more than 8 in base 2); P rounded to the input dtype into a swizzled
+//            [64, 64] tile
 //   output   O[64, 256 columns of this group] += P · V  (4 × wgmma m64n256k16; V is the same key tile read
 //            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart)
 // The next tile's cp.async copies are issued right after the barrier that frees its buffer, so they run under
-// this tile's products.
+// this tile's products. (Two tiles in flight — each group refilling its own parts of a buffer after its P·V, or
+// the whole buffer after a barrier — measured no faster on the H200: h200-s7-run5.)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
@@ -787,7 +786,7 @@ template <> struct Wg<__half> {
 };
 #endif
 
-template <typename T, typename TO, int LOAD>
+template <typename T, typename TO>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
@@ -833,15 +832,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
       cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
     }
   }
-  // Key tiles: warp group g copies its own output columns (atoms 4g … 4g + 3, 8 threads per 128-byte span, rows
-  // 16 apart) and rows 32g … 32g + 31 of the rope atom — the parts of a buffer only it still reads once the
-  // scores of the tile are done, so it refills them right after its own P·V. Rows past `end` are zero-filled,
-  // their addresses never read.
+  // Key tiles: rows ld_row and ld_row + 32, chunk ld_sub of each of the nine atoms; rows past `end` are
+  // zero-filled, their addresses never read. With 64-row pages (a split starts on a multiple of 64) a tile is one
+  // page: one block-table read per tile.
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int* bt_row = p.bt + (long long)b * p.s_btb;
-  const int wl = tid & 127, cp_row = wl >> 3;
-  const bool one_page = p.page == WG_BN;  // start is a multiple of 64: a tile is one page
-  auto issue_all = [&](int tile, int buf) {  // every thread: rows ld_row, ld_row + 32, all nine atoms
+  const bool one_page = p.page == WG_BN;
+  auto issue = [&](int tile, int buf) {
     const int pos0 = start + tile * WG_BN;
     const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
 #pragma unroll
@@ -859,36 +856,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
       for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
     }
   };
-  auto issue = [&](int tile, int buf) {
-    if (LOAD != 1) { issue_all(tile, buf); return; }
-    const uint32_t tile_s = kv_s + buf * WG_TILE;
-    const int pos0 = start + tile * WG_BN;
-    const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
-#pragma unroll
-    for (int pass = 0; pass < 6; ++pass) {  // 4 latent passes (16 rows each), 2 rope passes
-      const int r = pass < 4 ? cp_row + 16 * pass : 32 * grp + cp_row + 16 * (pass - 4);
-      const int pos = start + tile * WG_BN + r;
-      const uint16_t* src = kv;
-      int bytes = 0;
-      if (pos < end) {
-        const int blk = one_page ? blk0 : bt_row[pos / p.page];
-        src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
-        bytes = 16;
-      }
-      const uint32_t dst = tile_s + sw128(r, ld_sub);
-      if (pass < 4) {
-#pragma unroll
-        for (int a = 4 * grp; a < 4 * grp + 4; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
-      } else {
-        cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, src + (bytes ? R : 0), bytes);
-      }
-    }
-  };
-  // Two tiles in flight from the start; then tile it + 2 goes into tile it's buffer as soon as it is free.
   if (ntiles > 0) issue(0, 0);
   cp_async_commit();  // group: Q + tile 0
-  if (LOAD != 0 && ntiles > 1) issue(1, 1);
-  cp_async_commit();  // group: tile 1 (empty when there is none)
 
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;  // this thread's two rows
   const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
@@ -904,13 +873,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
 
   for (int it = 0; it < ntiles; ++it) {
     const int buf = it & 1;
-    if (LOAD == 0) cp_async_wait0(); else cp_async_wait1();  // tile `it` landed (it + 1 may be in flight)
+    cp_async_wait0();    // this thread's copies of tile `it` (and Q) landed
     fence_async_smem();  // the copies (generic proxy) become visible to the products (async proxy)
-    __syncthreads();     // every thread's copies of tile `it`
-    if (LOAD == 0) {
-      if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
-      cp_async_commit();
-    }
+    __syncthreads();     // every thread's copies; both groups are done with tile it - 1, its buffer and P
+    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
+    cp_async_commit();
     const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
 
     float s[16];
@@ -955,7 +922,9 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     __syncthreads();  // row maxima of both groups; both groups are done with the scores (and P of tile it - 1)
     mx_lo = fmaxf(red[r_lo], red[WG_ROWS + r_lo]);
     mx_hi = fmaxf(red[r_hi], red[WG_ROWS + r_hi]);
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: m starts at -1e30
+    // Lazy rescale: a row's reference max moves only when the tile's max exceeds it by more than 8 (so p < 2^8);
+    // both groups see the same maxima and decide alike. m starts at -1e30: the first seen key always moves it.
+    const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
     const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
     m_lo = mn_lo;
     m_hi = mn_hi;
@@ -972,9 +941,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     }
     l_lo = l_lo * al_lo + ps_lo;
     l_hi = l_hi * al_hi + ps_hi;
+    if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
+      for (int j = 0; j < 32; ++j) {
+        acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
+      }
     }
     // P into the swizzled [64 rows, 64 keys] tile: keys 32 grp + 8 j + 2 tq (+1) are chunk 4 grp + j
 #pragma unroll
@@ -991,11 +962,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     wg_commit();
     wg_wait0();
     reg_fence(acc);
-    if (LOAD == 2) __syncthreads();
-    if (LOAD != 0) {
-      if (it + 2 < ntiles) issue(it + 2, buf);  // this group's parts of the buffer are free now
-      cp_async_commit();
-    }
   }
 
   // row sums: the 4 lanes of a row group, then the two warp groups (red is free: its last reads came before the
