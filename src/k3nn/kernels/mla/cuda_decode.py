@@ -33,7 +33,7 @@ L=32K H=64, against 0.91 / 0.46 / 0.43 for 16 rows — still behind the Triton k
 2.68 / 1.49 / 1.28 with tensor-descriptor tiles, h200-s6-run8), so the CUDA path stays opt-in (``K3NN_MLA_CUDA=1``). Its split heuristic aims at one wave of one CTA per SM.
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
-stage 2, grid ``[Tq·H, B]``, merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
+stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
 A row that sees no key ends with o = 0 and lse = −inf.
 
 The split count depends only on ``B``, ``Tq·H``, the block table's width, the variant and the device (about
@@ -659,31 +659,38 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
   }
 }
 
-// Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y; 4 columns per thread.
+// Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
+// one warp, 4 columns per lane (a single request still spreads over M · 4 CTAs).
+constexpr int MERGE_COLS = 128;
 template <typename TO>
-__global__ void __launch_bounds__(128) mla_combine_kernel(const MlaParams p) {
-  const int m = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+__global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
+  const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + threadIdx.x * 4;
   const long long row = (long long)b * p.M + m;
   const float* lp = p.lse_part + row * p.splits;
   float mx = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, lp[s]);
+  for (int s = threadIdx.x; s < p.splits; s += 32) mx = fmaxf(mx, lp[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float o[4] = {0.f, 0.f, 0.f, 0.f}, tot = 0.f;
   if (mx != -INFINITY) {
+    const float* op = p.o_part + row * p.splits * R + c0;
+#pragma unroll 4
     for (int s = 0; s < p.splits; ++s) {
       const float ls = lp[s];
       if (ls == -INFINITY) continue;  // an empty split: its partial output was not written
       const float w = expf(ls - mx);
       tot += w;
-      const float4 v = *reinterpret_cast<const float4*>(p.o_part + (row * p.splits + s) * R + tid * 4);
+      const float4 v = *reinterpret_cast<const float4*>(op + (long long)s * R);
       o[0] += w * v.x; o[1] += w * v.y; o[2] += w * v.z; o[3] += w * v.w;
     }
   }
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
   const int t = m / p.H, h = m - t * p.H;
-  TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + tid * 4;
+  TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + c0;
 #pragma unroll
   for (int e = 0; e < 4; ++e) store_out(orow + e, o[e] * inv);
-  if (tid == 0) p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
+  if (blockIdx.z == 0 && threadIdx.x == 0)
+    p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
 }
 
 __WGMMA_KERNEL__
@@ -711,7 +718,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
   }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
-  mla_combine_kernel<TO><<<dim3(p.M, p.B), 128, 0, stream>>>(p);
+  mla_combine_kernel<TO><<<dim3(p.M, p.B, R / MERGE_COLS), 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
