@@ -35,15 +35,19 @@ def test_unavailable_on_cpu_with_a_reason(monkeypatch):
     assert "sm_80" in cd.available.__wrapped__()
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True)])
-def test_opt_in_knob(monkeypatch, value, on):
+@pytest.mark.parametrize("value,hopper,on", [(None, False, False), ("", False, False), ("0", False, False),
+                                             ("1", False, True), (None, True, True), ("0", True, False)])
+def test_enable_knob(monkeypatch, value, hopper, on):
+    """K3NN_MLA_CUDA: 1 always, 0 never, unset on sm_90 only (where the warp-group kernel runs)."""
     if value is None:
         monkeypatch.delenv("K3NN_MLA_CUDA", raising=False)
     else:
         monkeypatch.setenv("K3NN_MLA_CUDA", value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: hopper)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert (cd.enabled() is None) == on
     if not on:
-        assert "K3NN_MLA_CUDA=1" in cd.enabled()
+        assert "K3NN_MLA_CUDA" in cd.enabled()
 
 
 def test_registered_and_auto_keeps_the_reference_on_cpu(monkeypatch):
@@ -102,10 +106,18 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL", raising=False)
+    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     dev = torch.device("cuda", 0)
     assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
     assert cd.kernel_choice("mma", dev) == "mma"
     assert cd.supports(*_inputs(), 0.07) is None
+    monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: small batches stay on the Triton kernel
+    assert "small batch" in cd.supports(*_inputs(), 0.07)
+    q_lat, q_rope, pool, table, sl = _inputs()
+    big = (q_lat[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), q_rope[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), pool,
+           table[:1].expand(cd.MIN_ROW_CTAS, -1), sl[:1].expand(cd.MIN_ROW_CTAS))
+    assert cd.supports(*big, 0.07) is None
+    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
     monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "mma")
     assert cd.kernel_choice(device=dev) == "mma"

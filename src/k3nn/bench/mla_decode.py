@@ -1,12 +1,13 @@
 """mla-decode: absorbed MLA decode over the paged latent cache (bf16, kv_lora 512 + rope 64, block 64).
 
-Per case, in one run: k3nn's Triton split-KV kernel checked against the eager reference, then timed in a
+Per case, in one run: k3nn's decode as ``auto`` picks it (the CUDA warp-group kernel for batched calls on sm_90,
+the Triton split-KV kernel otherwise; ``--backend`` pins one) checked against the eager reference, then timed in a
 CUDA graph next to plain PyTorch absorbed decode (contiguous cache, and paged cache gathered through the block
 table) and FlashMLA's SM90 dense decode (``sgl-flash-mla``, ``use_legacy=True``) when it imports. Inputs
 rotate over enough copies to exceed L2. Bandwidth counts the bytes a decode must move:
 ``B·L·576·2`` (cache) + ``B·Tq·H·(576 + 512)·2`` (queries, outputs).
 
-    k3nn bench mla-decode [--cases B,L,H,Tq ...] [--splits N] [--no-flashmla]
+    k3nn bench mla-decode [--cases B,L,H,Tq ...] [--splits N] [--backend auto|triton|cuda] [--no-flashmla]
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _torch_absorbed(q, kv, Tq, H):
     return torch.bmm(p, kv[..., :R]).view(B, Tq, H, R)
 
 
-def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
+def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16, be="auto"):
+    from ..kernels.mla import cuda_decode, triton_decode
     from ..kernels.mla.reference import mla_decode_reference
-    from ..kernels.mla import triton_decode
     from ..kernels.registry import backend
     from ..ops import mla_decode
 
@@ -60,14 +61,18 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
 
     pool, bt, q = sets[0]
     o_ref, lse_ref = mla_decode_reference(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out_dtype=torch.float32)
-    with backend("triton"):
+    triton_decode.LAST_PLAN = cuda_decode.LAST_CALL = None
+    with backend(be):
         o, lse = mla_decode(q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=splits)
     err, lse_err = rel_err(o, o_ref), (lse - lse_ref).abs().max().item()
     if not (err < 1e-2 and lse_err < 1e-2):
         raise AssertionError(f"k3nn mla_decode wrong at B={B} L={L} H={H} Tq={Tq}: rel err {err:.2e}, "
                              f"lse {lse_err:.2e}")
-    plan = triton_decode.LAST_PLAN
-    cfg = f"plan {plan.short()} {tuple(plan)}" if plan is not None else "plan: none"
+    plan, call = triton_decode.LAST_PLAN, cuda_decode.LAST_CALL
+    if call is not None:
+        cfg = f"cuda {call[0]} rows={call[1]} splits={call[2]}"
+    else:
+        cfg = f"triton plan {plan.short()} {tuple(plan)}" if plan is not None else "eager"
 
     it = [0]
 
@@ -79,7 +84,7 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16):
     def k3():
         i = nxt()
         p, t, qq = sets[i]
-        with backend("triton"):
+        with backend(be):
             mla_decode(qq[..., :R], qq[..., R:], p, t, sl, SCALE, num_splits=splits, out=outs[i], check=False)
 
     def contig_fn(kvs):
@@ -133,6 +138,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="k3nn bench mla-decode")
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="B,L,H,Tq[,splits]")
     ap.add_argument("--splits", type=int, default=None, help="KV splits per request (default: automatic)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "cuda"],
+                    help="k3nn backend (default: what auto picks per case)")
     ap.add_argument("--no-flashmla", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -144,9 +151,10 @@ def main(argv=None):
     rows = []
     for c in args.cases:
         v = [int(x) for x in c.split(",")]
-        rows += run_case(*v[:4], v[4] if len(v) > 4 else args.splits, fm, gen)
+        rows += run_case(*v[:4], v[4] if len(v) > 4 else args.splits, fm, gen, be=args.backend)
         torch.cuda.empty_cache()
-    path = write_results("mla-decode", rows, {"flashmla": why or "loaded", "splits": args.splits or "auto"})
+    path = write_results("mla-decode", rows, {"flashmla": why or "loaded", "splits": args.splits or "auto",
+                                              "backend": args.backend})
     print_table(rows, ["case", "k3nn_ms", "tbps", "frac_copy_bw", "anchor", "anchor_ms", "anchor_tbps", "speedup"])
     print(f"wrote {path}")
     return rows

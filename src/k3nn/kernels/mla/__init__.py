@@ -49,7 +49,8 @@ def _cuda_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_l
                            num_splits=num_splits, out_dtype=out_dtype, out=out)
 
 
-# Opt-in (K3NN_MLA_CUDA=1) until checked on a GPU: auto tries cuda first, so without the knob it takes triton.
+# auto tries cuda first: on sm_90 the warp-group kernel takes batched calls (small ones stay on triton); elsewhere
+# the CUDA kernels are opt-in (K3NN_MLA_CUDA=1). See cuda_decode.enabled / supports.
 register("mla_decode", "cuda", supports=_cuda_supports, available=_cuda_available)(_cuda_decode)
 
 __all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_decode_reference",

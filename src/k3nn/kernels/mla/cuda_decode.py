@@ -26,23 +26,32 @@ fragments through shared memory (a 64-thread named barrier) and add them, so bot
 registers; each runs the (identical) online softmax for its two fragment rows and feeds P from the score
 registers straight into the A fragments of ``P·V`` (no P tile in shared memory). Key tiles: 32 tokens, two
 ``cp.async`` buffers, one block barrier per tile; shared memory 166 KB (one CTA per SM, 229 registers, no
-spills on sm_90). It is the default (:data:`DEFAULT_ROWS`); ``rows=16`` or ``K3NN_MLA_CUDA_ROWS=16``
-(:func:`rows_choice`) selects the first variant. On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``,
-``bench/gpu/mla_decode.py --cuda-only``) it moved 1.66 / 0.88 / 0.58 TB/s at B=64 L=8K H=64 / H=96 and B=1
-L=32K H=64, against 0.91 / 0.46 / 0.43 for 16 rows — still behind the Triton kernel (2.37 / 1.35 / 1.07 then;
-2.68 / 1.49 / 1.28 with tensor-descriptor tiles, h200-s6-run8), so the CUDA path stays opt-in (``K3NN_MLA_CUDA=1``). Its split heuristic aims at one wave of one CTA per SM.
+spills on sm_90). ``rows=16`` or ``K3NN_MLA_CUDA_ROWS=16`` (:func:`rows_choice`) selects the first variant.
+On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``) these mma.sync kernels moved 1.66 / 0.88 /
+0.58 TB/s (64 rows) and 0.91 / 0.46 / 0.43 (16 rows) at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64.
+
+On sm_90 the default stage 1 is the warp-group kernel (``kernel="wgmma"``, :func:`kernel_choice`; built for
+sm_90a): 64 query rows, two warp groups, Q and two 64-key tiles in shared memory in the 128-byte swizzled
+layout that ``wgmma`` descriptors read; scores with ``wgmma m64n32k16`` (each group 32 keys), P through a
+swizzled shared tile, ``O += P·V`` with ``wgmma m64n256k16`` (each group 256 columns, V read MN-major from the
+same key tile), lazy rescale (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s7-run6-2026-11-30.log``)
+it moved 2.86 / 1.63 TB/s at B=64 L=8K H=64 / H=96 against 2.62 / 1.45 for the Triton kernel's default plan in
+the same run, 1.62 against 1.44 with 2-token windows, and 0.93 / 0.91 at B=1 L=32K H=64 / H=96 against 1.11 /
+0.89 — so ``auto`` gives it batched calls only (:data:`MIN_ROW_CTAS`).
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
-stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``).
-A row that sees no key ends with o = 0 and lse = −inf.
+stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
+(``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). A row that sees no key ends with o = 0 and
+lse = −inf.
 
 The split count depends only on ``B``, ``Tq·H``, the block table's width, the variant and the device (about
 one wave of CTAs: two per SM with 16 rows, one with 64), never on lengths read from the device, and the
 launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
-Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+. The registry keeps it opt-in
-(``K3NN_MLA_CUDA=1``, see :func:`enabled`) until it has been checked against the reference on a GPU
-(``tests/gpu/test_mla_gpu.py``), so ``auto`` keeps choosing the Triton kernel meanwhile.
+Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+; the warp-group kernel needs sm_90. ``auto``
+(see :func:`enabled` and :func:`supports`): with ``K3NN_MLA_CUDA`` unset, the warp-group kernel on an sm_90 GPU
+for calls of at least :data:`MIN_ROW_CTAS` 64-row CTAs per split and the Triton kernel otherwise;
+``K3NN_MLA_CUDA=1`` sends every call here (on other GPUs: the mma.sync kernel), ``K3NN_MLA_CUDA=0`` none.
 """
 
 from __future__ import annotations
@@ -92,6 +101,11 @@ ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
 #: (``bench/results/logs/h200-s5-run1-2026-11-30.log``)
 DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
+ENABLE_ENV = "K3NN_MLA_CUDA"
+#: with K3NN_MLA_CUDA unset, calls with fewer 64-row CTAs per split (B · ⌈Tq·H / 64⌉) stay on the Triton kernel:
+#: at B=1 L=32K H=64 its split tuner is faster (34 against 40 µs, h200-s7-run6); at B=64 the wgmma kernel is
+#: (211 against 231 µs at H=64, 371 against 417 at H=96)
+MIN_ROW_CTAS = 32
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
@@ -1129,15 +1143,29 @@ def available() -> str | None:
     return toolchain_reason((8, 0), "cp.async, ldmatrix, mma.sync m16n8k16")
 
 
+def _env_choice() -> bool | None:
+    """``K3NN_MLA_CUDA`` (read per call): True for a non-zero value, False for ``0``, None when unset or empty."""
+    v = os.environ.get(ENABLE_ENV, "").strip()
+    return None if not v else v != "0"
+
+
 def enabled() -> str | None:
-    """The registry's opt-in: None when ``K3NN_MLA_CUDA`` is set to a non-zero value (read per call)."""
-    if os.environ.get("K3NN_MLA_CUDA", "0") in ("", "0"):
-        return "opt-in: set K3NN_MLA_CUDA=1 (matches the reference on the H200 but is slower than the Triton kernel there)"
-    return None
+    """The registry's switch: None when ``auto`` may pick this kernel. ``K3NN_MLA_CUDA=1``: always (every
+    shape); ``0``: never; unset: on an sm_90 GPU, where the warp-group kernel runs (batched calls only, see
+    :func:`supports`), and off elsewhere (the mma.sync kernels are slower than the Triton one)."""
+    choice = _env_choice()
+    if choice is False:
+        return f"disabled by {ENABLE_ENV}=0"
+    if choice or (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return None
+    return (f"opt-in off sm_90: set {ENABLE_ENV}=1 (the mma.sync kernel matches the reference but is slower than "
+            "the Triton kernel)")
 
 
 #: seconds the last :func:`build` spent compiling or loading (0 once the module is loaded in this process)
 last_build_seconds = 0.0
+#: (kernel, query rows per CTA, splits) of the latest :func:`mla_decode_cuda` call
+LAST_CALL: tuple[str, int, int] | None = None
 
 
 def _arch_flags() -> tuple[str, ...]:
@@ -1244,6 +1272,10 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
     if kern == "wgmma":
         if SMEM_BYTES_WGMMA > lim:
             return f"the wgmma kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
+        ctas = q_lat.shape[0] * math.ceil(q_lat.shape[1] * q_lat.shape[2] / 64)
+        if _env_choice() is None and ctas < MIN_ROW_CTAS:
+            return (f"small batch (B·⌈Tq·H/64⌉ = {ctas} < {MIN_ROW_CTAS}): the Triton split-KV kernel is faster "
+                    f"(set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
         return None
     need = SMEM_BYTES_BY_ROWS[nrows]
     if need > lim:
@@ -1291,6 +1323,8 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
     if S > 1:
         o_part = torch.empty(B, M, S, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
+    global LAST_CALL
+    LAST_CALL = ("wgmma" if wgmma else "mma", nrows, S)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
                               float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows,
                               int(wgmma))
