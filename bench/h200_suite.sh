@@ -68,6 +68,7 @@ STEPS=(
   "nccl-probe|60|env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT $PY -m torch.distributed.run --nproc-per-node 2 bench/gpu/nccl_probe.py"
   "dcp-nccl-test|150|$PYTEST tests/gpu/test_mla_gpu.py -k dcp_nccl"
   "dcp-bench|150|$PY -m torch.distributed.run --nproc-per-node 2 -m k3nn.parallel.dcp --backend triton --bench 64,8192,64;1,131072,64;1,262144,64;1,524288,64"
+  "dcp-bench-auto|150|$PY -m torch.distributed.run --nproc-per-node 2 -m k3nn.parallel.dcp --backend auto --bench 64,8192,64;64,8192,96;1,131072,64;1,524288,64"
   "dcp-bench-sharded|120|$PY -m torch.distributed.run --nproc-per-node 2 -m k3nn.parallel.dcp --backend triton --heads sharded --bench 64,8192,64;1,131072,64"
   "dcp-bench-profile|120|env K3NN_DCP_PROFILE=1 $PY -m torch.distributed.run --nproc-per-node 2 -m k3nn.parallel.dcp --backend triton --bench 64,8192,64;1,131072,64"
   "ep-nccl|120|$PY -m torch.distributed.run --nproc-per-node 2 -m k3nn.parallel.ep --bench --dim-scale 1 --experts 64 --topk 16 --tokens 64"
