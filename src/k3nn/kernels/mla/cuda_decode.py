@@ -139,7 +139,6 @@ struct MlaParams {
 
 CUDA_SOURCE = r"""
 #include <cstdint>
-#include <cstdlib>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -716,9 +715,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
   static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
   if (wgmma) {
-    const char* ch = getenv("K3NN_MLA_WG_CH");
-    const int nch = ch ? atoi(ch) : 1;
-    auto kern = nch == 4 ? mla_wgmma_kernel<T, TO, 4> : nch == 2 ? mla_wgmma_kernel<T, TO, 2> : mla_wgmma_kernel<T, TO, 1>;
+    auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
@@ -810,7 +807,7 @@ template <> struct Wg<__half> {
 };
 #endif
 
-template <typename T, typename TO, int CH>
+template <typename T, typename TO>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
@@ -904,32 +901,22 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     cp_async_commit();
     const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
 
-    float s[16], s1[16], s2[16], s3[16];
+    float s[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = s1[i] = s2[i] = s3[i] = 0.f;
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
     reg_fence(s);
-    if (CH > 1) reg_fence(s1);
-    if (CH > 2) { reg_fence(s2); reg_fence(s3); }
     wg_fence();
 #pragma unroll
     for (int a = 0; a < WG_ATOMS; ++a) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
-        const int c = (a * 4 + kk) % CH;
-        if (c == 0) Wg<T>::qk(s, d_q + off, d_k + off);
-        else if (c == 1) Wg<T>::qk(s1, d_q + off, d_k + off);
-        else if (c == 2) Wg<T>::qk(s2, d_q + off, d_k + off);
-        else Wg<T>::qk(s3, d_q + off, d_k + off);
+        Wg<T>::qk(s, d_q + off, d_k + off);
       }
     }
     wg_commit();
     wg_wait0();
     reg_fence(s);
-    if (CH > 1) reg_fence(s1);
-    if (CH > 2) { reg_fence(s2); reg_fence(s3); }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = (s[i] + s1[i]) + (s2[i] + s3[i]);
 
     // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
     const int n0 = start + it * WG_BN + grp * 32 + 2 * tq;
