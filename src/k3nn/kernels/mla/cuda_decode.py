@@ -139,7 +139,6 @@ struct MlaParams {
 
 CUDA_SOURCE = r"""
 #include <cstdint>
-#include <cstdlib>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -716,8 +715,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
   static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
   if (wgmma) {
-    const char* dup = getenv("K3NN_MLA_WG_DUP");
-    auto kern = dup && dup[0] == '1' ? mla_wgmma_kernel<T, TO, true> : mla_wgmma_kernel<T, TO, false>;
+    auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
@@ -801,23 +799,15 @@ __WGMMA_OPS__
 template <typename T> struct Wg;
 template <> struct Wg<__nv_bfloat16> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
-  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_bf16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_bf16(d, a, b); }
-  static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
-    wg_pvr_bf16(d, a, b);
-  }
 };
 template <> struct Wg<__half> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
-  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_f16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_f16(d, a, b); }
-  static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
-    wg_pvr_f16(d, a, b);
-  }
 };
 #endif
 
-template <typename T, typename TO, bool DUP>
+template <typename T, typename TO>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
@@ -910,79 +900,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
     if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
     cp_async_commit();
     const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
-    if (DUP) {  // both groups compute all 64 keys' scores; P stays in registers (no exchange, one barrier)
-      const uint64_t d_kf = gmma_desc(kv_s + buf * WG_TILE, 16, 1024);
-      float sf[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sf[i] = 0.f;
-      reg_fence(sf);
-      wg_fence();
-#pragma unroll
-      for (int a = 0; a < WG_ATOMS; ++a) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
-          Wg<T>::qk64(sf, d_q + off, d_kf + off);
-        }
-      }
-      wg_commit();
-      wg_wait0();
-      reg_fence(sf);
-      const int nf = start + it * WG_BN + 2 * tq;
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int n = nf + j * 8 + e;
-          sf[4 * j + e] = n < lim_lo ? sf[4 * j + e] * p.scale_log2 : -INFINITY;
-          sf[4 * j + 2 + e] = n < lim_hi ? sf[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
-          mx_lo = fmaxf(mx_lo, sf[4 * j + e]);
-          mx_hi = fmaxf(mx_hi, sf[4 * j + 2 + e]);
-        }
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
-      const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
-      m_lo = mn_lo;
-      m_hi = mn_hi;
-      float ps_lo = 0.f, ps_hi = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sf[4 * j + e] = exp2f(sf[4 * j + e] - mn_lo);
-          sf[4 * j + 2 + e] = exp2f(sf[4 * j + 2 + e] - mn_hi);
-          ps_lo += sf[4 * j + e];
-          ps_hi += sf[4 * j + 2 + e];
-        }
-      }
-      l_lo = l_lo * al_lo + ps_lo;  // partial over this lane's keys; the quad's lanes are summed at the end
-      l_hi = l_hi * al_hi + ps_hi;
-      if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
-        }
-      }
-      uint32_t pa[4][4];  // P as the m64k16 A fragments of the four 16-key steps, packed before the products
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[kk][i] = Ty<T>::pack(sf[8 * kk + 2 * i], sf[8 * kk + 2 * i + 1]);
-      }
-      reg_fence(acc);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wg<T>::pvr(acc, pa[kk], d_v + kk * ((16 * 128) >> 4));
-      wg_commit();
-      wg_wait0();
-      reg_fence(acc);
-      continue;
-    }
 
     float s[16];
 #pragma unroll
@@ -1074,15 +991,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  if (!DUP) {
-    if (tq == 0) {
-      red[grp * WG_ROWS + r_lo] = l_lo;
-      red[grp * WG_ROWS + r_hi] = l_hi;
-    }
-    __syncthreads();
-    l_lo = red[r_lo] + red[WG_ROWS + r_lo];
-    l_hi = red[r_hi] + red[WG_ROWS + r_hi];
+  if (tq == 0) {
+    red[grp * WG_ROWS + r_lo] = l_lo;
+    red[grp * WG_ROWS + r_hi] = l_hi;
   }
+  __syncthreads();
+  l_lo = red[r_lo] + red[WG_ROWS + r_lo];
+  l_hi = red[r_hi] + red[WG_ROWS + r_hi];
   const bool final_ = p.splits == 1;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -1129,18 +1044,7 @@ def _wgmma_ops() -> str:
     generated, as each names every accumulator register."""
     out = []
     for ty, ptx in (("bf16", "bf16"), ("f16", "f16")):
-        k = 128
-        regs = ", ".join(f"%{i}" for i in range(k))
-        outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
-        out.append(  # A (P) from registers: the m64k16 fragment of the score accumulators
-            f"__device__ __forceinline__ void wg_pvr_{ty}(float (&d)[{k}], const uint32_t (&a)[4], uint64_t db) {{\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"\n'
-            f'               "wgmma.mma_async.sync.aligned.m64n256k16.f32.{ptx}.{ptx} {{{regs}}}, '
-            f'{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1;\\n}}\\n"\n'
-            f'               : {outs}\n'
-            f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));\n'
-            f"}}")
-        for name, n, trans_b in (("qk", 32, 0), ("qk64", 64, 0), ("pv", 256, 1)):
+        for name, n, trans_b in (("qk", 32, 0), ("pv", 256, 1)):
             k = n // 2
             regs = ", ".join(f"%{i}" for i in range(k))
             outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
