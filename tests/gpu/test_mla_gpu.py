@@ -184,6 +184,23 @@ def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
         torch.testing.assert_close(o, outs["mma16", splits][0], atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("bs", [16, 128])
+def test_cuda_page_sizes_and_padded_pool_rows(cuda_mla, bs):
+    """Pages other than 64 rows (a key tile then spans several pages, or part of one: one block-table read per
+    row) and a pool whose rows are padded (row stride 640 elements), against the reference."""
+    q_lat, q_rope, pool, table, sl = case(3, [700, 65, 1], 2, 64, bs=bs)
+    padded = torch.full(pool.shape[:2] + (640,), float("nan"), device="cuda", dtype=pool.dtype)
+    padded[..., :R + DR] = pool
+    padded = padded[..., :R + DR]
+    for kv in (pool, padded):
+        for splits in (None, 1, 3):
+            out = _poisoned(q_lat, q_lat.dtype)
+            cuda_mla.mla_decode_cuda(q_lat, q_rope, kv, table, sl, 0.0722, num_splits=splits, out=out)
+            o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, kv, table, sl, 0.0722, out_dtype=torch.float32)
+            torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+
+
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_cuda_kernel_graph_replay_follows_new_lengths(cuda_mla, splits):
     q_lat, q_rope, pool, table, sl = case(2, [1000, 300, 64], 1, 64)

@@ -762,8 +762,11 @@ WGMMA_SOURCE = r"""
 //   output   O[64, 256 columns of this group] += P · V  (4 × wgmma m64n256k16; V is the same key tile read
 //            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart)
 // The next tile's cp.async copies are issued right after the barrier that frees its buffer, so they run under
-// this tile's products. (Two tiles in flight — each group refilling its own parts of a buffer after its P·V, or
-// the whole buffer after a barrier — measured no faster on the H200: h200-s7-run5.)
+// this tile's products. Measured no faster on the H200 (bench/results/logs): two tiles in flight, each group
+// refilling its own parts of a buffer after its P·V or the whole buffer after a barrier (h200-s7-run4); the 36
+// score products spread over up to four accumulators (run9); both groups computing all 64 keys' scores with P
+// kept in registers — one barrier per tile, no P tile — (run10: slower, the second score product costs more).
+// With Tq·H = 96 the second CTA of a request has 32 live rows of 64 (wgmma's M is 64).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
