@@ -803,10 +803,16 @@ template <typename T> struct Wg;
 template <> struct Wg<__nv_bfloat16> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_bf16(d, a, b); }
+  static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    wg_pvr_bf16(d, a, b);
+  }
 };
 template <> struct Wg<__half> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_f16(d, a, b); }
+  static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    wg_pvr_f16(d, a, b);
+  }
 };
 #endif
 
@@ -971,18 +977,36 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
         acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
       }
     }
-    // P into the swizzled [64 rows, 64 keys] tile: keys 32 grp + 8 j + 2 tq (+1) are chunk 4 grp + j
+    // This group's P (its 32 keys) as the A fragments of two 16-key steps: pa[h] covers keys 32 grp + 16 h …
+    uint32_t pa[2][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sts32(p_s + sw128(r_lo, 4 * grp + j) + 4 * tq, Ty<T>::pack(s[4 * j], s[4 * j + 1]));
-      sts32(p_s + sw128(r_hi, 4 * grp + j) + 4 * tq, Ty<T>::pack(s[4 * j + 2], s[4 * j + 3]));
+    for (int h = 0; h < 2; ++h) {
+      pa[h][0] = Ty<T>::pack(s[8 * h], s[8 * h + 1]);
+      pa[h][1] = Ty<T>::pack(s[8 * h + 2], s[8 * h + 3]);
+      pa[h][2] = Ty<T>::pack(s[8 * h + 4], s[8 * h + 5]);
+      pa[h][3] = Ty<T>::pack(s[8 * h + 6], s[8 * h + 7]);
     }
-    fence_async_smem();
-    __syncthreads();  // both halves of P written
+    // P·V over this group's own keys starts at once (A from registers) ...
     reg_fence(acc);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
+    for (int h = 0; h < 2; ++h) Wg<T>::pvr(acc, pa[h], d_v + (2 * grp + h) * ((16 * 128) >> 4));
+    wg_commit();
+    // ... while P goes to the swizzled [64 rows, 64 keys] tile for the other group: keys 32 grp + 8 j + 2 tq (+1)
+    // are chunk 4 grp + j, i.e. word tq of fragment register j
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sts32(p_s + sw128(r_lo, 4 * grp + j) + 4 * tq, pa[j >> 1][(j & 1) * 2]);
+      sts32(p_s + sw128(r_hi, 4 * grp + j) + 4 * tq, pa[j >> 1][(j & 1) * 2 + 1]);
+    }
+    fence_async_smem();
+    __syncthreads();  // both halves of P written
+    // ... and the other group's keys follow from the shared P tile
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int kk = 2 * (1 - grp) + h;
+      Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
+    }
     wg_commit();
     wg_wait0();
     reg_fence(acc);
@@ -1043,10 +1067,21 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
 
 
 def _wgmma_ops() -> str:
-    """The four wgmma wrappers (scores m64n32k16, K-major B; output m64n256k16, MN-major B; bf16 and fp16 inputs):
-    generated, as each names every accumulator register."""
+    """The wgmma wrappers (scores m64n32k16, K-major B; output m64n256k16, MN-major B, with A from shared memory or
+    from registers; bf16 and fp16 inputs): generated, as each names every accumulator register."""
     out = []
     for ty, ptx in (("bf16", "bf16"), ("f16", "f16")):
+        k = 128
+        regs = ", ".join(f"%{i}" for i in range(k))
+        outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
+        out.append(  # A (P) from registers: the m64k16 fragment layout of the score accumulators
+            f"__device__ __forceinline__ void wg_pvr_{ty}(float (&d)[{k}], const uint32_t (&a)[4], uint64_t db) {{\n"
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"\n'
+            f'               "wgmma.mma_async.sync.aligned.m64n256k16.f32.{ptx}.{ptx} {{{regs}}}, '
+            f'{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+            f'               : {outs}\n'
+            f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));\n'
+            f"}}")
         for name, n, trans_b in (("qk", 32, 0), ("pv", 256, 1)):
             k = n // 2
             regs = ", ".join(f"%{i}" for i in range(k))
