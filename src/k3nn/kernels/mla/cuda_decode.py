@@ -34,10 +34,11 @@ On sm_90 the default stage 1 is the warp-group kernel (``kernel="wgmma"``, :func
 sm_90a): 64 query rows, two warp groups, Q and two 64-key tiles in shared memory in the 128-byte swizzled
 layout that ``wgmma`` descriptors read; scores with ``wgmma m64n32k16`` (each group 32 keys), P through a
 swizzled shared tile, ``O += P·V`` with ``wgmma m64n256k16`` (each group 256 columns, V read MN-major from the
-same key tile), lazy rescale (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s7-run6-2026-11-30.log``)
-it moved 2.86 / 1.63 TB/s at B=64 L=8K H=64 / H=96 against 2.62 / 1.45 for the Triton kernel's default plan in
-the same run, 1.62 against 1.44 with 2-token windows, and 0.93 / 0.91 at B=1 L=32K H=64 / H=96 against 1.11 /
-0.89 — so ``auto`` gives it batched calls only (:data:`MIN_ROW_CTAS`).
+same key tile; a group's own keys from registers, the other group's from a shared P tile), lazy rescale (see
+``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s7-run12-2026-11-30.log``) it moved 2.94 / 1.70 TB/s
+at B=64 L=8K H=64 / H=96 against 2.61 / 1.42 for the Triton kernel's default plan in the same run, 1.67 against
+1.44 with 2-token windows, and 0.92 / 0.92 at B=1 L=32K H=64 / H=96 against 1.10 / 0.89 — so ``auto`` gives it
+batched calls only (:data:`MIN_ROW_CTAS`).
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
@@ -103,8 +104,8 @@ DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
 ENABLE_ENV = "K3NN_MLA_CUDA"
 #: with K3NN_MLA_CUDA unset, calls with fewer 64-row CTAs per split (B · ⌈Tq·H / 64⌉) stay on the Triton kernel:
-#: at B=1 L=32K H=64 its split tuner is faster (34 against 40 µs, h200-s7-run6); at B=64 the wgmma kernel is
-#: (211 against 231 µs at H=64, 371 against 417 at H=96)
+#: at B=1 L=32K H=64 its split tuner is faster (34 against 41 µs, h200-s7-run12); at B=64 the wgmma kernel is
+#: (206 against 232 µs at H=64, 356 against 424 at H=96)
 MIN_ROW_CTAS = 32
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
@@ -760,7 +761,8 @@ WGMMA_SOURCE = r"""
 //            moves only when it grows by more than 8 in base 2); P rounded to the input dtype into a swizzled
 //            [64, 64] tile
 //   output   O[64, 256 columns of this group] += P · V  (4 × wgmma m64n256k16; V is the same key tile read
-//            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart)
+//            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart): the group's own 32 keys with A
+//            from its score registers, issued before the P barrier; the other group's keys from the P tile
 // The next tile's cp.async copies are issued right after the barrier that frees its buffer, so they run under
 // this tile's products. Measured no faster on the H200 (bench/results/logs): two tiles in flight, each group
 // refilling its own parts of a buffer after its P·V or the whole buffer after a barrier (h200-s7-run4); the 36
