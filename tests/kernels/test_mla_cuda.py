@@ -1,10 +1,12 @@
-"""CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability and opt-in reasons, supports()
-reasons, the 16 / 64-row choice (K3NN_MLA_CUDA_ROWS), the registry keeping auto on Triton/eager, the split
-heuristics and the generated source (both stage-1 variants; the slow test compiles it with nvcc). The kernel
-itself runs in tests/gpu/test_mla_gpu.py."""
+"""CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability and enable reasons, supports()
+reasons (auto's default on sm_90: batched calls only, stepping aside when the extension cannot build), the
+kernel choice (wgmma / mma) and the 16 / 64-row choice (K3NN_MLA_CUDA_ROWS), the registry keeping auto on
+Triton/eager here, the split heuristics and the generated source (the slow tests compile it with nvcc for sm_90
+and sm_90a). The kernels themselves run in tests/gpu/test_mla_gpu.py."""
 
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +118,18 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     q_lat, q_rope, pool, table, sl = _inputs()
     big = (q_lat[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), q_rope[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), pool,
            table[:1].expand(cd.MIN_ROW_CTAS, -1), sl[:1].expand(cd.MIN_ROW_CTAS))
+    # a batched call takes the kernel once the extension builds; a failed build makes auto step aside
+    monkeypatch.setattr(cd, "_BUILD_FAILED", [])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert "capture" in cd.supports(*big, 0.07)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken_build():
+        raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_90a'")
+    broken_build.cache_info = lambda: SimpleNamespace(currsize=0)  # never built
+    monkeypatch.setattr(cd, "build", broken_build)
+    assert "failed to build" in cd.supports(*big, 0.07) and "compute_90a" in cd.supports(*big, 0.07)
+    monkeypatch.setattr(cd, "build", SimpleNamespace(cache_info=lambda: SimpleNamespace(currsize=1)))  # built
     assert cd.supports(*big, 0.07) is None
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024

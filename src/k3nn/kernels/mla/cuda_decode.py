@@ -1225,6 +1225,26 @@ def build():
     return mod
 
 
+def _build_reason() -> str | None:
+    """None once the extension is built and loaded, else why not: building is not started inside a CUDA-graph
+    capture, and a failed build (an nvcc without sm_90a, say) is reported once and not retried in this process."""
+    if build.cache_info().currsize:
+        return None
+    if _BUILD_FAILED:
+        return _BUILD_FAILED[0]
+    if torch.cuda.is_current_stream_capturing():
+        return "the CUDA extension is not built yet (first call inside a CUDA-graph capture)"
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - any compiler or loader failure: auto takes another backend
+        _BUILD_FAILED.append(f"the CUDA extension failed to build: {type(e).__name__}: {str(e)[-300:]}")
+        return _BUILD_FAILED[0]
+    return None
+
+
+_BUILD_FAILED: list[str] = []
+
+
 def kernel_choice(kernel: str | None = None, device: torch.device | None = None) -> str:
     """Stage-1 kernel: ``"wgmma"`` (64 query rows, warp-group MMA from swizzled shared memory; sm_90 only) or
     ``"mma"`` (``mma.sync``, 16 or 64 rows, see :func:`rows_choice`). ``kernel`` when given, else
@@ -1313,9 +1333,11 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
         if SMEM_BYTES_WGMMA > lim:
             return f"the wgmma kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
         ctas = q_lat.shape[0] * math.ceil(q_lat.shape[1] * q_lat.shape[2] / 64)
-        if _env_choice() is None and ctas < MIN_ROW_CTAS:
-            return (f"small batch (B·⌈Tq·H/64⌉ = {ctas} < {MIN_ROW_CTAS}): the Triton split-KV kernel is faster "
-                    f"(set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
+        if _env_choice() is None:  # chosen by default, not asked for: step aside rather than fail
+            if ctas < MIN_ROW_CTAS:
+                return (f"small batch (B·⌈Tq·H/64⌉ = {ctas} < {MIN_ROW_CTAS}): the Triton split-KV kernel is "
+                        f"faster (set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
+            return _build_reason()
         return None
     need = SMEM_BYTES_BY_ROWS[nrows]
     if need > lim:
