@@ -39,6 +39,9 @@ def test_info_runs(capsys):
     assert rc == 0
     assert "kda_chunk" in out and "eager" in out
     assert "MXFP4 decode GEMV" in out
+    assert "MLA paged decode under auto: " in out
+    if not torch.cuda.is_available():
+        assert "MLA paged decode under auto: triton split-KV (the CUDA kernel does not run here" in out
 
 
 def test_info_names_the_mxfp4_gemv(capsys, monkeypatch):

@@ -57,7 +57,27 @@ def cmd_info(args: argparse.Namespace) -> int:
         for b, r in sorted(reasons):
             print(f"  {b}: {r}")
     print(f"\nMXFP4 decode GEMV inside the triton MoE backend: {_mx_gemv_line()}")
+    print(f"MLA paged decode under auto: {_mla_decode_line()}")
     return 0
+
+
+def _mla_decode_line() -> str:
+    """Which MLA decode kernel ``auto`` takes here (K3NN_MLA_CUDA, K3NN_MLA_CUDA_KERNEL), and why."""
+    import torch
+
+    from k3nn.kernels.mla import cuda_decode as cd
+
+    why = cd.available() or cd.enabled()
+    if why:
+        return f"triton split-KV (the CUDA kernel does not run here: {why})"
+    try:
+        kernel = cd.kernel_choice(device=torch.device("cuda", torch.cuda.current_device()))
+    except ValueError as e:
+        return str(e)
+    if os.environ.get(cd.ENABLE_ENV, "").strip():
+        return f"cuda {kernel} for every call ({cd.ENABLE_ENV}=1), built on first use"
+    return (f"cuda {kernel} for batched calls (B·⌈Tq·H/64⌉ ≥ {cd.MIN_ROW_CTAS}; built on first use), "
+            "triton split-KV for smaller ones")
 
 
 def _mx_gemv_line() -> str:

@@ -32,7 +32,7 @@ register("mla_decode", "triton", supports=_triton_supports)(_triton_decode)
 def _cuda_available():
     from . import cuda_decode
 
-    return cuda_decode.enabled() or cuda_decode.available()
+    return cuda_decode.available() or cuda_decode.enabled()
 
 
 def _cuda_supports(*args, **kwargs):
