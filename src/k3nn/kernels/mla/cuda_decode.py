@@ -233,6 +233,50 @@ __device__ __forceinline__ KeyRange key_range(const MlaParams& p, int split, int
   return {start, end, end > start ? (end - start + bn - 1) / bn : 0};
 }
 
+// Epilogue of the 64-row kernels: this thread's rows r_lo / r_hi (l: whole row sums, m: running max in base 2)
+// and its 32 column pairs 256·half + 8 j + 2 tq, read as acc(j, e) with e = 2 hh, 2 hh + 1 (hh = 0: row r_lo);
+// lse from the half-0 lane of each row group. One split: o and lse; else fp32 partials (rows that saw a key only)
+// and the split's lse.
+template <typename TO, typename Acc>
+__device__ __forceinline__ void store_rows64(const MlaParams& p, int b, int split, int m0, int r_lo, int r_hi,
+                                             float l_lo, float l_hi, float m_lo, float m_hi, int half, int tq,
+                                             Acc acc) {
+  const bool final_ = p.splits == 1;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = hh ? r_hi : r_lo, m = m0 + r;
+    if (m >= p.M) continue;
+    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (half == 0 && tq == 0) {
+      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+      if (final_) {
+        const int t = m / p.H, h = m - t * p.H;
+        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+      } else {
+        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+      }
+    }
+    if (final_) {
+      const int t = m / p.H, h = m - t * p.H;
+      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 256 + j * 8 + 2 * tq;
+        store_out(orow + col, acc(j, 2 * hh) * inv);
+        store_out(orow + col + 1, acc(j, 2 * hh + 1) * inv);
+      }
+    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
+      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 256 + j * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(prow + col) = make_float2(acc(j, 2 * hh) * inv, acc(j, 2 * hh + 1) * inv);
+      }
+    }
+  }
+}
+
 // Async copy of this thread's share of cache row `pos` (LANES threads per row, thread `sub` taking 16-byte chunks
 // sub, sub + LANES, ...) into shared memory at `dst`; a row at or past `end` is zero-filled, its address never read.
 template <int LANES, int CH>
@@ -638,40 +682,8 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  const bool final_ = p.splits == 1;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = hh ? r_hi : r_lo, m = m0 + r;
-    if (m >= p.M) continue;
-    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (half == 0 && tq == 0) {
-      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
-      if (final_) {
-        const int t = m / p.H, h = m - t * p.H;
-        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-      } else {
-        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
-      }
-    }
-    if (final_) {
-      const int t = m / p.H, h = m - t * p.H;
-      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
-#pragma unroll
-      for (int j = 0; j < CW64 / 8; ++j) {
-        const int col = half * CW64 + j * 8 + 2 * tq;
-        store_out(orow + col, acc[j][2 * hh] * inv);
-        store_out(orow + col + 1, acc[j][2 * hh + 1] * inv);
-      }
-    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
-      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
-#pragma unroll
-      for (int j = 0; j < CW64 / 8; ++j) {
-        const int col = half * CW64 + j * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(prow + col) = make_float2(acc[j][2 * hh] * inv, acc[j][2 * hh + 1] * inv);
-      }
-    }
-  }
+  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, half, tq,
+                   [&](int j, int e) { return acc[j][e]; });
 }
 
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
@@ -1027,40 +1039,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   __syncthreads();
   l_lo = red[r_lo] + red[WG_ROWS + r_lo];
   l_hi = red[r_hi] + red[WG_ROWS + r_hi];
-  const bool final_ = p.splits == 1;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = hh ? r_hi : r_lo, m = m0 + r;
-    if (m >= p.M) continue;
-    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (grp == 0 && tq == 0) {
-      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
-      if (final_) {
-        const int t = m / p.H, h = m - t * p.H;
-        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-      } else {
-        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
-      }
-    }
-    if (final_) {
-      const int t = m / p.H, h = m - t * p.H;
-      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = grp * 256 + j * 8 + 2 * tq;
-        store_out(orow + col, acc[4 * j + 2 * hh] * inv);
-        store_out(orow + col + 1, acc[4 * j + 2 * hh + 1] * inv);
-      }
-    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
-      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = grp * 256 + j * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(prow + col) = make_float2(acc[4 * j + 2 * hh] * inv, acc[4 * j + 2 * hh + 1] * inv);
-      }
-    }
-  }
+  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
+                   [&](int j, int e) { return acc[4 * j + e]; });
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
