@@ -24,20 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kda_decode import call, fla_args, fla_fn, inputs, use  # noqa: E402
 
-REPS = 1
-
-
-def timed(name, fn):
-    for _ in range(2):  # warm-up (compilation, autotuning)
-        fn()
-    torch.cuda.synchronize()
-    for i in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        print(f"{name} call {i}: {a.elapsed_time(b) * 1e3:.1f} us", flush=True)
+from k3nn.bench.common import print_call_times as timed  # noqa: E402
 
 
 def main():

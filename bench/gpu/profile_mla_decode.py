@@ -23,19 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mla_decode import R, SCALE, flashmla, launch, make_case  # noqa: E402
 
+from k3nn.bench.common import print_call_times as timed  # noqa: E402
 from k3nn.kernels.mla import triton_decode as td  # noqa: E402
-
-
-def timed(name, fn):
-    for _ in range(2):  # warm-up (compilation)
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    print(f"{name}: {a.elapsed_time(b) * 1e3:.1f} us", flush=True)
 
 
 def parse_plan(text: str) -> td.Plan:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "write_results", "results_dir", "rel_err",
-           "bench_model"]
+__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "print_call_times", "write_results", "results_dir",
+           "rel_err", "bench_model"]
 
 
 def _commit() -> str:
@@ -43,6 +43,21 @@ def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def print_call_times(name: str, fn: Callable[[], Any], reps: int = 1, warmup: int = 2) -> None:
+    """``warmup`` untimed calls (compilation, tuning), then ``reps`` calls each timed alone with CUDA events and
+    printed in µs: the launches a profiler driver (``ncu --launch-skip warmup``) names what it profiled by."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        print(f"{name}{f' call {i}' if reps > 1 else ''}: {a.elapsed_time(b) * 1e3:.1f} us", flush=True)
 
 
 def graph_bench_ms(fn: Callable[..., Any], inner: int = 50, rep: int = 20, indexed: bool = False) -> float:
