@@ -233,6 +233,18 @@ __device__ __forceinline__ KeyRange key_range(const MlaParams& p, int split, int
   return {start, end, end > start ? (end - start + bn - 1) / bn : 0};
 }
 
+// The 64 query rows' key limits into shared memory (lim_s), then the split's key range cut at the longest of them
+// (a block barrier: every thread of the CTA calls it).
+__device__ __forceinline__ KeyRange rows64_key_range(const MlaParams& p, int b, int m0, int split, int seq, int* lim_s,
+                                                     int tid, int bn) {
+  if (tid < 64) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
+  __syncthreads();
+  int maxlim = 0;
+#pragma unroll 8
+  for (int r = 0; r < 64; ++r) maxlim = max(maxlim, lim_s[r]);
+  return key_range(p, split, seq, maxlim, bn);
+}
+
 // Epilogue of the 64-row kernels: this thread's rows r_lo / r_hi (l: whole row sums, m: running max in base 2)
 // and its 32 column pairs 256·half + 8 j + 2 tq, read as acc(j, e) with e = 2 hh, 2 hh + 1 (hh = 0: row r_lo);
 // lse from the half-0 lane of each row group. One split: o and lse; else fp32 partials (rows that saw a key only)
@@ -522,13 +534,7 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
   const int m0 = blockIdx.x * ROWS64, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
-  if (tid < ROWS64) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
-  __syncthreads();
-
-  int maxlim = 0;
-#pragma unroll 8
-  for (int r = 0; r < ROWS64; ++r) maxlim = max(maxlim, lim_s[r]);
-  const KeyRange kr = key_range(p, split, seq, maxlim, BN);
+  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
 
   // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 8, ...); rows past `end` zero-filled.
@@ -845,12 +851,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
-  if (tid < WG_ROWS) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
-  __syncthreads();
-  int maxlim = 0;
-#pragma unroll 8
-  for (int r = 0; r < WG_ROWS; ++r) maxlim = max(maxlim, lim_s[r]);
-  const KeyRange kr = key_range(p, split, seq, maxlim, WG_BN);
+  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
 
   // Loader: thread -> rows ld_row and ld_row + 32, chunk ld_sub of each atom (8 threads cover a 128-byte span).
