@@ -270,10 +270,10 @@ def cuda_compare(copy_tbps):
         best = {}
         variants = [("mma", rows) for rows in cdk.ROWS_VARIANTS]
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            variants.insert(0, ("wgmma", 64))
+            variants[:0] = [("wgmma", 64), ("ws", 64)]
         for kernel, rows in variants:
-            name = "wgmma" if kernel == "wgmma" else f"mma{rows}"
-            bn = cdk.WG_BLOCK_N if kernel == "wgmma" else cdk.BLOCK_N
+            name = kernel if kernel != "mma" else f"mma{rows}"
+            bn = cdk.WG_BLOCK_N if kernel != "mma" else cdk.BLOCK_N
             dflt = cdk.default_num_splits(B, M, nblk * BS, sms, rows=rows, block_n=bn)
             wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
             for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt) if wide else dflt}):

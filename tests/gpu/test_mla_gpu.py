@@ -97,15 +97,16 @@ def _poisoned(q_lat, dtype):
             torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
 
 
-@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64)], ids=["rows16", "rows64", "wgmma"])
+@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64), ("ws", 64)],
+                ids=["rows16", "rows64", "wgmma", "wgmma_ws"])
 def cuda_mla(monkeypatch, request):
     """The CUDA kernel, opted in: mma.sync with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS), or
     the warp-group kernel (sm_90 only)."""
     from k3nn.kernels.mla import cuda_decode
 
     kernel, rows = request.param
-    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is built for sm_90 only")
+    if kernel != "mma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the {kernel} kernel is built for sm_90 only")
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", kernel)
     monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", str(rows))
@@ -170,7 +171,8 @@ def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
     monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
     q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
     outs = {}
-    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64)] * (torch.cuda.get_device_capability() == (9, 0))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64), ("ws", 64)] * hopper
     for kernel, rows in variants:
         for splits in (None, 1, 6):
             out = _poisoned(q_lat, torch.float32)

@@ -107,7 +107,8 @@ ENABLE_ENV = "K3NN_MLA_CUDA"
 #: at B=1 L=32K H=64 its split tuner is faster (34 against 41 µs, h200-s7-run12); at B=64 the wgmma kernel is
 #: (206 against 232 µs at H=64, 356 against 424 at H=96)
 MIN_ROW_CTAS = 32
-KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
+KERNELS = ("wgmma", "ws", "mma")  # stage-1 kernels: warp-group MMA (sm_90; "ws": specialized groups), mma.sync
+_KERNEL_CODES = {"mma": 0, "wgmma": 1, "ws": 2}
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernel: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row stats
@@ -730,12 +731,12 @@ __WGMMA_KERNEL__
 __RAISE_SMEM__
 
 template <typename T, typename TO>
-cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stream) {
-  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
+cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stream) {
+  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {}, raised_ws[64] = {};
   cudaError_t err;
-  if (wgmma) {
-    auto kern = mla_wgmma_kernel<T, TO>;
-    err = raise_smem(kern, WG_SMEM, raised_wg);
+  if (kernel != 0) {
+    auto kern = kernel == 1 ? mla_wgmma_kernel<T, TO> : mla_ws_kernel<T, TO>;
+    err = raise_smem(kern, WG_SMEM, kernel == 1 ? raised_wg : raised_ws);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
   } else if (rows == ROWS64) {
@@ -756,14 +757,15 @@ cudaError_t launch_t(const MlaParams& p, int rows, bool wgmma, cudaStream_t stre
 }
 
 // in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA of the
-// mma.sync kernels; wgmma: the 64-row warp-group kernel instead (sm_90a builds only)
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, bool wgmma,
+// mma.sync kernels; kernel: 0 mma.sync, 1 / 2 the 64-row warp-group kernels (sm_90a builds only)
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream) {
   if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
-  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, wgmma, stream);
-  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, wgmma, stream);
-  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, wgmma, stream);
-  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, wgmma, stream);
+  if (kernel < 0 || kernel > 2) return cudaErrorInvalidValue;
+  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
+  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
+  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, kernel, stream);
+  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, kernel, stream);
   return cudaErrorNotSupported;
 }
 }  // namespace k3mla
@@ -822,6 +824,7 @@ __WGMMA_OPS__
 template <typename T> struct Wg;
 template <> struct Wg<__nv_bfloat16> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
+  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_bf16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_bf16(d, a, b); }
   static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
     wg_pvr_bf16(d, a, b);
@@ -829,6 +832,7 @@ template <> struct Wg<__nv_bfloat16> {
 };
 template <> struct Wg<__half> {
   static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
+  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_f16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_f16(d, a, b); }
   static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
     wg_pvr_f16(d, a, b);
@@ -1046,6 +1050,260 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) 
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
 }
+
+// ---- Hopper variant with specialized warp groups ----------------------------------------------------------------
+// Same shared-memory layout as mla_wgmma_kernel (Q, two 64-key tiles as 128-byte swizzle atoms, one P tile), but
+// the groups do different work:
+//   group 0  scores S[64, 64] = Q · Kᵀ over the whole tile (36 × wgmma m64n64k16: Q is read once per tile), the
+//            online softmax (no max exchange: it sees every key of a row), P and the rows' rescale factors into
+//            shared memory, then O[:, 0:256] += P · V with A from its registers
+//   group 1  the loader (cp.async, two tiles ahead of nothing: a buffer is refilled as soon as both groups are done
+//            with it) and O[:, 256:512] += P · V with P from the shared tile, which runs under group 0's scores of
+//            the next tile
+// Hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
+//   FULL    group 1 → 0: tile `it` landed and fenced for the async proxy
+//   PREADY  group 0 → 1: P(it) and its rescale factors written
+//   PFREE   group 1 → 0: group 1's P·V(it) done, the P tile may be overwritten
+//   VFREE   group 0 → 1: group 0's P·V(it) done, buffer it % 2 may be refilled (two ids, alternating: group 0 can
+//           run a tile ahead of group 1's wait)
+constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;
+
+#ifdef K3MLA_WGMMA
+__device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+#endif
+
+template <typename T, typename TO>
+__global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
+#ifdef K3MLA_WGMMA
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;
+  const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
+  float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // rescale factors; l, m at the end
+  int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, tq = lane & 3;
+  const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
+  const int seq = p.seq[b];
+
+  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
+  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
+  const int r_lo = wq * 16 + g, r_hi = r_lo + 8;
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // group 0: running max (base 2), row sums
+
+  if (grp == 0) {
+    const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
+    const uint64_t d_q = gmma_desc(q_s, 16, 1024), d_k0 = gmma_desc(kv_s, 16, 1024);
+    const uint64_t d_v0 = gmma_desc(kv_s, WG_ATOM, 1024);
+    for (int it = 0; it < ntiles; ++it) {
+      const int buf = it & 1;
+      const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
+      nb_sync(WS_FULL);
+      float s[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      reg_fence(s);
+      wg_fence();
+#pragma unroll
+      for (int a = 0; a < WG_ATOMS; ++a) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
+          Wg<T>::qk64(s, d_q + off, d_k + off);
+        }
+      }
+      wg_commit();
+      wg_wait0();
+      reg_fence(s);
+
+      // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
+      const int n0 = start + it * WG_BN + 2 * tq;
+      float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = n0 + j * 8 + e;
+          s[4 * j + e] = n < lim_lo ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          s[4 * j + 2 + e] = n < lim_hi ? s[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
+          mx_lo = fmaxf(mx_lo, s[4 * j + e]);
+          mx_hi = fmaxf(mx_hi, s[4 * j + 2 + e]);
+        }
+      }
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      // lazy rescale, as in mla_wgmma_kernel
+      const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
+      const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
+      m_lo = mn_lo;
+      m_hi = mn_hi;
+      float ps_lo = 0.f, ps_hi = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[4 * j + e] = exp2f(s[4 * j + e] - mn_lo);
+          s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - mn_hi);
+          ps_lo += s[4 * j + e];
+          ps_hi += s[4 * j + 2 + e];
+        }
+      }
+      l_lo = l_lo * al_lo + ps_lo;
+      l_hi = l_hi * al_hi + ps_hi;
+      uint32_t pa[4][4];  // P as the A fragments of four 16-key steps
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        pa[h][0] = Ty<T>::pack(s[8 * h], s[8 * h + 1]);
+        pa[h][1] = Ty<T>::pack(s[8 * h + 2], s[8 * h + 3]);
+        pa[h][2] = Ty<T>::pack(s[8 * h + 4], s[8 * h + 5]);
+        pa[h][3] = Ty<T>::pack(s[8 * h + 6], s[8 * h + 7]);
+      }
+      if (it > 0) nb_sync(WS_PFREE);  // group 1 has read P(it - 1) and its factors
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // keys 8 j + 2 tq (+1): chunk j, word tq
+        sts32(p_s + sw128(r_lo, j) + 4 * tq, pa[j >> 1][(j & 1) * 2]);
+        sts32(p_s + sw128(r_hi, j) + 4 * tq, pa[j >> 1][(j & 1) * 2 + 1]);
+      }
+      if (tq == 0) {
+        red[r_lo] = al_lo;
+        red[r_hi] = al_hi;
+      }
+      fence_async_smem();
+      nb_arrive(WS_PREADY);
+      if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
+        }
+      }
+      reg_fence(acc);
+      wg_fence();
+#pragma unroll
+      for (int h = 0; h < 4; ++h) Wg<T>::pvr(acc, pa[h], d_v + h * ((16 * 128) >> 4));
+      wg_commit();
+      wg_wait0();
+      reg_fence(acc);
+      if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf);
+    }
+  } else {
+    // Loader: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom
+    const int t1 = tid - 128, ld_row = t1 >> 3, ld_sub = t1 & 7;
+    {
+      const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
+      const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        const int r = ld_row + 16 * hh, m = m0 + r;
+        const uint16_t* lat = ql;
+        const uint16_t* rope = qr;
+        int bytes = 0;
+        if (m < p.M) {
+          const int t = m / p.H, h = m - t * p.H;
+          lat = ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + ld_sub * 8;
+          rope = qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + ld_sub * 8;
+          bytes = 16;
+        }
+        const uint32_t dst = q_s + sw128(r, ld_sub);
+#pragma unroll
+        for (int a = 0; a < WG_ATOMS - 1; ++a) cp_async16(dst + a * WG_ATOM, lat + (bytes ? a * 64 : 0), bytes);
+        cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
+      }
+    }
+    const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+    const int* bt_row = p.bt + (long long)b * p.s_btb;
+    const bool one_page = p.page == WG_BN;
+    auto issue = [&](int tile, int buf) {
+      const int pos0 = start + tile * WG_BN;
+      const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        const int r = ld_row + 16 * hh, pos = pos0 + r;
+        const uint16_t* src = kv;
+        int bytes = 0;
+        if (pos < end) {
+          const int blk = one_page ? blk0 : bt_row[pos / p.page];
+          src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
+          bytes = 16;
+        }
+        const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
+#pragma unroll
+        for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+      }
+    };
+    if (ntiles > 0) issue(0, 0);
+    cp_async_commit();  // group: Q + tile 0
+    if (ntiles > 1) issue(1, 1);
+    cp_async_commit();
+    if (ntiles > 0) {
+      cp_async_wait1();
+      fence_async_smem();
+      nb_arrive(WS_FULL);
+    }
+    const uint64_t d_p = gmma_desc(p_s, 16, 1024), d_v0 = gmma_desc(kv_s + 4 * WG_ATOM, WG_ATOM, 1024);
+    for (int it = 0; it < ntiles; ++it) {
+      const int buf = it & 1;
+      const uint64_t d_v = d_v0 + buf * (WG_TILE >> 4);
+      nb_sync(WS_PREADY);
+      const float al_lo = red[r_lo], al_hi = red[r_hi];
+      if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
+        }
+      }
+      reg_fence(acc);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
+      wg_commit();
+      if (it + 1 < ntiles) {  // tile it + 1 (issued a tile ago) for group 0's next scores
+        cp_async_wait0();
+        fence_async_smem();
+        nb_arrive(WS_FULL);
+      }
+      wg_wait0();
+      reg_fence(acc);
+      if (it + 1 < ntiles) nb_arrive(WS_PFREE);
+      if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
+        nb_sync(WS_VFREE + buf);
+        issue(it + 2, buf);
+        cp_async_commit();
+      }
+    }
+    cp_async_wait0();
+  }
+
+  __syncthreads();  // both groups are past the loop: the factor slots are free
+  if (grp == 0) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    if (tq == 0) {
+      red[r_lo] = l_lo;
+      red[r_hi] = l_hi;
+      red[WG_ROWS + r_lo] = m_lo;
+      red[WG_ROWS + r_hi] = m_hi;
+    }
+  }
+  __syncthreads();
+  l_lo = red[r_lo];
+  l_hi = red[r_hi];
+  m_lo = red[WG_ROWS + r_lo];
+  m_hi = red[WG_ROWS + r_hi];
+  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
+                   [&](int j, int e) { return acc[4 * j + e]; });
+#else
+  __trap();
+#endif
+}
 """
 
 
@@ -1065,7 +1323,7 @@ def _wgmma_ops() -> str:
             f'               : {outs}\n'
             f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));\n'
             f"}}")
-        for name, n, trans_b in (("qk", 32, 0), ("pv", 256, 1)):
+        for name, n, trans_b in (("qk", 32, 0), ("qk64", 64, 0), ("pv", 256, 1)):
             k = n // 2
             regs = ", ".join(f"%{i}" for i in range(k))
             outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
@@ -1089,7 +1347,7 @@ _CPP_SOURCE = r"""
 #include <cuda_runtime_api.h>
 namespace k3mla {
 __PARAMS__
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, bool wgmma,
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream);
 }
 
@@ -1097,7 +1355,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
                        torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse,
                        std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part,
                        double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows,
-                       int64_t wgmma) {
+                       int64_t kernel) {
   TORCH_CHECK(q_lat.is_cuda() && q_lat.stride(3) == 1 && q_rope.stride(3) == 1 && kv.stride(2) == 1,
               "mla_decode_launch: inputs must be CUDA tensors with a contiguous last dim");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && seq.scalar_type() == torch::kInt, "mla_decode_launch: int32 indices");
@@ -1137,7 +1395,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
-  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, wgmma != 0,
+  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
 }
@@ -1146,7 +1404,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
 _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt, "
          "torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse, "
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
-         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t wgmma);")
+         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t kernel);")
 
 CUDA_SOURCE = (CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
                .replace("__WGMMA_KERNEL__", WGMMA_SOURCE))
@@ -1238,8 +1496,8 @@ def kernel_choice(kernel: str | None = None, device: torch.device | None = None)
     if name not in KERNELS:
         src = f"{KERNEL_ENV}" if kernel is None else "mla_decode_cuda: kernel"
         raise ValueError(f"{src} must be one of {KERNELS}, got {name!r}")
-    if name == "wgmma" and device is not None and not hopper:
-        raise ValueError("the wgmma MLA decode kernel needs an sm_90 GPU (H100 / H200)")
+    if name != "mma" and device is not None and not hopper:
+        raise ValueError(f"the {name} MLA decode kernel needs an sm_90 GPU (H100 / H200)")
     return name
 
 
@@ -1310,9 +1568,9 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
     except ValueError as e:
         return str(e)
     lim = _smem_limit(q_lat.device)
-    if kern == "wgmma":
+    if kern != "mma":
         if SMEM_BYTES_WGMMA > lim:
-            return f"the wgmma kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
+            return f"the {kern} kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
         ctas = q_lat.shape[0] * math.ceil(q_lat.shape[1] * q_lat.shape[2] / 64)
         if _env_choice() is None:  # chosen by default, not asked for: step aside rather than fail
             if ctas < MIN_ROW_CTAS:
@@ -1339,7 +1597,8 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
     :func:`supports`). ``kernel``: ``"wgmma"`` or ``"mma"`` (None: :func:`kernel_choice`); ``rows``: 16 or 64
     query rows per stage-1 CTA of the ``mma`` kernel (None: ``K3NN_MLA_CUDA_ROWS``, else :data:`DEFAULT_ROWS`
     where it fits; the wgmma kernel always takes 64). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
-    wgmma = kernel_choice(kernel, q_lat.device) == "wgmma"
+    kern = kernel_choice(kernel, q_lat.device)
+    wgmma = kern != "mma"
     nrows = 64 if wgmma else rows_choice(rows, q_lat.device)
     B, Tq, H, r = q_lat.shape
     M = Tq * H
@@ -1367,8 +1626,8 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
         o_part = torch.empty(B, M, S, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
     global LAST_CALL
-    LAST_CALL = ("wgmma" if wgmma else "mma", nrows, S)
+    LAST_CALL = (kern, nrows, S)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
                               float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows,
-                              int(wgmma))
+                              _KERNEL_CODES[kern])
     return o, lse
