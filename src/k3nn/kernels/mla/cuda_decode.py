@@ -136,6 +136,7 @@ struct MlaParams {
   long long s_ob, s_ot, s_oh, s_lb, s_lt, s_lh;
   float scale_log2;
   int B, Tq, H, M, page, splits;
+  int l2_ahead;  // ws kernel: key tiles prefetched into L2 ahead of the cp.async loads (0: none)
 };
 """
 
@@ -1237,10 +1238,21 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
         for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
       }
     };
+    // L2 prefetch of whole tiles (one bulk request by one thread), l2_ahead tiles beyond the cp.async loads: a
+    // tile lies in one page when pages are multiples of 64 keys (splits start on multiples of 64)
+    const bool pf_ok = p.l2_ahead > 0 && p.page % WG_BN == 0 && t1 == 0;
+    auto prefetch = [&](int tile) {
+      if (!pf_ok || tile >= ntiles) return;
+      const int pos0 = start + tile * WG_BN, rows = min(WG_BN, end - pos0);
+      const uint16_t* src = kv + (long long)bt_row[pos0 / p.page] * p.s_kvb + (long long)(pos0 % p.page) * p.s_kvr;
+      const uint32_t bytes = (uint32_t)(((rows - 1) * p.s_kvr + D) * 2);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+    };
     if (ntiles > 0) issue(0, 0);
     cp_async_commit();  // group: Q + tile 0
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
+    for (int t = 2; t < 2 + p.l2_ahead; ++t) prefetch(t);
     if (ntiles > 0) {
       cp_async_wait1();
       fence_async_smem();
@@ -1275,6 +1287,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
         nb_sync(WS_VFREE + buf);
         issue(it + 2, buf);
         cp_async_commit();
+        prefetch(it + 2 + p.l2_ahead);
       }
     }
     cp_async_wait0();
@@ -1345,6 +1358,7 @@ _CPP_SOURCE = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+#include <cstdlib>
 namespace k3mla {
 __PARAMS__
 cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
@@ -1395,6 +1409,10 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
+  {
+    const char* e = std::getenv("K3NN_MLA_L2_AHEAD");
+    p.l2_ahead = e && *e ? std::atoi(e) : 2;
+  }
   const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
