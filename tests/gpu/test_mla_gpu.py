@@ -186,7 +186,7 @@ def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
         torch.testing.assert_close(o, outs["mma16", splits][0], atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("bs", [16, 24, 128])
 def test_cuda_page_sizes_and_padded_pool_rows(cuda_mla, bs):
     """Pages other than 64 rows (a key tile then spans several pages, or part of one: one block-table read per
     row) and a pool whose rows are padded (row stride 640 elements), against the reference."""
@@ -201,6 +201,28 @@ def test_cuda_page_sizes_and_padded_pool_rows(cuda_mla, bs):
             o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, kv, table, sl, 0.0722, out_dtype=torch.float32)
             torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_ws_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
+    """The ws kernel's two key-tile loaders (TMA boxes, and per-thread cp.async with K3NN_MLA_TMA=0) put the same
+    bytes in shared memory, zeros past each split's end included (the pool's unused rows are NaN)."""
+    from k3nn.kernels.mla import cuda_decode
+
+    q_lat, q_rope, pool, table, sl = case(5, [1000, 64, 3, 130], 2, 96, bs=bs)
+    outs = []
+    for tma in ("1", "0"):
+        monkeypatch.setenv("K3NN_MLA_TMA", tma)
+        for splits in (1, 5):
+            out = _poisoned(q_lat, torch.float32)
+            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out,
+                                        kernel="ws")
+            outs.append(out)
+    for a, b in zip(outs[:2], outs[2:]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+    torch.testing.assert_close(outs[0][0], o_ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 7])

@@ -111,8 +111,9 @@ KERNELS = ("wgmma", "ws", "mma")  # stage-1 kernels: warp-group MMA (sm_90; "ws"
 _KERNEL_CODES = {"mma": 0, "wgmma": 1, "ws": 2}
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
-#: shared memory of the wgmma kernel: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row stats
-SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4
+#: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
+#: stats, two mbarriers
+SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 16
 _CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -137,6 +138,8 @@ struct MlaParams {
   float scale_log2;
   int B, Tq, H, M, page, splits;
   int l2_ahead;  // ws kernel: key tiles prefetched into L2 ahead of the cp.async loads (0: none)
+  int tma_rows;  // ws kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
+  struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
 
@@ -798,7 +801,8 @@ constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
 constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
 constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
-constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4;  // + alignment slack, row stats, limits
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;  // + alignment slack, row
+                                                                                         // stats, limits, 2 mbarriers
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -1072,18 +1076,40 @@ constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;
 #ifdef K3MLA_WGMMA
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+               ::"r"(bar), "r"(parity) : "memory");
+}
+// TMA: box (64 columns, rows, 1) of the pool's tensor map at (column c0, row-in-page c1, block c2) into shared
+// memory at dst (128-byte swizzled, like the atoms), completing `bar`'s transaction bytes
+__device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+               "[%2];\n" ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
 #endif
 
 template <typename T, typename TO>
-__global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
+__global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant__ MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;
   const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
   float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // rescale factors; l, m at the end
   int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
+  const uint32_t full_bar = smem_u32(lim_s + WG_ROWS);  // two mbarriers (8-byte aligned): TMA tiles landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0 && p.tma_rows) {
+    mbar_init(full_bar, 1);
+    mbar_init(full_bar + 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   const int grp = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, tq = lane & 3;
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
@@ -1222,6 +1248,20 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
     const bool one_page = p.page == WG_BN;
     auto issue = [&](int tile, int buf) {
       const int pos0 = start + tile * WG_BN;
+      if (p.tma_rows) {  // one thread: boxes of tma_rows rows (one page each) up to the split's end
+        if (t1 == 0) {
+          const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
+          const uint32_t bar = full_bar + 8 * buf;
+          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
+          for (int k = 0; k < nbox; ++k) {
+            const int pos = pos0 + k * p.tma_rows, blk = bt_row[pos / p.page], row = pos % p.page;
+#pragma unroll
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk);
+          }
+        }
+        return;
+      }
       const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
 #pragma unroll
       for (int hh = 0; hh < 4; ++hh) {
@@ -1248,13 +1288,33 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
       const uint32_t bytes = (uint32_t)(((rows - 1) * p.s_kvr + D) * 2);
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
     };
+    // Tile `tile` in buffer `buf` is complete (this thread's copies, or the TMA transactions), rows past the
+    // split's end are zero (TMA boxes bring whole pages), and the copies are visible to the async proxy
+    auto landed = [&](int tile, int buf) {
+      if (p.tma_rows) {
+        mbar_wait(full_bar + 8 * buf, (tile >> 1) & 1);
+        const int valid = end - (start + tile * WG_BN);
+        if (valid < WG_BN) {
+          for (int c = t1; c < (WG_BN - valid) * 8 * WG_ATOMS; c += 128) {
+            const int r = valid + c / (8 * WG_ATOMS), a = (c / 8) % WG_ATOMS;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kv_s + buf * WG_TILE + a * WG_ATOM +
+                         r * 128 + (c % 8) * 16), "r"(0) : "memory");
+          }
+        }
+      } else {
+        cp_async_wait0();
+      }
+      fence_async_smem();
+    };
     if (ntiles > 0) issue(0, 0);
-    cp_async_commit();  // group: Q + tile 0
+    cp_async_commit();  // group: Q (+ tile 0)
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
     for (int t = 2; t < 2 + p.l2_ahead; ++t) prefetch(t);
     if (ntiles > 0) {
-      cp_async_wait1();
+      if (p.tma_rows) cp_async_wait0();  // Q
+      else cp_async_wait1();             // Q + tile 0
+      if (p.tma_rows) landed(0, 0);
       fence_async_smem();
       nb_arrive(WS_FULL);
     }
@@ -1276,8 +1336,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const MlaParams p) {
       for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
       wg_commit();
       if (it + 1 < ntiles) {  // tile it + 1 (issued a tile ago) for group 0's next scores
-        cp_async_wait0();
-        fence_async_smem();
+        landed(it + 1, buf ^ 1);
         nb_arrive(WS_FULL);
       }
       wg_wait0();
@@ -1358,11 +1417,43 @@ _CPP_SOURCE = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cstdlib>
+#include <cstring>
 namespace k3mla {
 __PARAMS__
 cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream);
+}
+
+// The pool [blocks, page, 576] as a 3-D tensor map with (64 columns, box_rows rows, 1 block) boxes in the 128-byte
+// swizzle of the kernel's atoms (the driver's encoder reached through the runtime: no link to libcuda)
+static bool k3mla_encode_pool_map(void* out, const torch::Tensor& kv, int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess)
+      return false;
+#else
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found) != cudaSuccess) return false;
+#endif
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) return false;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {(cuuint64_t)kv.size(2), (cuuint64_t)kv.size(1), (cuuint64_t)kv.size(0)};
+  const cuuint64_t strides[2] = {(cuuint64_t)kv.stride(1) * 2, (cuuint64_t)kv.stride(0) * 2};
+  const cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 1}, unit[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, kv.data_ptr(), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
+  std::memcpy(out, &map, sizeof(map));
+  return true;
 }
 
 void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt,
@@ -1411,7 +1502,13 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.splits = (int)splits;
   {
     const char* e = std::getenv("K3NN_MLA_L2_AHEAD");
-    p.l2_ahead = e && *e ? std::atoi(e) : 2;
+    p.l2_ahead = e && *e ? std::atoi(e) : 0;
+  }
+  p.tma_rows = 0;
+  const char* tma_env = std::getenv("K3NN_MLA_TMA");
+  if (kernel == 2 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
+    p.tma_rows = p.page % 64 == 0 ? 64 : 16;
+    TORCH_CHECK(k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows), "mla_decode_launch: cuTensorMapEncodeTiled failed");
   }
   const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
