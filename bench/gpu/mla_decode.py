@@ -274,7 +274,7 @@ def cuda_compare(copy_tbps):
         for kernel, rows in variants:
             name = kernel if kernel != "mma" else f"mma{rows}"
             bn = cdk.WG_BLOCK_N if kernel != "mma" else cdk.BLOCK_N
-            dflt = cdk.default_num_splits(B, M, nblk * BS, sms, rows=rows, block_n=bn)
+            dflt = cdk.kernel_num_splits(kernel, B, M, nblk * BS, sms, rows)
             wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
             for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt) if wide else dflt}):
                 kw = dict(num_splits=S, rows=rows, kernel=kernel)
