@@ -1263,10 +1263,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       }
     };
     const bool early = p.tma_rows && p.early;
-    auto issue = [&](int tile, int buf) {
+    // the whole tile, or (refill) what is left of it once group 0's P·V is done with the buffer
+    auto issue = [&](int tile, int buf, bool refill = false) {
       const int pos0 = start + tile * WG_BN;
       if (p.tma_rows) {
-        if (early) issue_atoms(tile, buf, 0, 4, false);  // the rest went out as soon as it was free
+        if (refill && early) issue_atoms(tile, buf, 0, 4, false);  // the rest went out as soon as it was free
         else issue_atoms(tile, buf, 0, WG_ATOMS, true);
         return;
       }
@@ -1355,7 +1356,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
         if (early) issue_atoms(it + 2, buf, 4, 8, false);  // columns 256-511: only this group's P·V read them
         nb_sync(WS_VFREE + buf);
-        issue(it + 2, buf);
+        issue(it + 2, buf, true);
         cp_async_commit();
         prefetch(it + 2 + p.l2_ahead);
       }
