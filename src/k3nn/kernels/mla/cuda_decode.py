@@ -140,7 +140,6 @@ struct MlaParams {
   int B, Tq, H, M, page, splits;
   int l2_ahead;  // ws kernel: key tiles prefetched into L2 ahead of the cp.async loads (0: none)
   int tma_rows;  // ws kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
-  int early;     // ws kernel, TMA: refill a buffer's parts as each is free
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -1248,27 +1247,34 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
     const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
     const int* bt_row = p.bt + (long long)b * p.s_btb;
     const bool one_page = p.page == WG_BN;
-    // TMA (one thread): atoms [a0, a1) of tile `tile` into buffer `buf`, boxes of tma_rows rows (inside one page)
-    // up to the split's end; the first call for a tile (`first`) announces the whole tile's bytes to the mbarrier
-    auto issue_atoms = [&](int tile, int buf, int a0, int a1, bool first) {
-      if (t1 != 0) return;
+    // TMA (one thread): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k]) up
+    // to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile ahead
+    // (fetch_blocks), off the path from a freed buffer to its refill.
+    int blk[WG_BN / 16];
+    auto fetch_blocks = [&](int tile) {
       const int pos0 = start + tile * WG_BN;
-      const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
-      const uint32_t bar = full_bar + 8 * buf;
-      if (first) mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
-      for (int k = 0; k < nbox; ++k) {
-        const int pos = pos0 + k * p.tma_rows, blk = bt_row[pos / p.page], row = pos % p.page;
-        for (int a = a0; a < a1; ++a)
-          tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk);
+#pragma unroll
+      for (int k = 0; k < WG_BN / 16; ++k) {
+        const int pos = pos0 + k * p.tma_rows;
+        blk[k] = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end ? bt_row[pos / p.page] : 0;
       }
     };
-    const bool early = p.tma_rows && p.early;
-    // the whole tile, or (refill) what is left of it once group 0's P·V is done with the buffer
-    auto issue = [&](int tile, int buf, bool refill = false) {
+    auto issue = [&](int tile, int buf) {
       const int pos0 = start + tile * WG_BN;
       if (p.tma_rows) {
-        if (refill && early) issue_atoms(tile, buf, 0, 4, false);  // the rest went out as soon as it was free
-        else issue_atoms(tile, buf, 0, WG_ATOMS, true);
+        if (t1 == 0) {
+          const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
+          const uint32_t bar = full_bar + 8 * buf;
+          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
+#pragma unroll
+          for (int k = 0; k < WG_BN / 16; ++k) {
+            if (k >= nbox) break;
+            const int row = (pos0 + k * p.tma_rows) % p.page;
+#pragma unroll
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
+          }
+        }
         return;
       }
       const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
@@ -1315,10 +1321,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       }
       fence_async_smem();
     };
+    fetch_blocks(0);
     if (ntiles > 0) issue(0, 0);
     cp_async_commit();  // group: Q (+ tile 0)
+    fetch_blocks(1);
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
+    fetch_blocks(2);
     for (int t = 2; t < 2 + p.l2_ahead; ++t) prefetch(t);
     if (ntiles > 0) {
       if (p.tma_rows) cp_async_wait0();  // Q
@@ -1332,8 +1341,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       const int buf = it & 1;
       const uint64_t d_v = d_v0 + buf * (WG_TILE >> 4);
       nb_sync(WS_PREADY);
-      // group 0's scores of tile it are done: its rope atom (read by the scores only) may be refilled
-      if (early && it + 2 < ntiles) issue_atoms(it + 2, buf, WG_ATOMS - 1, WG_ATOMS, true);
       const float al_lo = red[r_lo], al_hi = red[r_hi];
       if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
@@ -1354,9 +1361,9 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       reg_fence(acc);
       if (it + 1 < ntiles) nb_arrive(WS_PFREE);
       if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
-        if (early) issue_atoms(it + 2, buf, 4, 8, false);  // columns 256-511: only this group's P·V read them
         nb_sync(WS_VFREE + buf);
-        issue(it + 2, buf, true);
+        issue(it + 2, buf);
+        fetch_blocks(it + 3);
         cp_async_commit();
         prefetch(it + 2 + p.l2_ahead);
       }
@@ -1517,10 +1524,6 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
     p.l2_ahead = e && *e ? std::atoi(e) : 0;
   }
   p.tma_rows = 0;
-  {
-    const char* e = std::getenv("K3NN_MLA_EARLY");
-    p.early = e && *e ? std::atoi(e) : 1;
-  }
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 2 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
