@@ -111,7 +111,7 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL", raising=False)
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     dev = torch.device("cuda", 0)
-    assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
+    assert cd.kernel_choice(device=dev) == "ws" and cd.kernel_choice() == "mma"
     assert cd.kernel_choice("mma", dev) == "mma"
     assert cd.supports(*_inputs(), 0.07) is None
     monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: small batches stay on the Triton kernel
@@ -144,7 +144,7 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
         cd.kernel_choice("wmma", dev)
     monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL")
     Props.shared_memory_per_block_optin = 200 * 1024
-    assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
+    assert "ws kernel needs" in cd.supports(*_inputs(), 0.07)
     assert cd.supports(*_inputs(), 0.07, kernel="mma") is None
     Props.major = 8
     with pytest.raises(ValueError, match="sm_90"):

@@ -1256,7 +1256,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
 #pragma unroll
       for (int k = 0; k < WG_BN / 16; ++k) {
         const int pos = pos0 + k * p.tma_rows;
-        blk[k] = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end ? bt_row[pos / p.page] : 0;
+        const bool used = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
+        blk[k] = used ? bt_row[pos / p.page] : 0;
       }
     };
     auto issue = [&](int tile, int buf) {
@@ -1626,7 +1627,7 @@ def kernel_choice(kernel: str | None = None, device: torch.device | None = None)
     name = kernel if kernel is not None else os.environ.get(KERNEL_ENV, "").strip()
     hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     if not name:
-        return "wgmma" if hopper else "mma"
+        return "ws" if hopper else "mma"
     if name not in KERNELS:
         src = f"{KERNEL_ENV}" if kernel is None else "mla_decode_cuda: kernel"
         raise ValueError(f"{src} must be one of {KERNELS}, got {name!r}")
