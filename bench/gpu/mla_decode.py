@@ -270,7 +270,7 @@ def cuda_compare(copy_tbps):
         best = {}
         variants = [("mma", rows) for rows in cdk.ROWS_VARIANTS]
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            variants[:0] = [("wgmma", 64), ("ws", 64)]
+            variants.insert(0, ("wgmma", 64))
         for kernel, rows in variants:
             name = kernel if kernel != "mma" else f"mma{rows}"
             bn = cdk.WG_BLOCK_N if kernel != "mma" else cdk.BLOCK_N

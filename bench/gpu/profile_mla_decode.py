@@ -1,9 +1,9 @@
 """Driver for a hardware-counter look at the Triton MLA decode next to FlashMLA (B=64 L=8K H=64 Tq=1, bf16,
 paged latent cache): runs the default Triton plan (and each plan named on the command line as
-``bh,bn,warps,stages,lazy,sv,ahead,opaque,tma/splits``), the CUDA warp-group kernels (sm_90), then FlashMLA's
+``bh,bn,warps,stages,lazy,sv,ahead,opaque,tma/splits``), the CUDA warp-group kernel (sm_90), then FlashMLA's
 legacy SM90 kernel when it imports — each three times (two warm-up calls, one timed).
 
-    ncu --clock-control none --kernel-name regex:'_mla_decode_stage1|mla_w[a-z]*_kernel|splitkv_mla' --launch-count 12 \\
+    ncu --clock-control none --kernel-name regex:'_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla' --launch-count 9 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section SchedulerStats --section SourceCounters python3 bench/gpu/profile_mla_decode.py [PLAN ...]
 
@@ -45,9 +45,8 @@ def main():
     from k3nn.kernels.mla import cuda_decode as cdk
 
     if cdk.available() is None and torch.cuda.get_device_capability(dev) == (9, 0):
-        for kernel in ("wgmma", "ws"):
-            timed(f"k3nn CUDA {kernel} S=2", lambda k=kernel: cdk.mla_decode_cuda(
-                q[..., :R], q[..., R:], pool, bt, sl, SCALE, num_splits=2, out=out, kernel=k))
+        timed("k3nn CUDA wgmma S=2", lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE,
+                                                                 num_splits=2, out=out, kernel="wgmma"))
     fm, why = flashmla()
     if fm is None:
         print(f"FlashMLA: {why}")

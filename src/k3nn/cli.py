@@ -76,8 +76,8 @@ def _mla_decode_line() -> str:
         return str(e)
     if os.environ.get(cd.ENABLE_ENV, "").strip():
         return f"cuda {kernel} for every call ({cd.ENABLE_ENV}=1), built on first use"
-    return (f"cuda {kernel} for batched calls (B·⌈Tq·H/64⌉ ≥ {cd.MIN_ROW_CTAS}; built on first use), "
-            "triton split-KV for smaller ones")
+    return (f"cuda {kernel} (built on first use), except triton split-KV for calls with Tq·H ≤ 64 and "
+            f"B < {cd.MIN_ROW_CTAS}")
 
 
 def _mx_gemv_line() -> str:

@@ -97,8 +97,7 @@ def _poisoned(q_lat, dtype):
             torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
 
 
-@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64), ("ws", 64)],
-                ids=["rows16", "rows64", "wgmma", "wgmma_ws"])
+@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64)], ids=["rows16", "rows64", "wgmma"])
 def cuda_mla(monkeypatch, request):
     """The CUDA kernel, opted in: mma.sync with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS), or
     the warp-group kernel (sm_90 only)."""
@@ -172,7 +171,7 @@ def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
     q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
     outs = {}
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64), ("ws", 64)] * hopper
+    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64)] * hopper
     for kernel, rows in variants:
         for splits in (None, 1, 6):
             out = _poisoned(q_lat, torch.float32)
@@ -205,8 +204,8 @@ def test_cuda_page_sizes_and_padded_pool_rows(cuda_mla, bs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
 @pytest.mark.parametrize("bs", [16, 64, 128])
-def test_ws_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
-    """The ws kernel's two key-tile loaders (TMA boxes, and per-thread cp.async with K3NN_MLA_TMA=0) put the same
+def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
+    """The wgmma kernel's two key-tile loaders (TMA boxes, and per-thread cp.async with K3NN_MLA_TMA=0) put the same
     bytes in shared memory, zeros past each split's end included (the pool's unused rows are NaN)."""
     from k3nn.kernels.mla import cuda_decode
 
@@ -217,7 +216,7 @@ def test_ws_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
         for splits in (1, 5):
             out = _poisoned(q_lat, torch.float32)
             cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out,
-                                        kernel="ws")
+                                        kernel="wgmma")
             outs.append(out)
     for a, b in zip(outs[:2], outs[2:]):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

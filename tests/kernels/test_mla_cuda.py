@@ -111,7 +111,7 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL", raising=False)
     monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     dev = torch.device("cuda", 0)
-    assert cd.kernel_choice(device=dev) == "ws" and cd.kernel_choice() == "mma"
+    assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
     assert cd.kernel_choice("mma", dev) == "mma"
     assert cd.supports(*_inputs(), 0.07) is None
     monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: small batches stay on the Triton kernel
@@ -123,6 +123,7 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     monkeypatch.setattr(cd, "_BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert "capture" in cd.supports(*big, 0.07)
+    assert "capture" in cd.supports(*_inputs(B=1, H=96), 0.07)  # two 64-row blocks per request: the kernel too
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def broken_build():
@@ -144,7 +145,7 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
         cd.kernel_choice("wmma", dev)
     monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL")
     Props.shared_memory_per_block_optin = 200 * 1024
-    assert "ws kernel needs" in cd.supports(*_inputs(), 0.07)
+    assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
     assert cd.supports(*_inputs(), 0.07, kernel="mma") is None
     Props.major = 8
     with pytest.raises(ValueError, match="sm_90"):
@@ -194,7 +195,8 @@ def test_generated_source_has_the_entry_points():
     cu = cd.kernel_source()
     for name in ("mla_split_kernel", "mla_split64_kernel", "mla_combine_kernel", "mla_decode_dispatch(",
                  "struct MlaParams", "launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream)",
-                 "mla_wgmma_kernel", "mla_ws_kernel", "bar.arrive %0, 256", "m64n64k16.f32.bf16.bf16", "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+                 "mla_wgmma_kernel", "bar.arrive %0, 256", "cp.async.bulk.tensor.3d", "mbarrier.try_wait.parity",
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "fence.proxy.async.shared::cta",
                  "if (rows == ROWS64)", "bar.sync %0, 64", "SMEM_BYTES64 = Q_BYTES64",
                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",

@@ -31,14 +31,15 @@ On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``) these mma.sync 
 0.58 TB/s (64 rows) and 0.91 / 0.46 / 0.43 (16 rows) at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64.
 
 On sm_90 the default stage 1 is the warp-group kernel (``kernel="wgmma"``, :func:`kernel_choice`; built for
-sm_90a): 64 query rows, two warp groups, Q and two 64-key tiles in shared memory in the 128-byte swizzled
-layout that ``wgmma`` descriptors read; scores with ``wgmma m64n32k16`` (each group 32 keys), P through a
-swizzled shared tile, ``O += P·V`` with ``wgmma m64n256k16`` (each group 256 columns, V read MN-major from the
-same key tile; a group's own keys from registers, the other group's from a shared P tile), lazy rescale (see
-``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s7-run12-2026-11-30.log``) it moved 2.94 / 1.70 TB/s
-at B=64 L=8K H=64 / H=96 against 2.61 / 1.42 for the Triton kernel's default plan in the same run, 1.67 against
-1.44 with 2-token windows, and 0.92 / 0.92 at B=1 L=32K H=64 / H=96 against 1.10 / 0.89 — so ``auto`` gives it
-batched calls only (:data:`MIN_ROW_CTAS`).
+sm_90a): 64 query rows, two specialized warp groups, Q and two 64-key tiles in shared memory in the 128-byte
+swizzled layout that ``wgmma`` descriptors and TMA boxes share. Group 0 computes the scores of a whole tile
+(``wgmma m64n64k16``), the online softmax (lazy rescale) and P, then ``O[:, :256] += P·V`` with P from its
+registers; group 1 loads the key tiles (TMA into an mbarrier per buffer, or ``cp.async`` where pages are not
+multiples of 16 rows or ``K3NN_MLA_TMA=0``) and computes ``O[:, 256:] += P·V`` from a shared P tile under group
+0's next scores (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran
+B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30 TB/s) against 231 / 418 µs for the Triton kernel's default
+plan, 269 against 417 µs with 2-token windows, and B=1 L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3
+— so ``auto`` leaves small batches of one 64-row block per request to Triton (:data:`MIN_ROW_CTAS`).
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
@@ -50,8 +51,9 @@ one wave of CTAs: two per SM with 16 rows, one with 64), never on lengths read f
 launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
 Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+; the warp-group kernel needs sm_90. ``auto``
-(see :func:`enabled` and :func:`supports`): with ``K3NN_MLA_CUDA`` unset, the warp-group kernel on an sm_90 GPU
-for calls of at least :data:`MIN_ROW_CTAS` 64-row CTAs per split and the Triton kernel otherwise;
+(see :func:`enabled` and :func:`supports`): with ``K3NN_MLA_CUDA`` unset, the warp-group kernel on an sm_90 GPU,
+except for calls of one 64-row block per request (Tq·H ≤ 64) and fewer than :data:`MIN_ROW_CTAS` requests, which
+go to the Triton kernel;
 ``K3NN_MLA_CUDA=1`` sends every call here (on other GPUs: the mma.sync kernel), ``K3NN_MLA_CUDA=0`` none.
 """
 
@@ -104,12 +106,12 @@ ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
 DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
 ENABLE_ENV = "K3NN_MLA_CUDA"
-#: with K3NN_MLA_CUDA unset, calls with fewer 64-row CTAs per split (B · ⌈Tq·H / 64⌉) stay on the Triton kernel:
-#: at B=1 L=32K H=64 its split tuner is faster (34 against 41 µs, h200-s7-run12); at B=64 the wgmma kernel is
-#: (206 against 232 µs at H=64, 356 against 424 at H=96)
+#: with K3NN_MLA_CUDA unset, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
+#: on the Triton kernel: at B=1 L=32K H=64 its split tuner is faster (34.3 against 36.2 µs, h200-s8-run8); with two
+#: blocks the wgmma kernel is (38.7 against 42.3 µs at B=1 H=96), and at B=64 (177 against 231 µs at H=64)
 MIN_ROW_CTAS = 32
-KERNELS = ("wgmma", "ws", "mma")  # stage-1 kernels: warp-group MMA (sm_90; "ws": specialized groups), mma.sync
-_KERNEL_CODES = {"mma": 0, "wgmma": 1, "ws": 2}
+KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
+_KERNEL_CODES = {"mma": 0, "wgmma": 1}
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
@@ -138,8 +140,7 @@ struct MlaParams {
   long long s_ob, s_ot, s_oh, s_lb, s_lt, s_lh;
   float scale_log2;
   int B, Tq, H, M, page, splits;
-  int l2_ahead;  // ws kernel: key tiles prefetched into L2 ahead of the cp.async loads (0: none)
-  int tma_rows;  // ws kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
+  int tma_rows;  // wgmma kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -737,11 +738,11 @@ __RAISE_SMEM__
 
 template <typename T, typename TO>
 cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stream) {
-  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {}, raised_ws[64] = {};
+  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
   cudaError_t err;
   if (kernel != 0) {
-    auto kern = kernel == 1 ? mla_wgmma_kernel<T, TO> : mla_ws_kernel<T, TO>;
-    err = raise_smem(kern, WG_SMEM, kernel == 1 ? raised_wg : raised_ws);
+    auto kern = mla_wgmma_kernel<T, TO>;
+    err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
     kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
   } else if (rows == ROWS64) {
@@ -762,11 +763,11 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
 }
 
 // in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA of the
-// mma.sync kernels; kernel: 0 mma.sync, 1 / 2 the 64-row warp-group kernels (sm_90a builds only)
+// mma.sync kernels; kernel: 0 mma.sync, 1 the 64-row warp-group kernel (sm_90a builds only)
 cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream) {
   if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
-  if (kernel < 0 || kernel > 2) return cudaErrorInvalidValue;
+  if (kernel < 0 || kernel > 1) return cudaErrorInvalidValue;
   if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
   if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
   if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, kernel, stream);
@@ -777,23 +778,37 @@ cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int r
 """
 
 WGMMA_SOURCE = r"""
-// ---- Hopper variant: warp-group MMA (wgmma) from 128-byte-swizzled shared memory --------------------------------
+// ---- Hopper variant: warp-group MMA (wgmma) from 128-byte-swizzled shared memory, specialized warp groups -------
 // One CTA = 64 query rows of request blockIdx.z × key split blockIdx.y, 256 threads = two warp groups. Q [64, 576]
 // and two 64-key tiles sit in shared memory as nine "atoms" of 64 columns (64 rows × 128 B, the 16-byte chunks of
-// row r XOR-ed with r % 8: the canonical 128-byte swizzle that wgmma descriptors read). Per key tile:
-//   scores   S[64, 32 keys of this group] = Q · Kᵀ     (36 × wgmma m64n32k16, both operands K-major in smem)
-//   softmax  row max exchanged between the groups through shared memory, lazy rescale (a row's reference max
-//            moves only when it grows by more than 8 in base 2); P rounded to the input dtype into a swizzled
-//            [64, 64] tile
-//   output   O[64, 256 columns of this group] += P · V  (4 × wgmma m64n256k16; V is the same key tile read
-//            MN-major: 8-key groups 1024 B apart, 64-column atoms 8 KB apart): the group's own 32 keys with A
-//            from its score registers, issued before the P barrier; the other group's keys from the P tile
-// The next tile's cp.async copies are issued right after the barrier that frees its buffer, so they run under
-// this tile's products. Measured no faster on the H200 (bench/results/logs): two tiles in flight, each group
-// refilling its own parts of a buffer after its P·V or the whole buffer after a barrier (h200-s7-run4); the 36
-// score products spread over up to four accumulators (run9); both groups computing all 64 keys' scores with P
-// kept in registers — one barrier per tile, no P tile — (run10: slower, the second score product costs more).
+// row r XOR-ed with r % 8: the canonical 128-byte swizzle that wgmma descriptors and TMA boxes share). The groups
+// do different work:
+//   group 0  scores S[64, 64] = Q · Kᵀ over the whole tile (36 × wgmma m64n64k16, both operands K-major in smem:
+//            Q is read once per tile), the online softmax (it sees every key of a row: no max exchange; lazy
+//            rescale: a row's reference max moves only when it grows by more than 8 in base 2), P (rounded to the
+//            input dtype) and the rows' rescale factors into shared memory, then O[:, 0:256] += P · V with A from
+//            its registers (4 × wgmma m64n256k16; V is the same key tile read MN-major: 8-key groups 1024 B apart,
+//            64-column atoms 8 KB apart)
+//   group 1  the loader and O[:, 256:512] += P · V with P from the shared tile, which runs under group 0's scores
+//            of the next tile. Key tiles come by TMA (a 3-D tensor map of the pool, boxes of 64 columns × 64 or 16
+//            rows inside one page, completion on one mbarrier per buffer; rows past the split's end are zeroed
+//            after landing) when pages are multiples of 16 rows and K3NN_MLA_TMA is not 0, else by per-thread
+//            cp.async (zero-filled past the end). A buffer is refilled as soon as both groups are done with it;
+//            the block ids of a refill are read a tile ahead.
+// Hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
+//   FULL    group 1 → 0: tile `it` landed and fenced for the async proxy
+//   PREADY  group 0 → 1: P(it) and its rescale factors written
+//   PFREE   group 1 → 0: group 1's P·V(it) done, the P tile may be overwritten
+//   VFREE   group 0 → 1: group 0's P·V(it) done, buffer it % 2 may be refilled (two ids, alternating: group 0 can
+//           run a tile ahead of group 1's wait)
 // With Tq·H = 96 the second CTA of a request has 32 live rows of 64 (wgmma's M is 64).
+// Measured on the H200 (bench/results/logs/h200-s8-*): this layout took B=64 L=8K H=64 from 204 to 177 µs and H=96
+// from 355 to 263 µs against the former symmetric one (both groups scoring 32 keys each with m64n32k16 — Q read
+// twice per tile — and exchanging row maxima and P through shared memory, run8); TMA against cp.async 183 / 188 µs
+// (run5). No faster: an L2 prefetch of whole tiles ahead of the loads (run2: 1-4% with cp.async, L2 thrash at 4
+// tiles ahead), refilling a buffer's rope atom and right half early (run7: slower, the issuing lane holds its
+// group's P·V); earlier, for the symmetric kernel (s7 runs 4, 9, 10): two tiles in flight, several score
+// accumulators, duplicated scores with P kept in registers.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
@@ -829,16 +844,14 @@ __device__ __forceinline__ void reg_fence(float (&d)[N]) {
 __WGMMA_OPS__
 template <typename T> struct Wg;
 template <> struct Wg<__nv_bfloat16> {
-  static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
-  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_bf16(d, a, b); }
+  static __device__ __forceinline__ void qk(float (&d)[32], uint64_t a, uint64_t b) { wg_qk_bf16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_bf16(d, a, b); }
   static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
     wg_pvr_bf16(d, a, b);
   }
 };
 template <> struct Wg<__half> {
-  static __device__ __forceinline__ void qk(float (&d)[16], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
-  static __device__ __forceinline__ void qk64(float (&d)[32], uint64_t a, uint64_t b) { wg_qk64_f16(d, a, b); }
+  static __device__ __forceinline__ void qk(float (&d)[32], uint64_t a, uint64_t b) { wg_qk_f16(d, a, b); }
   static __device__ __forceinline__ void pv(float (&d)[128], uint64_t a, uint64_t b) { wg_pv_f16(d, a, b); }
   static __device__ __forceinline__ void pvr(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
     wg_pvr_f16(d, a, b);
@@ -846,232 +859,6 @@ template <> struct Wg<__half> {
 };
 #endif
 
-template <typename T, typename TO>
-__global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const MlaParams p) {
-#ifdef K3MLA_WGMMA
-  extern __shared__ __align__(16) unsigned char smem[];
-  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
-  float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // [2 groups][64 rows]
-  int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int grp = warp >> 2, wq = warp & 3;  // warp group (its 32 keys of the scores, its 256 output columns)
-  const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
-  const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
-  const int seq = p.seq[b];
-
-  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
-  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
-
-  // Loader: thread -> rows ld_row and ld_row + 32, chunk ld_sub of each atom (8 threads cover a 128-byte span).
-  const int ld_row = tid >> 3, ld_sub = tid & 7;
-  {  // Q [64, 576] = [q_lat | q_rope], rows past M zero-filled (16-byte aligned rows: checked by the caller)
-    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
-    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = ld_row + 32 * hh, m = m0 + r;
-      const uint16_t* lat = ql;
-      const uint16_t* rope = qr;
-      int bytes = 0;
-      if (m < p.M) {
-        const int t = m / p.H, h = m - t * p.H;
-        lat = ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + ld_sub * 8;
-        rope = qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + ld_sub * 8;
-        bytes = 16;
-      }
-      const uint32_t dst = q_s + sw128(r, ld_sub);
-#pragma unroll
-      for (int a = 0; a < WG_ATOMS - 1; ++a) cp_async16(dst + a * WG_ATOM, lat + (bytes ? a * 64 : 0), bytes);
-      cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
-    }
-  }
-  // Key tiles: rows ld_row and ld_row + 32, chunk ld_sub of each of the nine atoms; rows past `end` are
-  // zero-filled, their addresses never read. With 64-row pages (a split starts on a multiple of 64) a tile is one
-  // page: one block-table read per tile.
-  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
-  const int* bt_row = p.bt + (long long)b * p.s_btb;
-  const bool one_page = p.page == WG_BN;
-  auto issue = [&](int tile, int buf) {
-    const int pos0 = start + tile * WG_BN;
-    const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = ld_row + 32 * hh, pos = pos0 + r;
-      const uint16_t* src = kv;
-      int bytes = 0;
-      if (pos < end) {
-        const int blk = one_page ? blk0 : bt_row[pos / p.page];
-        src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
-        bytes = 16;
-      }
-      const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
-#pragma unroll
-      for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
-    }
-  };
-  if (ntiles > 0) issue(0, 0);
-  cp_async_commit();  // group: Q + tile 0
-
-  const int r_lo = wq * 16 + g, r_hi = r_lo + 8;  // this thread's two rows
-  const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
-  float acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // running max (base 2), partial row sums
-  // Descriptors: Q; this group's 32 keys of buffer 0 (K-major); P; this group's 256 value columns of buffer 0
-  // (MN-major: 64-column atoms 8 KB apart, 8-key groups 1 KB apart). Offsets are added in 16-byte units.
-  const uint64_t d_q = gmma_desc(q_s, 16, 1024), d_p = gmma_desc(p_s, 16, 1024);
-  const uint64_t d_k0 = gmma_desc(kv_s + grp * 32 * 128, 16, 1024);
-  const uint64_t d_v0 = gmma_desc(kv_s + 4 * grp * WG_ATOM, WG_ATOM, 1024);
-
-  for (int it = 0; it < ntiles; ++it) {
-    const int buf = it & 1;
-    cp_async_wait0();    // this thread's copies of tile `it` (and Q) landed
-    fence_async_smem();  // the copies (generic proxy) become visible to the products (async proxy)
-    __syncthreads();     // every thread's copies; both groups are done with tile it - 1, its buffer and P
-    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
-    cp_async_commit();
-    const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
-
-    float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    reg_fence(s);
-    wg_fence();
-#pragma unroll
-    for (int a = 0; a < WG_ATOMS; ++a) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
-        Wg<T>::qk(s, d_q + off, d_k + off);
-      }
-    }
-    wg_commit();
-    wg_wait0();
-    reg_fence(s);
-
-    // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
-    const int n0 = start + it * WG_BN + grp * 32 + 2 * tq;
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int n = n0 + j * 8 + e;
-        s[4 * j + e] = n < lim_lo ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-        s[4 * j + 2 + e] = n < lim_hi ? s[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
-        mx_lo = fmaxf(mx_lo, s[4 * j + e]);
-        mx_hi = fmaxf(mx_hi, s[4 * j + 2 + e]);
-      }
-    }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-    if (tq == 0) {
-      red[grp * WG_ROWS + r_lo] = mx_lo;
-      red[grp * WG_ROWS + r_hi] = mx_hi;
-    }
-    __syncthreads();  // row maxima of both groups; both groups are done with the scores (and P of tile it - 1)
-    mx_lo = fmaxf(red[r_lo], red[WG_ROWS + r_lo]);
-    mx_hi = fmaxf(red[r_hi], red[WG_ROWS + r_hi]);
-    // Lazy rescale: a row's reference max moves only when the tile's max exceeds it by more than 8 (so p < 2^8);
-    // both groups see the same maxima and decide alike. m starts at -1e30: the first seen key always moves it.
-    const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
-    const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
-    m_lo = mn_lo;
-    m_hi = mn_hi;
-    float ps_lo = 0.f, ps_hi = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[4 * j + e] = exp2f(s[4 * j + e] - mn_lo);  // 0 for masked keys
-        s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - mn_hi);
-        ps_lo += s[4 * j + e];
-        ps_hi += s[4 * j + 2 + e];
-      }
-    }
-    l_lo = l_lo * al_lo + ps_lo;
-    l_hi = l_hi * al_hi + ps_hi;
-    if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
-      }
-    }
-    // This group's P (its 32 keys) as the A fragments of two 16-key steps: pa[h] covers keys 32 grp + 16 h …
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      pa[h][0] = Ty<T>::pack(s[8 * h], s[8 * h + 1]);
-      pa[h][1] = Ty<T>::pack(s[8 * h + 2], s[8 * h + 3]);
-      pa[h][2] = Ty<T>::pack(s[8 * h + 4], s[8 * h + 5]);
-      pa[h][3] = Ty<T>::pack(s[8 * h + 6], s[8 * h + 7]);
-    }
-    // P·V over this group's own keys starts at once (A from registers) ...
-    reg_fence(acc);
-    wg_fence();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) Wg<T>::pvr(acc, pa[h], d_v + (2 * grp + h) * ((16 * 128) >> 4));
-    wg_commit();
-    // ... while P goes to the swizzled [64 rows, 64 keys] tile for the other group: keys 32 grp + 8 j + 2 tq (+1)
-    // are chunk 4 grp + j, i.e. word tq of fragment register j
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sts32(p_s + sw128(r_lo, 4 * grp + j) + 4 * tq, pa[j >> 1][(j & 1) * 2]);
-      sts32(p_s + sw128(r_hi, 4 * grp + j) + 4 * tq, pa[j >> 1][(j & 1) * 2 + 1]);
-    }
-    fence_async_smem();
-    __syncthreads();  // both halves of P written
-    // ... and the other group's keys follow from the shared P tile
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int kk = 2 * (1 - grp) + h;
-      Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
-    }
-    wg_commit();
-    wg_wait0();
-    reg_fence(acc);
-  }
-
-  // row sums: the 4 lanes of a row group, then the two warp groups (red is free: its last reads came before the
-  // P barrier)
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  if (tq == 0) {
-    red[grp * WG_ROWS + r_lo] = l_lo;
-    red[grp * WG_ROWS + r_hi] = l_hi;
-  }
-  __syncthreads();
-  l_lo = red[r_lo] + red[WG_ROWS + r_lo];
-  l_hi = red[r_hi] + red[WG_ROWS + r_hi];
-  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
-                   [&](int j, int e) { return acc[4 * j + e]; });
-#else
-  __trap();  // built without sm_90a: the launcher never picks this kernel then
-#endif
-}
-
-// ---- Hopper variant with specialized warp groups ----------------------------------------------------------------
-// Same shared-memory layout as mla_wgmma_kernel (Q, two 64-key tiles as 128-byte swizzle atoms, one P tile), but
-// the groups do different work:
-//   group 0  scores S[64, 64] = Q · Kᵀ over the whole tile (36 × wgmma m64n64k16: Q is read once per tile), the
-//            online softmax (no max exchange: it sees every key of a row), P and the rows' rescale factors into
-//            shared memory, then O[:, 0:256] += P · V with A from its registers
-//   group 1  the loader (cp.async, two tiles ahead of nothing: a buffer is refilled as soon as both groups are done
-//            with it) and O[:, 256:512] += P · V with P from the shared tile, which runs under group 0's scores of
-//            the next tile
-// Hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
-//   FULL    group 1 → 0: tile `it` landed and fenced for the async proxy
-//   PREADY  group 0 → 1: P(it) and its rescale factors written
-//   PFREE   group 1 → 0: group 1's P·V(it) done, the P tile may be overwritten
-//   VFREE   group 0 → 1: group 0's P·V(it) done, buffer it % 2 may be refilled (two ids, alternating: group 0 can
-//           run a tile ahead of group 1's wait)
 constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;
 
 #ifdef K3MLA_WGMMA
@@ -1096,7 +883,7 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32
 #endif
 
 template <typename T, typename TO>
-__global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant__ MlaParams p) {
+__global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;
@@ -1142,7 +929,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
-          Wg<T>::qk64(s, d_q + off, d_k + off);
+          Wg<T>::qk(s, d_q + off, d_k + off);
         }
       }
       wg_commit();
@@ -1167,7 +954,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
       mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      // lazy rescale, as in mla_wgmma_kernel
+      // lazy rescale: m starts at -1e30, so the first visible key always moves it
       const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
       const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
       m_lo = mn_lo;
@@ -1294,16 +1081,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
         for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
       }
     };
-    // L2 prefetch of whole tiles (one bulk request by one thread), l2_ahead tiles beyond the cp.async loads: a
-    // tile lies in one page when pages are multiples of 64 keys (splits start on multiples of 64)
-    const bool pf_ok = p.l2_ahead > 0 && p.page % WG_BN == 0 && t1 == 0;
-    auto prefetch = [&](int tile) {
-      if (!pf_ok || tile >= ntiles) return;
-      const int pos0 = start + tile * WG_BN, rows = min(WG_BN, end - pos0);
-      const uint16_t* src = kv + (long long)bt_row[pos0 / p.page] * p.s_kvb + (long long)(pos0 % p.page) * p.s_kvr;
-      const uint32_t bytes = (uint32_t)(((rows - 1) * p.s_kvr + D) * 2);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-    };
     // Tile `tile` in buffer `buf` is complete (this thread's copies, or the TMA transactions), rows past the
     // split's end are zero (TMA boxes bring whole pages), and the copies are visible to the async proxy
     auto landed = [&](int tile, int buf) {
@@ -1329,7 +1106,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
     fetch_blocks(2);
-    for (int t = 2; t < 2 + p.l2_ahead; ++t) prefetch(t);
     if (ntiles > 0) {
       if (p.tma_rows) cp_async_wait0();  // Q
       else cp_async_wait1();             // Q + tile 0
@@ -1366,7 +1142,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
         issue(it + 2, buf);
         fetch_blocks(it + 3);
         cp_async_commit();
-        prefetch(it + 2 + p.l2_ahead);
       }
     }
     cp_async_wait0();
@@ -1400,7 +1175,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_ws_kernel(const __grid_constant_
 
 
 def _wgmma_ops() -> str:
-    """The wgmma wrappers (scores m64n32k16, K-major B; output m64n256k16, MN-major B, with A from shared memory or
+    """The wgmma wrappers (scores m64n64k16, K-major B; output m64n256k16, MN-major B, with A from shared memory or
     from registers; bf16 and fp16 inputs): generated, as each names every accumulator register."""
     out = []
     for ty, ptx in (("bf16", "bf16"), ("f16", "f16")):
@@ -1415,7 +1190,7 @@ def _wgmma_ops() -> str:
             f'               : {outs}\n'
             f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));\n'
             f"}}")
-        for name, n, trans_b in (("qk", 32, 0), ("qk64", 64, 0), ("pv", 256, 1)):
+        for name, n, trans_b in (("qk", 64, 0), ("pv", 256, 1)):
             k = n // 2
             regs = ", ".join(f"%{i}" for i in range(k))
             outs = ", ".join(f'"+f"(d[{i}])' for i in range(k))
@@ -1520,13 +1295,9 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
-  {
-    const char* e = std::getenv("K3NN_MLA_L2_AHEAD");
-    p.l2_ahead = e && *e ? std::atoi(e) : 0;
-  }
   p.tma_rows = 0;
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
-  if (kernel == 2 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
+  if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
     TORCH_CHECK(k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows), "mla_decode_launch: cuTensorMapEncodeTiled failed");
   }
@@ -1627,7 +1398,7 @@ def kernel_choice(kernel: str | None = None, device: torch.device | None = None)
     name = kernel if kernel is not None else os.environ.get(KERNEL_ENV, "").strip()
     hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     if not name:
-        return "ws" if hopper else "mma"
+        return "wgmma" if hopper else "mma"
     if name not in KERNELS:
         src = f"{KERNEL_ENV}" if kernel is None else "mla_decode_cuda: kernel"
         raise ValueError(f"{src} must be one of {KERNELS}, got {name!r}")
@@ -1674,13 +1445,12 @@ def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_
 
 
 def kernel_num_splits(kernel: str, B: int, M: int, max_tokens: int, sm_count: int, rows: int = 64) -> int:
-    """:func:`default_num_splits` for a stage-1 kernel: the warp-group kernels take 64-key tiles, and the ws kernel
-    at least 8 of them per split (its split partials cost more than the wave they fill: B=1 L=32K H=64 ran in 36.6
-    µs with 64 splits against 41.5 with 128, h200-s8-run2)."""
+    """:func:`default_num_splits` for a stage-1 kernel: the warp-group kernel takes 64-key tiles, at least 8 per split
+    (more split partials cost more than the wave they fill: B=1 L=32K H=64 ran in 36.6 µs with 64 splits against
+    41.5 with 128, h200-s8-run2)."""
     if kernel == "mma":
         return default_num_splits(B, M, max_tokens, sm_count, rows=rows)
-    return default_num_splits(B, M, max_tokens, sm_count, rows=64, block_n=WG_BLOCK_N,
-                              min_tiles=8 if kernel == "ws" else 4)
+    return default_num_splits(B, M, max_tokens, sm_count, rows=64, block_n=WG_BLOCK_N, min_tiles=8)
 
 
 def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_lens=None, num_splits=None,
@@ -1716,11 +1486,11 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
     if kern != "mma":
         if SMEM_BYTES_WGMMA > lim:
             return f"the {kern} kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
-        ctas = q_lat.shape[0] * math.ceil(q_lat.shape[1] * q_lat.shape[2] / 64)
+        B, M = q_lat.shape[0], q_lat.shape[1] * q_lat.shape[2]
         if _env_choice() is None:  # chosen by default, not asked for: step aside rather than fail
-            if ctas < MIN_ROW_CTAS:
-                return (f"small batch (B·⌈Tq·H/64⌉ = {ctas} < {MIN_ROW_CTAS}): the Triton split-KV kernel is "
-                        f"faster (set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
+            if M <= 64 and B < MIN_ROW_CTAS:
+                return (f"small batch (B = {B} < {MIN_ROW_CTAS} with Tq·H = {M} ≤ 64): the Triton split-KV kernel "
+                        f"is faster (set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
             return _build_reason()
         return None
     need = SMEM_BYTES_BY_ROWS[nrows]
