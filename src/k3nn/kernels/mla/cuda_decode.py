@@ -817,8 +817,9 @@ constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
 constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
 constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
-constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;  // + alignment slack, row
-                                                                                         // stats, limits, 2 mbarriers
+// Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
+constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -857,11 +858,6 @@ template <> struct Wg<__half> {
     wg_pvr_f16(d, a, b);
   }
 };
-#endif
-
-constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;
-
-#ifdef K3MLA_WGMMA
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
