@@ -141,7 +141,6 @@ struct MlaParams {
   float scale_log2;
   int B, Tq, H, M, page, splits;
   int tma_rows;  // wgmma kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
-  int defer;     // wgmma kernel: group 1's P·V under group 0's next softmax
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -820,7 +819,7 @@ constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
 // Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
 constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
-constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4, WS_QKDONE = 6;  // named barriers (above)
+constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -907,35 +906,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // group 0: running max (base 2), row sums
-  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
-  const int* bt_row = p.bt + (long long)b * p.s_btb;
-  // TMA refills: block ids of tile `tile`'s boxes (read by the issuing thread a tile ahead, off the path from a freed
-  // buffer to its refill), and atoms [a0, a1) of the tile as boxes of tma_rows rows (inside one page) up to the
-  // split's end into buffer `buf`; the first part of a tile announces the whole tile's bytes to the buffer's mbarrier
-  const bool defer = p.defer != 0, split_refill = defer && p.tma_rows;
-  int blk[WG_BN / 16];
-  auto fetch_blocks = [&](int tile, bool issuer) {
-    const int pos0 = start + tile * WG_BN;
-#pragma unroll
-    for (int k = 0; k < WG_BN / 16; ++k) {
-      const int pos = pos0 + k * p.tma_rows;
-      const bool used = p.tma_rows && issuer && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
-      blk[k] = used ? bt_row[pos / p.page] : 0;
-    }
-  };
-  auto tma_atoms = [&](int tile, int buf, int a0, int a1, bool announce) {
-    const int pos0 = start + tile * WG_BN;
-    const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
-    const uint32_t bar = full_bar + 8 * buf;
-    if (announce) mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
-#pragma unroll
-    for (int k = 0; k < WG_BN / 16; ++k) {
-      if (k >= nbox) break;
-      const int row = (pos0 + k * p.tma_rows) % p.page;
-      for (int a = a0; a < a1; ++a)
-        tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
-    }
-  };
 
   if (grp == 0) {
     const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
@@ -944,7 +914,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it & 1;
       const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
-      if (split_refill) fetch_blocks(it + 2, tid == 0);
       nb_sync(WS_FULL);
       float s[32];
 #pragma unroll
@@ -962,7 +931,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(s);
-      if (defer && it > 0) nb_arrive(WS_QKDONE);  // group 1's P·V(it - 1) runs under this softmax
 
       // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
       const int n0 = start + it * WG_BN + 2 * tq;
@@ -1033,14 +1001,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(acc);
-      if (it + 2 < ntiles) {
-        if (!split_refill) {
-          nb_arrive(WS_VFREE + buf);
-        } else if (tid == 0) {  // the atoms only this group reads: columns 0-255 and the rope atom
-          tma_atoms(it + 2, buf, 0, 4, true);
-          tma_atoms(it + 2, buf, WG_ATOMS - 1, WG_ATOMS, false);
-        }
-      }
+      if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf);
     }
   } else {
     // Loader: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom
@@ -1066,11 +1027,38 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
         cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
       }
     }
+    const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+    const int* bt_row = p.bt + (long long)b * p.s_btb;
     const bool one_page = p.page == WG_BN;
-    auto issue = [&](int tile, int buf) {  // the whole tile
+    // TMA (one thread): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k]) up
+    // to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile ahead
+    // (fetch_blocks), off the path from a freed buffer to its refill.
+    int blk[WG_BN / 16];
+    auto fetch_blocks = [&](int tile) {
+      const int pos0 = start + tile * WG_BN;
+#pragma unroll
+      for (int k = 0; k < WG_BN / 16; ++k) {
+        const int pos = pos0 + k * p.tma_rows;
+        const bool used = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
+        blk[k] = used ? bt_row[pos / p.page] : 0;
+      }
+    };
+    auto issue = [&](int tile, int buf) {
       const int pos0 = start + tile * WG_BN;
       if (p.tma_rows) {
-        if (t1 == 0) tma_atoms(tile, buf, 0, WG_ATOMS, true);
+        if (t1 == 0) {
+          const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
+          const uint32_t bar = full_bar + 8 * buf;
+          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
+#pragma unroll
+          for (int k = 0; k < WG_BN / 16; ++k) {
+            if (k >= nbox) break;
+            const int row = (pos0 + k * p.tma_rows) % p.page;
+#pragma unroll
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
+          }
+        }
         return;
       }
       const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
@@ -1107,13 +1095,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       }
       fence_async_smem();
     };
-    fetch_blocks(0, t1 == 0);
+    fetch_blocks(0);
     if (ntiles > 0) issue(0, 0);
     cp_async_commit();  // group: Q (+ tile 0)
-    fetch_blocks(1, t1 == 0);
+    fetch_blocks(1);
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
-    fetch_blocks(2, t1 == 0);
+    fetch_blocks(2);
     if (ntiles > 0) {
       if (p.tma_rows) cp_async_wait0();  // Q
       else cp_async_wait1();             // Q + tile 0
@@ -1126,41 +1114,30 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       const int buf = it & 1;
       const uint64_t d_v = d_v0 + buf * (WG_TILE >> 4);
       nb_sync(WS_PREADY);
-      auto pv = [&]() {  // rescale by the rows' factors of tile it, then O[:, 256:512] += P · V
-        const float al_lo = red[r_lo], al_hi = red[r_hi];
-        if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
+      const float al_lo = red[r_lo], al_hi = red[r_hi];
+      if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
-          }
+        for (int j = 0; j < 32; ++j) {
+          acc[4 * j] *= al_lo; acc[4 * j + 1] *= al_lo; acc[4 * j + 2] *= al_hi; acc[4 * j + 3] *= al_hi;
         }
-        reg_fence(acc);
-        wg_fence();
+      }
+      reg_fence(acc);
+      wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
-        wg_commit();
-      };
-      if (!defer) pv();
+      for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
+      wg_commit();
       if (it + 1 < ntiles) {  // tile it + 1 (issued a tile ago) for group 0's next scores
         landed(it + 1, buf ^ 1);
         nb_arrive(WS_FULL);
       }
-      if (defer) {  // under group 0's softmax of tile it + 1, where the tensor cores would idle
-        if (it + 1 < ntiles) nb_sync(WS_QKDONE);
-        pv();
-      }
       wg_wait0();
       reg_fence(acc);
       if (it + 1 < ntiles) nb_arrive(WS_PFREE);
-      if (it + 2 < ntiles) {
-        if (split_refill) {  // columns 256-511, read by this group's P·V only; group 0 refilled the rest
-          if (t1 == 0) tma_atoms(it + 2, buf, 4, WG_ATOMS - 1, false);
-        } else {  // the whole buffer once group 0's P·V(it) is done with it
-          nb_sync(WS_VFREE + buf);
-          issue(it + 2, buf);
-          cp_async_commit();
-        }
-        fetch_blocks(it + 3, t1 == 0);
+      if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
+        nb_sync(WS_VFREE + buf);
+        issue(it + 2, buf);
+        fetch_blocks(it + 3);
+        cp_async_commit();
       }
     }
     cp_async_wait0();
@@ -1315,10 +1292,6 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
   p.tma_rows = 0;
-  {
-    const char* e = std::getenv("K3NN_MLA_DEFER");
-    p.defer = e && *e ? std::atoi(e) : 1;
-  }
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
