@@ -806,9 +806,10 @@ WGMMA_SOURCE = r"""
 // from 355 to 263 µs against the former symmetric one (both groups scoring 32 keys each with m64n32k16 — Q read
 // twice per tile — and exchanging row maxima and P through shared memory, run8); TMA against cp.async 183 / 188 µs
 // (run5). No faster: an L2 prefetch of whole tiles ahead of the loads (run2: 1-4% with cp.async, L2 thrash at 4
-// tiles ahead), refilling a buffer's rope atom and right half early (run7: slower, the issuing lane holds its
-// group's P·V); earlier, for the symmetric kernel (s7 runs 4, 9, 10): two tiles in flight, several score
-// accumulators, duplicated scores with P kept in registers.
+// tiles ahead); refilling a buffer's rope atom and right half early (run7: slower, the issuing lane holds its
+// group's P·V); group 1's P·V deferred until group 0's next scores are done, to run under the softmax (run10:
+// 20-30% slower: the two groups' products overlap better than they serialize); earlier, for the symmetric kernel
+// (s7 runs 4, 9, 10): two tiles in flight, several score accumulators, duplicated scores with P kept in registers.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
@@ -1226,12 +1227,12 @@ static bool k3mla_encode_pool_map(void* out, const torch::Tensor& kv, int box_ro
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
 #if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess)
-      return false;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
 #else
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found) != cudaSuccess) return false;
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
 #endif
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr) return false;
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return false;
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
   CUtensorMap map;
