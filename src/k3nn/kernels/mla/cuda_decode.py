@@ -883,7 +883,7 @@ template <typename T, typename TO>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
 #ifdef K3MLA_WGMMA
   extern __shared__ __align__(16) unsigned char smem[];
-  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;
+  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
   const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
   float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // rescale factors; l, m at the end
   int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
@@ -895,8 +895,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     mbar_init(full_bar + 8, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  const int grp = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2, tq = lane & 3;
+  const int grp = warp >> 2, wq = warp & 3;  // warp group (its role, its 256 output columns), warp in the group
+  const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
@@ -1005,7 +1005,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf);
     }
   } else {
-    // Loader: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom
+    // cp.async loader: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom (8 threads cover a 128-byte
+    // span). Q [64, 576] = [q_lat | q_rope], rows past M zero-filled (16-byte aligned rows: checked by the caller).
     const int t1 = tid - 128, ld_row = t1 >> 3, ld_sub = t1 & 7;
     {
       const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
@@ -1030,6 +1031,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     }
     const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
     const int* bt_row = p.bt + (long long)b * p.s_btb;
+    // cp.async key tiles: rows past `end` zero-filled (their addresses never read); with 64-row pages (a split starts
+    // on a multiple of 64) a tile is one page: one block-table read per tile.
     const bool one_page = p.page == WG_BN;
     // TMA (one thread): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k]) up
     // to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile ahead
