@@ -808,7 +808,7 @@ WGMMA_SOURCE = r"""
 // (run5). No faster: an L2 prefetch of whole tiles ahead of the loads (run2: 1-4% with cp.async, L2 thrash at 4
 // tiles ahead); refilling a buffer's rope atom and right half early (run7: slower, the issuing lane holds its
 // group's P·V); group 1's P·V deferred until group 0's next scores are done, to run under the softmax (run10:
-// 20-30% slower: the two groups' products overlap better than they serialize); earlier, for the symmetric kernel
+// 19-32% slower: the two groups' products overlap better than they serialize); earlier, for the symmetric kernel
 // (s7 runs 4, 9, 10): two tiles in flight, several score accumulators, duplicated scores with P kept in registers.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
