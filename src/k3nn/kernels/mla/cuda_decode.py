@@ -1299,7 +1299,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
-    TORCH_CHECK(k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows), "mla_decode_launch: cuTensorMapEncodeTiled failed");
+    if (!k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows)) p.tma_rows = 0;  // no tensor map: the cp.async loader
   }
   const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
