@@ -189,6 +189,12 @@ def test_default_splits():
     assert cd.default_num_splits(1, 64, 32768, 132, rows=64) == 132
     assert cd.default_num_splits(1, 64, 256, 132, rows=64) == 2
     assert cd.default_num_splits(1, 64, 32768, 132, 2, rows=64) == 256  # ctas_per_sm still overrides
+    # per kernel: the warp-group kernel keeps at least 8 tiles of 64 keys per split, mma.sync the plain rule
+    assert cd.kernel_num_splits("wgmma", 1, 64, 32768, 132) == 64
+    assert cd.kernel_num_splits("wgmma", 64, 64, 8192, 132) == 2
+    assert cd.kernel_num_splits("wgmma", 1, 64, 1000, 132) == 2
+    assert cd.kernel_num_splits("mma", 1, 64, 32768, 132, 16) == cd.default_num_splits(1, 64, 32768, 132)
+    assert cd.kernel_num_splits("mma", 1, 64, 32768, 132, 64) == cd.default_num_splits(1, 64, 32768, 132, rows=64)
 
 
 def test_generated_source_has_the_entry_points():
