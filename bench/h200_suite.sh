@@ -55,6 +55,7 @@ STEPS=(
   "mla-cuda-variants-test|100|$PYTEST tests/gpu/test_mla_gpu.py -k variants"
   "mla-wgmma-sass|120|bash bench/gpu/ncu_sass.sh mla_wgmma_kernel bench/gpu/profile_mla_decode.py"
   "mla-wgmma-ncu|150|ncu --clock-control none --kernel-name regex:mla_wgmma_kernel|splitkv_mla --launch-skip 2 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats $PY bench/gpu/profile_mla_decode.py"
+  "mla-wgmma-cases-ncu|200|ncu --clock-control none --kernel-name regex:mla_wgmma_kernel|splitkv_mla --launch-count 18 --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics lts__t_sector_hit_rate.pct $PY bench/gpu/profile_mla_decode.py --cases ${K3NN_NCU_CASES:-64,8192,64,1;64,8192,96,1;64,8192,64,2}"
   "mla-decode-ncu|150|ncu --clock-control none --kernel-name regex:_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla --launch-count 9 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters $PY bench/gpu/profile_mla_decode.py"
   "kda-decode-cuda-tests|150|$PYTEST tests/gpu/test_kda_decode_cuda_gpu.py"
   "kda-cuda-tests|150|env K3NN_KDA_CUDA=1 $PYTEST tests/gpu/test_kda_gpu.py -k cuda"

@@ -7,7 +7,8 @@ legacy SM90 kernel when it imports — each three times (two warm-up calls, one 
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section SchedulerStats --section SourceCounters python3 bench/gpu/profile_mla_decode.py [PLAN ...]
 
-(suite step ``mla-decode-ncu``). Without a profiler it prints the time of each call (CUDA events). What to read:
+(suite step ``mla-decode-ncu``). ``--cases B,L,H,Tq;...`` instead profiles only the CUDA warp-group kernel at its
+default split count and FlashMLA on each case (suite step ``mla-wgmma-cases-ncu``). Without a profiler it prints the time of each call (CUDA events). What to read:
 tensor-pipe utilisation and issue-slot use of stage 1 against FlashMLA's, the top warp stall reasons and the
 SASS lines they sit on (waits on the tensor-memory loads, on the products, on barriers).
 """
@@ -34,7 +35,30 @@ def parse_plan(text: str) -> td.Plan:
                         int(splits or 1))
 
 
+def cases_main(spec: str) -> int:
+    """The CUDA warp-group kernel (default splits) and FlashMLA legacy on each case of ``spec``."""
+    from k3nn.kernels.mla import cuda_decode as cdk
+
+    fm, why = flashmla()
+    for case in spec.split(";"):
+        B, L, H, Tq = (int(x) for x in case.split(","))
+        sets, sl, _, _, _ = make_case(B, L, H, Tq)
+        q, pool, bt, out = sets[0]
+        timed(f"k3nn CUDA wgmma B={B} L={L} H={H} Tq={Tq}",
+              lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out, kernel="wgmma"))
+        if fm is None:
+            print(f"FlashMLA: {why}")
+            continue
+        fwd, get_meta = fm
+        meta = get_meta()[0]
+        timed(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}",
+              lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE, causal=Tq > 1, use_legacy=True))
+    return 0
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--cases":
+        return cases_main(sys.argv[2])
     B, L, H = 64, 8192, 64
     sets, sl, _, _, _ = make_case(B, L, H, 1)
     q, pool, bt, out = sets[0]
