@@ -35,24 +35,28 @@ def parse_plan(text: str) -> td.Plan:
                         int(splits or 1))
 
 
-def cases_main(spec: str) -> int:
-    """The CUDA warp-group kernel (default splits) and FlashMLA legacy on each case of ``spec``."""
+def profile_case(B: int, L: int, H: int, Tq: int, fm) -> None:
     from k3nn.kernels.mla import cuda_decode as cdk
 
+    sets, sl, _, _, _ = make_case(B, L, H, Tq)
+    q, pool, bt, out = sets[0]
+    timed(f"k3nn CUDA wgmma B={B} L={L} H={H} Tq={Tq}",
+          lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out, kernel="wgmma"))
+    if fm is None:
+        return
+    fwd, get_meta = fm
+    meta = get_meta()[0]
+    timed(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}",
+          lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE, causal=Tq > 1, use_legacy=True))
+
+
+def cases_main(spec: str) -> int:
+    """The CUDA warp-group kernel (default splits) and FlashMLA legacy on each case of ``spec``."""
     fm, why = flashmla()
+    if fm is None:
+        print(f"FlashMLA: {why}")
     for case in spec.split(";"):
-        B, L, H, Tq = (int(x) for x in case.split(","))
-        sets, sl, _, _, _ = make_case(B, L, H, Tq)
-        q, pool, bt, out = sets[0]
-        timed(f"k3nn CUDA wgmma B={B} L={L} H={H} Tq={Tq}",
-              lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out, kernel="wgmma"))
-        if fm is None:
-            print(f"FlashMLA: {why}")
-            continue
-        fwd, get_meta = fm
-        meta = get_meta()[0]
-        timed(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}",
-              lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE, causal=Tq > 1, use_legacy=True))
+        profile_case(*(int(x) for x in case.split(",")), fm)
     return 0
 
 
