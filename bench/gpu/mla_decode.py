@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
 import torch
@@ -269,14 +268,11 @@ def cuda_compare(copy_tbps):
         case = f"B={B} L={L} H={H} Tq={Tq}"
         M = Tq * H
         best = {}
-        variants = [("mma", rows, "1") for rows in cdk.ROWS_VARIANTS]
+        variants = [("mma", rows) for rows in cdk.ROWS_VARIANTS]
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            variants.insert(0, ("wgmma", 64, "1"))
-            if (M + 63) // 64 == 2:  # a cluster sharing key tiles by multicast, and the two row tiles loading alone
-                variants.insert(1, ("wgmma", 64, "0"))
-        for kernel, rows, mc in variants:
-            os.environ["K3NN_MLA_MULTICAST"] = mc
-            name = (kernel if kernel != "mma" else f"mma{rows}") + ("-nomc" if mc == "0" else "")
+            variants.insert(0, ("wgmma", 64))
+        for kernel, rows in variants:
+            name = kernel if kernel != "mma" else f"mma{rows}"
             bn = cdk.WG_BLOCK_N if kernel != "mma" else cdk.BLOCK_N
             dflt = cdk.kernel_num_splits(kernel, B, M, nblk * BS, sms, rows)
             wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
@@ -303,7 +299,6 @@ def cuda_compare(copy_tbps):
                 desc = f"{rows}x{bn} w{4 if rows == 16 else 8} S{S}"
                 print(f"{case:22s} {tag:17s} {desc:26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  "
                       f"rel err {err:.1e} lse {lerr:.1e} {ok}", flush=True)
-        os.environ.pop("K3NN_MLA_MULTICAST", None)
         if best:
             print(f"{case:22s} CUDA best per variant: " + ", ".join(
                 f"{n} S={S} {cache_bytes / ms / 1e9:.3f} TB/s" for n, (ms, S) in sorted(best.items())), flush=True)

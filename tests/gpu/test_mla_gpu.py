@@ -224,32 +224,6 @@ def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
     torch.testing.assert_close(outs[0][0], o_ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
-@pytest.mark.parametrize("bs", [16, 64])
-@pytest.mark.parametrize("Tq,H", [(1, 96), (2, 64)])
-def test_wgmma_cluster_multicast_gives_the_same_bits(monkeypatch, bs, Tq, H):
-    """Two row tiles per request (64 < Tq·H <= 128) run as one cluster sharing each key tile by TMA multicast; with
-    K3NN_MLA_MULTICAST=0 each tile loads its own. Same bits either way (Tq=2: the tiles' key ranges differ by the
-    causal position; the cluster loads their union), ragged lengths, NaN in the pool's unused rows."""
-    from k3nn.kernels.mla import cuda_decode
-
-    q_lat, q_rope, pool, table, sl = case(6, [1000, 64, 2, 129, 4097], Tq, H, bs=bs)
-    outs = []
-    for mc in ("1", "0"):
-        monkeypatch.setenv("K3NN_MLA_MULTICAST", mc)
-        for splits in (None, 1, 5):
-            out = _poisoned(q_lat, torch.float32)
-            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out,
-                                        kernel="wgmma")
-            outs.append(out)
-    for a, b in zip(outs[:3], outs[3:]):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-    for o, lse in outs[:3]:
-        torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
-
-
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_cuda_kernel_graph_replay_follows_new_lengths(cuda_mla, splits):
     q_lat, q_rope, pool, table, sl = case(2, [1000, 300, 64], 1, 64)

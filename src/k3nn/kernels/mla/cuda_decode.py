@@ -116,7 +116,7 @@ KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
 #: stats, two mbarriers
-SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 32
+SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 16
 _CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -141,7 +141,6 @@ struct MlaParams {
   float scale_log2;
   int B, Tq, H, M, page, splits;
   int tma_rows;  // wgmma kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
-  int cluster;   // wgmma kernel with TMA: CTAs per cluster (the request's row tiles) sharing key tiles by multicast
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -745,26 +744,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
     auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
-    const dim3 grid((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B);
-    if (p.cluster > 1) {  // the row tiles of a request × split form one cluster
-      if ((int)grid.x != p.cluster || p.cluster > WG_MAX_CLUSTER || !p.tma_rows) return cudaErrorInvalidValue;
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = p.cluster;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = grid;
-      cfg.blockDim = dim3(WG_NT);
-      cfg.dynamicSmemBytes = WG_SMEM;
-      cfg.stream = stream;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      err = cudaLaunchKernelEx(&cfg, kern, p);
-      if (err != cudaSuccess) return err;
-    } else {
-      kern<<<grid, WG_NT, WG_SMEM, stream>>>(p);
-    }
+    kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
   } else if (rows == ROWS64) {
     auto kern = mla_split64_kernel<T, TO>;
     err = raise_smem(kern, SMEM_BYTES64, raised64);
@@ -838,9 +818,8 @@ constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
 constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
 constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
-// Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, four mbarriers
-constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 32;
-constexpr int WG_MAX_CLUSTER = 2;
+// Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
 constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
@@ -898,31 +877,6 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
                "[%2];\n" ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
-// The same box into the shared memory of every CTA of the cluster in `mask` (same offsets, each CTA's own mbarrier)
-__device__ __forceinline__ void tma_load3_mc(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2,
-                                             uint16_t mask) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-               "[%0], [%1, {%3, %4, %5}], [%2], %6;\n"
-               ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// One arrival on the mbarrier at offset `bar` of CTA `rank` of the cluster (release: this CTA's reads are done)
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred p;\nWAITC:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-               "@!p bra WAITC;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
 #endif
 
 template <typename T, typename TO>
@@ -934,29 +888,19 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // rescale factors; l, m at the end
   int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
   const uint32_t full_bar = smem_u32(lim_s + WG_ROWS);  // two mbarriers (8-byte aligned): TMA tiles landed
-  const uint32_t empty_bar = full_bar + 16;              // two more (clusters): buffer free in every CTA
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ncta = p.cluster;  // 1, or the request's row tiles sharing key tiles (gridDim.x, one cluster)
   if (tid == 0 && p.tma_rows) {
     mbar_init(full_bar, 1);
     mbar_init(full_bar + 8, 1);
-    mbar_init(empty_bar, ncta);
-    mbar_init(empty_bar + 8, ncta);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (ncta > 1) cluster_sync();  // the peers' barriers are initialised before any multicast or remote arrival
   const int grp = warp >> 2, wq = warp & 3;  // warp group (its role, its 256 output columns), warp in the group
   const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
   const int seq = p.seq[b];
 
-  KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
-  if (ncta > 1) {  // the cluster loads one key range: cut at the longest row of the whole request
-    int maxlim = 0;
-    for (int t = 0; t < p.Tq; ++t) maxlim = max(maxlim, row_limit(p, t * p.H, b, seq));
-    kr = key_range(p, split, seq, maxlim, WG_BN);
-  }
+  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;
   float acc[128];
@@ -1103,9 +1047,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
         blk[k] = used ? bt_row[pos / p.page] : 0;
       }
     };
-    // In a cluster each CTA issues every ncta-th box of the tile to all of them, once every CTA has freed the
-    // buffer (its empty mbarrier), and expects the whole tile on its own full mbarrier.
-    const int rank = ncta > 1 ? (int)cluster_rank() : 0;
     auto issue = [&](int tile, int buf) {
       const int pos0 = start + tile * WG_BN;
       if (p.tma_rows) {
@@ -1113,18 +1054,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
           const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
           const uint32_t bar = full_bar + 8 * buf;
           mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
-          if (ncta > 1 && tile >= 2) mbar_wait_cluster(empty_bar + 8 * buf, ((tile >> 1) + 1) & 1);
 #pragma unroll
           for (int k = 0; k < WG_BN / 16; ++k) {
             if (k >= nbox) break;
             const int row = (pos0 + k * p.tma_rows) % p.page;
 #pragma unroll
-            for (int a = 0; a < WG_ATOMS; ++a) {
-              const uint32_t dst = kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128;
-              if (ncta == 1) tma_load3(dst, &p.tmap, bar, a * 64, row, blk[k]);
-              else if ((k * WG_ATOMS + a) % ncta == rank)
-                tma_load3_mc(dst, &p.tmap, bar, a * 64, row, blk[k], (uint16_t)((1u << ncta) - 1));
-            }
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
           }
         }
         return;
@@ -1203,8 +1139,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       if (it + 1 < ntiles) nb_arrive(WS_PFREE);
       if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
         nb_sync(WS_VFREE + buf);
-        if (ncta > 1 && t1 == 0)
-          for (int r = 0; r < ncta; ++r) mbar_arrive_cluster(empty_bar + 8 * buf, r);
         issue(it + 2, buf);
         fetch_blocks(it + 3);
         cp_async_commit();
@@ -1214,7 +1148,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   }
 
   __syncthreads();  // both groups are past the loop: the factor slots are free
-  if (ncta > 1) cluster_sync();  // no CTA leaves while a peer may still write into its shared memory
   if (grp == 0) {
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -1363,15 +1296,11 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
   p.tma_rows = 0;
-  p.cluster = 1;
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
     if (!k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows)) p.tma_rows = 0;  // no tensor map: the cp.async loader
   }
-  // two row tiles per request (64 < Tq·H <= 128) read the same keys: one cluster, each tile loaded once (multicast)
-  const char* mc_env = std::getenv("K3NN_MLA_MULTICAST");
-  if (p.tma_rows && (p.M + 63) / 64 == 2 && !(mc_env && mc_env[0] == '0')) p.cluster = 2;
   const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
