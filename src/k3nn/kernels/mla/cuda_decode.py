@@ -859,6 +859,11 @@ template <> struct Wg<__half> {
     wg_pvr_f16(d, a, b);
   }
 };
+__device__ __forceinline__ float ex2_ftz(float x) {  // 2^x, results below 2^-126 flushed to zero
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -933,27 +938,36 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_wait0();
       reg_fence(s);
 
-      // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1)
-      const int n0 = start + it * WG_BN + 2 * tq;
+      // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1). Keys at or past a
+      // row's limit are masked on the tiles that hold any; the row max is taken before scaling (scale > 0: fl(c·s)
+      // is monotone in s) and each probability is one FMA and one ex2 (flush-to-zero below 2^-126).
+      if (start + (it + 1) * WG_BN > min(lim_lo, lim_hi)) {
+        const int n0 = start + it * WG_BN + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int n = n0 + j * 8 + e;
+            if (n >= lim_lo) s[4 * j + e] = -INFINITY;
+            if (n >= lim_hi) s[4 * j + 2 + e] = -INFINITY;
+          }
+        }
+      }
       float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int n = n0 + j * 8 + e;
-          s[4 * j + e] = n < lim_lo ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-          s[4 * j + 2 + e] = n < lim_hi ? s[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
-          mx_lo = fmaxf(mx_lo, s[4 * j + e]);
-          mx_hi = fmaxf(mx_hi, s[4 * j + 2 + e]);
-        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * j + 2], s[4 * j + 3]));
       }
       mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
       mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      mx_lo *= p.scale_log2;
+      mx_hi *= p.scale_log2;
       // lazy rescale: m starts at -1e30, so the first visible key always moves it
       const float mn_lo = mx_lo > m_lo + 8.f ? mx_lo : m_lo, mn_hi = mx_hi > m_hi + 8.f ? mx_hi : m_hi;
-      const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
+      const float al_lo = ex2_ftz(m_lo - mn_lo), al_hi = ex2_ftz(m_hi - mn_hi);
       m_lo = mn_lo;
       m_hi = mn_hi;
       float ps_lo = 0.f, ps_hi = 0.f;
@@ -961,8 +975,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[4 * j + e] = exp2f(s[4 * j + e] - mn_lo);
-          s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - mn_hi);
+          s[4 * j + e] = ex2_ftz(fmaf(s[4 * j + e], p.scale_log2, -mn_lo));  // 0 for masked keys
+          s[4 * j + 2 + e] = ex2_ftz(fmaf(s[4 * j + 2 + e], p.scale_log2, -mn_hi));
           ps_lo += s[4 * j + e];
           ps_hi += s[4 * j + 2 + e];
         }
