@@ -116,7 +116,7 @@ KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
 #: stats, two mbarriers
-SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 2 * 9 * 8
+SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 16
 _CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -784,20 +784,19 @@ WGMMA_SOURCE = r"""
 // row r XOR-ed with r % 8: the canonical 128-byte swizzle that wgmma descriptors and TMA boxes share). The groups
 // do different work:
 //   group 0  scores S[64, 64] = Q · Kᵀ over the whole tile (36 × wgmma m64n64k16, both operands K-major in smem:
-//            Q is read once per tile; each atom's four as soon as that atom has landed), the online softmax (it sees every key of a row: no max exchange; lazy
+//            Q is read once per tile), the online softmax (it sees every key of a row: no max exchange; lazy
 //            rescale: a row's reference max moves only when it grows by more than 8 in base 2), P (rounded to the
 //            input dtype) and the rows' rescale factors into shared memory, then O[:, 0:256] += P · V with A from
 //            its registers (4 × wgmma m64n256k16; V is the same key tile read MN-major: 8-key groups 1024 B apart,
 //            64-column atoms 8 KB apart)
 //   group 1  the loader and O[:, 256:512] += P · V with P from the shared tile, which runs under group 0's scores
 //            of the next tile. Key tiles come by TMA (a 3-D tensor map of the pool, boxes of 64 columns × 64 or 16
-//            rows inside one page, issued atom by atom, completion on one mbarrier per atom and buffer; group 0
-//            zeroes V's rows past the split's end after its scores) when pages are multiples of 16 rows and
-//            K3NN_MLA_TMA is not 0, else by per-thread cp.async (zero-filled past the end; each loader thread
-//            arrives on the atom barriers once its copies are done). A buffer is refilled as soon as both groups
-//            are done with it; the block ids of a refill are read a tile ahead.
-// Other hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
-//   QREADY  group 1 → 0: Q landed (once)
+//            rows inside one page, completion on one mbarrier per buffer; rows past the split's end are zeroed
+//            after landing) when pages are multiples of 16 rows and K3NN_MLA_TMA is not 0, else by per-thread
+//            cp.async (zero-filled past the end). A buffer is refilled as soon as both groups are done with it;
+//            the block ids of a refill are read a tile ahead.
+// Hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
+//   FULL    group 1 → 0: tile `it` landed and fenced for the async proxy
 //   PREADY  group 0 → 1: P(it) and its rescale factors written
 //   PFREE   group 1 → 0: group 1's P·V(it) done, the P tile may be overwritten
 //   VFREE   group 0 → 1: group 0's P·V(it) done, buffer it % 2 may be refilled (two ids, alternating: group 0 can
@@ -819,11 +818,9 @@ constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
 constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
 constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
-// Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, one mbarrier per atom of
-// each key buffer
-constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 2 * WG_ATOMS * 8;
-constexpr int WS_QREADY = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
-constexpr int WS_G0 = 6;  // group 0 alone (128 threads): its zeroed rows are written before its P·V reads them
+// Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
+constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -895,13 +892,12 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   const uint32_t q_s = base, kv_s = base + WG_TILE, p_s = base + 3 * WG_TILE;
   float* red = reinterpret_cast<float*>(smem + (base - raw) + 3 * WG_TILE + WG_P);  // rescale factors; l, m at the end
   int* lim_s = reinterpret_cast<int*>(red + 2 * WG_ROWS);
-  // atom a of buffer b landed: mbarrier full_bar + 8 (b · 9 + a) (8-byte aligned), one phase per tile. TMA: the
-  // issuing thread's expect_tx arrival and the boxes' bytes; cp.async: an arrival of each loader thread.
-  const uint32_t full_bar = smem_u32(lim_s + WG_ROWS);
+  const uint32_t full_bar = smem_u32(lim_s + WG_ROWS);  // two mbarriers (8-byte aligned): TMA tiles landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    for (int i = 0; i < 2 * WG_ATOMS; ++i) mbar_init(full_bar + 8 * i, p.tma_rows ? 1 : 128);
+  if (tid == 0 && p.tma_rows) {
+    mbar_init(full_bar, 1);
+    mbar_init(full_bar + 8, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   const int grp = warp >> 2, wq = warp & 3;  // warp group (its role, its 256 output columns), warp in the group
@@ -921,18 +917,17 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
     const uint64_t d_q = gmma_desc(q_s, 16, 1024), d_k0 = gmma_desc(kv_s, 16, 1024);
     const uint64_t d_v0 = gmma_desc(kv_s, WG_ATOM, 1024);
-    if (ntiles > 0) nb_sync(WS_QREADY);
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it & 1;
       const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
+      nb_sync(WS_FULL);
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       reg_fence(s);
+      wg_fence();
 #pragma unroll
-      for (int a = 0; a < WG_ATOMS; ++a) {  // each atom's products as soon as it lands
-        mbar_wait(full_bar + 8 * (buf * WG_ATOMS + a), (it >> 1) & 1);
-        if (a == 0) wg_fence();
+      for (int a = 0; a < WG_ATOMS; ++a) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint32_t off = (a * WG_ATOM + kk * 32) >> 4;
@@ -942,16 +937,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(s);
-      const int valid = end - (start + it * WG_BN);
-      if (p.tma_rows && valid < WG_BN) {  // TMA boxes bring whole pages: zero V's rows past the split's end
-        for (int c = tid; c < (WG_BN - valid) * 8 * (WG_ATOMS - 1); c += 128) {
-          const int r = valid + c / (8 * (WG_ATOMS - 1)), a = (c / 8) % (WG_ATOMS - 1);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kv_s + buf * WG_TILE + a * WG_ATOM +
-                       r * 128 + (c % 8) * 16), "r"(0) : "memory");
-        }
-        fence_async_smem();
-        asm volatile("bar.sync %0, 128;\n" ::"r"(WS_G0) : "memory");
-      }
 
       // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1). Keys at or past a
       // row's limit are masked on the tiles that hold any; the row max is taken before scaling (scale > 0: fl(c·s)
@@ -1081,17 +1066,15 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       if (p.tma_rows) {
         if (t1 == 0) {
           const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
-          const uint32_t bar = full_bar + 8 * buf * WG_ATOMS;
+          const uint32_t bar = full_bar + 8 * buf;
+          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
 #pragma unroll
-          for (int a = 0; a < WG_ATOMS; ++a) mbar_expect_tx(bar + 8 * a, nbox * p.tma_rows * 128);
+          for (int k = 0; k < WG_BN / 16; ++k) {
+            if (k >= nbox) break;
+            const int row = (pos0 + k * p.tma_rows) % p.page;
 #pragma unroll
-          for (int a = 0; a < WG_ATOMS; ++a) {  // atom-major: the atoms land in the order the scores use them
-#pragma unroll
-            for (int k = 0; k < WG_BN / 16; ++k) {
-              if (k >= nbox) break;
-              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar + 8 * a, a * 64,
-                        (pos0 + k * p.tma_rows) % p.page, blk[k]);
-            }
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
           }
         }
         return;
@@ -1112,13 +1095,23 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
         for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
       }
     };
-    // cp.async loads (after this thread's wait for them): its copies into buffer `buf` made visible to the async
-    // proxy, and an arrival on each of the buffer's atom barriers (TMA boxes complete those themselves)
-    auto landed = [&](int buf) {
+    // Tile `tile` in buffer `buf` is complete (this thread's copies, or the TMA transactions), rows past the
+    // split's end are zero (TMA boxes bring whole pages), and the copies are visible to the async proxy
+    auto landed = [&](int tile, int buf) {
+      if (p.tma_rows) {
+        mbar_wait(full_bar + 8 * buf, (tile >> 1) & 1);
+        const int valid = end - (start + tile * WG_BN);
+        if (valid < WG_BN) {
+          for (int c = t1; c < (WG_BN - valid) * 8 * WG_ATOMS; c += 128) {
+            const int r = valid + c / (8 * WG_ATOMS), a = (c / 8) % WG_ATOMS;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kv_s + buf * WG_TILE + a * WG_ATOM +
+                         r * 128 + (c % 8) * 16), "r"(0) : "memory");
+          }
+        }
+      } else {
+        cp_async_wait0();
+      }
       fence_async_smem();
-#pragma unroll
-      for (int a = 0; a < WG_ATOMS; ++a)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(full_bar + 8 * (buf * WG_ATOMS + a)) : "memory");
     };
     fetch_blocks(0);
     if (ntiles > 0) issue(0, 0);
@@ -1128,14 +1121,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     cp_async_commit();
     fetch_blocks(2);
     if (ntiles > 0) {
-      if (p.tma_rows) {
-        cp_async_wait0();  // Q
-      } else {
-        cp_async_wait1();  // Q + tile 0
-        landed(0);
-      }
+      if (p.tma_rows) cp_async_wait0();  // Q
+      else cp_async_wait1();             // Q + tile 0
+      if (p.tma_rows) landed(0, 0);
       fence_async_smem();
-      nb_arrive(WS_QREADY);
+      nb_arrive(WS_FULL);
     }
     const uint64_t d_p = gmma_desc(p_s, 16, 1024), d_v0 = gmma_desc(kv_s + 4 * WG_ATOM, WG_ATOM, 1024);
     for (int it = 0; it < ntiles; ++it) {
@@ -1154,9 +1144,9 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
       wg_commit();
-      if (!p.tma_rows && it + 1 < ntiles) {  // cp.async: tile it + 1 (issued a tile ago) for group 0's next scores
-        cp_async_wait0();
-        landed(buf ^ 1);
+      if (it + 1 < ntiles) {  // tile it + 1 (issued a tile ago) for group 0's next scores
+        landed(it + 1, buf ^ 1);
+        nb_arrive(WS_FULL);
       }
       wg_wait0();
       reg_fence(acc);
