@@ -1051,29 +1051,14 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     // TMA (one thread): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k]) up
     // to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile ahead
     // (fetch_blocks), off the path from a freed buffer to its refill.
-    int blk[WG_BN / 16], blk_next[WG_BN / 16];  // block ids of the next refill and of the one after
-    auto fetch_blocks = [&](int tile, int (&out)[WG_BN / 16]) {
+    int blk[WG_BN / 16];
+    auto fetch_blocks = [&](int tile) {
       const int pos0 = start + tile * WG_BN;
 #pragma unroll
       for (int k = 0; k < WG_BN / 16; ++k) {
         const int pos = pos0 + k * p.tma_rows;
         const bool used = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
-        out[k] = used ? bt_row[pos / p.page] : 0;
-      }
-    };
-    // L2 prefetch of tile `tile` (its block ids in blk_next), a tile before its TMA load is issued
-    auto prefetch = [&](int tile) {
-      if (!p.tma_rows || t1 != 0 || tile >= ntiles) return;
-      const int pos0 = start + tile * WG_BN;
-      const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
-#pragma unroll
-      for (int k = 0; k < WG_BN / 16; ++k) {
-        if (k >= nbox) break;
-#pragma unroll
-        for (int a = 0; a < WG_ATOMS; ++a)
-          asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
-                       ::"l"(&p.tmap), "r"(a * 64), "r"((pos0 + k * p.tma_rows) % p.page), "r"(blk_next[k])
-                       : "memory");
+        blk[k] = used ? bt_row[pos / p.page] : 0;
       }
     };
     auto issue = [&](int tile, int buf) {
@@ -1128,14 +1113,13 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       }
       fence_async_smem();
     };
-    fetch_blocks(0, blk);
+    fetch_blocks(0);
     if (ntiles > 0) issue(0, 0);
     cp_async_commit();  // group: Q (+ tile 0)
-    fetch_blocks(1, blk);
+    fetch_blocks(1);
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
-    fetch_blocks(2, blk);
-    fetch_blocks(3, blk_next);
+    fetch_blocks(2);
     if (ntiles > 0) {
       if (p.tma_rows) cp_async_wait0();  // Q
       else cp_async_wait1();             // Q + tile 0
@@ -1170,10 +1154,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
         nb_sync(WS_VFREE + buf);
         issue(it + 2, buf);
-        prefetch(it + 3);
-#pragma unroll
-        for (int k = 0; k < WG_BN / 16; ++k) blk[k] = blk_next[k];
-        fetch_blocks(it + 4, blk_next);
+        fetch_blocks(it + 3);
         cp_async_commit();
       }
     }
