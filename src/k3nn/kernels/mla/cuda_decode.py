@@ -813,15 +813,14 @@ WGMMA_SOURCE = r"""
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
-constexpr int WG_ROWS = 64, WG_BN = 64, WG_NT = 384;  // the two MMA warp groups and the loader warp group
-constexpr int WG_LOADER_REGS = 56, WG_MMA_REGS = 224;  // setmaxnreg: 128 · 56 + 256 · 224 <= 65536
+constexpr int WG_ROWS = 64, WG_BN = 64, WG_NT = 256;
 constexpr int WG_ATOMS = D / 64;             // 9 atoms of 64 columns per row
 constexpr int WG_ATOM = 64 * 128;            // 64 rows × 128 B
 constexpr int WG_TILE = WG_ATOMS * WG_ATOM;  // 73728 B: Q, or one key tile
 constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
 // Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
 constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
-constexpr int WS_QREADY = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4, WS_FULL = 6, WS_DONE = 8;  // (above)
+constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -865,12 +864,8 @@ __device__ __forceinline__ float ex2_ftz(float x) {  // 2^x, results below 2^-12
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ void nb_sync(int id, int n = 256) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void nb_arrive(int id, int n = 256) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
+__device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -913,98 +908,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;
-  if (grp == 2) {
-    // The loader warp group (its registers handed to the other two). cp.async: thread -> rows ld_row + 16 hh
-    // (hh < 4), chunk ld_sub of each atom, rows past `end` zero-filled (their addresses never read); with 64-row
-    // pages (a split starts on a multiple of 64) a tile is one page: one block-table read per tile.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_LOADER_REGS));
-    const int t2 = tid - 256, ld_row = t2 >> 3, ld_sub = t2 & 7;
-    const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
-    const int* bt_row = p.bt + (long long)b * p.s_btb;
-    const bool one_page = p.page == WG_BN;
-    // TMA (thread t2 = 0): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k])
-    // up to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile
-    // ahead (fetch_blocks), off the path from a freed buffer to its refill.
-    int blk[WG_BN / 16];
-    auto fetch_blocks = [&](int tile) {
-      const int pos0 = start + tile * WG_BN;
-#pragma unroll
-      for (int k = 0; k < WG_BN / 16; ++k) {
-        const int pos = pos0 + k * p.tma_rows;
-        const bool used = p.tma_rows && t2 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
-        blk[k] = used ? bt_row[pos / p.page] : 0;
-      }
-    };
-    auto issue = [&](int tile, int buf) {
-      const int pos0 = start + tile * WG_BN;
-      if (p.tma_rows) {
-        if (t2 == 0) {
-          const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
-          const uint32_t bar = full_bar + 8 * buf;
-          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
-#pragma unroll
-          for (int k = 0; k < WG_BN / 16; ++k) {
-            if (k >= nbox) break;
-            const int row = (pos0 + k * p.tma_rows) % p.page;
-#pragma unroll
-            for (int a = 0; a < WG_ATOMS; ++a)
-              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
-          }
-        }
-        return;
-      }
-      const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        const int r = ld_row + 16 * hh, pos = pos0 + r;
-        const uint16_t* src = kv;
-        int bytes = 0;
-        if (pos < end) {
-          const int blk_r = one_page ? blk0 : bt_row[pos / p.page];
-          src = kv + (long long)blk_r * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
-          bytes = 16;
-        }
-        const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
-#pragma unroll
-        for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
-      }
-    };
-    fetch_blocks(0);
-    if (ntiles > 0) issue(0, 0);
-    cp_async_commit();
-    fetch_blocks(1);
-    if (ntiles > 1) issue(1, 1);
-    cp_async_commit();
-    fetch_blocks(2);
-    for (int it = 0; it < ntiles; ++it) {
-      const int buf = it & 1;
-      // tile `it` complete (the TMA transactions, or this thread's copies: the newest group is tile it + 1's), rows
-      // past the split's end zero (TMA boxes bring whole pages), visible to the async proxy
-      if (p.tma_rows) {
-        mbar_wait(full_bar + 8 * buf, (it >> 1) & 1);
-        const int valid = end - (start + it * WG_BN);
-        for (int c = t2; c < (WG_BN - valid) * 8 * WG_ATOMS; c += 128) {
-          const int r = valid + c / (8 * WG_ATOMS), a = (c / 8) % WG_ATOMS;
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kv_s + buf * WG_TILE + a * WG_ATOM +
-                       r * 128 + (c % 8) * 16), "r"(0) : "memory");
-        }
-      } else {
-        cp_async_wait1();
-      }
-      fence_async_smem();
-      nb_arrive(WS_FULL + buf);
-      if (it + 2 < ntiles) {  // refill this buffer once both groups' P·V(it) are done with it
-        nb_sync(WS_VFREE + buf, WG_NT);
-        issue(it + 2, buf);
-        fetch_blocks(it + 3);
-      }
-      cp_async_commit();  // one group per iteration (maybe empty): tile it + 2's
-    }
-    cp_async_wait0();
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_MMA_REGS));
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -1014,11 +917,10 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
     const uint64_t d_q = gmma_desc(q_s, 16, 1024), d_k0 = gmma_desc(kv_s, 16, 1024);
     const uint64_t d_v0 = gmma_desc(kv_s, WG_ATOM, 1024);
-    if (ntiles > 0) nb_sync(WS_QREADY);
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it & 1;
       const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
-      nb_sync(WS_FULL + buf);
+      nb_sync(WS_FULL);
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -1114,35 +1016,117 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(acc);
-      if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf, WG_NT);
+      if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf);
     }
-  } else if (grp == 1) {
-    // Q [64, 576] = [q_lat | q_rope] by cp.async: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom
-    // (8 threads cover a 128-byte span), rows past M zero-filled (16-byte aligned rows: checked by the caller)
+  } else {
+    // cp.async loader: thread -> rows ld_row + 16 hh (hh < 4), chunk ld_sub of each atom (8 threads cover a 128-byte
+    // span). Q [64, 576] = [q_lat | q_rope], rows past M zero-filled (16-byte aligned rows: checked by the caller).
     const int t1 = tid - 128, ld_row = t1 >> 3, ld_sub = t1 & 7;
-    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
-    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
+    {
+      const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
+      const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
 #pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      const int r = ld_row + 16 * hh, m = m0 + r;
-      const uint16_t* lat = ql;
-      const uint16_t* rope = qr;
-      int bytes = 0;
-      if (m < p.M) {
-        const int t = m / p.H, h = m - t * p.H;
-        lat = ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + ld_sub * 8;
-        rope = qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + ld_sub * 8;
-        bytes = 16;
+      for (int hh = 0; hh < 4; ++hh) {
+        const int r = ld_row + 16 * hh, m = m0 + r;
+        const uint16_t* lat = ql;
+        const uint16_t* rope = qr;
+        int bytes = 0;
+        if (m < p.M) {
+          const int t = m / p.H, h = m - t * p.H;
+          lat = ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + ld_sub * 8;
+          rope = qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + ld_sub * 8;
+          bytes = 16;
+        }
+        const uint32_t dst = q_s + sw128(r, ld_sub);
+#pragma unroll
+        for (int a = 0; a < WG_ATOMS - 1; ++a) cp_async16(dst + a * WG_ATOM, lat + (bytes ? a * 64 : 0), bytes);
+        cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
       }
-      const uint32_t dst = q_s + sw128(r, ld_sub);
-#pragma unroll
-      for (int a = 0; a < WG_ATOMS - 1; ++a) cp_async16(dst + a * WG_ATOM, lat + (bytes ? a * 64 : 0), bytes);
-      cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
     }
+    const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+    const int* bt_row = p.bt + (long long)b * p.s_btb;
+    // cp.async key tiles: rows past `end` zero-filled (their addresses never read); with 64-row pages (a split starts
+    // on a multiple of 64) a tile is one page: one block-table read per tile.
+    const bool one_page = p.page == WG_BN;
+    // TMA (one thread): tile `tile` into buffer `buf` as boxes of tma_rows rows (inside one page: blocks blk[k]) up
+    // to the split's end, the tile's bytes announced to the buffer's mbarrier. The block ids are read a tile ahead
+    // (fetch_blocks), off the path from a freed buffer to its refill.
+    int blk[WG_BN / 16];
+    auto fetch_blocks = [&](int tile) {
+      const int pos0 = start + tile * WG_BN;
+#pragma unroll
+      for (int k = 0; k < WG_BN / 16; ++k) {
+        const int pos = pos0 + k * p.tma_rows;
+        const bool used = p.tma_rows && t1 == 0 && tile < ntiles && k * p.tma_rows < WG_BN && pos < end;
+        blk[k] = used ? bt_row[pos / p.page] : 0;
+      }
+    };
+    auto issue = [&](int tile, int buf) {
+      const int pos0 = start + tile * WG_BN;
+      if (p.tma_rows) {
+        if (t1 == 0) {
+          const int nbox = (min(WG_BN, end - pos0) + p.tma_rows - 1) / p.tma_rows;
+          const uint32_t bar = full_bar + 8 * buf;
+          mbar_expect_tx(bar, nbox * p.tma_rows * 128 * WG_ATOMS);
+#pragma unroll
+          for (int k = 0; k < WG_BN / 16; ++k) {
+            if (k >= nbox) break;
+            const int row = (pos0 + k * p.tma_rows) % p.page;
+#pragma unroll
+            for (int a = 0; a < WG_ATOMS; ++a)
+              tma_load3(kv_s + buf * WG_TILE + a * WG_ATOM + k * p.tma_rows * 128, &p.tmap, bar, a * 64, row, blk[k]);
+          }
+        }
+        return;
+      }
+      const int blk0 = one_page && pos0 < end ? bt_row[pos0 / WG_BN] : 0;
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        const int r = ld_row + 16 * hh, pos = pos0 + r;
+        const uint16_t* src = kv;
+        int bytes = 0;
+        if (pos < end) {
+          const int blk = one_page ? blk0 : bt_row[pos / p.page];
+          src = kv + (long long)blk * p.s_kvb + (long long)(one_page ? r : pos % p.page) * p.s_kvr + ld_sub * 8;
+          bytes = 16;
+        }
+        const uint32_t dst = kv_s + buf * WG_TILE + sw128(r, ld_sub);
+#pragma unroll
+        for (int a = 0; a < WG_ATOMS; ++a) cp_async16(dst + a * WG_ATOM, src + (bytes ? a * 64 : 0), bytes);
+      }
+    };
+    // Tile `tile` in buffer `buf` is complete (this thread's copies, or the TMA transactions), rows past the
+    // split's end are zero (TMA boxes bring whole pages), and the copies are visible to the async proxy
+    auto landed = [&](int tile, int buf) {
+      if (p.tma_rows) {
+        mbar_wait(full_bar + 8 * buf, (tile >> 1) & 1);
+        const int valid = end - (start + tile * WG_BN);
+        if (valid < WG_BN) {
+          for (int c = t1; c < (WG_BN - valid) * 8 * WG_ATOMS; c += 128) {
+            const int r = valid + c / (8 * WG_ATOMS), a = (c / 8) % WG_ATOMS;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kv_s + buf * WG_TILE + a * WG_ATOM +
+                         r * 128 + (c % 8) * 16), "r"(0) : "memory");
+          }
+        }
+      } else {
+        cp_async_wait0();
+      }
+      fence_async_smem();
+    };
+    fetch_blocks(0);
+    if (ntiles > 0) issue(0, 0);
+    cp_async_commit();  // group: Q (+ tile 0)
+    fetch_blocks(1);
+    if (ntiles > 1) issue(1, 1);
     cp_async_commit();
-    cp_async_wait0();
-    fence_async_smem();
-    if (ntiles > 0) nb_arrive(WS_QREADY);
+    fetch_blocks(2);
+    if (ntiles > 0) {
+      if (p.tma_rows) cp_async_wait0();  // Q
+      else cp_async_wait1();             // Q + tile 0
+      if (p.tma_rows) landed(0, 0);
+      fence_async_smem();
+      nb_arrive(WS_FULL);
+    }
     const uint64_t d_p = gmma_desc(p_s, 16, 1024), d_v0 = gmma_desc(kv_s + 4 * WG_ATOM, WG_ATOM, 1024);
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it & 1;
@@ -1160,14 +1144,24 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) Wg<T>::pv(acc, d_p + kk * 2, d_v + kk * ((16 * 128) >> 4));
       wg_commit();
+      if (it + 1 < ntiles) {  // tile it + 1 (issued a tile ago) for group 0's next scores
+        landed(it + 1, buf ^ 1);
+        nb_arrive(WS_FULL);
+      }
       wg_wait0();
       reg_fence(acc);
       if (it + 1 < ntiles) nb_arrive(WS_PFREE);
-      if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf, WG_NT);
+      if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
+        nb_sync(WS_VFREE + buf);
+        issue(it + 2, buf);
+        fetch_blocks(it + 3);
+        cp_async_commit();
+      }
     }
+    cp_async_wait0();
   }
 
-  nb_sync(WS_DONE);  // both groups are past the loop: the factor slots are free
+  __syncthreads();  // both groups are past the loop: the factor slots are free
   if (grp == 0) {
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -1180,7 +1174,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       red[WG_ROWS + r_hi] = m_hi;
     }
   }
-  nb_sync(WS_DONE);
+  __syncthreads();
   l_lo = red[r_lo];
   l_hi = red[r_hi];
   m_lo = red[WG_ROWS + r_lo];
