@@ -810,6 +810,12 @@ WGMMA_SOURCE = r"""
 // group's P·V); group 1's P·V deferred until group 0's next scores are done, to run under the softmax (run10:
 // 19-32% slower: the two groups' products overlap better than they serialize); earlier, for the symmetric kernel
 // (s7 runs 4, 9, 10): two tiles in flight, several score accumulators, duplicated scores with P kept in registers.
+// Also no faster (s9 runs 5-9, same-run A/B at B=64 L=8K): the two row tiles of H=96 / Tq=2 as one cluster sharing
+// each key tile by TMA multicast (394 against 299 µs at H=96: the loader waits for the peer CTA's free buffer on
+// its group's P·V path); one mbarrier per atom so the scores start as atoms land (244 against 181 µs at H=64: the
+// wait between the products makes ptxas serialize the wgmma chain, C7520); a TMA L2 prefetch of each tile a tile
+// before its load (216 against 182); a third, loader warp group with setmaxnreg 56 / 224 (199 against 176). The
+// softmax as one FMA and one ex2 per probability (run 6) changed no time: the tiles' arrival paces the kernel.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
