@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
       }
       l_part = l_part * alpha + psum;
       m_run = m_new;
-      *reinterpret_cast<uint2*>(ps + sm_row * PLD + sm_col) = make_uint2(Ty<T>::pack(pe[0], pe[1]), Ty<T>::pack(pe[2], pe[3]));
+      *reinterpret_cast<uint2*>(ps + sm_row * PLD + sm_col) =
+          make_uint2(Ty<T>::pack(pe[0], pe[1]), Ty<T>::pack(pe[2], pe[3]));
       if ((tid & 7) == 0) alpha_s[sm_row] = alpha;
     }
     __syncthreads();
@@ -608,7 +609,8 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
     float s[BN / 8][4];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const uint32_t k_addr = smem_u32(kt + ((lane & 7) + ((lane >> 4) << 3)) * QLD + half * KW64 + ((lane >> 3) & 1) * 8);
+    const uint32_t k_addr =
+        smem_u32(kt + ((lane & 7) + ((lane >> 4) << 3)) * QLD + half * KW64 + ((lane >> 3) & 1) * 8);
 #pragma unroll
     for (int ks = 0; ks < KW64 / 16; ++ks) {
       uint32_t a[4];
