@@ -224,29 +224,6 @@ def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
     torch.testing.assert_close(outs[0][0], o_ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
-@pytest.mark.parametrize("Tq,H", [(1, 64), (2, 96)])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_wgmma_pair_merge_matches_the_combine_kernel(monkeypatch, Tq, H, out_dtype):
-    """With two splits the wgmma kernel runs each row tile's splits as one cluster and split 0 merges split 1's
-    partial itself; K3NN_MLA_PAIR_MERGE=0 leaves the merge to the combine kernel. Same operations, same order:
-    equal results, empty second splits (short requests) and padded rows included."""
-    from k3nn.kernels.mla import cuda_decode
-
-    q_lat, q_rope, pool, table, sl = case(8, [1000, 30, 64, 65, 4097], Tq, H)
-    outs = []
-    for pair in ("1", "0"):
-        monkeypatch.setenv("K3NN_MLA_PAIR_MERGE", pair)
-        out = _poisoned(q_lat, out_dtype)
-        cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=2, out=out, kernel="wgmma")
-        outs.append(out)
-    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=1e-6)
-    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-    torch.testing.assert_close(outs[0][0].float(), o_ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(outs[0][1], lse_ref, atol=2e-2, rtol=2e-3)
-
-
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_cuda_kernel_graph_replay_follows_new_lengths(cuda_mla, splits):
     q_lat, q_rope, pool, table, sl = case(2, [1000, 300, 64], 1, 64)

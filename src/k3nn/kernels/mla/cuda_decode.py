@@ -141,7 +141,6 @@ struct MlaParams {
   float scale_log2;
   int B, Tq, H, M, page, splits;
   int tma_rows;  // wgmma kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
-  int pair_merge;  // wgmma kernel, 2 splits: the splits of a row tile are one cluster, split 0 merges (no combine)
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -293,55 +292,6 @@ __device__ __forceinline__ void store_rows64(const MlaParams& p, int b, int spli
         const int col = half * 256 + j * 8 + 2 * tq;
         *reinterpret_cast<float2*>(prow + col) = make_float2(acc(j, 2 * hh) * inv, acc(j, 2 * hh + 1) * inv);
       }
-    }
-  }
-}
-
-// Two splits in one cluster (after the cluster barrier that publishes split 1's partial): split 0 merges split 1's
-// partial with its own accumulators into o and lse, operation for operation as mla_combine_kernel does.
-template <typename TO, typename Acc>
-__device__ __forceinline__ void merge_pair_rows64(const MlaParams& p, int b, int m0, int r_lo, int r_hi, float l_lo,
-                                                  float l_hi, float m_lo, float m_hi, int half, int tq, Acc acc) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = hh ? r_hi : r_lo, m = m0 + r;
-    if (m >= p.M) continue;
-    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float ls0 = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
-    const float ls1 = p.lse_part[((long long)b * p.M + m) * 2 + 1];
-    const float mx = fmaxf(fmaxf(-INFINITY, ls0), ls1);
-    float w0 = 0.f, w1 = 0.f, tot = 0.f;
-    if (mx != -INFINITY) {
-      if (ls0 != -INFINITY) {
-        w0 = expf(ls0 - mx);
-        tot += w0;
-      }
-      if (ls1 != -INFINITY) {
-        w1 = expf(ls1 - mx);
-        tot += w1;
-      }
-    }
-    const float inv_t = tot > 0.f ? 1.f / tot : 0.f;
-    const int t = m / p.H, h = m - t * p.H;
-    if (half == 0 && tq == 0) p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
-    TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
-    const float* prow = p.o_part + (((long long)b * p.M + m) * 2 + 1) * R;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = half * 256 + j * 8 + 2 * tq;
-      float o0 = 0.f, o1 = 0.f;
-      if (ls0 != -INFINITY) {
-        o0 += w0 * (acc(j, 2 * hh) * inv);
-        o1 += w0 * (acc(j, 2 * hh + 1) * inv);
-      }
-      if (ls1 != -INFINITY) {
-        const float2 v = *reinterpret_cast<const float2*>(prow + col);
-        o0 += w1 * v.x;
-        o1 += w1 * v.y;
-      }
-      store_out(orow + col, o0 * inv_t);
-      store_out(orow + col + 1, o1 * inv_t);
     }
   }
 }
@@ -796,26 +746,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
     auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
-    const dim3 grid((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B);
-    if (p.pair_merge) {  // the two splits of a row tile form one cluster; split 0 writes the merged result
-      if (p.splits != 2) return cudaErrorInvalidValue;
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 1;
-      attr[0].val.clusterDim.y = 2;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = grid;
-      cfg.blockDim = dim3(WG_NT);
-      cfg.dynamicSmemBytes = WG_SMEM;
-      cfg.stream = stream;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      err = cudaLaunchKernelEx(&cfg, kern, p);
-      if (err != cudaSuccess) return err;
-      return cudaGetLastError();
-    }
-    kern<<<grid, WG_NT, WG_SMEM, stream>>>(p);
+    kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
   } else if (rows == ROWS64) {
     auto kern = mla_split64_kernel<T, TO>;
     err = raise_smem(kern, SMEM_BYTES64, raised64);
@@ -940,9 +871,6 @@ __device__ __forceinline__ float ex2_ftz(float x) {  // 2^x, results below 2^-12
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
@@ -1259,14 +1187,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   l_hi = red[r_hi];
   m_lo = red[WG_ROWS + r_lo];
   m_hi = red[WG_ROWS + r_hi];
-  auto acc_at = [&](int j, int e) { return acc[4 * j + e]; };
-  if (p.pair_merge) {  // split 1 publishes its partial to the cluster (L2), split 0 merges it into o and lse
-    if (split == 1) store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq, acc_at);
-    cluster_sync();
-    if (split == 0) merge_pair_rows64<TO>(p, b, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq, acc_at);
-  } else {
-    store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq, acc_at);
-  }
+  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
+                   [&](int j, int e) { return acc[4 * j + e]; });
 #else
   __trap();
 #endif
@@ -1396,8 +1318,6 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
   p.tma_rows = 0;
-  const char* pair_env = std::getenv("K3NN_MLA_PAIR_MERGE");
-  p.pair_merge = kernel == 1 && splits == 2 && !(pair_env && pair_env[0] == '0');
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
