@@ -816,8 +816,10 @@ WGMMA_SOURCE = r"""
 // each key tile by TMA multicast (394 against 299 µs at H=96: the loader waits for the peer CTA's free buffer on
 // its group's P·V path); one mbarrier per atom so the scores start as atoms land (244 against 181 µs at H=64: the
 // wait between the products makes ptxas serialize the wgmma chain, C7520); a TMA L2 prefetch of each tile a tile
-// before its load (216 against 182); a third, loader warp group with setmaxnreg 56 / 224 (199 against 176). The
-// softmax as one FMA and one ex2 per probability (run 6) changed no time: the tiles' arrival paces the kernel.
+// before its load (216 against 182); a third, loader warp group with setmaxnreg 56 / 224 (199 against 176); with
+// two splits, the splits of a row tile as one cluster, split 0 merging split 1's partial instead of the combine
+// kernel (run 12: 180-183 against 177). The softmax as one FMA and one ex2 per probability (run 6) changed no
+// time: the tiles' arrival paces the kernel.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
