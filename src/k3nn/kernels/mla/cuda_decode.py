@@ -702,10 +702,13 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
 }
 
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
-// one warp, 4 columns per lane (a single request still spreads over M · 4 CTAs).
+// one warp, 4 columns per lane (a single request still spreads over M · 4 CTAs). The splits' weights go to shared
+// memory first, so the partials' loads do not wait on their split's LSE: eight are in flight per lane (empty
+// splits wrote no partial: their loads are discarded by a select, never multiplied).
 constexpr int MERGE_COLS = 128;
 template <typename TO>
 __global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
+  __shared__ float ws[256];  // the splits' weights (MAX_SPLITS)
   const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + threadIdx.x * 4;
   const long long row = (long long)b * p.M + m;
   const float* lp = p.lse_part + row * p.splits;
@@ -713,17 +716,27 @@ __global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
   for (int s = threadIdx.x; s < p.splits; s += 32) mx = fmaxf(mx, lp[s]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float o[4] = {0.f, 0.f, 0.f, 0.f}, tot = 0.f;
-  if (mx != -INFINITY) {
+  float tot = 0.f;
+  for (int s = threadIdx.x; s < p.splits; s += 32) {
+    const float ls = lp[s];
+    const float w = ls == -INFINITY ? 0.f : expf(ls - mx);  // an empty split: its partial output was not written
+    ws[s] = w;
+    tot += w;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+  __syncwarp();
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  if (tot > 0.f) {
     const float* op = p.o_part + row * p.splits * R + c0;
-#pragma unroll 4
+#pragma unroll 8
     for (int s = 0; s < p.splits; ++s) {
-      const float ls = lp[s];
-      if (ls == -INFINITY) continue;  // an empty split: its partial output was not written
-      const float w = expf(ls - mx);
-      tot += w;
+      const float w = ws[s];
       const float4 v = *reinterpret_cast<const float4*>(op + (long long)s * R);
-      o[0] += w * v.x; o[1] += w * v.y; o[2] += w * v.z; o[3] += w * v.w;
+      o[0] += w != 0.f ? w * v.x : 0.f;
+      o[1] += w != 0.f ? w * v.y : 0.f;
+      o[2] += w != 0.f ? w * v.z : 0.f;
+      o[3] += w != 0.f ? w * v.w : 0.f;
     }
   }
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
