@@ -8,7 +8,8 @@ legacy SM90 kernel when it imports — each three times (two warm-up calls, one 
         --section SchedulerStats --section SourceCounters python3 bench/gpu/profile_mla_decode.py [PLAN ...]
 
 (suite step ``mla-decode-ncu``). ``--cases B,L,H,Tq;...`` instead profiles only the CUDA warp-group kernel at its
-default split count and FlashMLA on each case (suite step ``mla-wgmma-cases-ncu``). Without a profiler it prints the time of each call (CUDA events). What to read:
+default split count and FlashMLA on each case (suite step ``mla-wgmma-cases-ncu``). Without a profiler it prints
+the time of each call (CUDA events). What to read:
 tensor-pipe utilisation and issue-slot use of stage 1 against FlashMLA's, the top warp stall reasons and the
 SASS lines they sit on (waits on the tensor-memory loads, on the products, on barriers).
 """

@@ -225,12 +225,15 @@ def test_generated_source_has_the_entry_points():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_wgmma_kernel_compiles_for_sm90a(tmp_path):
-    """The warp-group kernel for sm_90a (no GPU needed): four instantiations, no spills, its shared memory equal to
-    the Python mirror and within one CTA per SM."""
+    """The warp-group kernel for sm_90a (no GPU needed): four instantiations, no spills, no wgmma chain that ptxas
+    serializes (C7510-C7520: a divergent wait between the products, or too few registers), its shared memory equal
+    to the Python mirror and within one CTA per SM; the combine kernel's split bound equal to MAX_SPLITS."""
     log, spills = nvcc_sm90(tmp_path, cd.kernel_source()
-                            + f"static_assert(k3mla::WG_SMEM == {cd.SMEM_BYTES_WGMMA}, \"wgmma smem\");\n",
+                            + f"static_assert(k3mla::WG_SMEM == {cd.SMEM_BYTES_WGMMA}, \"wgmma smem\");\n"
+                            f"static_assert(k3mla::MERGE_MAX_SPLITS == {cd.MAX_SPLITS}, \"combine splits\");\n",
                             "mla_wg", arch="sm_90a")
     assert not spills, spills
+    assert "are serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024

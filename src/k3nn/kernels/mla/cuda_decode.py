@@ -705,10 +705,10 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
 // one warp, 4 columns per lane (a single request still spreads over M · 4 CTAs). The splits' weights go to shared
 // memory first, so the partials' loads do not wait on their split's LSE: eight are in flight per lane (empty
 // splits wrote no partial: their loads are discarded by a select, never multiplied).
-constexpr int MERGE_COLS = 128;
+constexpr int MERGE_COLS = 128, MERGE_MAX_SPLITS = 256;  // MAX_SPLITS on the Python side
 template <typename TO>
 __global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
-  __shared__ float ws[256];  // the splits' weights (MAX_SPLITS)
+  __shared__ float ws[MERGE_MAX_SPLITS];  // the splits' weights
   const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + threadIdx.x * 4;
   const long long row = (long long)b * p.M + m;
   const float* lp = p.lse_part + row * p.splits;
@@ -782,6 +782,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
 cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream) {
   if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
+  if (p.splits < 1 || p.splits > MERGE_MAX_SPLITS) return cudaErrorInvalidValue;
   if (kernel < 0 || kernel > 1) return cudaErrorInvalidValue;
   if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
   if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
