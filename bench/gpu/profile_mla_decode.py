@@ -36,6 +36,14 @@ def parse_plan(text: str) -> td.Plan:
                         int(splits or 1))
 
 
+def time_flashmla(name: str, fm, q, pool, bt, sl, Tq: int = 1) -> None:
+    """FlashMLA's legacy SM90 kernel on the same inputs (``fm``: what :func:`flashmla` loaded)."""
+    fwd, get_meta = fm
+    meta = get_meta()[0]
+    timed(name, lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE, causal=Tq > 1,
+                            use_legacy=True))
+
+
 def profile_case(B: int, L: int, H: int, Tq: int, fm) -> None:
     from k3nn.kernels.mla import cuda_decode as cdk
 
@@ -43,12 +51,8 @@ def profile_case(B: int, L: int, H: int, Tq: int, fm) -> None:
     q, pool, bt, out = sets[0]
     timed(f"k3nn CUDA wgmma B={B} L={L} H={H} Tq={Tq}",
           lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out, kernel="wgmma"))
-    if fm is None:
-        return
-    fwd, get_meta = fm
-    meta = get_meta()[0]
-    timed(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}",
-          lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE, causal=Tq > 1, use_legacy=True))
+    if fm is not None:
+        time_flashmla(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}", fm, q, pool, bt, sl, Tq)
 
 
 def cases_main(spec: str) -> int:
@@ -80,10 +84,7 @@ def main():
     if fm is None:
         print(f"FlashMLA: {why}")
         return 0
-    fwd, get_meta = fm
-    meta = get_meta()[0]
-    timed("FlashMLA legacy", lambda: fwd(q, pool.unsqueeze(2), bt, sl, R, meta, softmax_scale=SCALE,
-                                         use_legacy=True))
+    time_flashmla("FlashMLA legacy", fm, q, pool, bt, sl)
     return 0
 
 
