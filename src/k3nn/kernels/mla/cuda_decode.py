@@ -702,22 +702,32 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
 }
 
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
-// one warp, 4 columns per lane (a single request still spreads over M · 4 CTAs). The splits' weights go to shared
-// memory first, so the partials' loads do not wait on their split's LSE: eight are in flight per lane (empty
-// splits wrote no partial: their loads are discarded by a select, never multiplied).
-constexpr int MERGE_COLS = 128, MERGE_MAX_SPLITS = 256;  // MAX_SPLITS on the Python side
+// blockDim.y warps (up to MERGE_WARPS, at most one per split), 4 columns per lane. The splits' weights go to shared
+// memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane (a
+// single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added in warp
+// order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied.
+constexpr int MERGE_COLS = 128, MERGE_MAX_SPLITS = 256, MERGE_WARPS = 8;  // MAX_SPLITS on the Python side
+// (The minimum of 4 resident CTAs lets ptxas take 64 registers: aiming at full occupancy, it keeps 32 and issues
+// the eight loads two at a time.)
 template <typename TO>
-__global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
+__global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const MlaParams p) {
   __shared__ float ws[MERGE_MAX_SPLITS];  // the splits' weights
-  const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + threadIdx.x * 4;
+  __shared__ float red[2][MERGE_WARPS];
+  __shared__ float4 sums[MERGE_WARPS - 1][32];
+  const int lane = threadIdx.x, wid = threadIdx.y, nw = blockDim.y, tid = wid * 32 + lane, nt = nw * 32;
+  const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + lane * 4;
   const long long row = (long long)b * p.M + m;
   const float* lp = p.lse_part + row * p.splits;
   float mx = -INFINITY;
-  for (int s = threadIdx.x; s < p.splits; s += 32) mx = fmaxf(mx, lp[s]);
+  for (int s = tid; s < p.splits; s += nt) mx = fmaxf(mx, lp[s]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[0][wid] = mx;
+  __syncthreads();
+  mx = red[0][0];
+  for (int w = 1; w < nw; ++w) mx = fmaxf(mx, red[0][w]);
   float tot = 0.f;
-  for (int s = threadIdx.x; s < p.splits; s += 32) {
+  for (int s = tid; s < p.splits; s += nt) {
     const float ls = lp[s];
     const float w = ls == -INFINITY ? 0.f : expf(ls - mx);  // an empty split: its partial output was not written
     ws[s] = w;
@@ -725,26 +735,48 @@ __global__ void __launch_bounds__(32) mla_combine_kernel(const MlaParams p) {
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-  __syncwarp();
-  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  if (lane == 0) red[1][wid] = tot;
+  __syncthreads();
+  tot = 0.f;
+  for (int w = 0; w < nw; ++w) tot += red[1][w];
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  const auto add = [&](float w, float4 v) {
+    o.x += w != 0.f ? w * v.x : 0.f;
+    o.y += w != 0.f ? w * v.y : 0.f;
+    o.z += w != 0.f ? w * v.z : 0.f;
+    o.w += w != 0.f ? w * v.w : 0.f;
+  };
   if (tot > 0.f) {
+    const int per = (p.splits + nw - 1) / nw, s1 = min(p.splits, (wid + 1) * per);
     const float* op = p.o_part + row * p.splits * R + c0;
-#pragma unroll 8
-    for (int s = 0; s < p.splits; ++s) {
-      const float w = ws[s];
-      const float4 v = *reinterpret_cast<const float4*>(op + (long long)s * R);
-      o[0] += w != 0.f ? w * v.x : 0.f;
-      o[1] += w != 0.f ? w * v.y : 0.f;
-      o[2] += w != 0.f ? w * v.z : 0.f;
-      o[3] += w != 0.f ? w * v.w : 0.f;
+    int s = wid * per;
+    for (; s + 8 <= s1; s += 8) {  // all eight loads issued before the first is used
+      float4 v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = *reinterpret_cast<const float4*>(op + (long long)(s + k) * R);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) add(ws[s + k], v[k]);
     }
+    for (; s < s1; ++s) add(ws[s], *reinterpret_cast<const float4*>(op + (long long)s * R));
+  }
+  if (wid > 0) sums[wid - 1][lane] = o;
+  __syncthreads();
+  if (wid > 0) return;
+  for (int w = 1; w < nw; ++w) {
+    const float4 v = sums[w - 1][lane];
+    o.x += v.x;
+    o.y += v.y;
+    o.z += v.z;
+    o.w += v.w;
   }
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
   const int t = m / p.H, h = m - t * p.H;
   TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + c0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) store_out(orow + e, o[e] * inv);
-  if (blockIdx.z == 0 && threadIdx.x == 0)
+  store_out(orow, o.x * inv);
+  store_out(orow + 1, o.y * inv);
+  store_out(orow + 2, o.z * inv);
+  store_out(orow + 3, o.w * inv);
+  if (blockIdx.z == 0 && lane == 0)
     p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = tot > 0.f ? mx + logf(tot) : -INFINITY;
 }
 
@@ -773,7 +805,8 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
   }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
-  mla_combine_kernel<TO><<<dim3(p.M, p.B, R / MERGE_COLS), 32, 0, stream>>>(p);
+  const int merge_warps = p.splits < MERGE_WARPS ? p.splits : MERGE_WARPS;
+  mla_combine_kernel<TO><<<dim3(p.M, p.B, R / MERGE_COLS), dim3(32, merge_warps), 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,106 @@
+"""Split-count sweep of the MLA decode at small batch (bf16, paged latent cache, 512 + 64, block 64): per split
+count, the whole call timed in a CUDA graph (inputs rotate over copies larger than L2) and each kernel's own time
+(stage 1, the split combine) from the profiler, for the CUDA warp-group kernel and the Triton default tile. Every
+variant is first run into NaN-poisoned outputs and compared with the eager reference.
+
+    PYTHONPATH=src python3 bench/gpu/mla_splits.py [--cases 1,32768,64;1,32768,96] [--splits 32,64,128,132]
+
+TB/s counts the latent cache only (``B·L·576·2`` bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mla_decode import R, SCALE, graph_ms, launch, make_case, poisoned  # noqa: E402
+
+from k3nn.bench.common import rel_err  # noqa: E402
+from k3nn.kernels.mla import triton_decode as td  # noqa: E402
+
+
+def kernel_times(fn, calls: int = 8) -> dict[str, float]:
+    """Mean device µs per call of each kernel ``fn(i)`` launches (profiler, eager launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+    tot = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name] += e.device_time / calls
+    return dict(tot)
+
+
+def short(name: str) -> str:
+    for key in ("combine", "stage1", "wgmma"):
+        if key in name:
+            return key
+    return name[:24]
+
+
+def run_variant(label, call, sets, sl, ref, cache_bytes, n_calls):
+    out = poisoned(sets[0][0])
+    call(0, out)
+    torch.cuda.synchronize()
+    err, lerr = rel_err(out[0], ref[0]), (out[1] - ref[1]).abs().max().item()
+    ok = "ok" if err < 1e-2 and lerr < 1e-2 else "WRONG"
+    copies = len(sets)
+    ms = graph_ms(lambda i: call(i % copies), n_calls)
+    kt = kernel_times(lambda i: call(i % copies))
+    parts = "  ".join(f"{short(k)} {v:6.1f}" for k, v in sorted(kt.items(), key=lambda kv: -kv[1]))
+    print(f"{label:44s} {ms * 1e3:7.1f} us {cache_bytes / ms / 1e9:6.3f} TB/s  [{parts}]  err {err:.1e} {ok}",
+          flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="1,32768,64;1,32768,96", help="B,L,H;... (Tq = 1)")
+    ap.add_argument("--splits", default="32,64,96,128,132,192,256")
+    ap.add_argument("--no-triton", action="store_true")
+    args = ap.parse_args()
+    from k3nn.kernels.mla import cuda_decode as cdk
+
+    why = cdk.available()
+    if why:
+        print(f"CUDA kernel not run: {why}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for spec in args.cases.split(";"):
+        B, L, H = (int(x) for x in spec.split(","))
+        sets, sl, ref, cache_bytes, n_calls = make_case(B, L, H, 1)
+        case = f"B={B} L={L} H={H}"
+        counts = sorted({int(s) for s in args.splits.split(",")} | {cdk.kernel_num_splits("wgmma", B, H, L, sms)})
+        for S in counts if not why else []:
+            def call(i, out=None, S=S, sets=sets, sl=sl):
+                q, pool, bt, o = sets[i]
+                cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out or o, num_splits=S,
+                                    kernel="wgmma")
+            run_variant(f"{case} wgmma S={S}", call, sets, sl, ref, cache_bytes, n_calls)
+        if not args.no_triton:
+            base = td._default_plan(B, H, dev)
+            for S in sorted({base.splits, *(int(s) for s in args.splits.split(","))}):
+                plan = td.make_plan(tuple(base)[:-1], S)
+
+                def tcall(i, out=None, plan=plan, sets=sets, sl=sl):
+                    q, pool, bt, o = sets[i]
+                    launch(plan, q, pool, bt, sl, out or o)
+                run_variant(f"{case} triton {plan.short()}", tcall, sets, sl, ref, cache_bytes, n_calls)
+        sets.clear()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
