@@ -51,6 +51,7 @@ STEPS=(
   "kda-intra-tests|200|$PYTEST tests/gpu/test_kda_gpu.py -k splitg"
   "mla-cuda-tests|240|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"
   "mla-cuda-bench|150|$PY bench/gpu/mla_decode.py --cuda-only"
+  "mla-splits|150|$PY bench/gpu/mla_splits.py"
   "mla-wgmma-tests|200|$PYTEST tests/gpu/test_mla_gpu.py -k wgmma"
   "mla-cuda-variants-test|100|$PYTEST tests/gpu/test_mla_gpu.py -k variants"
   "mla-wgmma-sass|120|bash bench/gpu/ncu_sass.sh mla_wgmma_kernel bench/gpu/profile_mla_decode.py"
