@@ -143,17 +143,20 @@ def graph_ms(fn, n_calls, rep=7):
     return graph_bench_ms(fn, inner=n_calls, rep=rep, indexed=True)
 
 
-def make_case(B, L, H, Tq, dt=torch.bfloat16):
-    """Inputs of one case: enough copies of (q, pool, block table, out) to exceed L2, shuffled pages; the lengths,
-    the fp32 reference on the first copy, the cache bytes a decode moves and the calls per timed graph."""
+def make_case(B, L, H, Tq, dt=torch.bfloat16, copies=None, ordered=False):
+    """Inputs of one case: enough copies of (q, pool, block table, out) to exceed L2 (or ``copies``), shuffled pages
+    (``ordered``: each request's pages in pool order); the lengths, the fp32 reference on the first copy, the cache
+    bytes a decode moves and the calls per timed graph."""
     nblk = L // BS
     cache_bytes = B * L * (R + DR) * dt.itemsize
-    copies = min(8, max(1, math.ceil(200e6 / cache_bytes)))
+    copies = copies or min(8, max(1, math.ceil(200e6 / cache_bytes)))
     gen = torch.Generator(device="cuda").manual_seed(B * 7 + H + Tq)
     sets = []
     for _ in range(copies):
         pool = (torch.randn(B * nblk + 4, BS, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
         bt = torch.randperm(B * nblk + 4, device="cuda", generator=gen)[:B * nblk].view(B, nblk).int()
+        if ordered:
+            bt = torch.arange(B * nblk, device="cuda", dtype=torch.int32).view(B, nblk)
         q = (torch.randn(B, Tq, H, R + DR, device="cuda", generator=gen) * 0.5).to(dt)
         out = (torch.empty(B, Tq, H, R, device="cuda", dtype=dt), torch.empty(B, Tq, H, device="cuda"))
         sets.append((q, pool, bt, out))

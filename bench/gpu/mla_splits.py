@@ -64,11 +64,25 @@ def run_variant(label, call, sets, sl, ref, cache_bytes, n_calls):
           flush=True)
 
 
+def anchors(case, sets, cache_bytes, n_calls):
+    """A reduction and a copy over the same pools (the bytes a decode reads; the copy also writes them)."""
+    copies = len(sets)
+    dst = torch.empty_like(sets[0][1])
+    acc = torch.empty((), device="cuda", dtype=torch.float32)
+    for label, fn in (("sum of the pool", lambda i: torch.sum(sets[i % copies][1], dtype=torch.float32, out=acc)),
+                      ("copy of the pool", lambda i: dst.copy_(sets[i % copies][1]))):
+        ms = graph_ms(fn, n_calls)
+        print(f"{case} {label:35s} {ms * 1e3:7.1f} us {cache_bytes / ms / 1e9:6.3f} TB/s (read bytes)", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1,32768,64;1,32768,96", help="B,L,H;... (Tq = 1)")
     ap.add_argument("--splits", default="32,64,96,128,132,192,256")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--ordered", action="store_true", help="each request's pages in pool order (not shuffled)")
+    ap.add_argument("--copies", type=int, default=None, help="input copies (default: enough to exceed L2)")
+    ap.add_argument("--anchors", action="store_true", help="also time a sum and a copy of the same pools")
     args = ap.parse_args()
     from k3nn.kernels.mla import cuda_decode as cdk
 
@@ -79,8 +93,10 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for spec in args.cases.split(";"):
         B, L, H = (int(x) for x in spec.split(","))
-        sets, sl, ref, cache_bytes, n_calls = make_case(B, L, H, 1)
-        case = f"B={B} L={L} H={H}"
+        sets, sl, ref, cache_bytes, n_calls = make_case(B, L, H, 1, copies=args.copies, ordered=args.ordered)
+        case = f"B={B} L={L} H={H}{' ordered' if args.ordered else ''} x{len(sets)}"
+        if args.anchors:
+            anchors(case, sets, cache_bytes, n_calls)
         counts = sorted({int(s) for s in args.splits.split(",")} | {cdk.kernel_num_splits("wgmma", B, H, L, sms)})
         for S in counts if not why else []:
             def call(i, out=None, S=S, sets=sets, sl=sl):
