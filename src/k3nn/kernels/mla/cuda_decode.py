@@ -154,6 +154,26 @@ CUDA_SOURCE = r"""
 namespace k3mla {
 __PARAMS__
 
+// Phase stamps (bench/gpu/mla_trace.py builds with K3MLA_TRACE defined; compiled out otherwise): the global timer
+// at fixed points of a CTA's life, written by the first thread of each warp group into the CTA's row of k3mla_trace.
+#ifdef K3MLA_TRACE
+constexpr int K3MLA_STAMPS = 24, K3MLA_TRACE_CTAS = 1024;
+__device__ unsigned long long k3mla_trace[K3MLA_TRACE_CTAS][K3MLA_STAMPS];
+#define K3MLA_STAMP(slot)                                                                                     \
+  do {                                                                                                        \
+    const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);                     \
+    if ((threadIdx.x & 127) == 0 && cta_ < K3MLA_TRACE_CTAS) {                                                \
+      unsigned long long t_;                                                                                  \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)::"memory");                                        \
+      k3mla_trace[cta_][slot] = t_;                                                                           \
+    }                                                                                                         \
+  } while (0)
+#else
+#define K3MLA_STAMP(slot) \
+  do {                    \
+  } while (0)
+#endif
+
 constexpr int R = 512, DR = 64, D = R + DR;
 constexpr int ROWS = 16, BN = 32, NWARP = 4, NT = 32 * NWARP;
 constexpr int QLD = D + 8;     // Q / KV row stride in shared memory: 1168 B, ldmatrix rows hit distinct banks
@@ -824,6 +844,11 @@ cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int r
   return cudaErrorNotSupported;
 }
 }  // namespace k3mla
+#ifdef K3MLA_TRACE
+cudaError_t k3mla_trace_copy(void* dst, size_t bytes) {
+  return cudaMemcpyFromSymbol(dst, k3mla::k3mla_trace, bytes);
+}
+#endif
 """
 
 WGMMA_SOURCE = r"""
@@ -960,10 +985,12 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   const int grp = warp >> 2, wq = warp & 3;  // warp group (its role, its 256 output columns), warp in the group
   const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
+  K3MLA_STAMP(grp ? 12 : 0);
   const int seq = p.seq[b];
 
   const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
+  K3MLA_STAMP(grp ? 13 : 1);
   const int r_lo = wq * 16 + g, r_hi = r_lo + 8;
   float acc[128];
 #pragma unroll
@@ -978,6 +1005,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       const int buf = it & 1;
       const uint64_t d_k = d_k0 + buf * (WG_TILE >> 4), d_v = d_v0 + buf * (WG_TILE >> 4);
       nb_sync(WS_FULL);
+      if (it == 0) K3MLA_STAMP(2);
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -994,6 +1022,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(s);
+      if (it == 0) K3MLA_STAMP(3);
 
       // online softmax (base 2): s[4 j + e] is row r_lo (e < 2) or r_hi, key n0 + 8 j + (e & 1). Keys at or past a
       // row's limit are masked on the tiles that hold any; the row max is taken before scaling (scale > 0: fl(c·s)
@@ -1060,6 +1089,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       }
       fence_async_smem();
       nb_arrive(WS_PREADY);
+      if (it == 0) K3MLA_STAMP(4);
       if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
@@ -1073,6 +1103,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       wg_commit();
       wg_wait0();
       reg_fence(acc);
+      if (it == 0) K3MLA_STAMP(5);
       if (it + 2 < ntiles) nb_arrive(WS_VFREE + buf);
     }
   } else {
@@ -1170,9 +1201,11 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       }
       fence_async_smem();
     };
+    K3MLA_STAMP(14);
     fetch_blocks(0);
     if (ntiles > 0) issue(0, 0);
     cp_async_commit();  // group: Q (+ tile 0)
+    K3MLA_STAMP(15);
     fetch_blocks(1);
     if (ntiles > 1) issue(1, 1);
     cp_async_commit();
@@ -1180,7 +1213,9 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     if (ntiles > 0) {
       if (p.tma_rows) cp_async_wait0();  // Q
       else cp_async_wait1();             // Q + tile 0
+      K3MLA_STAMP(16);
       if (p.tma_rows) landed(0, 0);
+      K3MLA_STAMP(17);
       fence_async_smem();
       nb_arrive(WS_FULL);
     }
@@ -1189,6 +1224,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       const int buf = it & 1;
       const uint64_t d_v = d_v0 + buf * (WG_TILE >> 4);
       nb_sync(WS_PREADY);
+      if (it == 0) K3MLA_STAMP(18);
       const float al_lo = red[r_lo], al_hi = red[r_hi];
       if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
@@ -1207,6 +1243,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       }
       wg_wait0();
       reg_fence(acc);
+      if (it == 0) K3MLA_STAMP(19);
       if (it + 1 < ntiles) nb_arrive(WS_PFREE);
       if (it + 2 < ntiles) {  // refill this buffer once group 0's P·V(it) is done with it
         nb_sync(WS_VFREE + buf);
@@ -1218,6 +1255,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
     cp_async_wait0();
   }
 
+  K3MLA_STAMP(grp ? 20 : 6);
   __syncthreads();  // both groups are past the loop: the factor slots are free
   if (grp == 0) {
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
@@ -1236,8 +1274,10 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   l_hi = red[r_hi];
   m_lo = red[WG_ROWS + r_lo];
   m_hi = red[WG_ROWS + r_hi];
+  K3MLA_STAMP(grp ? 21 : 7);
   store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
                    [&](int j, int e) { return acc[4 * j + e]; });
+  K3MLA_STAMP(grp ? 22 : 8);
 #else
   __trap();
 #endif
