@@ -966,6 +966,74 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32
 }
 #endif
 
+// Four outputs of one row (16-byte aligned fp32 or 8-byte aligned 16-bit rows in one store; else one at a time)
+__device__ __forceinline__ void store_out4(float* o, float4 v) {
+  if ((reinterpret_cast<uintptr_t>(o) & 15) == 0) {
+    *reinterpret_cast<float4*>(o) = v;
+  } else {
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  }
+}
+template <typename TO>
+__device__ __forceinline__ void store_out4(TO* o, float4 v) {
+  if ((reinterpret_cast<uintptr_t>(o) & 7) == 0) {
+    *reinterpret_cast<uint2*>(o) = make_uint2(Ty<TO>::pack(v.x, v.y), Ty<TO>::pack(v.z, v.w));
+  } else {
+    store_out(o, v.x); store_out(o + 1, v.y); store_out(o + 2, v.z); store_out(o + 3, v.w);
+  }
+}
+
+// Epilogue of the warp-group kernel (every warp past the loop: Q, the key buffers and P are free). Each thread puts
+// its rows r_lo / r_hi, columns 256·grp + 8 j + 2 tq (+1), scaled by 1 / l, into a padded fp32 tile [64, 516] over
+// the Q and key buffers (the 8 rows of a fragment store fall on distinct banks); then the CTA writes the tile in
+// row-contiguous 16-byte pieces, a warp store covering four cache lines of one row (the fragments' own stores
+// touch eight rows' 32-byte pieces each, and cost the CTA 6-9 µs: h200-s10-run6). One split: o and lse; else the
+// fp32 partials and the split's lse.
+constexpr int WG_OLD = R + 4;  // fp32 row stride of the staged output tile
+static_assert(WG_ROWS * WG_OLD * 4 <= 3 * WG_TILE, "the staged output fits over Q and the key buffers");
+template <typename TO>
+__device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo, int r_hi,
+                                              float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq, TO*,
+                                              const float (&acc)[128]) {
+  const bool final_ = p.splits == 1;
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int col = grp * 256 + j * 8 + 2 * tq;
+    *reinterpret_cast<float2*>(ot + r_lo * WG_OLD + col) = make_float2(acc[4 * j] * inv_lo, acc[4 * j + 1] * inv_lo);
+    *reinterpret_cast<float2*>(ot + r_hi * WG_OLD + col) =
+        make_float2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
+  }
+  if (grp == 0 && tq == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int m = m0 + (hh ? r_hi : r_lo);
+      const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
+      if (m >= p.M) continue;
+      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+      if (final_) {
+        const int t = m / p.H, h = m - t * p.H;
+        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+      } else {
+        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+      }
+    }
+  }
+  __syncthreads();
+  const int rows = min(WG_ROWS, p.M - m0);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < rows * (R / 4); i += WG_NT) {
+    const int r = i / (R / 4), c = (i % (R / 4)) * 4, m = m0 + r;
+    const float4 v = *reinterpret_cast<const float4*>(ot + r * WG_OLD + c);
+    if (final_) {
+      const int t = m / p.H, h = m - t * p.H;
+      store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + c, v);
+    } else {
+      *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.splits + split) * R + c) = v;
+    }
+  }
+}
+
 template <typename T, typename TO>
 __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
 #ifdef K3MLA_WGMMA
@@ -1275,8 +1343,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   m_lo = red[WG_ROWS + r_lo];
   m_hi = red[WG_ROWS + r_hi];
   K3MLA_STAMP(grp ? 21 : 7);
-  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq,
-                   [&](int j, int e) { return acc[4 * j + e]; });
+  wg_store_rows(p, b, split, m0, reinterpret_cast<float*>(smem + (base - raw)), r_lo, r_hi, l_lo, l_hi, m_lo, m_hi,
+                grp, tq, static_cast<TO*>(nullptr), acc);
   K3MLA_STAMP(grp ? 22 : 8);
 #else
   __trap();
