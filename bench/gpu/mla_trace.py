@@ -24,10 +24,10 @@ from k3nn.kernels.mla import cuda_decode as cdk  # noqa: E402
 STAMPS = 24
 NAMES = {
     0: "g0 entry", 1: "g0 key range", 2: "g0 tile 0 full", 3: "g0 QK(0) done", 4: "g0 P(0) ready", 5: "g0 PV(0) done",
-    6: "g0 loop done", 7: "g0 store start", 8: "g0 store done",
+    6: "g0 loop done", 7: "g0 store start", 9: "g0 staged", 10: "g0 staged, synced", 8: "g0 store done",
     12: "g1 entry", 13: "g1 key range", 14: "g1 loader start", 15: "g1 Q + tile 0 issued", 16: "g1 Q landed",
     17: "g1 tile 0 landed", 18: "g1 P(0) ready seen", 19: "g1 PV(0) done", 20: "g1 loop done", 21: "g1 store start",
-    22: "g1 store done",
+    23: "g1 staged", 11: "g1 staged, synced", 22: "g1 store done",
 }
 _CPP_TRACE = """
 cudaError_t k3mla_trace_copy(void* dst, size_t bytes);

@@ -1019,7 +1019,9 @@ __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int spl
       }
     }
   }
+  K3MLA_STAMP(grp ? 23 : 9);
   __syncthreads();
+  K3MLA_STAMP(grp ? 11 : 10);
   const int rows = min(WG_ROWS, p.M - m0);
 #pragma unroll 4
   for (int i = threadIdx.x; i < rows * (R / 4); i += WG_NT) {
