@@ -966,45 +966,45 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32
 }
 #endif
 
+// Four outputs of one row (16-byte aligned fp32 or 8-byte aligned 16-bit rows in one store; else one at a time)
+__device__ __forceinline__ void store_out4(float* o, float4 v) {
+  if ((reinterpret_cast<uintptr_t>(o) & 15) == 0) {
+    *reinterpret_cast<float4*>(o) = v;
+  } else {
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  }
+}
+template <typename TO>
+__device__ __forceinline__ void store_out4(TO* o, float4 v) {
+  if ((reinterpret_cast<uintptr_t>(o) & 7) == 0) {
+    *reinterpret_cast<uint2*>(o) = make_uint2(Ty<TO>::pack(v.x, v.y), Ty<TO>::pack(v.z, v.w));
+  } else {
+    store_out(o, v.x); store_out(o + 1, v.y); store_out(o + 2, v.z); store_out(o + 3, v.w);
+  }
+}
+
 // Epilogue of the warp-group kernel (every warp past the loop: Q, the key buffers and P are free). Each thread puts
-// its rows r_lo / r_hi, columns 256·grp + 8 j + 2 tq (+1), scaled by 1 / l, into a padded tile over the Q and key
-// buffers (fp32 rows of 516, or 16-bit rows of 520 for a 16-bit final output: a fragment store's 8 rows fall on
-// distinct banks); then the first warp hands each row to the tensor-memory accelerator as one bulk copy
-// (cp.async.bulk, shared → global) and waits until the tile has been read. The fragments' own stores touch eight
-// rows' 32-byte pieces per warp store and cost the CTA 6-9 µs (bench/results/logs/h200-s10-run6; a thread loop of
-// row-contiguous 16-byte stores still took 3-5 µs, run 8). One split: o and lse; else the fp32 partials and the
-// split's lse. A final output whose rows are not 16-byte aligned leaves through plain stores.
-constexpr int WG_OLD = R + 4, WG_OLD16 = R + 8;  // row strides (elements) of the staged fp32 / 16-bit tile
+// its rows r_lo / r_hi, columns 256·grp + 8 j + 2 tq (+1), scaled by 1 / l, into a padded fp32 tile [64, 516] over
+// the Q and key buffers (the 8 rows of a fragment store fall on distinct banks); then the CTA writes the tile in
+// row-contiguous 16-byte pieces, a warp store covering four cache lines of one row. One split: o and lse; else the
+// fp32 partials and the split's lse. Phase stamps (bench/gpu/mla_trace.py, h200-s10 runs 6-9): the fragments' own
+// stores (eight rows' 32-byte pieces per warp store) took a CTA 6-9 µs, this 4-5 (B=1 L=32K, 132 splits: stage 1
+// 28.4 → 24.4 µs). One bulk copy per row (cp.async.bulk shared → global) instead was faster for a lone CTA (2.3
+// against 5.4 µs) but slower with every SM writing partials (4.1 against 2.8 µs; stage 1 26.8 µs).
+constexpr int WG_OLD = R + 4;  // fp32 row stride of the staged output tile
 static_assert(WG_ROWS * WG_OLD * 4 <= 3 * WG_TILE, "the staged output fits over Q and the key buffers");
 template <typename TO>
-__device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, unsigned char* stage,
-                                              int r_lo, int r_hi, float l_lo, float l_hi, float m_lo, float m_hi,
-                                              int grp, int tq, const float (&acc)[128]) {
+__device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo, int r_hi,
+                                              float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq, TO*,
+                                              const float (&acc)[128]) {
   const bool final_ = p.splits == 1;
-  constexpr bool half_out = sizeof(TO) == 2;
-  const bool staged16 = final_ && half_out;
-  const int ld = staged16 ? WG_OLD16 * 2 : WG_OLD * 4;  // staged row stride in bytes
   const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
-  if (staged16) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = grp * 256 + j * 8 + 2 * tq;
-      if constexpr (half_out) {
-        *reinterpret_cast<uint32_t*>(stage + r_lo * ld + col * 2) = Ty<TO>::pack(acc[4 * j] * inv_lo,
-                                                                                   acc[4 * j + 1] * inv_lo);
-        *reinterpret_cast<uint32_t*>(stage + r_hi * ld + col * 2) = Ty<TO>::pack(acc[4 * j + 2] * inv_hi,
-                                                                                   acc[4 * j + 3] * inv_hi);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = grp * 256 + j * 8 + 2 * tq;
-      *reinterpret_cast<float2*>(stage + r_lo * ld + col * 4) = make_float2(acc[4 * j] * inv_lo,
-                                                                            acc[4 * j + 1] * inv_lo);
-      *reinterpret_cast<float2*>(stage + r_hi * ld + col * 4) = make_float2(acc[4 * j + 2] * inv_hi,
-                                                                            acc[4 * j + 3] * inv_hi);
-    }
+  for (int j = 0; j < 32; ++j) {
+    const int col = grp * 256 + j * 8 + 2 * tq;
+    *reinterpret_cast<float2*>(ot + r_lo * WG_OLD + col) = make_float2(acc[4 * j] * inv_lo, acc[4 * j + 1] * inv_lo);
+    *reinterpret_cast<float2*>(ot + r_hi * WG_OLD + col) =
+        make_float2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
   }
   if (grp == 0 && tq == 0) {
 #pragma unroll
@@ -1021,37 +1021,19 @@ __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int spl
       }
     }
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staged tile, visible to the bulk copies
   K3MLA_STAMP(grp ? 23 : 9);
   __syncthreads();
   K3MLA_STAMP(grp ? 11 : 10);
   const int rows = min(WG_ROWS, p.M - m0);
-  const int eo = final_ ? (int)sizeof(TO) : 4;
-  const bool bulk = !final_ || (((reinterpret_cast<uintptr_t>(p.out) | (uintptr_t)((p.s_ob | p.s_ot | p.s_oh) * eo)) &
-                                 15) == 0);
-  const auto row_dst = [&](int r) -> char* {
-    const int m = m0 + r;
-    if (!final_) return reinterpret_cast<char*>(p.o_part + (((long long)b * p.M + m) * p.splits + split) * R);
-    const int t = m / p.H, h = m - t * p.H;
-    return reinterpret_cast<char*>(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh);
-  };
-  if (bulk) {
-    if (threadIdx.x < 32) {
-      for (int r = threadIdx.x; r < rows; r += 32)
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                     ::"l"(row_dst(r)), "r"(smem_u32(stage + r * ld)), "r"(R * eo) : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory stays until read
-    }
-  } else {
-    for (int i = threadIdx.x; i < rows * R; i += WG_NT) {
-      const int r = i / R, c = i % R;
-      TO* o = reinterpret_cast<TO*>(row_dst(r)) + c;
-      if (staged16) {
-        *o = reinterpret_cast<const TO*>(stage + r * ld)[c];
-      } else {
-        store_out(o, reinterpret_cast<const float*>(stage + r * ld)[c]);
-      }
+#pragma unroll 4
+  for (int i = threadIdx.x; i < rows * (R / 4); i += WG_NT) {
+    const int r = i / (R / 4), c = (i % (R / 4)) * 4, m = m0 + r;
+    const float4 v = *reinterpret_cast<const float4*>(ot + r * WG_OLD + c);
+    if (final_) {
+      const int t = m / p.H, h = m - t * p.H;
+      store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + c, v);
+    } else {
+      *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.splits + split) * R + c) = v;
     }
   }
 }
@@ -1076,6 +1058,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   const int g = lane >> 2, tq = lane & 3;    // fragment row group / column pair
   const int m0 = blockIdx.x * WG_ROWS, split = blockIdx.y, b = blockIdx.z;
   K3MLA_STAMP(grp ? 12 : 0);
+  const int seq = p.seq[b];  // in flight while group 1 issues Q's copies
   if (grp == 1) {
     // Q [64, 576] = [q_lat | q_rope] by cp.async before anything waits on the lengths: thread -> rows
     // ld_row + 16 hh (hh < 4), chunk ld_sub of each atom (8 threads cover a 128-byte span); rows past M zero-filled
@@ -1101,7 +1084,6 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
       cp_async16(dst + (WG_ATOMS - 1) * WG_ATOM, rope, bytes);
     }
   }
-  const int seq = p.seq[b];
 
   const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, WG_BN);
   const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
@@ -1367,7 +1349,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   m_lo = red[WG_ROWS + r_lo];
   m_hi = red[WG_ROWS + r_hi];
   K3MLA_STAMP(grp ? 21 : 7);
-  wg_store_rows<TO>(p, b, split, m0, smem + (base - raw), r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, grp, tq, acc);
+  wg_store_rows(p, b, split, m0, reinterpret_cast<float*>(smem + (base - raw)), r_lo, r_hi, l_lo, l_hi, m_lo, m_hi,
+                grp, tq, static_cast<TO*>(nullptr), acc);
   K3MLA_STAMP(grp ? 22 : 8);
 #else
   __trap();
