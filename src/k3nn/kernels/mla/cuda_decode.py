@@ -722,7 +722,7 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
 }
 
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
-// blockDim.y warps (up to MERGE_WARPS, at most one per split), 4 columns per lane. The splits' weights go to shared
+// blockDim.y warps (up to MERGE_WARPS, one per 8 splits), 4 columns per lane. The splits' weights go to shared
 // memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane (a
 // single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added in warp
 // order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied.
@@ -825,7 +825,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
   }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
-  const int merge_warps = p.splits < MERGE_WARPS ? p.splits : MERGE_WARPS;
+  const int merge_warps = max(1, min(MERGE_WARPS, p.splits / 8));  // a warp takes at least one batch of 8 splits
   mla_combine_kernel<TO><<<dim3(p.M, p.B, R / MERGE_COLS), dim3(32, merge_warps), 0, stream>>>(p);
   return cudaGetLastError();
 }
