@@ -49,6 +49,22 @@ cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in share
 """
 
 
+#: CUDA for the kernels: programmatic dependent launch. ``pdl_trigger()`` lets the next kernel in the stream (when
+#: it is launched with programmatic stream serialization) start launching; ``pdl_wait()`` returns once the previous
+#: grid has completed and its writes are visible. Both are no-ops below sm_90 and in launches without the attribute.
+PDL_SOURCE = r"""__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+"""
+
+
 def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str],
                        arch_flags: tuple[str, ...] = ()):
     """Compile (cached on disk by torch under a hash of the sources and flags) and load a torch extension whose

@@ -65,7 +65,7 @@ import os
 
 import torch
 
-from ..cuda_ext import RAISE_SMEM_SOURCE, load_inline_module, toolchain_reason
+from ..cuda_ext import PDL_SOURCE, RAISE_SMEM_SOURCE, load_inline_module, toolchain_reason
 from ..cuda_ext import sm_count as _sm_count
 from ..cuda_ext import smem_per_block as _smem_limit
 
@@ -153,7 +153,7 @@ CUDA_SOURCE = r"""
 
 namespace k3mla {
 __PARAMS__
-
+__PDL__
 // Phase stamps (bench/gpu/mla_trace.py builds with K3MLA_TRACE defined; compiled out otherwise): the global timer
 // at fixed points of a CTA's life, written by the first thread of each warp group into the CTA's row of k3mla_trace.
 #ifdef K3MLA_TRACE
@@ -738,6 +738,7 @@ __global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const 
   const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + lane * 4;
   const long long row = (long long)b * p.M + m;
   const float* lp = p.lse_part + row * p.splits;
+  pdl_wait();  // after the warp-group stage 1, launched as its programmatic dependent: its partials are visible
   float mx = -INFINITY;
   for (int s = tid; s < p.splits; s += nt) mx = fmaxf(mx, lp[s]);
 #pragma unroll
@@ -826,7 +827,20 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   const int merge_warps = max(1, min(MERGE_WARPS, p.splits / 8));  // a warp takes at least one batch of 8 splits
-  mla_combine_kernel<TO><<<dim3(p.M, p.B, R / MERGE_COLS), dim3(32, merge_warps), 0, stream>>>(p);
+  const dim3 grid(p.M, p.B, R / MERGE_COLS), block(32, merge_warps);
+  if (kernel != 0) {  // after the warp-group kernel (sm_90): a programmatic dependent, launched while stage 1 runs
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = grid;
+    lc.blockDim = block;
+    lc.stream = stream;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    lc.attrs = at;
+    lc.numAttrs = 1;
+    return cudaLaunchKernelEx(&lc, mla_combine_kernel<TO>, p);
+  }
+  mla_combine_kernel<TO><<<grid, block, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -1049,6 +1063,7 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   const uint32_t full_bar = smem_u32(lim_s + WG_ROWS);  // two mbarriers (8-byte aligned): TMA tiles landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  pdl_trigger();  // the combine kernel may launch now (its CTAs wait for this grid's completion)
   if (tid == 0 && p.tma_rows) {
     mbar_init(full_bar, 1);
     mbar_init(full_bar + 8, 1);
@@ -1498,6 +1513,7 @@ _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torc
          "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t kernel);")
 
 CUDA_SOURCE = (CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
+               .replace("__PDL__", PDL_SOURCE)
                .replace("__WGMMA_KERNEL__", WGMMA_SOURCE))
 _CPP_SOURCE = _CPP_SOURCE.replace("__PARAMS__", PARAMS_SOURCE)
 

@@ -64,7 +64,7 @@ import torch
 
 from ...quant.mxfp4 import MXFP4Weight
 from ..cuda_ext import smem_per_block as _smem_limit
-from ..cuda_ext import toolchain_reason
+from ..cuda_ext import PDL_SOURCE, toolchain_reason
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
            "pdl_enabled", "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
@@ -280,16 +280,7 @@ __device__ __forceinline__ float glu(float g, float u, int act, int cap, float b
 }
 
 // Programmatic dependent launch (sm_90+; no-ops when the launch carries no programmatic dependency).
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+__PDL__
 
 template <int NT, int RT, int KS, bool GLU>
 struct Smem {
@@ -651,7 +642,7 @@ cudaError_t launch(const Args& p, cudaStream_t stream) {
 }
 """
 
-CUDA_SOURCE = CUDA_SOURCE.replace("__ARGS__", ARGS).replace("__BODY__", BODY)
+CUDA_SOURCE = CUDA_SOURCE.replace("__ARGS__", ARGS).replace("__BODY__", BODY).replace("__PDL__\n", PDL_SOURCE)
 ARGS_SOURCE = ARGS_SOURCE.replace("__ARGS__", ARGS)
 _CPP_SOURCE = _CPP_SOURCE.replace("__ARGS_SOURCE__", ARGS_SOURCE)
 
