@@ -5,7 +5,8 @@ variant is first run into NaN-poisoned outputs and compared with the eager refer
 
     PYTHONPATH=src python3 bench/gpu/mla_splits.py [--cases 1,32768,64;1,32768,96] [--splits 32,64,128,132]
 
-TB/s counts the latent cache only (``B·L·576·2`` bytes).
+TB/s counts the latent cache only (``B·L·576·2`` bytes). After the warp-group kernel the combine is a programmatic
+dependent launch: its profiler time then includes its wait for stage 1 (compare the graph totals).
 """
 
 from __future__ import annotations
