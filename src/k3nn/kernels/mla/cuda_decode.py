@@ -723,9 +723,11 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
 
 // Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
 // blockDim.y warps (up to MERGE_WARPS, one per 8 splits), 4 columns per lane. The splits' weights go to shared
-// memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane (a
-// single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added in warp
-// order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied.
+// memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane
+// (a single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added
+// in warp order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied. One warp
+// per row chunk took 5.3 µs at B=1 L=32K H=64 with 64 splits, eight take 4.3 (h200-s10-run13); a warp per split
+// for two splits (B=64) took 22 µs against 12 (run 12), hence a warp per batch of eight.
 constexpr int MERGE_COLS = 128, MERGE_MAX_SPLITS = 256, MERGE_WARPS = 8;  // MAX_SPLITS on the Python side
 // (The minimum of 4 resident CTAs lets ptxas take 64 registers: aiming at full occupancy, it keeps 32 and issues
 // the eight loads two at a time.)
@@ -909,6 +911,12 @@ WGMMA_SOURCE = r"""
 // two splits, the splits of a row tile as one cluster, split 0 merging split 1's partial instead of the combine
 // kernel (run 12: 180-183 against 177). The softmax as one FMA and one ex2 per probability (run 6) changed no
 // time: the tiles' arrival paces the kernel.
+// A CTA's life at B=1 L=32K H=64 with 132 splits (phase stamps, K3MLA_TRACE, bench/gpu/mla_trace.py, h200-s10 runs
+// 6-10): ~2 µs until its first key tile is asked for (the lengths, then the block id: two dependent loads), ~3 µs
+// until it lands (every SM asks at once), ~3 µs per further tile (bandwidth), then the epilogue: 6-9 µs with the
+// fragments' own stores, 4-5 µs staged (below). A lone CTA with one tile takes 12-15 µs in all. For scale, a
+// plain read of the same 38 MB (torch.sum) takes 18.7 µs (run 3). Loading pages in pool order changed nothing
+// (run 2).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
@@ -1011,9 +1019,9 @@ __device__ __forceinline__ void store_out4(TO* o, float4 v) {
 constexpr int WG_OLD = R + 4;  // fp32 row stride of the staged output tile
 static_assert(WG_ROWS * WG_OLD * 4 <= 3 * WG_TILE, "the staged output fits over Q and the key buffers");
 template <typename TO>
-__device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo, int r_hi,
-                                              float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq, TO*,
-                                              const float (&acc)[128]) {
+__device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo,
+                                              int r_hi, float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq,
+                                              TO*, const float (&acc)[128]) {
   const bool final_ = p.splits == 1;
   const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
 #pragma unroll
