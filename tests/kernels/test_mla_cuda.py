@@ -207,7 +207,8 @@ def test_generated_source_has_the_entry_points():
                  "if (rows == ROWS64)", "bar.sync %0, 64", "SMEM_BYTES64 = Q_BYTES64",
                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
-                 "SMEM_BYTES = Q_BYTES"):
+                 "SMEM_BYTES = Q_BYTES", "griddepcontrol.launch_dependents", "griddepcontrol.wait",
+                 "cudaLaunchAttributeProgrammaticStreamSerialization", "wg_store_rows(", "#ifdef K3MLA_TRACE"):
         assert name in cu, name
     assert "torch" not in cu and "__PARAMS__" not in cu  # the .cu compiles without torch headers
     assert braces_balanced(cu) and braces_balanced(cd._CPP_SOURCE)
@@ -237,6 +238,20 @@ def test_wgmma_kernel_compiles_for_sm90a(tmp_path):
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_traced_wgmma_kernel_compiles_for_sm90a(tmp_path):
+    """The phase-stamp build (``K3MLA_TRACE``, bench/gpu/mla_trace.py) still compiles for sm_90a without spills or a
+    serialized wgmma chain, and adds the trace buffer and its host copy; the default build has neither."""
+    src = cd.kernel_source()
+    assert "k3mla_trace_copy" in src and src.index("k3mla_trace_copy") > src.index("#ifdef K3MLA_TRACE")
+    log, spills = nvcc_sm90(tmp_path, "#define K3MLA_TRACE 1\n" + src, "mla_trace", arch="sm_90a")
+    assert not spills, spills
+    assert "are serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
 
 
 @pytest.mark.slow

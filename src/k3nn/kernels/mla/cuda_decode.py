@@ -915,7 +915,7 @@ WGMMA_SOURCE = r"""
 // 6-10): ~2 µs until its first key tile is asked for (the lengths, then the block id: two dependent loads), ~3 µs
 // until it lands (every SM asks at once), ~3 µs per further tile (bandwidth), then the epilogue: 6-9 µs with the
 // fragments' own stores, 4-5 µs staged (below). A lone CTA with one tile takes 12-15 µs in all. For scale, a
-// plain read of the same 38 MB (torch.sum) takes 18.7 µs (run 3). Loading pages in pool order changed nothing
+// plain read of the same 38 MB (a sum in PyTorch) takes 18.7 µs (run 3). Loading pages in pool order changed nothing
 // (run 2).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
