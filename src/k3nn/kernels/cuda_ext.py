@@ -52,7 +52,23 @@ cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in share
 #: CUDA for the kernels: programmatic dependent launch. ``pdl_trigger()`` lets the next kernel in the stream (when
 #: it is launched with programmatic stream serialization) start launching; ``pdl_wait()`` returns once the previous
 #: grid has completed and its writes are visible. Both are no-ops below sm_90 and in launches without the attribute.
-PDL_SOURCE = r"""__device__ __forceinline__ void pdl_trigger() {
+#: ``launch_pdl(kernel, grid, block, smem, stream, args...)`` launches with that attribute (sm_90+ only).
+PDL_SOURCE = r"""template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = block;
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = at;
+  lc.numAttrs = 1;
+  return cudaLaunchKernelEx(&lc, kern, static_cast<Args&&>(args)...);
+}
+__device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif

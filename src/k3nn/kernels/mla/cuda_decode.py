@@ -272,6 +272,17 @@ __device__ __forceinline__ KeyRange rows64_key_range(const MlaParams& p, int b, 
   return key_range(p, split, seq, maxlim, bn);
 }
 
+// The lse of row m (l: its whole sum, mrun: its running max in base 2): the output's with one split, else the split's.
+__device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int split, int m, float l, float mrun) {
+  const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+  if (p.splits == 1) {
+    const int t = m / p.H, h = m - t * p.H;
+    p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+  } else {
+    p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+  }
+}
+
 // Epilogue of the 64-row kernels: this thread's rows r_lo / r_hi (l: whole row sums, m: running max in base 2)
 // and its 32 column pairs 256·half + 8 j + 2 tq, read as acc(j, e) with e = 2 hh, 2 hh + 1 (hh = 0: row r_lo);
 // lse from the half-0 lane of each row group. One split: o and lse; else fp32 partials (rows that saw a key only)
@@ -287,15 +298,7 @@ __device__ __forceinline__ void store_rows64(const MlaParams& p, int b, int spli
     if (m >= p.M) continue;
     const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (half == 0 && tq == 0) {
-      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
-      if (final_) {
-        const int t = m / p.H, h = m - t * p.H;
-        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-      } else {
-        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
-      }
-    }
+    if (half == 0 && tq == 0) store_row_lse(p, b, split, m, l, mrun);
     if (final_) {
       const int t = m / p.H, h = m - t * p.H;
       TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
@@ -490,18 +493,9 @@ __global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
   l += __shfl_xor_sync(0xffffffffu, l, 4);
   const bool final_ = p.splits == 1;
   if ((tid & 7) == 0) {
-    const bool has = l > 0.f;
-    inv_s[sm_row] = has ? 1.f / l : 0.f;
-    const float lse = has ? (m_run + log2f(l)) * LN2 : -INFINITY;
+    inv_s[sm_row] = l > 0.f ? 1.f / l : 0.f;
     const int m = m0 + sm_row;
-    if (m < p.M) {
-      if (final_) {
-        const int t = m / p.H, h = m - t * p.H;
-        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-      } else {
-        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
-      }
-    }
+    if (m < p.M) store_row_lse(p, b, split, m, l, m_run);
   }
   __syncthreads();
 #pragma unroll
@@ -833,18 +827,7 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
   // After the warp-group kernel (sm_90) the combine is a programmatic dependent: its CTAs launch while stage 1 runs
   // (onto SMs stage 1 leaves free) and wait in pdl_wait. Graph totals, same run (h200-s10-run16): B=1 L=32K H=96
   // 33.9 / 33.8 → 33.8 / 33.6 µs, H=64 34.2 / 34.3 → 32.8 / 34.0, B=64 L=8K H=64 196.6 / 193.2 → 196.0 / 189.6.
-  if (kernel != 0) {
-    cudaLaunchConfig_t lc = {};
-    lc.gridDim = grid;
-    lc.blockDim = block;
-    lc.stream = stream;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    lc.attrs = at;
-    lc.numAttrs = 1;
-    return cudaLaunchKernelEx(&lc, mla_combine_kernel<TO>, p);
-  }
+  if (kernel != 0) return launch_pdl(mla_combine_kernel<TO>, grid, block, 0, stream, p);
   mla_combine_kernel<TO><<<grid, block, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1035,15 +1018,7 @@ __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int spl
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int m = m0 + (hh ? r_hi : r_lo);
-      const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
-      if (m >= p.M) continue;
-      const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
-      if (final_) {
-        const int t = m / p.H, h = m - t * p.H;
-        p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-      } else {
-        p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
-      }
+      if (m < p.M) store_row_lse(p, b, split, m, hh ? l_hi : l_lo, hh ? m_hi : m_lo);
     }
   }
   K3MLA_STAMP(grp ? 23 : 9);

@@ -624,19 +624,7 @@ cudaError_t launch(const Args& p, cudaStream_t stream) {
   }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
   const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
-  if (p.pdl) {  // may start while the previous kernel in the stream (the up GEMV) finishes
-    cudaLaunchConfig_t lc = {};
-    lc.gridDim = grid;
-    lc.blockDim = block;
-    lc.dynamicSmemBytes = smem;
-    lc.stream = stream;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    lc.attrs = at;
-    lc.numAttrs = 1;
-    return cudaLaunchKernelEx(&lc, kern, p);
-  }
+  if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);  // may start while the up GEMV finishes
   kern<<<grid, block, smem, stream>>>(p);
   return cudaGetLastError();
 }
