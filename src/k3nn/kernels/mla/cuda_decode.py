@@ -1004,7 +1004,7 @@ static_assert(WG_ROWS * WG_OLD * 4 <= 3 * WG_TILE, "the staged output fits over 
 template <typename TO>
 __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo,
                                               int r_hi, float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq,
-                                              TO*, const float (&acc)[128]) {
+                                              const float (&acc)[128]) {
   const bool final_ = p.splits == 1;
   const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
 #pragma unroll
@@ -1350,8 +1350,8 @@ __global__ void __launch_bounds__(WG_NT, 1) mla_wgmma_kernel(const __grid_consta
   m_lo = red[WG_ROWS + r_lo];
   m_hi = red[WG_ROWS + r_hi];
   K3MLA_STAMP(grp ? 21 : 7);
-  wg_store_rows(p, b, split, m0, reinterpret_cast<float*>(smem + (base - raw)), r_lo, r_hi, l_lo, l_hi, m_lo, m_hi,
-                grp, tq, static_cast<TO*>(nullptr), acc);
+  wg_store_rows<TO>(p, b, split, m0, reinterpret_cast<float*>(smem + (base - raw)), r_lo, r_hi, l_lo, l_hi, m_lo,
+                    m_hi, grp, tq, acc);
   K3MLA_STAMP(grp ? 22 : 8);
 #else
   __trap();
