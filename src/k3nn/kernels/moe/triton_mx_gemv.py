@@ -118,6 +118,42 @@ def _tile(w_ptr, s_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se
 
 
 @triton.jit
+def _wtile(w_ptr, s_ptr, e, offs_n, kw, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+           SG: tl.constexpr, VEC: tl.constexpr):
+    """Packed 32-bit words [BN, SG, VEC/4] of K step k0 (weight strides in words) and the scale bytes [BN, SG]."""
+    nm = offs_n < N
+    col = k0 // 8 + kw  # [SG, VEC/4] word columns
+    wp = w_ptr.to(tl.pointer_type(tl.uint32)) + e * stride_we
+    w = tl.load(wp + offs_n[:, None, None] * stride_wn + col[None, :, :],
+                mask=nm[:, None, None] & (col[None, :, :] < K // 8), other=0)
+    g = (k0 // 2 + tl.arange(0, SG) * VEC) // 16
+    s = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + g[None, :],
+                mask=nm[:, None] & (g[None, :] < K // 32), other=127)
+    return w, s
+
+
+@triton.jit
+def _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, cols, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+             GLU: tl.constexpr, SG: tl.constexpr, VEC: tl.constexpr, WORDS: tl.constexpr):
+    """K step k0 of w1 and (GLU) w3 with their scale bytes: bytes (``_tile``, cols [SG, VEC]) or 32-bit words
+    (``WORDS``: ``_wtile``, cols [SG, VEC/4]); without GLU the w3 pair repeats w1's."""
+    if WORDS:
+        b1, s1 = _wtile(w1_ptr, s1_ptr, e, offs_n, cols, k0, N, K, stride_we, stride_wn, stride_se, stride_sn, SG,
+                        VEC)
+    else:
+        b1, s1 = _tile(w1_ptr, s1_ptr, e, offs_n, cols, k0, N, K, stride_we, stride_wn, stride_se, stride_sn, SG, VEC)
+    b3, s3 = b1, s1
+    if GLU:
+        if WORDS:
+            b3, s3 = _wtile(w3_ptr, s3_ptr, e, offs_n, cols, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                            SG, VEC)
+        else:
+            b3, s3 = _tile(w3_ptr, s3_ptr, e, offs_n, cols, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                           SG, VEC)
+    return b1, s1, b3, s3
+
+
+@triton.jit
 def _scales(s):
     """E8M0 byte → (pre, post) with value·2^-14 · pre · post = value · 2^(s-127), both steps exact."""
     s = s.to(tl.int32)
@@ -179,6 +215,18 @@ def _store_row(o_ptr, row, flat, ok, offs_n, N, stride_om, g, u, GLU: tl.constex
 
 
 @triton.jit
+def _store_rows(o_ptr, r0, f0, ok0, f1, ok1, f2, ok2, f3, ok3, offs_n, N, stride_om, g0, u0, g1, u1, g2, u2, g3, u3,
+                GLU: tl.constexpr, ACT: tl.constexpr, CAP_UP: tl.constexpr, BM: tl.constexpr, beta, linear_beta):
+    """``_store_row`` for each of the block's BM rows."""
+    _store_row(o_ptr, r0, f0, ok0, offs_n, N, stride_om, g0, u0, GLU, ACT, CAP_UP, beta, linear_beta)
+    if BM > 1:
+        _store_row(o_ptr, r0 + 1, f1, ok1, offs_n, N, stride_om, g1, u1, GLU, ACT, CAP_UP, beta, linear_beta)
+    if BM > 2:
+        _store_row(o_ptr, r0 + 2, f2, ok2, offs_n, N, stride_om, g2, u2, GLU, ACT, CAP_UP, beta, linear_beta)
+        _store_row(o_ptr, r0 + 3, f3, ok3, offs_n, N, stride_om, g3, u3, GLU, ACT, CAP_UP, beta, linear_beta)
+
+
+@triton.jit
 def _mx_gemv_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                     NB, N, K, top_k, num_pairs,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
@@ -204,26 +252,16 @@ def _mx_gemv_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_ptr, ei
     g0, g1, g2, g3 = z, z, z, z
     u0, u1, u2, u3 = z, z, z, z
     if PREFETCH:
-        nb1, ns1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, 0, N, K, stride_we, stride_wn, stride_se, stride_sn, SG, VEC)
-        nb3, ns3 = nb1, ns1
-        if GLU:
-            nb3, ns3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, 0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                             SG, VEC)
+        nb1, ns1, nb3, ns3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kk, 0, N, K, stride_we, stride_wn,
+                                      stride_se, stride_sn, GLU, SG, VEC, False)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             b1, sb1, b3, sb3 = nb1, ns1, nb3, ns3
-            nb1, ns1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, k0 + BLOCK_K, N, K, stride_we, stride_wn, stride_se,
-                             stride_sn, SG, VEC)
-            if GLU:
-                nb3, ns3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, k0 + BLOCK_K, N, K, stride_we, stride_wn,
-                                 stride_se, stride_sn, SG, VEC)
+            nb1, ns1, nb3, ns3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kk, k0 + BLOCK_K, N, K,
+                                          stride_we, stride_wn, stride_se, stride_sn, GLU, SG, VEC, False)
         else:
-            b1, sb1 = _tile(w1_ptr, s1_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                            SG, VEC)
-            b3, sb3 = b1, sb1
-            if GLU:
-                b3, sb3 = _tile(w3_ptr, s3_ptr, e, offs_n, kk, k0, N, K, stride_we, stride_wn, stride_se,
-                                stride_sn, SG, VEC)
+            b1, sb1, b3, sb3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kk, k0, N, K, stride_we,
+                                        stride_wn, stride_se, stride_sn, GLU, SG, VEC, False)
         lo1 = _nibble(b1, False, DECODE)
         hi1 = _nibble(b1, True, DECODE)
         pre1, post1 = _scales(sb1)
@@ -243,27 +281,8 @@ def _mx_gemv_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_ptr, ei
             if BM > 2:
                 u2 += _row_part(a2, ok2, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
                 u3 += _row_part(a3, ok3, k0, K, kk, lo3, hi3, SG, VEC, SPLIT_A) * pre3 * post3
-    _store_row(o_ptr, r0, f0, ok0, offs_n, N, stride_om, g0, u0, GLU, ACT, CAP_UP, beta, linear_beta)
-    if BM > 1:
-        _store_row(o_ptr, r0 + 1, f1, ok1, offs_n, N, stride_om, g1, u1, GLU, ACT, CAP_UP, beta, linear_beta)
-    if BM > 2:
-        _store_row(o_ptr, r0 + 2, f2, ok2, offs_n, N, stride_om, g2, u2, GLU, ACT, CAP_UP, beta, linear_beta)
-        _store_row(o_ptr, r0 + 3, f3, ok3, offs_n, N, stride_om, g3, u3, GLU, ACT, CAP_UP, beta, linear_beta)
-
-
-@triton.jit
-def _wtile(w_ptr, s_ptr, e, offs_n, kw, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-           SG: tl.constexpr, VEC: tl.constexpr):
-    """Packed 32-bit words [BN, SG, VEC/4] of K step k0 (weight strides in words) and the scale bytes [BN, SG]."""
-    nm = offs_n < N
-    col = k0 // 8 + kw  # [SG, VEC/4] word columns
-    wp = w_ptr.to(tl.pointer_type(tl.uint32)) + e * stride_we
-    w = tl.load(wp + offs_n[:, None, None] * stride_wn + col[None, :, :],
-                mask=nm[:, None, None] & (col[None, :, :] < K // 8), other=0)
-    g = (k0 // 2 + tl.arange(0, SG) * VEC) // 16
-    s = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + g[None, :],
-                mask=nm[:, None] & (g[None, :] < K // 32), other=127)
-    return w, s
+    _store_rows(o_ptr, r0, f0, ok0, f1, ok1, f2, ok2, f3, ok3, offs_n, N, stride_om, g0, u0, g1, u1, g2, u2, g3, u3,
+                GLU, ACT, CAP_UP, BM, beta, linear_beta)
 
 
 @triton.jit
@@ -360,26 +379,16 @@ def _mx_gemv_words_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_p
     g0, g1, g2, g3 = z, z, z, z
     u0, u1, u2, u3 = z, z, z, z
     if PREFETCH:
-        nw1, ns1 = _wtile(w1_ptr, s1_ptr, e, offs_n, kw, 0, N, K, stride_we, stride_wn, stride_se, stride_sn, SG, VEC)
-        nw3, ns3 = nw1, ns1
-        if GLU:
-            nw3, ns3 = _wtile(w3_ptr, s3_ptr, e, offs_n, kw, 0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                              SG, VEC)
+        nw1, ns1, nw3, ns3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kw, 0, N, K, stride_we, stride_wn,
+                                      stride_se, stride_sn, GLU, SG, VEC, True)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w1, sb1, w3, sb3 = nw1, ns1, nw3, ns3
-            nw1, ns1 = _wtile(w1_ptr, s1_ptr, e, offs_n, kw, k0 + BLOCK_K, N, K, stride_we, stride_wn, stride_se,
-                              stride_sn, SG, VEC)
-            if GLU:
-                nw3, ns3 = _wtile(w3_ptr, s3_ptr, e, offs_n, kw, k0 + BLOCK_K, N, K, stride_we, stride_wn,
-                                  stride_se, stride_sn, SG, VEC)
+            nw1, ns1, nw3, ns3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kw, k0 + BLOCK_K, N, K,
+                                          stride_we, stride_wn, stride_se, stride_sn, GLU, SG, VEC, True)
         else:
-            w1, sb1 = _wtile(w1_ptr, s1_ptr, e, offs_n, kw, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                             SG, VEC)
-            w3, sb3 = w1, sb1
-            if GLU:
-                w3, sb3 = _wtile(w3_ptr, s3_ptr, e, offs_n, kw, k0, N, K, stride_we, stride_wn, stride_se,
-                                 stride_sn, SG, VEC)
+            w1, sb1, w3, sb3 = _tiles13(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, offs_n, kw, k0, N, K, stride_we,
+                                        stride_wn, stride_se, stride_sn, GLU, SG, VEC, True)
         x0, x1, x2, x3, x4, x5, x6, x7 = _words(w1)
         pre1, post1 = _scales(sb1)
         y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
@@ -405,12 +414,8 @@ def _mx_gemv_words_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, o_ptr, sorted_p
                                 y7, pre1, post1, pre3, post3, GLU, SG, VEC, SPLIT_A)
             g3 += pg
             u3 += pu
-    _store_row(o_ptr, r0, f0, ok0, offs_n, N, stride_om, g0, u0, GLU, ACT, CAP_UP, beta, linear_beta)
-    if BM > 1:
-        _store_row(o_ptr, r0 + 1, f1, ok1, offs_n, N, stride_om, g1, u1, GLU, ACT, CAP_UP, beta, linear_beta)
-    if BM > 2:
-        _store_row(o_ptr, r0 + 2, f2, ok2, offs_n, N, stride_om, g2, u2, GLU, ACT, CAP_UP, beta, linear_beta)
-        _store_row(o_ptr, r0 + 3, f3, ok3, offs_n, N, stride_om, g3, u3, GLU, ACT, CAP_UP, beta, linear_beta)
+    _store_rows(o_ptr, r0, f0, ok0, f1, ok1, f2, ok2, f3, ok3, offs_n, N, stride_om, g0, u0, g1, u1, g2, u2, g3, u3,
+                GLU, ACT, CAP_UP, BM, beta, linear_beta)
 
 
 def _word_aligned(*ws) -> bool:
