@@ -1,7 +1,9 @@
 """Where a CTA of the CUDA warp-group MLA decode spends its life: builds the kernel with ``K3MLA_TRACE`` (the global
 timer stamped at fixed points by the first thread of each warp group, see ``K3MLA_STAMP`` in
 ``k3nn.kernels.mla.cuda_decode``), runs each case a few times and prints, per stamp, the time since the grid's first
-CTA started (CTA 0, and the median and max over CTAs) for the last call.
+CTA started (CTA 0, and the median and max over CTAs) for the last call. The timer ticks every 0.256 µs on the H200,
+and ptxas may read it early: "g0 tile 0 full" came out before group 1's "tile 0 landed" (h200-s10-run6), so read
+group 0's first products from "g1 tile 0 landed" on.
 
     PYTHONPATH=src python3 bench/gpu/mla_trace.py [--cases B,L,H,S;...]
 """
