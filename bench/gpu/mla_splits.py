@@ -4,6 +4,10 @@ count, the whole call timed in a CUDA graph (inputs rotate over copies larger th
 variant is first run into NaN-poisoned outputs and compared with the eager reference.
 
     PYTHONPATH=src python3 bench/gpu/mla_splits.py [--cases 1,32768,64;1,32768,96] [--splits 32,64,128,132]
+        [--clusters 1,2,4,8]
+
+With ``--clusters`` the warp-group kernel also runs with its splits merged in clusters of that many CTAs
+(distributed shared memory) before the combine.
 
 TB/s counts the latent cache only (``B·L·576·2`` bytes). After the warp-group kernel the combine is a programmatic
 dependent launch: its profiler time then includes its wait for stage 1 (compare the graph totals).
@@ -80,6 +84,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1,32768,64;1,32768,96", help="B,L,H;... (Tq = 1)")
     ap.add_argument("--splits", default="32,64,96,128,132,192,256")
+    ap.add_argument("--clusters", default="1", help="wgmma cluster-merge sizes to time (those dividing S)")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--ordered", action="store_true", help="each request's pages in pool order (not shuffled)")
     ap.add_argument("--copies", type=int, default=None, help="input copies (default: enough to exceed L2)")
@@ -99,12 +104,14 @@ def main() -> int:
         if args.anchors:
             anchors(case, sets, cache_bytes, n_calls)
         counts = sorted({int(s) for s in args.splits.split(",")} | {cdk.kernel_num_splits("wgmma", B, H, L, sms)})
-        for S in counts if not why else []:
-            def call(i, out=None, S=S, sets=sets, sl=sl):
+        clusters = [int(c) for c in args.clusters.split(",")]
+        for S, C in [(S, C) for S in counts for C in clusters if S % C == 0] if not why else []:
+            def call(i, out=None, S=S, C=C, sets=sets, sl=sl):
                 q, pool, bt, o = sets[i]
                 cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out or o, num_splits=S,
-                                    kernel="wgmma")
-            run_variant(f"{case} wgmma S={S}", call, sets, sl, ref, cache_bytes, n_calls)
+                                    kernel="wgmma", cluster=C)
+            run_variant(f"{case} wgmma S={S}{f' C={C}' if C > 1 else ''}", call, sets, sl, ref, cache_bytes,
+                        n_calls)
         if not args.no_triton:
             base = td._default_plan(B, H, dev)
             for S in sorted({base.splits, *(int(s) for s in args.splits.split(","))}):

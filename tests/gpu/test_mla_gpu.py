@@ -257,3 +257,77 @@ def test_cuda_k3_sized(cuda_mla, Tq):
     err_tr = ((o_tr.float() - o_ref).norm() / o_ref.norm()).item()
     assert err < 2 * err_tr + 1e-3, (err, err_tr)
     torch.testing.assert_close(lse, lse_tr, atol=1e-2, rtol=1e-3)
+
+
+_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                           reason="the wgmma kernel is built for sm_90 only")
+
+
+@_sm90
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=3), Tq=st.sampled_from([1, 2]),
+       H=st.sampled_from([16, 64, 96]), cluster=st.sampled_from([2, 4, 8]), mult=st.sampled_from([1, 2, 5]),
+       explicit_vis=st.booleans(), out_f32=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_wgmma_cluster_merge_matches_combine(lens, Tq, H, cluster, mult, explicit_vis, out_f32, seed):
+    """Splits merged in clusters through distributed shared memory against the same splits merged by the combine
+    kernel alone (to fp32 rounding) and the reference: rows that see no key, H=96's half-empty second row tile,
+    splits past the keys, and (mult = 1) a cluster holding every split, which writes o and lse itself."""
+    from k3nn.kernels.mla import cuda_decode
+
+    lens = lens if explicit_vis else [max(n, Tq) for n in lens]
+    note(f"lens={lens} Tq={Tq} H={H} cluster={cluster} splits={cluster * mult} vis={explicit_vis}")
+    q_lat, q_rope, pool, table, sl = case(seed, lens, Tq, H)
+    vis = None
+    if explicit_vis:
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        vis = (torch.rand(len(lens), Tq, device="cuda", generator=g) * (sl[:, None] + 1)).int().clamp_max(sl[:, None])
+        vis[0, 0] = 0
+    odt = torch.float32 if out_f32 else q_lat.dtype
+    outs = []
+    for c in (1, cluster):
+        out = _poisoned(q_lat, odt)
+        cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, visible_lens=vis,
+                                    num_splits=cluster * mult, out=out, kernel="wgmma", cluster=c)
+        assert cuda_decode.LAST_CALL[2:] == (cluster * mult, c)
+        outs.append(out)
+    (o1, l1), (oc, lc) = outs
+    if out_f32:
+        torch.testing.assert_close(oc, o1, atol=1e-5, rtol=1e-5)
+    else:  # one rounding to 16 bits apart at most
+        torch.testing.assert_close(oc.float(), o1.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lc, l1, atol=1e-5, rtol=1e-6)
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, visible_lens=vis,
+                                          out_dtype=torch.float32)
+    torch.testing.assert_close(oc.float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lc, lse_ref, atol=2e-2, rtol=2e-3)
+
+
+@_sm90
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_wgmma_cluster_default_plan_and_graph_replay(monkeypatch, cluster):
+    """K3NN_MLA_CLUSTER picks the cluster size; the default plan (one wave of resident clusters) at B=1 L=32K H=64,
+    captured in a CUDA graph and replayed with new lengths."""
+    from k3nn.kernels.mla import cuda_decode
+
+    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "wgmma")
+    monkeypatch.setenv(cuda_decode.CLUSTER_ENV, str(cluster))
+    q_lat, q_rope, pool, table, sl = case(4, [32768], 1, 64)
+    waves = cuda_decode.max_clusters(torch.cuda.current_device(), cluster)
+    assert waves * cluster <= torch.cuda.get_device_properties(0).multi_processor_count, waves
+    out = _poisoned(q_lat, q_lat.dtype)
+    with backend("cuda"):
+        mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out)
+        S, C = cuda_decode.LAST_CALL[2:]
+        assert C == cluster and S % C == 0 and S // C <= waves, (S, C, waves)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out, check=False)
+    for n in (32768, 5000, 1):
+        sl.fill_(n)
+        out[0].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+        torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)

@@ -208,11 +208,14 @@ def test_generated_source_has_the_entry_points():
                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
                  "SMEM_BYTES = Q_BYTES", "griddepcontrol.launch_dependents", "griddepcontrol.wait",
-                 "cudaLaunchAttributeProgrammaticStreamSerialization", "wg_store_rows(", "#ifdef K3MLA_TRACE"):
+                 "cudaLaunchAttributeProgrammaticStreamSerialization", "wg_store_rows(", "#ifdef K3MLA_TRACE",
+                 "barrier.cluster.arrive.release.aligned", "mapa.shared::cluster.u32", "ld.shared::cluster.v4.f32",
+                 "cudaLaunchAttributeClusterDimension", "cudaOccupancyMaxActiveClusters", "wg_cluster_merge<TO>("):
         assert name in cu, name
     assert "torch" not in cu and "__PARAMS__" not in cu  # the .cu compiles without torch headers
     assert braces_balanced(cu) and braces_balanced(cd._CPP_SOURCE)
-    assert re.sub(r"\s+", " ", cd._DECL.rstrip(";")) in re.sub(r"\s+", " ", cd._CPP_SOURCE)
+    for decl in filter(None, (d.strip() for d in cd._DECL.split(";"))):
+        assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cd._CPP_SOURCE), decl
     # the Python mirror of the shared-memory size matches the CUDA constants
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+)", cu))
     assert int(consts["ROWS"]) == cd.ROWS and "BN = 32" in cu and cd.BLOCK_N == 32
@@ -221,6 +224,39 @@ def test_generated_source_has_the_entry_points():
     assert cd.SMEM_BYTES_BY_ROWS[64] <= 227 * 1024  # one 64-row CTA per SM
     assert "int64_t rows" in cd._DECL and "(int)rows" in cd._CPP_SOURCE
     assert "int64_t kernel" in cd._DECL and "(int)kernel" in cd._CPP_SOURCE
+    assert "int64_t cluster" in cd._DECL and "p.cluster = (int)cluster" in cd._CPP_SOURCE
+    assert int(consts["WG_MAX_CLUSTER"]) == max(cd.CLUSTERS)
+
+
+def test_wgmma_plan_and_cluster_choice(monkeypatch):
+    # no cluster: the plain split rule
+    assert cd.wgmma_plan(1, 64, 32768, 132, 1) == (cd.kernel_num_splits("wgmma", 1, 64, 32768, 132), 1)
+    # B=1 L=64K H=64: one wave of clusters (33 of 4 on 132 SMs, or as many as fit), a multiple of the cluster size
+    assert cd.wgmma_plan(1, 64, 65536, 132, 4) == (132, 4)
+    assert cd.wgmma_plan(1, 64, 65536, 132, 4, wave_clusters=30) == (120, 4)
+    assert cd.wgmma_plan(1, 64, 65536, 132, 8, wave_clusters=16) == (128, 8)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 4) == (128, 4)  # L=32K: 4 tiles per split at least
+    assert cd.wgmma_plan(1, 96, 32768, 132, 2) == (66, 2)  # two row tiles
+    # at least CLUSTER_MIN_TILES tiles per split: 1000 tokens give 4 splits
+    assert cd.wgmma_plan(1, 64, 1000, 132, 2) == (4, 2)
+    # too few splits for a cluster: the plain rule (B=64 H=96: one split)
+    assert cd.wgmma_plan(64, 96, 8192, 132, 2) == (1, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 4, wave_clusters=0) == (64, 1)
+    # explicit splits stay; the largest cluster size up to the one asked for that divides them
+    assert cd.wgmma_plan(1, 64, 32768, 132, 8, num_splits=12) == (12, 4)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 4, num_splits=7) == (7, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 2, num_splits=999) == (cd.MAX_SPLITS, 2)
+    monkeypatch.delenv(cd.CLUSTER_ENV, raising=False)
+    assert cd.cluster_choice() == cd.DEFAULT_CLUSTER
+    assert cd.cluster_choice(4) == 4
+    monkeypatch.setenv(cd.CLUSTER_ENV, "2")
+    assert cd.cluster_choice() == 2
+    for bad in ("3", "x", "16"):
+        monkeypatch.setenv(cd.CLUSTER_ENV, bad)
+        with pytest.raises(ValueError, match=cd.CLUSTER_ENV):
+            cd.cluster_choice()
+    with pytest.raises(ValueError, match="cluster"):
+        cd.cluster_choice(5)
 
 
 @pytest.mark.slow

@@ -71,6 +71,8 @@ from ..cuda_ext import smem_per_block as _smem_limit
 
 __all__ = [
     "BLOCK_N",
+    "CLUSTERS",
+    "CLUSTER_ENV",
     "DEFAULT_ROWS",
     "MAX_SPLITS",
     "ROWS",
@@ -80,14 +82,17 @@ __all__ = [
     "SMEM_BYTES_BY_ROWS",
     "available",
     "build",
+    "cluster_choice",
     "default_num_splits",
     "kernel_num_splits",
     "enabled",
     "kernel_choice",
     "kernel_source",
+    "max_clusters",
     "mla_decode_cuda",
     "rows_choice",
     "supports",
+    "wgmma_plan",
 ]
 
 R, DR = 512, 64  # the only dims compiled
@@ -111,6 +116,12 @@ ENABLE_ENV = "K3NN_MLA_CUDA"
 #: blocks the wgmma kernel is (38.7 against 42.3 µs at B=1 H=96), and at B=64 (177 against 231 µs at H=64)
 MIN_ROW_CTAS = 32
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
+CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster of the wgmma kernel's cluster merge (1: none)
+CLUSTER_ENV = "K3NN_MLA_CLUSTER"
+#: cluster size when neither ``cluster=`` nor the environment says otherwise
+DEFAULT_CLUSTER = 1
+#: key tiles per split at least, with the cluster merge (its partials cost less: smaller splits pay off)
+CLUSTER_MIN_TILES = 4
 _KERNEL_CODES = {"mma": 0, "wgmma": 1}
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
@@ -133,14 +144,16 @@ struct MlaParams {
   const int* vis;  // nullptr: seq - Tq + 1 + t
   void* out;
   float* lse;
-  float* o_part;    // [B, M, splits, 512] fp32 (splits > 1)
-  float* lse_part;  // [B, M, splits] fp32 (splits > 1)
+  float* o_part;    // [B, M, parts, 512] fp32 (parts > 1)
+  float* lse_part;  // [B, M, parts] fp32 (parts > 1)
   long long s_qlb, s_qlt, s_qlh, s_qrb, s_qrt, s_qrh;
   long long s_kvb, s_kvr, s_btb, s_visb;
   long long s_ob, s_ot, s_oh, s_lb, s_lt, s_lh;
   float scale_log2;
   int B, Tq, H, M, page, splits;
   int tma_rows;  // wgmma kernel: rows per TMA box of the key tiles (16 or 64; 0: cp.async loads)
+  int cluster;   // wgmma kernel: CTAs per cluster along the splits, merging their partials (1: none)
+  int parts;     // partials per row that the combine merges: splits / cluster (1: stage 1 writes o and lse)
   struct alignas(64) { unsigned long long w[16]; } tmap;  // CUtensorMap of the pool [blocks, page, 576]
 };
 """
@@ -273,8 +286,9 @@ __device__ __forceinline__ KeyRange rows64_key_range(const MlaParams& p, int b, 
 }
 
 // The lse of row m (l: its whole sum, mrun: its running max in base 2): the output's with one split, else the split's.
+__device__ __forceinline__ float row_lse(float l, float mrun) { return l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY; }
 __device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int split, int m, float l, float mrun) {
-  const float lse = l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY;
+  const float lse = row_lse(l, mrun);
   if (p.splits == 1) {
     const int t = m / p.H, h = m - t * p.H;
     p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
@@ -733,10 +747,10 @@ __global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const 
   const int lane = threadIdx.x, wid = threadIdx.y, nw = blockDim.y, tid = wid * 32 + lane, nt = nw * 32;
   const int m = blockIdx.x, b = blockIdx.y, c0 = blockIdx.z * MERGE_COLS + lane * 4;
   const long long row = (long long)b * p.M + m;
-  const float* lp = p.lse_part + row * p.splits;
+  const float* lp = p.lse_part + row * p.parts;
   pdl_wait();  // after the warp-group stage 1, launched as its programmatic dependent: its partials are visible
   float mx = -INFINITY;
-  for (int s = tid; s < p.splits; s += nt) mx = fmaxf(mx, lp[s]);
+  for (int s = tid; s < p.parts; s += nt) mx = fmaxf(mx, lp[s]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) red[0][wid] = mx;
@@ -744,7 +758,7 @@ __global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const 
   mx = red[0][0];
   for (int w = 1; w < nw; ++w) mx = fmaxf(mx, red[0][w]);
   float tot = 0.f;
-  for (int s = tid; s < p.splits; s += nt) {
+  for (int s = tid; s < p.parts; s += nt) {
     const float ls = lp[s];
     const float w = ls == -INFINITY ? 0.f : expf(ls - mx);  // an empty split: its partial output was not written
     ws[s] = w;
@@ -764,8 +778,8 @@ __global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const 
     o.w += w != 0.f ? w * v.w : 0.f;
   };
   if (tot > 0.f) {
-    const int per = (p.splits + nw - 1) / nw, s1 = min(p.splits, (wid + 1) * per);
-    const float* op = p.o_part + row * p.splits * R + c0;
+    const int per = (p.parts + nw - 1) / nw, s1 = min(p.parts, (wid + 1) * per);
+    const float* op = p.o_part + row * p.parts * R + c0;
     int s = wid * per;
     for (; s + 8 <= s1; s += 8) {  // all eight loads issued before the first is used
       float4 v[8];
@@ -808,7 +822,13 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
     auto kern = mla_wgmma_kernel<T, TO>;
     err = raise_smem(kern, WG_SMEM, raised_wg);
     if (err != cudaSuccess) return err;
-    kern<<<dim3((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B), WG_NT, WG_SMEM, stream>>>(p);
+    const dim3 grid((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B);
+    if (p.cluster > 1) {
+      err = launch_cluster(kern, grid, dim3(WG_NT), WG_SMEM, p.cluster, stream, p);
+      if (err != cudaSuccess) return err;
+    } else {
+      kern<<<grid, WG_NT, WG_SMEM, stream>>>(p);
+    }
   } else if (rows == ROWS64) {
     auto kern = mla_split64_kernel<T, TO>;
     err = raise_smem(kern, SMEM_BYTES64, raised64);
@@ -821,8 +841,8 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
     kern<<<dim3((p.M + ROWS - 1) / ROWS, p.splits, p.B), NT, SMEM_BYTES, stream>>>(p);
   }
   err = cudaGetLastError();
-  if (err != cudaSuccess || p.splits == 1) return err;
-  const int merge_warps = max(1, min(MERGE_WARPS, p.splits / 8));  // a warp takes at least one batch of 8 splits
+  if (err != cudaSuccess || p.parts == 1) return err;
+  const int merge_warps = max(1, min(MERGE_WARPS, p.parts / 8));  // a warp takes at least one batch of 8 partials
   const dim3 grid(p.M, p.B, R / MERGE_COLS), block(32, merge_warps);
   // After the warp-group kernel (sm_90) the combine is a programmatic dependent: its CTAs launch while stage 1 runs
   // (onto SMs stage 1 leaves free) and wait in pdl_wait. Graph totals, same run (h200-s10-run16): B=1 L=32K H=96
@@ -839,11 +859,33 @@ cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int r
   if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
   if (p.splits < 1 || p.splits > MERGE_MAX_SPLITS) return cudaErrorInvalidValue;
   if (kernel < 0 || kernel > 1) return cudaErrorInvalidValue;
+  if (p.cluster < 1 || p.splits % p.cluster || p.parts * p.cluster != p.splits) return cudaErrorInvalidValue;
+  if (p.cluster > 1 && (kernel != 1 || p.cluster > WG_MAX_CLUSTER || WG_ROWS % p.cluster)) return cudaErrorInvalidValue;
   if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
   if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
   if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, kernel, stream);
   if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, kernel, stream);
   return cudaErrorNotSupported;
+}
+
+// How many clusters of `cluster` warp-group CTAs (one per SM) the device runs at once (0 where none fit).
+int wgmma_max_clusters(int cluster, int in_dt) {
+  static bool raised[64] = {};
+  auto kern = in_dt == 0 ? mla_wgmma_kernel<__nv_bfloat16, __nv_bfloat16> : mla_wgmma_kernel<__half, __half>;
+  if (raise_smem(kern, WG_SMEM, raised) != cudaSuccess) return 0;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(1, cluster, 1);
+  lc.blockDim = dim3(WG_NT);
+  lc.dynamicSmemBytes = WG_SMEM;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 1;
+  at[0].val.clusterDim.y = cluster;
+  at[0].val.clusterDim.z = 1;
+  lc.attrs = at;
+  lc.numAttrs = 1;
+  int n = 0;
+  return cudaOccupancyMaxActiveClusters(&n, kern, &lc) == cudaSuccess ? n : 0;
 }
 }  // namespace k3mla
 #ifdef K3MLA_TRACE
@@ -911,6 +953,25 @@ constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
 // Q, two key tiles, P, + alignment slack, row factors / stats (2 × 64 floats), row limits, two mbarriers
 constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
 constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
+constexpr int WG_MAX_CLUSTER = 8;  // CTAs per cluster of the cluster merge (the portable limit)
+// Launch with clusters of `cluster` CTAs along grid y (the splits of one row tile)
+template <typename... Params, typename... Args>
+cudaError_t launch_cluster(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, int cluster,
+                           cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = block;
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 1;
+  at[0].val.clusterDim.y = cluster;
+  at[0].val.clusterDim.z = 1;
+  lc.attrs = at;
+  lc.numAttrs = 1;
+  return cudaLaunchKernelEx(&lc, kern, static_cast<Args&&>(args)...);
+}
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
 
 #ifdef K3MLA_WGMMA
@@ -972,6 +1033,33 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const void* tmap, uint32
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
                "[%2];\n" ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
+// Clusters: every thread of every CTA of the cluster meets (release / acquire: shared-memory writes before it are
+// visible to the peers' reads after it); the CTA's rank; a shared address of this CTA mapped to CTA `rank`'s copy;
+// loads through distributed shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+  uint32_t d;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(addr), "r"(rank));
+  return d;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr));
+  return v;
+}
 #endif
 
 // Four outputs of one row (16-byte aligned fp32 or 8-byte aligned 16-bit rows in one store; else one at a time)
@@ -1000,7 +1088,80 @@ __device__ __forceinline__ void store_out4(TO* o, float4 v) {
 // 28.4 → 24.4 µs). One bulk copy per row (cp.async.bulk shared → global) instead was faster for a lone CTA (2.3
 // against 5.4 µs) but slower with every SM writing partials (4.1 against 2.8 µs; stage 1 26.8 µs).
 constexpr int WG_OLD = R + 4;  // fp32 row stride of the staged output tile
-static_assert(WG_ROWS * WG_OLD * 4 <= 3 * WG_TILE, "the staged output fits over Q and the key buffers");
+// the staged tile, its rows' lse and the cluster merge's weights (WG_MAX_CLUSTER per row and 1 / their sum)
+static_assert(WG_ROWS * (WG_OLD + 1 + WG_MAX_CLUSTER + 1) * 4 <= 3 * WG_TILE, "the staged output fits over Q, keys");
+
+#ifdef K3MLA_WGMMA
+// Cluster merge (p.cluster > 1: that many CTAs of a row tile, consecutive splits, form one cluster). After the cluster
+// barrier each CTA takes 64 / cluster rows: the rows' weights from the cluster's lse (exp(lse_c - max), as the
+// combine kernel weighs partials), then its rows of every staged tile through distributed shared memory, summed in
+// rank order and scaled by 1 / Σ weights: one partial (and lse) per cluster at index split / cluster, or o and lse
+// where the cluster holds every split. A second barrier keeps each tile alive until its peers have read it.
+template <typename TO>
+__device__ __forceinline__ void wg_cluster_merge(const MlaParams& p, int b, int split, int m0, const float* ot) {
+  constexpr int MC = WG_MAX_CLUSTER, WS = MC + 1;
+  const float* lse_s = ot + WG_ROWS * WG_OLD;
+  float* wts = const_cast<float*>(lse_s) + WG_ROWS;  // [rows][MC weights, 1 / their sum]
+  const int C = p.cluster, rc = WG_ROWS / C, tid = threadIdx.x;
+  const int r0 = (int)cluster_rank() * rc, rows = min(rc, p.M - m0 - r0), part = split / C;
+  uint32_t peer[MC];
+#pragma unroll
+  for (int c = 0; c < MC; ++c) peer[c] = c < C ? map_rank(smem_u32(ot), c) : 0u;
+  cluster_sync();  // every tile and lse of the cluster is written
+  if (tid < rows) {
+    const int m = m0 + r0 + tid;
+    float ls[MC], mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < MC; ++c) {
+      ls[c] = c < C ? ld_cluster(peer[c] + (WG_ROWS * WG_OLD + r0 + tid) * 4) : -INFINITY;
+      mx = fmaxf(mx, ls[c]);
+    }
+    float tot = 0.f;
+#pragma unroll
+    for (int c = 0; c < MC; ++c) {
+      const float w = ls[c] == -INFINITY ? 0.f : expf(ls[c] - mx);
+      wts[tid * WS + c] = w;
+      tot += w;
+    }
+    wts[tid * WS + MC] = tot > 0.f ? 1.f / tot : 0.f;
+    const float lse = tot > 0.f ? mx + logf(tot) : -INFINITY;
+    if (p.parts == 1) {
+      const int t = m / p.H, h = m - t * p.H;
+      p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
+    } else {
+      p.lse_part[((long long)b * p.M + m) * p.parts + part] = lse;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < rows * (R / 4); i += WG_NT) {
+    const int r = i / (R / 4), col = (i % (R / 4)) * 4, m = m0 + r0 + r;
+    const uint32_t off = ((r0 + r) * WG_OLD + col) * 4;
+    float4 v[MC];
+#pragma unroll
+    for (int c = 0; c < MC; ++c) if (c < C) v[c] = ld_cluster4(peer[c] + off);  // all loads before the sums
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < MC; ++c) {
+      const float w = c < C ? wts[r * WS + c] : 0.f;
+      if (w != 0.f) {
+        o.x += w * v[c].x;
+        o.y += w * v[c].y;
+        o.z += w * v[c].z;
+        o.w += w * v[c].w;
+      }
+    }
+    const float inv = wts[r * WS + MC];
+    o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    if (p.parts == 1) {
+      const int t = m / p.H, h = m - t * p.H;
+      store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + col, o);
+    } else {
+      *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.parts + part) * R + col) = o;
+    }
+  }
+  cluster_sync();  // the peers are done with this CTA's tile
+}
+#endif
 template <typename TO>
 __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo,
                                               int r_hi, float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq,
@@ -1017,11 +1178,18 @@ __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int spl
   if (grp == 0 && tq == 0) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int m = m0 + (hh ? r_hi : r_lo);
-      if (m < p.M) store_row_lse(p, b, split, m, hh ? l_hi : l_lo, hh ? m_hi : m_lo);
+      const int r = hh ? r_hi : r_lo, m = m0 + r;
+      if (p.cluster > 1) ot[WG_ROWS * WG_OLD + r] = row_lse(hh ? l_hi : l_lo, hh ? m_hi : m_lo);
+      else if (m < p.M) store_row_lse(p, b, split, m, hh ? l_hi : l_lo, hh ? m_hi : m_lo);
     }
   }
   K3MLA_STAMP(grp ? 23 : 9);
+#ifdef K3MLA_WGMMA
+  if (p.cluster > 1) {
+    wg_cluster_merge<TO>(p, b, split, m0, ot);
+    return;
+  }
+#endif
   __syncthreads();
   K3MLA_STAMP(grp ? 11 : 10);
   const int rows = min(WG_ROWS, p.M - m0);
@@ -1406,6 +1574,12 @@ namespace k3mla {
 __PARAMS__
 cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
                                 cudaStream_t stream);
+int wgmma_max_clusters(int cluster, int in_dt);
+}
+
+int64_t mla_max_clusters(int64_t device, int64_t cluster, int64_t in_dt) {
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  return k3mla::wgmma_max_clusters((int)cluster, (int)in_dt);
 }
 
 // The pool [blocks, page, 576] as a 3-D tensor map with (64 columns, box_rows rows, 1 block) boxes in the 128-byte
@@ -1441,7 +1615,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
                        torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse,
                        std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part,
                        double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows,
-                       int64_t kernel) {
+                       int64_t kernel, int64_t cluster) {
   TORCH_CHECK(q_lat.is_cuda() && q_lat.stride(3) == 1 && q_rope.stride(3) == 1 && kv.stride(2) == 1,
               "mla_decode_launch: inputs must be CUDA tensors with a contiguous last dim");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && seq.scalar_type() == torch::kInt, "mla_decode_launch: int32 indices");
@@ -1465,7 +1639,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.lse = lse.data_ptr<float>();
   p.o_part = nullptr;
   p.lse_part = nullptr;
-  if (splits > 1) {
+  if (splits / cluster > 1) {
     TORCH_CHECK(o_part.has_value() && lse_part.has_value(), "mla_decode_launch: split partials missing");
     p.o_part = o_part->data_ptr<float>();
     p.lse_part = lse_part->data_ptr<float>();
@@ -1481,6 +1655,10 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.M = p.Tq * p.H;
   p.page = (int)kv.size(1);
   p.splits = (int)splits;
+  TORCH_CHECK(cluster >= 1 && splits % cluster == 0, "mla_decode_launch: cluster ", cluster, " must divide splits ",
+              splits);
+  p.cluster = (int)cluster;
+  p.parts = (int)(splits / cluster);
   p.tma_rows = 0;
   const char* tma_env = std::getenv("K3NN_MLA_TMA");
   if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
@@ -1496,7 +1674,8 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
 _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt, "
          "torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse, "
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
-         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t kernel);")
+         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t kernel, int64_t cluster);\n"
+         "int64_t mla_max_clusters(int64_t device, int64_t cluster, int64_t in_dt);")
 
 CUDA_SOURCE = (CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
                .replace("__PDL__", PDL_SOURCE)
@@ -1537,7 +1716,7 @@ def enabled() -> str | None:
 #: seconds the last :func:`build` spent compiling or loading (0 once the module is loaded in this process)
 last_build_seconds = 0.0
 #: (kernel, query rows per CTA, splits) of the latest :func:`mla_decode_cuda` call
-LAST_CALL: tuple[str, int, int] | None = None
+LAST_CALL: tuple[str, int, int, int] | None = None  # kernel, rows, splits, cluster of the last call
 
 
 def _arch_flags() -> tuple[str, ...]:
@@ -1553,7 +1732,7 @@ def build():
     """Compile (once per process; cached on disk by torch under a source hash) and return the module."""
     global last_build_seconds
     mod, last_build_seconds = load_inline_module("k3nn_mla_decode", CUDA_SOURCE, _CPP_SOURCE + "\n" + _DECL,
-                                                 ["mla_decode_launch"], _arch_flags())
+                                                 ["mla_decode_launch", "mla_max_clusters"], _arch_flags())
     return mod
 
 
@@ -1640,6 +1819,51 @@ def kernel_num_splits(kernel: str, B: int, M: int, max_tokens: int, sm_count: in
     return default_num_splits(B, M, max_tokens, sm_count, rows=64, block_n=WG_BLOCK_N, min_tiles=8)
 
 
+def cluster_choice(cluster: int | None = None) -> int:
+    """CTAs per cluster of the wgmma kernel's cluster merge: ``cluster`` when given, else ``K3NN_MLA_CLUSTER`` (read
+    per call), else :data:`DEFAULT_CLUSTER`. Raises ``ValueError`` for anything not in :data:`CLUSTERS`."""
+    src = "mla_decode_cuda: cluster"
+    value = cluster
+    if value is None:
+        env = os.environ.get(CLUSTER_ENV, "").strip()
+        if not env:
+            return DEFAULT_CLUSTER
+        src = CLUSTER_ENV
+        try:
+            value = int(env)
+        except ValueError:
+            value = env
+    if value not in CLUSTERS:
+        raise ValueError(f"{src} must be one of {CLUSTERS}, got {value!r}")
+    return int(value)
+
+
+@functools.cache
+def max_clusters(device_index: int, cluster: int, in_code: int = 0) -> int:
+    """Clusters of ``cluster`` wgmma stage-1 CTAs the device runs at once (``cudaOccupancyMaxActiveClusters``)."""
+    return int(build().mla_max_clusters(device_index, cluster, in_code))
+
+
+def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int, wave_clusters: int | None = None,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """``(splits, cluster)`` of a wgmma call. Without a cluster merge: ``num_splits`` or :func:`kernel_num_splits`.
+    With clusters of ``cluster`` CTAs (``wave_clusters`` of them resident at once, default ``sm_count / cluster``):
+    about one wave of clusters, at least :data:`CLUSTER_MIN_TILES` 64-key tiles per split, a multiple of the cluster
+    size; an explicit ``num_splits`` keeps its value and takes the largest cluster size up to ``cluster`` that
+    divides it. No cluster where a row tile gets fewer splits than ``cluster``."""
+    if num_splits:
+        S = max(1, min(MAX_SPLITS, int(num_splits)))
+        return S, max(c for c in CLUSTERS if c <= cluster and S % c == 0)
+    if cluster > 1:
+        waves = wave_clusters if wave_clusters is not None else sm_count // cluster
+        by_wave = waves * cluster // (B * math.ceil(M / 64))
+        by_len = math.ceil(max(1, max_tokens) / (CLUSTER_MIN_TILES * WG_BLOCK_N))
+        S = min(MAX_SPLITS, by_wave, by_len) // cluster * cluster
+        if S >= cluster:
+            return S, cluster
+    return kernel_num_splits("wgmma", B, M, max_tokens, sm_count), 1
+
+
 def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_lens=None, num_splits=None,
              out_dtype=None, out=None, rows=None, kernel=None) -> str | None:
     """None when :func:`mla_decode_cuda` takes this call, else the reason (inputs already checked by
@@ -1671,6 +1895,10 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
         return str(e)
     lim = _smem_limit(q_lat.device)
     if kern != "mma":
+        try:
+            cluster_choice()
+        except ValueError as e:
+            return str(e)
         if SMEM_BYTES_WGMMA > lim:
             return f"the {kern} kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
         B, M = q_lat.shape[0], q_lat.shape[1] * q_lat.shape[2]
@@ -1694,7 +1922,7 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 
 def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
-                    out_dtype=None, out=None, rows=None, kernel=None):
+                    out_dtype=None, out=None, rows=None, kernel=None, cluster=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
     :func:`supports`). ``kernel``: ``"wgmma"`` or ``"mma"`` (None: :func:`kernel_choice`); ``rows``: 16 or 64
     query rows per stage-1 CTA of the ``mma`` kernel (None: ``K3NN_MLA_CUDA_ROWS``, else :data:`DEFAULT_ROWS`
@@ -1719,16 +1947,22 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
         lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
     else:
         o, lse = out
-    S = int(num_splits) if num_splits else kernel_num_splits(kern, B, M, bt.shape[1] * kv_pool.shape[1],
-                                                              _sm_count(dev.index or 0), nrows)
-    S = max(1, min(MAX_SPLITS, S))
+    max_tokens, sms, dix = bt.shape[1] * kv_pool.shape[1], _sm_count(dev.index or 0), dev.index or 0
+    C = 1
+    if wgmma:
+        want = cluster_choice(cluster)
+        waves = max_clusters(dix, want, _IN_CODES[q_lat.dtype]) if want > 1 and not num_splits else None
+        S, C = wgmma_plan(B, M, max_tokens, sms, want, waves, num_splits)
+    else:
+        S = int(num_splits) if num_splits else kernel_num_splits(kern, B, M, max_tokens, sms, nrows)
+        S = max(1, min(MAX_SPLITS, S))
     o_part = lse_part = None
-    if S > 1:
-        o_part = torch.empty(B, M, S, r, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(B, M, S, dtype=torch.float32, device=dev)
+    if S // C > 1:
+        o_part = torch.empty(B, M, S // C, r, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(B, M, S // C, dtype=torch.float32, device=dev)
     global LAST_CALL
-    LAST_CALL = (kern, nrows, S)
+    LAST_CALL = (kern, nrows, S, C)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
                               float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows,
-                              _KERNEL_CODES[kern])
+                              _KERNEL_CODES[kern], C)
     return o, lse
