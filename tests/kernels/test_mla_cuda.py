@@ -229,25 +229,35 @@ def test_generated_source_has_the_entry_points():
 
 
 def test_wgmma_plan_and_cluster_choice(monkeypatch):
-    # no cluster: the plain split rule
-    assert cd.wgmma_plan(1, 64, 32768, 132, 1) == (cd.kernel_num_splits("wgmma", 1, 64, 32768, 132), 1)
-    # B=1 L=64K H=64: one wave of clusters (33 of 4 on 132 SMs, or as many as fit), a multiple of the cluster size
+    plain = cd.kernel_num_splits
+    # default: the plain split rule, and the splits of a row tile as one resident cluster where they are 2, 4 or 8
+    assert cd.wgmma_plan(1, 64, 32768, 132) == (plain("wgmma", 1, 64, 32768, 132), 1)
+    assert cd.wgmma_plan(64, 64, 8192, 132) == (2, 2)  # 64 clusters of 2: no combine kernel
+    assert cd.wgmma_plan(64, 96, 8192, 132) == (1, 1)
+    assert cd.wgmma_plan(30, 64, 8192, 132) == (4, 4)
+    assert cd.wgmma_plan(30, 64, 8192, 132, resident=lambda c: 120 // c) == (4, 4)
+    assert cd.wgmma_plan(32, 64, 8192, 132, resident=lambda c: 120 // c) == (4, 1)  # 32 clusters of 4 > 30
+    assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=2) == (2, 2)
+    assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=5) == (5, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=16) == (16, 1)
+    # a cluster size asked for: B=1 L=64K H=64, one wave of clusters (33 of 4 on 132 SMs, or as many as are
+    # resident), a multiple of the cluster size
+    assert cd.wgmma_plan(1, 64, 65536, 132, 1) == (plain("wgmma", 1, 64, 65536, 132), 1)
     assert cd.wgmma_plan(1, 64, 65536, 132, 4) == (132, 4)
-    assert cd.wgmma_plan(1, 64, 65536, 132, 4, wave_clusters=30) == (120, 4)
-    assert cd.wgmma_plan(1, 64, 65536, 132, 8, wave_clusters=16) == (128, 8)
+    assert cd.wgmma_plan(1, 64, 65536, 132, 4, resident=lambda c: 30) == (120, 4)
+    assert cd.wgmma_plan(1, 64, 65536, 132, 8, resident=lambda c: 15) == (120, 8)
     assert cd.wgmma_plan(1, 64, 32768, 132, 4) == (128, 4)  # L=32K: 4 tiles per split at least
     assert cd.wgmma_plan(1, 96, 32768, 132, 2) == (66, 2)  # two row tiles
-    # at least CLUSTER_MIN_TILES tiles per split: 1000 tokens give 4 splits
     assert cd.wgmma_plan(1, 64, 1000, 132, 2) == (4, 2)
-    # too few splits for a cluster: the plain rule (B=64 H=96: one split)
+    # too few splits for a cluster: the plain rule
     assert cd.wgmma_plan(64, 96, 8192, 132, 2) == (1, 1)
-    assert cd.wgmma_plan(1, 64, 32768, 132, 4, wave_clusters=0) == (64, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 4, resident=lambda c: 0) == (plain("wgmma", 1, 64, 32768, 132), 1)
     # explicit splits stay; the largest cluster size up to the one asked for that divides them
     assert cd.wgmma_plan(1, 64, 32768, 132, 8, num_splits=12) == (12, 4)
     assert cd.wgmma_plan(1, 64, 32768, 132, 4, num_splits=7) == (7, 1)
     assert cd.wgmma_plan(1, 64, 32768, 132, 2, num_splits=999) == (cd.MAX_SPLITS, 2)
     monkeypatch.delenv(cd.CLUSTER_ENV, raising=False)
-    assert cd.cluster_choice() == cd.DEFAULT_CLUSTER
+    assert cd.cluster_choice() is None
     assert cd.cluster_choice(4) == 4
     monkeypatch.setenv(cd.CLUSTER_ENV, "2")
     assert cd.cluster_choice() == 2
