@@ -46,8 +46,19 @@ stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them
 (``lse = log Σ exp lse_s``, ``o = Σ exp(lse_s − lse) o_s``). A row that sees no key ends with o = 0 and
 lse = −inf.
 
-The split count depends only on ``B``, ``Tq·H``, the block table's width, the variant and the device (about
-one wave of CTAs: two per SM with 16 rows, one with 64), never on lengths read from the device, and the
+Cluster merge (warp-group kernel, :func:`wgmma_plan`): ``C`` consecutive splits of a row tile run as one thread-block
+cluster (2, 4 or 8 CTAs; ``cluster=`` or ``K3NN_MLA_CLUSTER``). Each CTA stages its normalized rows and their lse in
+its shared memory; after a cluster barrier, CTA ``c`` of the cluster merges rows ``64 c / C`` … of all ``C`` tiles
+through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and lse when
+the cluster holds every split. By default a call whose splits are 2, 4 or 8 runs them as one cluster when every row
+tile's cluster is resident at once, so no combine kernel runs: on the H200 (``h200-s11-run2``) B=64 L=8K H=64 (two
+splits) took 165 / 164 µs against 196 / 191, B=30 (four) 87 against 96, B=15 (eight) 51 against 58. With more splits
+than one cluster, merging in clusters changed nothing at B=1 L=32K (32.3–33.6 µs against 32.1–32.5 for 64–132 splits,
+run 1), so the default leaves those to the combine kernel.
+
+The split count and cluster size depend only on ``B``, ``Tq·H``, the block table's width, the variant and the
+device (about one wave of CTAs: two per SM with 16 rows, one with 64; the clusters the device keeps resident, asked
+once per size), never on lengths read from the device, and the
 launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
 Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+; the warp-group kernel needs sm_90. ``auto``
@@ -935,6 +946,8 @@ WGMMA_SOURCE = r"""
 // two splits, the splits of a row tile as one cluster, split 0 merging split 1's partial instead of the combine
 // kernel (run 12: 180-183 against 177). The softmax as one FMA and one ex2 per probability (run 6) changed no
 // time: the tiles' arrival paces the kernel.
+// With p.cluster > 1 the CTAs of consecutive splits form a cluster and merge their staged rows through distributed
+// shared memory (wg_cluster_merge) before anything reaches global memory.
 // A CTA's life at B=1 L=32K H=64 with 132 splits (phase stamps, K3MLA_TRACE, bench/gpu/mla_trace.py, h200-s10 runs
 // 6-10): ~2 µs until its first key tile is asked for (the lengths, then the block id: two dependent loads), ~3 µs
 // until it lands (every SM asks at once), ~3 µs per further tile (bandwidth), then the epilogue: 6-9 µs with the
