@@ -230,15 +230,20 @@ def test_generated_source_has_the_entry_points():
 
 def test_wgmma_plan_and_cluster_choice(monkeypatch):
     plain = cd.kernel_num_splits
-    # default: the plain split rule, and the splits of a row tile as one resident cluster where they are 2, 4 or 8
+    # default: the plain split rule, and the splits of a row tile as one resident cluster where they are 2 to 8
     assert cd.wgmma_plan(1, 64, 32768, 132) == (plain("wgmma", 1, 64, 32768, 132), 1)
     assert cd.wgmma_plan(64, 64, 8192, 132) == (2, 2)  # 64 clusters of 2: no combine kernel
     assert cd.wgmma_plan(64, 96, 8192, 132) == (1, 1)
     assert cd.wgmma_plan(30, 64, 8192, 132) == (4, 4)
-    assert cd.wgmma_plan(30, 64, 8192, 132, resident=lambda c: 120 // c) == (4, 4)
-    assert cd.wgmma_plan(32, 64, 8192, 132, resident=lambda c: 120 // c) == (4, 1)  # 32 clusters of 4 > 30
+    assert cd.wgmma_plan(20, 64, 8192, 132) == (6, 6)
+    h200 = {2: 66, 3: 44, 4: 30, 5: 24, 6: 22, 7: 16, 8: 15}.__getitem__  # resident clusters of 256-thread CTAs
+    assert cd.wgmma_plan(30, 64, 8192, 132, resident=h200) == (4, 4)
+    assert cd.wgmma_plan(32, 64, 8192, 132, resident=h200) == (4, 1)  # 32 clusters of 4 > 30; 3 is too few
+    assert cd.wgmma_plan(15, 64, 8192, 132, resident=h200) == (8, 8)
+    assert cd.wgmma_plan(16, 64, 8192, 132, resident=h200) == (7, 7)  # 16 clusters of 8 > 15: one split fewer
     assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=2) == (2, 2)
-    assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=5) == (5, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=5) == (5, 5)
+    assert cd.wgmma_plan(16, 64, 32768, 132, num_splits=8, resident=h200) == (8, 1)  # explicit splits never shrink
     assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=16) == (16, 1)
     # a cluster size asked for: B=1 L=64K H=64, one wave of clusters (33 of 4 on 132 SMs, or as many as are
     # resident), a multiple of the cluster size
@@ -253,20 +258,21 @@ def test_wgmma_plan_and_cluster_choice(monkeypatch):
     assert cd.wgmma_plan(64, 96, 8192, 132, 2) == (1, 1)
     assert cd.wgmma_plan(1, 64, 32768, 132, 4, resident=lambda c: 0) == (plain("wgmma", 1, 64, 32768, 132), 1)
     # explicit splits stay; the largest cluster size up to the one asked for that divides them
-    assert cd.wgmma_plan(1, 64, 32768, 132, 8, num_splits=12) == (12, 4)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 8, num_splits=12) == (12, 6)
     assert cd.wgmma_plan(1, 64, 32768, 132, 4, num_splits=7) == (7, 1)
+    assert cd.wgmma_plan(1, 64, 32768, 132, 5, num_splits=15) == (15, 5)
     assert cd.wgmma_plan(1, 64, 32768, 132, 2, num_splits=999) == (cd.MAX_SPLITS, 2)
     monkeypatch.delenv(cd.CLUSTER_ENV, raising=False)
     assert cd.cluster_choice() is None
     assert cd.cluster_choice(4) == 4
     monkeypatch.setenv(cd.CLUSTER_ENV, "2")
     assert cd.cluster_choice() == 2
-    for bad in ("3", "x", "16"):
+    for bad in ("0", "x", "9", "16"):
         monkeypatch.setenv(cd.CLUSTER_ENV, bad)
         with pytest.raises(ValueError, match=cd.CLUSTER_ENV):
             cd.cluster_choice()
     with pytest.raises(ValueError, match="cluster"):
-        cd.cluster_choice(5)
+        cd.cluster_choice(9)
 
 
 @pytest.mark.slow

@@ -47,10 +47,10 @@ stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them
 lse = −inf.
 
 Cluster merge (warp-group kernel, :func:`wgmma_plan`): ``C`` consecutive splits of a row tile run as one thread-block
-cluster (2, 4 or 8 CTAs; ``cluster=`` or ``K3NN_MLA_CLUSTER``). Each CTA stages its normalized rows and their lse in
-its shared memory; after a cluster barrier, CTA ``c`` of the cluster merges rows ``64 c / C`` … of all ``C`` tiles
-through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and lse when
-the cluster holds every split. By default a call whose splits are 2, 4 or 8 runs them as one cluster when every row
+cluster (2 to 8 CTAs; ``cluster=`` or ``K3NN_MLA_CLUSTER``). Each CTA stages its normalized rows and their lse in
+its shared memory; after a cluster barrier, each CTA of the cluster merges its ``ceil(64 / C)`` rows of all ``C``
+tiles through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and
+lse when the cluster holds every split. By default a call whose splits are 2 to 8 runs them as one cluster when every row
 tile's cluster is resident at once, so no combine kernel runs: on the H200 (``h200-s11-run2``) B=64 L=8K H=64 (two
 splits) took 165 / 164 µs against 196 / 191, B=30 (four) 87 against 96, B=15 (eight) 51 against 58. With more splits
 than one cluster, merging in clusters changed nothing at B=1 L=32K (32.3–33.6 µs against 32.1–32.5 for 64–132 splits,
@@ -128,10 +128,12 @@ ENABLE_ENV = "K3NN_MLA_CUDA"
 #: blocks the wgmma kernel is (38.7 against 42.3 µs at B=1 H=96), and at B=64 (177 against 231 µs at H=64)
 MIN_ROW_CTAS = 32
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
-CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster of the wgmma kernel's cluster merge (1: none)
+CLUSTERS = tuple(range(1, 9))  # CTAs per cluster of the wgmma kernel's cluster merge (1: none; 8: the portable limit)
 CLUSTER_ENV = "K3NN_MLA_CLUSTER"
 #: key tiles per split at least, with the cluster merge (its partials cost less: smaller splits pay off)
 CLUSTER_MIN_TILES = 4
+#: by default, a row tile's splits may shrink to this fraction of the plain rule's to fit one resident cluster
+CLUSTER_SHRINK = 0.85
 _KERNEL_CODES = {"mma": 0, "wgmma": 1}
 KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
@@ -870,7 +872,7 @@ cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int r
   if (p.splits < 1 || p.splits > MERGE_MAX_SPLITS) return cudaErrorInvalidValue;
   if (kernel < 0 || kernel > 1) return cudaErrorInvalidValue;
   if (p.cluster < 1 || p.splits % p.cluster || p.parts * p.cluster != p.splits) return cudaErrorInvalidValue;
-  if (p.cluster > 1 && (kernel != 1 || p.cluster > WG_MAX_CLUSTER || WG_ROWS % p.cluster)) return cudaErrorInvalidValue;
+  if (p.cluster > 1 && (kernel != 1 || p.cluster > WG_MAX_CLUSTER)) return cudaErrorInvalidValue;
   if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
   if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
   if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, kernel, stream);
@@ -1105,7 +1107,7 @@ static_assert(WG_ROWS * (WG_OLD + 1 + WG_MAX_CLUSTER + 1) * 4 <= 3 * WG_TILE, "t
 
 #ifdef K3MLA_WGMMA
 // Cluster merge (p.cluster > 1: that many CTAs of a row tile, consecutive splits, form one cluster). After the cluster
-// barrier each CTA takes 64 / cluster rows: the rows' weights from the cluster's lse (exp(lse_c - max), as the
+// barrier each CTA takes ceil(64 / cluster) rows (the last fewer): the rows' weights from the cluster's lse (exp(lse_c - max), as the
 // combine kernel weighs partials), then its rows of every staged tile through distributed shared memory, summed in
 // rank order and scaled by 1 / Σ weights: one partial (and lse) per cluster at index split / cluster, or o and lse
 // where the cluster holds every split. A second barrier keeps each tile alive until its peers have read it.
@@ -1114,8 +1116,8 @@ __device__ __forceinline__ void wg_cluster_merge(const MlaParams& p, int b, int 
   constexpr int MC = WG_MAX_CLUSTER, WS = MC + 1;
   const float* lse_s = ot + WG_ROWS * WG_OLD;
   float* wts = const_cast<float*>(lse_s) + WG_ROWS;  // [rows][MC weights, 1 / their sum]
-  const int C = p.cluster, rc = WG_ROWS / C, tid = threadIdx.x;
-  const int r0 = (int)cluster_rank() * rc, rows = min(rc, p.M - m0 - r0), part = split / C;
+  const int C = p.cluster, rc = (WG_ROWS + C - 1) / C, tid = threadIdx.x;
+  const int r0 = (int)cluster_rank() * rc, rows = min(rc, min(WG_ROWS, p.M - m0) - r0), part = split / C;
   uint32_t peer[MC];
 #pragma unroll
   for (int c = 0; c < MC; ++c) peer[c] = c < C ? map_rank(smem_u32(ot), c) : 0u;
@@ -1863,17 +1865,25 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
     ``sm_count // c``).
 
     * ``cluster`` None (the default): ``num_splits`` or :func:`kernel_num_splits`, and the splits of a row tile as
-      one cluster where they are 2, 4 or 8 and every row tile's cluster is resident at once: the cluster merge then
-      writes o and lse, no combine kernel runs (B=64 L=8K H=64, two splits: 161.5 against 189.5 µs, h200-s11-run1).
+      one cluster where they are 2 to 8 and every row tile's cluster is resident at once; the cluster merge then
+      writes o and lse and no combine kernel runs (B=64 L=8K H=64, two splits: 161.5 against 189.5 µs,
+      h200-s11-run1). Without ``num_splits``, where the clusters of the rule's splits do not all fit, one split
+      fewer (down to :data:`CLUSTER_SHRINK` of them) may: B=16 H=64 takes 7 splits as clusters of 7 rather than 8
+      and a combine.
     * ``cluster`` c: with ``num_splits``, those splits and the largest cluster size up to c that divides them; else
       about one wave of resident clusters, at least :data:`CLUSTER_MIN_TILES` 64-key tiles per split, a multiple
       of c (none where that leaves fewer than c splits: the plain rule, no cluster)."""
     resident = resident or (lambda c: sm_count // c)
     tiles = B * math.ceil(M / 64)
     if cluster is None:
-        S = max(1, min(MAX_SPLITS, int(num_splits))) if num_splits else kernel_num_splits("wgmma", B, M, max_tokens,
-                                                                                          sm_count)
-        return S, S if S in CLUSTERS[1:] and tiles <= resident(S) else 1
+        if num_splits:
+            S = max(1, min(MAX_SPLITS, int(num_splits)))
+            return S, S if 2 <= S <= max(CLUSTERS) and tiles <= resident(S) else 1
+        S = kernel_num_splits("wgmma", B, M, max_tokens, sm_count)
+        for s in range(min(S, max(CLUSTERS)), max(2, math.ceil(CLUSTER_SHRINK * S)) - 1, -1):
+            if tiles <= resident(s):
+                return s, s
+        return S, 1
     if num_splits:
         S = max(1, min(MAX_SPLITS, int(num_splits)))
         return S, max(c for c in CLUSTERS if c <= cluster and S % c == 0)
