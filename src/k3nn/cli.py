@@ -77,7 +77,7 @@ def _mla_decode_line() -> str:
     if os.environ.get(cd.ENABLE_ENV, "").strip():
         return f"cuda {kernel} for every call ({cd.ENABLE_ENV}=1), built on first use"
     return (f"cuda {kernel} (built on first use), except triton split-KV for calls with Tq·H ≤ 64 and "
-            f"B < {cd.MIN_ROW_CTAS}")
+            f"B < {cd.MIN_ROW_CTAS}" + (" (one request)" if cd.MIN_ROW_CTAS == 2 else ""))
 
 
 def _mx_gemv_line() -> str:

@@ -114,8 +114,8 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
     assert cd.kernel_choice("mma", dev) == "mma"
     assert cd.supports(*_inputs(), 0.07) is None
-    monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: small batches stay on the Triton kernel
-    assert "small batch" in cd.supports(*_inputs(), 0.07)
+    monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: a single request of one row block stays on the Triton kernel
+    assert "small batch" in cd.supports(*_inputs(B=cd.MIN_ROW_CTAS - 1), 0.07)
     q_lat, q_rope, pool, table, sl = _inputs()
     big = (q_lat[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), q_rope[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), pool,
            table[:1].expand(cd.MIN_ROW_CTAS, -1), sl[:1].expand(cd.MIN_ROW_CTAS))
@@ -236,11 +236,13 @@ def test_wgmma_plan_and_cluster_choice(monkeypatch):
     assert cd.wgmma_plan(64, 96, 8192, 132) == (1, 1)
     assert cd.wgmma_plan(30, 64, 8192, 132) == (4, 4)
     assert cd.wgmma_plan(20, 64, 8192, 132) == (6, 6)
-    h200 = {2: 66, 3: 44, 4: 30, 5: 24, 6: 22, 7: 16, 8: 15}.__getitem__  # resident clusters of 256-thread CTAs
+    h200 = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}.__getitem__  # resident clusters (h200-s11-run4)
     assert cd.wgmma_plan(30, 64, 8192, 132, resident=h200) == (4, 4)
     assert cd.wgmma_plan(32, 64, 8192, 132, resident=h200) == (4, 1)  # 32 clusters of 4 > 30; 3 is too few
+    assert cd.wgmma_plan(20, 64, 8192, 132, resident=h200) == (6, 1)  # 20 clusters of 6 > 17
     assert cd.wgmma_plan(15, 64, 8192, 132, resident=h200) == (8, 8)
-    assert cd.wgmma_plan(16, 64, 8192, 132, resident=h200) == (7, 7)  # 16 clusters of 8 > 15: one split fewer
+    assert cd.wgmma_plan(16, 64, 8192, 132, resident=h200) == (8, 1)  # 16 > 15 clusters of 8, and of 7
+    assert cd.wgmma_plan(14, 64, 8192, 132, resident=h200) == (8, 8)  # 9 splits: one fewer fits
     assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=2) == (2, 2)
     assert cd.wgmma_plan(1, 64, 32768, 132, num_splits=5) == (5, 5)
     assert cd.wgmma_plan(16, 64, 32768, 132, num_splits=8, resident=h200) == (8, 1)  # explicit splits never shrink

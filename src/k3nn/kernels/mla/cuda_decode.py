@@ -39,7 +39,7 @@ multiples of 16 rows or ``K3NN_MLA_TMA=0``) and computes ``O[:, 256:] += P·V`` 
 0's next scores (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran
 B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30 TB/s) against 231 / 418 µs for the Triton kernel's default
 plan, 269 against 417 µs with 2-token windows, and B=1 L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3
-— so ``auto`` leaves small batches of one 64-row block per request to Triton (:data:`MIN_ROW_CTAS`).
+— so ``auto`` leaves a single request of one 64-row block to Triton (:data:`MIN_ROW_CTAS`).
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
@@ -124,9 +124,11 @@ DEFAULT_ROWS = 64
 ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
 ENABLE_ENV = "K3NN_MLA_CUDA"
 #: with K3NN_MLA_CUDA unset, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
-#: on the Triton kernel: at B=1 L=32K H=64 its split tuner is faster (34.3 against 36.2 µs, h200-s8-run8); with two
-#: blocks the wgmma kernel is (38.7 against 42.3 µs at B=1 H=96), and at B=64 (177 against 231 µs at H=64)
-MIN_ROW_CTAS = 32
+#: on the Triton kernel. Official bench, H=64, tuned Triton against wgmma (h200-s11-run6): B=1 L=32K 29.6 against
+#: 31.9 µs; B=2 L=32K 45.9 / 41.7, B=4 L=32K 74.2 / 59.9, B=8 L=8K 43.4 / 42.2, B=15 L=8K 68.2 / 50.7 (8 splits as one
+#: cluster), B=30 L=8K 120.4 / 90.2 (4 as one cluster). With two blocks per request the wgmma kernel is faster at
+#: B=1 too (38.7 against 42.3 µs at H=96, h200-s8-run8).
+MIN_ROW_CTAS = 2
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
 CLUSTERS = tuple(range(1, 9))  # CTAs per cluster of the wgmma kernel's cluster merge (1: none; 8: the portable limit)
 CLUSTER_ENV = "K3NN_MLA_CLUSTER"
@@ -1868,8 +1870,8 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
       one cluster where they are 2 to 8 and every row tile's cluster is resident at once; the cluster merge then
       writes o and lse and no combine kernel runs (B=64 L=8K H=64, two splits: 161.5 against 189.5 µs,
       h200-s11-run1). Without ``num_splits``, where the clusters of the rule's splits do not all fit, one split
-      fewer (down to :data:`CLUSTER_SHRINK` of them) may: B=16 H=64 takes 7 splits as clusters of 7 rather than 8
-      and a combine.
+      fewer (down to :data:`CLUSTER_SHRINK` of them) may: B=14 L=8K H=64 takes 8 splits as clusters of 8 rather
+      than 9 and a combine (51.3 against 56.3 µs, h200-s11-run5).
     * ``cluster`` c: with ``num_splits``, those splits and the largest cluster size up to c that divides them; else
       about one wave of resident clusters, at least :data:`CLUSTER_MIN_TILES` 64-key tiles per split, a multiple
       of c (none where that leaves fewer than c splits: the plain rule, no cluster)."""
