@@ -42,7 +42,7 @@ void mla_trace_read(torch::Tensor dst) {
 def build_traced():
     mod, secs = cuda_ext.load_inline_module("k3nn_mla_trace", "#define K3MLA_TRACE 1\n" + cdk.CUDA_SOURCE,
                                             cdk._CPP_SOURCE + "\n" + cdk._DECL + "\n" + _CPP_TRACE,
-                                            ["mla_decode_launch", "mla_trace_read"], cdk._arch_flags())
+                                            ["mla_decode_launch", "mla_max_clusters", "mla_trace_read"], cdk._arch_flags())
     print(f"traced build {secs:.1f} s", flush=True)
     return mod
 
