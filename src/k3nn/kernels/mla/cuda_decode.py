@@ -743,7 +743,8 @@ __global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p)
                    [&](int j, int e) { return acc[j][e]; });
 }
 
-// Stage 2: exact LSE merge of the splits of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
+// Stage 2: exact LSE merge of the p.parts partials ("splits" below: one per split, or per cluster of splits after a
+// cluster merge) of row blockIdx.x of request blockIdx.y, columns 128·blockIdx.z …:
 // blockDim.y warps (up to MERGE_WARPS, one per 8 splits), 4 columns per lane. The splits' weights go to shared
 // memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane
 // (a single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added
