@@ -36,6 +36,17 @@ def case(seed, lens, Tq, H, dtype=torch.bfloat16, bs=64):
     return q[..., :R], q[..., R:], pool, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+def _replay_matches_reference(g, out, q_lat, q_rope, pool, table, sl):
+    """Replays the captured decode ``g`` into ``out`` (NaN-poisoned first) and checks it against the reference at
+    the lengths ``sl`` now holds."""
+    out[0].fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
+    torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+
+
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(2, 3000), min_size=1, max_size=4), Tq=st.integers(1, 2),
        H=st.sampled_from([1, 16, 64, 96, 128]), splits=st.sampled_from([None, 1, 3, 17]),
@@ -70,11 +81,7 @@ def test_cuda_graph_replay_follows_new_lengths():
         with torch.cuda.graph(g):
             mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out, check=False)
     sl.copy_(torch.tensor([999, 17, 1], dtype=torch.int32))
-    g.replay()
-    torch.cuda.synchronize()
-    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-    torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+    _replay_matches_reference(g, out, q_lat, q_rope, pool, table, sl)
 
 
 @pytest.mark.distributed
@@ -234,12 +241,7 @@ def test_cuda_kernel_graph_replay_follows_new_lengths(cuda_mla, splits):
         with torch.cuda.graph(g):
             mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, check=False)
     sl.copy_(torch.tensor([999, 17, 1], dtype=torch.int32))
-    out[0].fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-    torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+    _replay_matches_reference(g, out, q_lat, q_rope, pool, table, sl)
 
 
 @pytest.mark.parametrize("Tq", [1, 2])
@@ -325,9 +327,4 @@ def test_wgmma_cluster_default_plan_and_graph_replay(monkeypatch, cluster):
             mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out, check=False)
     for n in (32768, 5000, 1):
         sl.fill_(n)
-        out[0].fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-        torch.testing.assert_close(out[0].float(), o_ref, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out[1], lse_ref, atol=2e-2, rtol=2e-3)
+        _replay_matches_reference(g, out, q_lat, q_rope, pool, table, sl)

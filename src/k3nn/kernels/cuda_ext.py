@@ -52,20 +52,27 @@ cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in share
 #: CUDA for the kernels: programmatic dependent launch. ``pdl_trigger()`` lets the next kernel in the stream (when
 #: it is launched with programmatic stream serialization) start launching; ``pdl_wait()`` returns once the previous
 #: grid has completed and its writes are visible. Both are no-ops below sm_90 and in launches without the attribute.
-#: ``launch_pdl(kernel, grid, block, smem, stream, args...)`` launches with that attribute (sm_90+ only).
-PDL_SOURCE = r"""template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
+#: ``launch_pdl(kernel, grid, block, smem, stream, args...)`` launches with that attribute (sm_90+ only);
+#: ``launch_config(grid, block, smem, stream, &attribute)`` is the one-attribute configuration it builds.
+PDL_SOURCE = r"""// A launch configuration with one attribute (`at` outlives the launch or query)
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                        cudaLaunchAttribute* at) {
   cudaLaunchConfig_t lc = {};
   lc.gridDim = grid;
   lc.blockDim = block;
   lc.dynamicSmemBytes = smem;
   lc.stream = stream;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
   lc.attrs = at;
   lc.numAttrs = 1;
+  return lc;
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at.val.programmaticStreamSerializationAllowed = 1;
+  const cudaLaunchConfig_t lc = launch_config(grid, block, smem, stream, &at);
   return cudaLaunchKernelEx(&lc, kern, static_cast<Args&&>(args)...);
 }
 __device__ __forceinline__ void pdl_trigger() {

@@ -888,17 +888,8 @@ int wgmma_max_clusters(int cluster, int in_dt) {
   static bool raised[64] = {};
   auto kern = in_dt == 0 ? mla_wgmma_kernel<__nv_bfloat16, __nv_bfloat16> : mla_wgmma_kernel<__half, __half>;
   if (raise_smem(kern, WG_SMEM, raised) != cudaSuccess) return 0;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(1, cluster, 1);
-  lc.blockDim = dim3(WG_NT);
-  lc.dynamicSmemBytes = WG_SMEM;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = 1;
-  at[0].val.clusterDim.y = cluster;
-  at[0].val.clusterDim.z = 1;
-  lc.attrs = at;
-  lc.numAttrs = 1;
+  cudaLaunchAttribute at = clusters_along_y(cluster);
+  const cudaLaunchConfig_t lc = launch_config(dim3(1, cluster, 1), dim3(WG_NT), WG_SMEM, nullptr, &at);
   int n = 0;
   return cudaOccupancyMaxActiveClusters(&n, kern, &lc) == cudaSuccess ? n : 0;
 }
@@ -971,22 +962,20 @@ constexpr int WG_P = WG_ROWS * 128;          // probabilities [64 rows, 64 keys]
 constexpr int WG_SMEM = 1024 + 3 * WG_TILE + WG_P + 2 * WG_ROWS * 4 + WG_ROWS * 4 + 16;
 constexpr int WS_FULL = 1, WS_PREADY = 2, WS_PFREE = 3, WS_VFREE = 4;  // named barriers of the hand-offs (above)
 constexpr int WG_MAX_CLUSTER = 8;  // CTAs per cluster of the cluster merge (the portable limit)
-// Launch with clusters of `cluster` CTAs along grid y (the splits of one row tile)
+// Clusters of `cluster` CTAs along grid y (the splits of one row tile): the launch attribute, and a launch with it
+inline cudaLaunchAttribute clusters_along_y(int cluster) {
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = 1;
+  at.val.clusterDim.y = cluster;
+  at.val.clusterDim.z = 1;
+  return at;
+}
 template <typename... Params, typename... Args>
 cudaError_t launch_cluster(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, int cluster,
                            cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = grid;
-  lc.blockDim = block;
-  lc.dynamicSmemBytes = smem;
-  lc.stream = stream;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = 1;
-  at[0].val.clusterDim.y = cluster;
-  at[0].val.clusterDim.z = 1;
-  lc.attrs = at;
-  lc.numAttrs = 1;
+  cudaLaunchAttribute at = clusters_along_y(cluster);
+  const cudaLaunchConfig_t lc = launch_config(grid, block, smem, stream, &at);
   return cudaLaunchKernelEx(&lc, kern, static_cast<Args&&>(args)...);
 }
 static_assert(WG_BN == 64 && WG_ROWS == 64, "one 128-byte swizzle span per P row; one page per key tile");
