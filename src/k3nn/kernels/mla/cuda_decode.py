@@ -50,8 +50,8 @@ Cluster merge (warp-group kernel, :func:`wgmma_plan`): ``C`` consecutive splits 
 cluster (2 to 8 CTAs; ``cluster=`` or ``K3NN_MLA_CLUSTER``). Each CTA stages its normalized rows and their lse in
 its shared memory; after a cluster barrier, each CTA of the cluster merges its ``ceil(64 / C)`` rows of all ``C``
 tiles through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and
-lse when the cluster holds every split. By default a call whose splits are 2 to 8 runs them as one cluster when every row
-tile's cluster is resident at once, so no combine kernel runs: on the H200 (``h200-s11-run2``) B=64 L=8K H=64 (two
+lse when the cluster holds every split. By default a call whose splits are 2 to 8 runs them as one cluster when every
+row tile's cluster is resident at once, so no combine kernel runs: on the H200 (``h200-s11-run2``) B=64 L=8K H=64 (two
 splits) took 165 / 164 µs against 196 / 191, B=30 (four) 87 against 96, B=15 (eight) 51 against 58. With more splits
 than one cluster, merging in clusters changed nothing at B=1 L=32K (32.3–33.6 µs against 32.1–32.5 for 64–132 splits,
 run 1), so the default leaves those to the combine kernel.
@@ -299,16 +299,19 @@ __device__ __forceinline__ KeyRange rows64_key_range(const MlaParams& p, int b, 
   return key_range(p, split, seq, maxlim, bn);
 }
 
-// The lse of row m (l: its whole sum, mrun: its running max in base 2): the output's with one split, else the split's.
-__device__ __forceinline__ float row_lse(float l, float mrun) { return l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY; }
-__device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int split, int m, float l, float mrun) {
-  const float lse = row_lse(l, mrun);
-  if (p.splits == 1) {
+// The lse of row m as the output's with one partial (p.parts == 1), else as partial `part`'s; the lse of a row from its
+// whole sum l and running max mrun (base 2); store_row_lse: both (partials are the splits where no cluster merges).
+__device__ __forceinline__ void store_lse(const MlaParams& p, int b, int part, int m, float lse) {
+  if (p.parts == 1) {
     const int t = m / p.H, h = m - t * p.H;
     p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
   } else {
-    p.lse_part[((long long)b * p.M + m) * p.splits + split] = lse;
+    p.lse_part[((long long)b * p.M + m) * p.parts + part] = lse;
   }
+}
+__device__ __forceinline__ float row_lse(float l, float mrun) { return l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY; }
+__device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int split, int m, float l, float mrun) {
+  store_lse(p, b, split, m, row_lse(l, mrun));
 }
 
 // Epilogue of the 64-row kernels: this thread's rows r_lo / r_hi (l: whole row sums, m: running max in base 2)
@@ -1084,6 +1087,16 @@ __device__ __forceinline__ void store_out4(TO* o, float4 v) {
     store_out(o, v.x); store_out(o + 1, v.y); store_out(o + 2, v.z); store_out(o + 3, v.w);
   }
 }
+// Columns col … col + 3 of row m: into o with one partial (p.parts == 1), else into partial `part` (fp32)
+template <typename TO>
+__device__ __forceinline__ void store_part4(const MlaParams& p, int b, int part, int m, int col, float4 v) {
+  if (p.parts == 1) {
+    const int t = m / p.H, h = m - t * p.H;
+    store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + col, v);
+  } else {
+    *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.parts + part) * R + col) = v;
+  }
+}
 
 // Epilogue of the warp-group kernel (every warp past the loop: Q, the key buffers and P are free). Each thread puts
 // its rows r_lo / r_hi, columns 256·grp + 8 j + 2 tq (+1), scaled by 1 / l, into a padded fp32 tile [64, 516] over
@@ -1099,10 +1112,11 @@ static_assert(WG_ROWS * (WG_OLD + 1 + WG_MAX_CLUSTER + 1) * 4 <= 3 * WG_TILE, "t
 
 #ifdef K3MLA_WGMMA
 // Cluster merge (p.cluster > 1: that many CTAs of a row tile, consecutive splits, form one cluster). After the cluster
-// barrier each CTA takes ceil(64 / cluster) rows (the last fewer): the rows' weights from the cluster's lse (exp(lse_c - max), as the
-// combine kernel weighs partials), then its rows of every staged tile through distributed shared memory, summed in
-// rank order and scaled by 1 / Σ weights: one partial (and lse) per cluster at index split / cluster, or o and lse
-// where the cluster holds every split. A second barrier keeps each tile alive until its peers have read it.
+// barrier each CTA takes ceil(64 / cluster) rows (the last fewer): the rows' weights from the cluster's lse
+// (exp(lse_c - max), as the combine kernel weighs partials), then its rows of every staged tile through distributed
+// shared memory, summed in rank order and scaled by 1 / Σ weights: one partial (and lse) per cluster at index
+// split / cluster, or o and lse where the cluster holds every split. A second barrier keeps each tile alive until its
+// peers have read it.
 template <typename TO>
 __device__ __forceinline__ void wg_cluster_merge(const MlaParams& p, int b, int split, int m0, const float* ot) {
   constexpr int MC = WG_MAX_CLUSTER, WS = MC + 1;
@@ -1130,17 +1144,11 @@ __device__ __forceinline__ void wg_cluster_merge(const MlaParams& p, int b, int 
       tot += w;
     }
     wts[tid * WS + MC] = tot > 0.f ? 1.f / tot : 0.f;
-    const float lse = tot > 0.f ? mx + logf(tot) : -INFINITY;
-    if (p.parts == 1) {
-      const int t = m / p.H, h = m - t * p.H;
-      p.lse[b * p.s_lb + t * p.s_lt + h * p.s_lh] = lse;
-    } else {
-      p.lse_part[((long long)b * p.M + m) * p.parts + part] = lse;
-    }
+    store_lse(p, b, part, m, tot > 0.f ? mx + logf(tot) : -INFINITY);
   }
   __syncthreads();
   for (int i = tid; i < rows * (R / 4); i += WG_NT) {
-    const int r = i / (R / 4), col = (i % (R / 4)) * 4, m = m0 + r0 + r;
+    const int r = i / (R / 4), col = (i % (R / 4)) * 4;
     const uint32_t off = ((r0 + r) * WG_OLD + col) * 4;
     float4 v[MC];
 #pragma unroll
@@ -1157,13 +1165,7 @@ __device__ __forceinline__ void wg_cluster_merge(const MlaParams& p, int b, int 
       }
     }
     const float inv = wts[r * WS + MC];
-    o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-    if (p.parts == 1) {
-      const int t = m / p.H, h = m - t * p.H;
-      store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + col, o);
-    } else {
-      *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.parts + part) * R + col) = o;
-    }
+    store_part4<TO>(p, b, part, m0 + r0 + r, col, make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
   }
   cluster_sync();  // the peers are done with this CTA's tile
 }
@@ -1172,7 +1174,6 @@ template <typename TO>
 __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int split, int m0, float* ot, int r_lo,
                                               int r_hi, float l_lo, float l_hi, float m_lo, float m_hi, int grp, int tq,
                                               const float (&acc)[128]) {
-  const bool final_ = p.splits == 1;
   const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
@@ -1201,14 +1202,8 @@ __device__ __forceinline__ void wg_store_rows(const MlaParams& p, int b, int spl
   const int rows = min(WG_ROWS, p.M - m0);
 #pragma unroll 4
   for (int i = threadIdx.x; i < rows * (R / 4); i += WG_NT) {
-    const int r = i / (R / 4), c = (i % (R / 4)) * 4, m = m0 + r;
-    const float4 v = *reinterpret_cast<const float4*>(ot + r * WG_OLD + c);
-    if (final_) {
-      const int t = m / p.H, h = m - t * p.H;
-      store_out4(static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh + c, v);
-    } else {
-      *reinterpret_cast<float4*>(p.o_part + (((long long)b * p.M + m) * p.splits + split) * R + c) = v;
-    }
+    const int r = i / (R / 4), c = (i % (R / 4)) * 4;
+    store_part4<TO>(p, b, split, m0 + r, c, *reinterpret_cast<const float4*>(ot + r * WG_OLD + c));
   }
 }
 
