@@ -8,7 +8,8 @@ Projections (H heads, nope dim dn, rope dim dr, value dim dv, latent rank r)::
     o_h      = softmax(q_h · k_hᵀ / sqrt(dn + dr)) v_h
     y        = W_o (o ⊙ sigmoid(W_g x))                                    (output gate only in K3)
 
-Prefill uses the decompressed K/V. Decode uses the absorbed form over the latent cache only:
+Prefill uses the decompressed K/V (``ops.mla_attention``: causal flash attention, no ``[T, L]`` mask or score
+matrix; the cached context is decompressed ``kv_segment`` keys at a time). Decode uses the absorbed form over the latent cache only:
 ``q_lat,h = W_UK,hᵀ q_nope,h`` so ``score = q_lat·c + q_rope·k_r`` and ``o_h = W_UV,h (Σ p c)``.
 The rope part is rotated (NeoX half-rotation) unless ``mla_use_nope`` (Kimi Linear and K3 use no rotation).
 The cache stores per token only ``c`` [r] and ``k_r`` [dr].
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..kernels.registry import current_backend
+from ..kernels.mla.api import merge_attn_states
 from ..utils import upcast
 
 from ..config import KimiK3Config
@@ -152,22 +153,43 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             c_all, kr_all, key_mask = c, k_r, attention_mask
             q_pos = torch.arange(T, device=x.device).expand(B, T)
-        L = c_all.shape[1]
-        mask = _mask(q_pos, L, key_mask)
         if state is not None and start > 0 and T <= self.absorb_max_tokens:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+            mask = _mask(q_pos, c_all.shape[1], key_mask)
             o_lat, _ = absorbed_attention(q_lat, q_rope, c_all, kr_all, mask, self.scale)
             o = torch.einsum("bthr,hvr->bthv", o_lat, upcast(w_uv)).to(x.dtype)
         else:
-            k_nope = torch.einsum("blr,hdr->blhd", c_all, w_uk)
-            v = torch.einsum("blr,hvr->blhv", c_all, w_uv)
-            k = torch.cat([k_nope, kr_all[:, :, None].expand(-1, -1, self.num_heads, -1)], -1)
-            q = torch.cat([q_nope, q_rope], -1)
-            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and current_backend() != "eager":
-                # fused attention (fp32 softmax inside, no [H, T, L] score tensor); eager keeps the reference
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
-                                                   v.to(q.dtype).transpose(1, 2), attn_mask=mask,
-                                                   scale=self.scale).transpose(1, 2)
-            else:
-                o = decompressed_attention(q, k, v, mask, self.scale)
+            o = self.decompressed(q_nope, q_rope, c_all, kr_all, key_mask, q_pos[:, 0]).to(x.dtype)
         return self.finish(x, o)
+
+    #: keys decompressed at a time on the prefill path: bounds the K/V workspace (L·H·(dn + dv) values) for long
+    #: cached contexts; the segments' partial results merge exactly by their LSE
+    kv_segment = 1 << 17
+
+    def decompressed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                     key_mask: torch.Tensor | None, q_start: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the new queries over decompressed keys ``[W_UK c ; k_r]`` and values ``W_UV c``.
+
+        q_nope [B, T, H, dn], q_rope [B, T, H, dr]; c [B, L, r], k_r [B, L, dr] every visible latent;
+        key_mask [B, L] bool or None; q_start [B] int: key index of each row's first query."""
+        B, L = c.shape[:2]
+        H, dn, dv = self.num_heads, self.dn, self.dv
+        w = self.kv_b_proj.weight.to(c.dtype)
+        q_nope = q_nope.to(c.dtype)
+        q_rope = q_rope.to(c.dtype) if self.dr else None
+        capturing = c.is_cuda and torch.cuda.is_current_stream_capturing()
+        if key_mask is not None and not capturing and bool(key_mask.all()):
+            key_mask = None  # no padding: the kernel skips the mask loads
+        seg = max(1, int(self.kv_segment))
+        parts = []
+        for a in range(0, L, seg):
+            e = min(L, a + seg)
+            kv = F.linear(c[:, a:e], w).view(B, e - a, H, dn + dv)
+            parts.append(ops.mla_attention(q_nope, q_rope, kv[..., :dn], k_r[:, a:e] if self.dr else None,
+                                           kv[..., dn:], self.scale, q_start=q_start - a,
+                                           key_mask=None if key_mask is None else key_mask[:, a:e],
+                                           return_lse=L > seg))
+        if len(parts) == 1:
+            return parts[0]
+        o, _ = merge_attn_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        return o

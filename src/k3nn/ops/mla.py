@@ -1,4 +1,5 @@
-"""MLA functional ops: ``mla_decode`` (absorbed attention over the paged latent cache)."""
+"""MLA functional ops: ``mla_decode`` (absorbed attention over the paged latent cache) and ``mla_attention``
+(causal prefill attention on decompressed K/V)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,47 @@ import torch
 
 from ..kernels import mla as _mla  # noqa: F401  (registers the backends)
 from ..kernels.mla.api import check_mla_decode_inputs
-from ..kernels.mla.prefill import mla_prefill
+from ..kernels.mla.prefill import check_mla_attention_inputs, mla_prefill
 from ..kernels.registry import dispatch
 
-__all__ = ["mla_decode", "mla_prefill"]
+__all__ = ["mla_attention", "mla_decode", "mla_prefill"]
+
+
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor | None, k_nope: torch.Tensor,
+                  k_rope: torch.Tensor | None, v: torch.Tensor, scale: float, *, q_start: int | torch.Tensor | None = None,
+                  key_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                  cu_seqlens_k: torch.Tensor | None = None, max_seqlen: int | None = None,
+                  return_lse: bool = False):
+    """Causal attention on MLA's decompressed K/V, without a ``[T, L]`` mask or score matrix.
+
+    For query t of a row (at key index ``q_start + t``) and head h::
+
+        s_j = scale · (q_nope·k_nope_j + q_rope·k_rope_j),  j ≤ q_start + t, and key_mask_j or j = q_start + t
+        o   = Σ_j softmax(s)_j v_j,  lse = log Σ_j exp(s_j)
+
+    Args:
+        q_nope: [B, T, H, dn]; q_rope: [B, T, H, dr] or None (rotated by the caller, or NoPE).
+        k_nope: [B, L, H, dn]; k_rope: [B, L, dr] or None: one rope key per token, shared by every head.
+        v: [B, L, H, dv]. Strided views are fine (e.g. the halves of one ``kv_b_proj`` output) while the last
+            dim is contiguous. All of one dtype (fp16 / bf16 / fp32 on the Triton path; fp64 eager).
+        scale: softmax scale, (dn + dr)^-0.5 for Kimi.
+        q_start: key index of the first query, an int or an int [B] tensor (per row, read on the device: no host
+            sync, graph-safe); default ``L - T`` (causal aligned to the end of the keys: chunked prefill, prefix
+            hits, verify windows). A value ≥ L makes every key visible.
+        key_mask: bool [B, L]; False hides a key (left padding, holes) from every query but its own.
+        cu_seqlens: int [N + 1], sequences packed along T of one row (B = 1), each causal within itself;
+            cu_seqlens_k: int [N + 1] when sequence i has more keys than queries (its queries are the last ones).
+            max_seqlen: the longest query run (saves a host read).
+        return_lse: also return the natural-log LSE (for exact merges: DCP, cached-context chunks).
+    Returns:
+        o [B, T, H, dv] in v's dtype (and lse [B, T, H] fp32, fp64 for fp64 inputs). A query that sees no key
+        gets o = 0 and lse = −inf.
+    """
+    check_mla_attention_inputs(q_nope, q_rope, k_nope, k_rope, v, scale, q_start, key_mask, cu_seqlens,
+                               cu_seqlens_k, max_seqlen)
+    return dispatch("mla_attention", q_nope, q_rope, k_nope, k_rope, v, float(scale), q_start=q_start,
+                    key_mask=key_mask, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, max_seqlen=max_seqlen,
+                    return_lse=return_lse)
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,

@@ -1,14 +1,43 @@
-"""MLA kernels: absorbed paged decode (eager reference, Triton split-KV, CUDA split-KV), decompressed chunked
-prefill."""
+"""MLA kernels: absorbed paged decode (eager reference, Triton split-KV, CUDA split-KV); causal prefill attention
+on decompressed K/V (eager masked reference, Triton flash kernel) and the paged-context composite."""
 
 from __future__ import annotations
 
 from ..registry import register, triton_ready
 from .api import check_mla_decode_inputs, default_visible_lens, merge_attn_states
-from .prefill import mla_prefill
+from .prefill import mla_attention_reference, mla_prefill
 from .reference import mla_decode_reference
 
 register("mla_decode", "eager")(mla_decode_reference)
+register("mla_attention", "eager")(mla_attention_reference)
+
+
+def _prefill_triton_supports(q_nope, q_rope, k_nope, k_rope, v, *args, **kwargs):
+    import torch
+
+    ts = [t for t in (q_nope, q_rope, k_nope, k_rope, v) if t is not None]
+    why = triton_ready(*ts)
+    if why:
+        return why
+    if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q_nope.dtype} (the Triton kernel takes fp16, bf16, fp32)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return "forward only: inputs require grad (the eager path trains)"
+    dims = (q_nope.shape[-1], v.shape[-1], 0 if q_rope is None else q_rope.shape[-1])
+    if max(dims) > 256:
+        return f"head dims {dims} above 256"
+    if any(t.stride(-1) != 1 for t in ts):
+        return "the last dim of every tensor must be contiguous"
+    return None
+
+
+def _prefill_triton(*args, **kwargs):
+    from .triton_prefill import mla_attention_triton  # lazy: importing triton kernels costs time
+
+    return mla_attention_triton(*args, **kwargs)
+
+
+register("mla_attention", "triton", supports=_prefill_triton_supports)(_prefill_triton)
 
 
 def _triton_supports(q_lat, q_rope, kv_pool, block_table, seq_lens, *args, **kwargs):
@@ -53,5 +82,5 @@ def _cuda_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_l
 # the CUDA kernels are opt-in (K3NN_MLA_CUDA=1). See cuda_decode.enabled / supports.
 register("mla_decode", "cuda", supports=_cuda_supports, available=_cuda_available)(_cuda_decode)
 
-__all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_decode_reference",
-           "mla_prefill"]
+__all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_attention_reference",
+           "mla_decode_reference", "mla_prefill"]
