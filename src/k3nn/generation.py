@@ -128,7 +128,7 @@ class GenerationMixin:
                  eos_token_id: int | list[int] | None = None, attention_mask: torch.Tensor | None = None,
                  streamer=None, drafter=None, generation_config: GenerationConfig | None = None,
                  seed: int | None = None, cuda_graph: bool | str | None = None, decode_backend: str | None = None,
-                 **kwargs: Any) -> torch.Tensor:
+                 prefill_chunk_size: int | None = None, **kwargs: Any) -> torch.Tensor:
         """Prompt ids [B, T] (left-padded with ``attention_mask`` when rows differ) → [B, T + n] ids.
 
         Arguments override ``generation_config`` (HF precedence). Rows that hit an eos id keep emitting
@@ -139,6 +139,8 @@ class GenerationMixin:
         if capture fails), True, ``"static"`` (the graph-safe step without capture) or False.
         ``decode_backend``: ``"auto"`` (standard layers) or ``"latency_specialized"`` (fused per-layer decode,
         see :mod:`k3nn.decode`); default: the model's ``decode_backend`` attribute, else ``"auto"``.
+        ``prefill_chunk_size``: prompts longer than this prefill chunk by chunk (default: the model's
+        ``prefill_chunk_size``); the tokens are the same, the activation memory is bounded by the chunk.
         """
         cfg = generation_config or getattr(self, "generation_config", None) or GenerationConfig()
         over = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -159,6 +161,13 @@ class GenerationMixin:
             attention_mask = attention_mask.to(self.device)
             _check_left_padded(attention_mask)
         n_new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(0, (cfg.max_length or T) - T)
+        self._chunk_size(prefill_chunk_size)
+        limit = self.config.max_position_embeddings
+        if T > limit:
+            raise ValueError(f"input_ids has {T} tokens, longer than the model's max_position_embeddings = {limit}")
+        if T + n_new > limit:
+            raise ValueError(f"prompt of {T} tokens + max_new_tokens {n_new} = {T + n_new} exceeds the model's "
+                             f"max_position_embeddings = {limit}")
         if drafter is not None:
             from .spec import speculative_generate
 
@@ -176,7 +185,8 @@ class GenerationMixin:
             cache = HybridCache(self.config, B, T + n_new, self.dtype, self.device, mla_pool=True)
         else:
             cache = self.new_cache(B, T + n_new)
-        logits = self(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1).logits[:, -1]
+        logits = self(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1,
+                      prefill_chunk_size=prefill_chunk_size).logits[:, -1]
         step = make_decode_runner(self, cache, cuda_graph=cuda_graph, decode_backend=decode_backend,
                                   attention_mask=attention_mask)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)

@@ -342,13 +342,33 @@ class KimiK3(GenerationMixin, nn.Module):
             raise RuntimeError("the model's weights are on the meta device: load them (from_pretrained) or "
                                "build with device='cpu'/'cuda'")
 
+    #: a forward with a cache over more new tokens than this runs chunk by chunk (KDA state carried, MLA latents
+    #: appended), so activation memory is bounded by the chunk whatever the prompt length; ``prefill_chunk_size=``
+    #: on ``forward`` / ``generate`` overrides it per call
+    prefill_chunk_size: int = 32768
+
+    def _chunk_size(self, value) -> int:
+        v = self.prefill_chunk_size if value is None else value
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"prefill_chunk_size must be a positive int (tokens per prefill forward), got {v!r}")
+        return v
+
+    def _check_length(self, T: int, cache) -> None:
+        start = cache.get_seq_length() if cache is not None else 0
+        limit = self.config.max_position_embeddings
+        if start + T > limit:
+            what = f"{T} new tokens after {start} cached" if start else f"{T} tokens"
+            raise ValueError(f"input of {what} reaches position {start + T}, past the model's "
+                             f"max_position_embeddings = {limit}")
+
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, output_hidden_layers: list[int] | None = None,
-                checkpoint_positions=None) -> KimiK3Output:
+                checkpoint_positions=None, prefill_chunk_size: int | None = None) -> KimiK3Output:
         """input_ids [B, T] → logits [B, T, vocab] (the last ``logits_to_keep`` positions if > 0).
 
-        With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call).
+        With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call); more than
+        ``prefill_chunk_size`` new tokens run as consecutive forwards of that many (same result, bounded memory).
         ``attention_mask`` [B, T] marks real tokens (1) vs left padding (0) of these new tokens.
         ``output_hidden_layers``: layer indices whose outputs are returned in ``hidden_states``.
         ``checkpoint_positions``: forwarded to every KDA layer (states exported in the same pass into
@@ -356,13 +376,63 @@ class KimiK3(GenerationMixin, nn.Module):
         """
         if inputs_embeds is None:
             self._check_inputs(input_ids, attention_mask, cache)
+        chunk = self._chunk_size(prefill_chunk_size)
+        T = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        self._check_length(T, cache)
         with use_backend(self.backend):
-            h, captured = self.model(input_ids, inputs_embeds, cache, attention_mask, output_hidden_layers,
-                                     checkpoint_positions)
+            if cache is not None and cache.splittable and T > chunk:
+                h, captured = self._chunked(input_ids, inputs_embeds, cache, attention_mask, output_hidden_layers,
+                                            checkpoint_positions, logits_to_keep, chunk)
+            else:
+                h, captured = self.model(input_ids, inputs_embeds, cache, attention_mask, output_hidden_layers,
+                                         checkpoint_positions)
             hk = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
             logits = self.lm_head(hk)
         return KimiK3Output(logits=logits, hidden_states=captured if output_hidden_layers is not None else None,
                             last_hidden_state=h, cache=cache)
+
+    def _chunked(self, input_ids, inputs_embeds, cache, attention_mask, output_layers, checkpoint_positions,
+                 logits_to_keep: int, chunk: int):
+        """The model over ``[0, T)`` as forwards of ``chunk`` tokens. Keeps only the hidden states asked for (the
+        last ``logits_to_keep``, or all); KDA checkpoints requested anywhere are exported by the chunk holding
+        them and returned in the order given."""
+        from .kernels.kda.api import normalise_checkpoints
+
+        src = input_ids if inputs_embeds is None else inputs_embeds
+        B, T = src.shape[:2]
+        bounds = [(a, min(T, a + chunk)) for a in range(0, T, chunk)]
+        pairs = normalise_checkpoints(checkpoint_positions, [T] * B) if checkpoint_positions is not None else []
+        per_chunk: list[list[list[int]]] = [[[] for _ in range(B)] for _ in bounds]
+        order: list[list[int]] = [[] for _ in bounds]  # flat index of each export, in the chunk's export order
+        owner = [next(c for c, (a, e) in enumerate(bounds) if p <= e) for _, p in pairs]
+        for c in range(len(bounds)):
+            for n in range(B):
+                for m, (seq, p) in enumerate(pairs):
+                    if seq == n and owner[m] == c:
+                        per_chunk[c][n].append(p - bounds[c][0])
+                        order[c].append(m)
+        kda = [st for i, st in enumerate(cache.layers) if not self.config.is_mla_layer(i)]
+        exported = [[None] * len(pairs) for _ in kda]
+        hs, tail, captured = [], None, None
+        for c, (a, e) in enumerate(bounds):
+            cp = per_chunk[c] if pairs and order[c] else None
+            h, cap = self.model(None if input_ids is None else input_ids[:, a:e],
+                                None if inputs_embeds is None else inputs_embeds[:, a:e], cache,
+                                None if attention_mask is None else attention_mask[:, a:e], output_layers, cp)
+            if logits_to_keep > 0:
+                tail = h if tail is None else torch.cat([tail, h], 1)[:, -logits_to_keep:]
+            else:
+                hs.append(h)
+            captured = [[x] for x in cap] if captured is None else [xs + [x] for xs, x in zip(captured, cap)]
+            if cp is not None:
+                for j, st in enumerate(kda):
+                    for k, m in enumerate(order[c]):
+                        exported[j][m] = st.checkpoints[k]
+        if pairs:
+            for j, st in enumerate(kda):
+                st.checkpoints = torch.stack(exported[j])
+        h = tail if logits_to_keep > 0 else torch.cat(hs, 1)
+        return h, [torch.cat(xs, 1) for xs in (captured or [])]
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",

@@ -3,7 +3,8 @@
 Cache protocol (what :class:`k3nn.model.KimiK3Model` and the layers rely on; paged caches implement it too):
 
 * ``cache.begin(T, attention_mask) -> (start, positions [B, T])`` before a forward of T new tokens, and
-  ``cache.commit(T, attention_mask)`` after it; ``cache.layers[i]`` is the state of layer i.
+  ``cache.commit(T, attention_mask)`` after it; ``cache.layers[i]`` is the state of layer i; ``cache.splittable``:
+  whether the model may cut a long forward into consecutive chunks (chunked prefill).
 * KDA state: ``.recurrent [B, H, K, V]`` fp32 and ``.conv [B, W-1, 3·H·D]`` (read), and
   ``.update(recurrent, conv, checkpoints=None)`` (write back after the forward).
 * MLA state: ``.append(c, k_r, attention_mask, start) -> (latent [B, L, r], rope [B, L, dr],
@@ -95,6 +96,10 @@ class MLAState:
 
 class HybridCache:
     """Cache for B rows and up to ``max_length`` tokens. ``seen_tokens`` is the shared write position."""
+
+    #: a forward of T new tokens may run as consecutive forwards of its pieces (chunked prefill); caches whose
+    #: forwards are planned ahead by their owner (the engine's paged cache) say False
+    splittable = True
 
     def __init__(self, config: KimiK3Config, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", mla_pool: bool = False):

@@ -205,7 +205,8 @@ class PagedMLAState:
 
 
 class PagedHybridCache(HybridCache):
-    """The cache protocol over :class:`HybridPools` for one forward of B requests.
+    """The cache protocol over :class:`HybridPools` for one forward of B requests (the engine plans each forward's
+    tokens, and chunks long prompts itself: not splittable).
 
     Args:
         pools: the engine's pools.
@@ -232,6 +233,7 @@ class PagedHybridCache(HybridCache):
         self.pools, self.config = pools, pools.config
         self.batch_size, self.row0 = B, row0
         self.static = False  # never graph-captured: shapes change every step
+        self.splittable = False
         self.dtype, self.device = pools.dtype, pools.device
         self.max_length = max(len(b) for b in blocks) * pools.block_size
         self.blocks = [list(b) for b in blocks]
