@@ -11,7 +11,7 @@ import time
 
 __all__ = ["main"]
 
-SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "prefix", "budget", "e2e")
+SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "prefix", "budget", "e2e", "prefill")
 
 
 def _torch_dtype(name: str):

@@ -292,6 +292,10 @@ class KimiK3Config:
             if dense != list(range(len(dense))):
                 raise ValueError(f"mlp_layer_types: dense layers must come first, got {mlp_types}")
             kw["first_k_dense_replace"] = len(dense)
+        for src, dst in (("linear_num_heads", "kda_num_heads"), ("linear_head_dim", "kda_head_dim"),
+                         ("linear_conv_kernel_dim", "short_conv_kernel_size")):  # transformers 5.x flat keys
+            if d.get(src) is not None:
+                kw.setdefault(dst, d[src])
         for derived in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
                         "qk_head_dim", "head_dim", "dtype", "torch_dtype", "transformers_version", "use_cache"):
             d.pop(derived, None)
