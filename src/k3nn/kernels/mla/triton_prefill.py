@@ -56,7 +56,7 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
             s += tl.dot(q_r, tl.trans(kr), input_precision="ieee")
         else:
             s += tl.dot(q_r, tl.trans(kr))
-    s = s * qk_scale
+    # scores stay unscaled; the row max is kept in scaled base-2 units so p = exp2(s·scale − m) is one FMA + exp2
     if MASKED or HAS_KM:
         vis = in_n[None, :]
         if MASKED:
@@ -65,12 +65,12 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
             km = tl.load(km_base + offs_n, mask=in_n, other=0)
             vis = vis & ((km[None, :] != 0) | (offs_n[None, :] == qi[:, None]))
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     dv = tl.arange(0, BDV)
