@@ -127,7 +127,9 @@ def results_dir() -> Path:
 
 
 def write_results(suite: str, rows: list[dict[str, Any]], meta_extra: dict[str, Any] | None = None,
-                  out_dir: str | os.PathLike | None = None) -> Path:
+                  out_dir: str | os.PathLike | None = None, path: Path | None = None) -> Path:
+    """Write (or, given the ``path`` of an earlier call, rewrite: a long suite saves after every row) one result
+    file; returns its path."""
     meta = device_meta()
     meta.update(meta_extra or {})
     for r in rows:
@@ -135,10 +137,11 @@ def write_results(suite: str, rows: list[dict[str, Any]], meta_extra: dict[str, 
             r.setdefault("frac_copy_bw", round(r["tbps"] / meta["copy_tbps"], 3))
         if r.get("anchor_ms") and r.get("k3nn_ms"):
             r.setdefault("speedup", round(r["anchor_ms"] / r["k3nn_ms"], 3))
-    d = Path(out_dir) if out_dir else results_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    path = d / f"{suite}-{stamp}.json"
+    if path is None:
+        d = Path(out_dir) if out_dir else results_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+        path = d / f"{suite}-{stamp}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return path
 

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from .common import bench_ms, device_meta, print_table, rel_err, write_results
+from .common import device_meta, print_table, rel_err, write_results
 
-SUITE = "prefill"
+SUITE = "prefill"  # the k3_slice preset writes "prefill-k3" (its own README table)
 
 
 def _ints(s: str) -> list[int]:
@@ -196,20 +196,31 @@ def main(argv=None):
         del ref, k3_bf16, hf_bf16
         _free()
 
+    suite = SUITE if args.preset == "kimi_linear" else "prefill-k3"
+    path = None
     anchor = f"transformers {meta.get('transformers')} KimiLinearForCausalLM + fla {meta.get('fla')}"
-    for T in args.lengths + args.k3nn_only:
+    todo = [(T, False) for T in args.lengths]
+    if args.lengths:
+        todo.append((None, False))  # the attention kernel alone, before the long lengths
+    todo += [(T, True) for T in args.k3nn_only]
+    for T, long in todo:
+        if T is None:
+            rows.append(attention_row(max(args.lengths), cfg.num_attention_heads, meta))
+            path = write_results(suite, rows, meta, path=path)
+            print(f"({time.perf_counter() - t_start:.0f} s) {rows[-1]}", flush=True)
+            continue
         ids = ids_of(T)
-        long = T in args.k3nn_only
         row = dict(case=f"{name} T={T}")
+        timer = _once if long else (lambda f: _time(f, args.reps))
         try:
-            ms, gb = (_once if long else (lambda f: _time(f, args.reps)))(lambda: k3_call(ids))
+            ms, gb = timer(lambda: k3_call(ids))
             row.update(k3nn_ms=round(ms, 2), k3nn_peak_gb=round(gb, 2))
         except torch.OutOfMemoryError as e:
             row.update(k3nn_error=f"out of memory: {str(e)[:120]}")
         _free()
         if hf is not None and (not long or args.anchor_long):
             try:
-                ms, gb = (_once if long else (lambda f: _time(f, args.reps)))(lambda: hf_call(ids))
+                ms, gb = timer(lambda: hf_call(ids))
                 row.update(anchor=anchor, anchor_ms=round(ms, 2), anchor_peak_gb=round(gb, 2))
                 if row.get("k3nn_ms"):
                     row["speedup"] = round(row["anchor_ms"] / row["k3nn_ms"], 3)
@@ -217,11 +228,9 @@ def main(argv=None):
                 row.update(anchor=anchor, anchor_error=f"out of memory: {str(e)[:120]}")
             _free()
         rows.append(row)
+        path = write_results(suite, rows, meta, path=path)  # saved after every row: the long lengths take minutes
         print(f"({time.perf_counter() - t_start:.0f} s) {row}", flush=True)
-    if args.lengths:
-        rows.append(attention_row(max(args.lengths), cfg.num_attention_heads, meta))
-        print(rows[-1], flush=True)
-    path = write_results(SUITE, rows, meta)
+    path = write_results(suite, rows, meta, path=path)
     print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "k3nn_peak_gb", "anchor_peak_gb", "tflops"])
     print(f"wrote {path}")
 
