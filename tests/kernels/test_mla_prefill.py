@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from k3nn.cache.pages import PagedLatentCache
 from k3nn.kernels.mla.api import merge_attn_states
 from k3nn import backend, ops
+from k3nn.kernels.mla import prefill
 from k3nn.kernels.mla.prefill import attention_with_lse, mla_attention_reference, mla_prefill
 from k3nn.kernels.mla.triton_prefill import mla_attention_triton
 from k3nn.layers.mla import _mask, decompressed_attention
@@ -114,8 +115,10 @@ def test_triton_attention_matches_masked_reference(B, T, ctx, H, dims, masked, p
     q_start = torch.tensor([ctx] * B) if per_row else None
     scale = (dn + dr) ** -0.5
     ref = _masked_reference(qn, qr, kn, kr, v, scale, ctx, key_mask)
-    o_ref, lse_ref = mla_attention_reference(qn, qr, kn, kr, v, scale, q_start=q_start, key_mask=key_mask,
-                                             return_lse=True, q_block=7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill, "Q_BLOCK", 7)  # several query blocks
+        o_ref, lse_ref = mla_attention_reference(qn, qr, kn, kr, v, scale, q_start=q_start, key_mask=key_mask,
+                                                 return_lse=True)
     torch.testing.assert_close(o_ref, ref, atol=1e-5, rtol=1e-5)
     o, lse = poison(B, T, H, dv), poison(B, T, H)
     mla_attention_triton(qn, qr, kn, kr, v, scale, q_start=q_start, key_mask=key_mask, return_lse=True, out=(o, lse))

@@ -31,10 +31,13 @@ def _prefill_triton_supports(q_nope, q_rope, k_nope, k_rope, v, *args, **kwargs)
     return None
 
 
-def _prefill_triton(*args, **kwargs):
+def _prefill_triton(q_nope, q_rope, k_nope, k_rope, v, scale, q_start=None, key_mask=None, cu_seqlens=None,
+                    cu_seqlens_k=None, max_seqlen=None, return_lse=False):
     from .triton_prefill import mla_attention_triton  # lazy: importing triton kernels costs time
 
-    return mla_attention_triton(*args, **kwargs)
+    return mla_attention_triton(q_nope, q_rope, k_nope, k_rope, v, scale, q_start=q_start, key_mask=key_mask,
+                                cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, max_seqlen=max_seqlen,
+                                return_lse=return_lse)
 
 
 register("mla_attention", "triton", supports=_prefill_triton_supports)(_prefill_triton)

@@ -54,10 +54,15 @@ def _dense_reference(q_nope, q_rope, k_nope, k_rope, v, scale, q_start, key_mask
     return o, lse
 
 
+#: queries scored at a time by the reference (bounds its [B, H, q_block, L] score block)
+Q_BLOCK = 1024
+
+
 def mla_attention_reference(q_nope, q_rope, k_nope, k_rope, v, scale, q_start=None, key_mask=None,
-                            cu_seqlens=None, cu_seqlens_k=None, max_seqlen=None, return_lse=False,
-                            q_block: int = 1024):
-    """Eager masked attention (the definition; see the module docstring). fp32 math (fp64 for fp64 inputs)."""
+                            cu_seqlens=None, cu_seqlens_k=None, max_seqlen=None, return_lse=False):
+    """Eager masked attention (the definition; see the module docstring). fp32 math (fp64 for fp64 inputs),
+    ``Q_BLOCK`` queries at a time."""
+    q_block = Q_BLOCK
     if cu_seqlens is None:
         T, L = q_nope.shape[1], k_nope.shape[1]
         o, lse = _dense_reference(q_nope, q_rope, k_nope, k_rope, v, scale, L - T if q_start is None else q_start,
