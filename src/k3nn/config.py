@@ -7,8 +7,11 @@ way Kimi Linear and Kimi K3 write them: 1-based lists under ``linear_attn_config
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +20,54 @@ MoEKind = Literal["standard", "latent"]
 Activation = Literal["silu", "situ"]
 
 __all__ = ["KimiK3Config"]
+
+
+def _is_float_type(tp) -> bool:
+    return tp is float or (typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+                           and float in typing.get_args(tp))
+
+
+def _type_ok(v, tp) -> tuple[bool, str]:
+    """(whether v is of the annotated type tp, a description of tp for the error)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True, "anything"
+    if origin is Literal:
+        return v in args, f"one of {list(args)}"
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        results = [_type_ok(v, a) for a in args]
+        return any(ok for ok, _ in results), " or ".join(w for _, w in results)
+    if origin is list:
+        (inner,) = args or (Any,)
+        return isinstance(v, list) and all(_type_ok(x, inner)[0] for x in v), f"a list of {_type_ok(0, inner)[1]}"
+    if origin is dict:
+        return isinstance(v, dict), "a dict"
+    if tp is type(None):
+        return v is None, "null"
+    if tp is bool:
+        return isinstance(v, bool), "true or false"
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool), "an integer"
+    if tp is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+    if tp is str:
+        return isinstance(v, str), "a string"
+    return isinstance(v, tp), tp.__name__
+
+
+#: config.json keys that transformers or Moonshot write and k3nn has no use for (read, dropped without a warning)
+_IGNORED_KEYS = frozenset({
+    "architectures", "auto_map", "num_key_value_heads", "pretraining_tp", "attention_bias", "attention_dropout",
+    "output_router_logits", "router_aux_loss_coef", "use_cache", "transformers_version", "dtype", "torch_dtype",
+    "_name_or_path", "_attn_implementation", "layer_types", "qk_head_dim", "head_dim", "rope_scaling",
+    "rope_parameters", "moe_layer_freq_type", "use_grouped_topk", "topk_method", "scoring_func", "seq_aux",
+    "aux_loss_alpha", "ep_size", "num_nextn_predict_layers", "quantization_config", "k3nn_layout",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "is_encoder_decoder",
+    "chunk_size_feed_forward", "tie_encoder_decoder", "problem_type", "id2label", "label2id",
+    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "bad_words_ids", "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty", "num_beams", "generation_config", "mlp_bias", "use_qk_norm",
+})
 
 
 @dataclass
@@ -79,7 +130,20 @@ class KimiK3Config:
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept for round trips
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.validate()
+
+    def _check_types(self) -> None:
+        """Every field holds its annotated type (ints as ints, not "64"; bools as bools, not "no"); ints are
+        accepted where a float is expected."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            ok, want = _type_ok(v, hints[f.name])
+            if not ok:
+                raise TypeError(f"KimiK3Config: {f.name} must be {want}, got {v!r} ({type(v).__name__})")
+            if isinstance(v, int) and not isinstance(v, bool) and _is_float_type(hints[f.name]):
+                setattr(self, f.name, float(v))
 
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -140,6 +204,23 @@ class KimiK3Config:
     @property
     def shared_expert_intermediate_size(self) -> int:
         return self.num_shared_experts * self.moe_intermediate_size
+
+    def transformers_incompatibility(self) -> str | None:
+        """None when transformers' ``KimiLinearForCausalLM`` implements this model exactly, else why not."""
+        checks = [
+            (self.model_type == "kimi_linear", f"model_type is {self.model_type!r}, not 'kimi_linear'"),
+            (not self.use_attn_res, "AttnRes is on"),
+            (self.moe_kind == "standard", f"moe_kind is {self.moe_kind!r}"),
+            (not self.mxfp4_experts, "MXFP4 experts"),
+            (self.kda_gate == "softplus", f"kda_gate is {self.kda_gate!r}"),
+            (not self.mla_use_output_gate, "MLA output gate"),
+            (self.mla_use_nope, "MLA with rotary positions"),
+            (self.hidden_act == "silu", f"hidden_act is {self.hidden_act!r}"),
+            (not self.use_full_rank_gate, "full-rank KDA output gate"),
+            (self.moe_layer_freq == 1, f"moe_layer_freq is {self.moe_layer_freq}"),
+        ]
+        bad = [why for ok, why in checks if not ok]
+        return "; ".join(bad) if bad else None
 
     def replace(self, **changes: Any) -> "KimiK3Config":
         return dataclasses.replace(self, **changes)
@@ -306,12 +387,21 @@ class KimiK3Config:
             "model_max_length": "max_position_embeddings",
         }
         extra: dict[str, Any] = {}
+        unknown = []
         for k, v in d.items():
             k2 = aliases.get(k, k)
             if k2 in known and k2 not in ("extra",):
                 kw.setdefault(k2, v)
-            elif k not in ("num_key_value_heads", "architectures"):
+            elif k not in _IGNORED_KEYS:
                 extra[k] = v
+                unknown.append(k)
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, sorted(known | set(aliases)), n=1, cutoff=0.8)
+                hints.append(f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k))
+            warnings.warn(f"config: unknown key(s) {', '.join(hints)} are kept in config.extra but not used by "
+                          f"the model", UserWarning, stacklevel=2)
         if "mla_layers" in kw:
             kw["mla_layers"] = list(kw["mla_layers"])
         kw["extra"] = extra
@@ -326,9 +416,13 @@ class KimiK3Config:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "KimiK3Config":
+        """Read a config.json; every error names the file."""
         try:
             with open(path) as f:
                 d = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"config.json at {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{path}: {e}") from None

@@ -436,18 +436,25 @@ class KimiK3(GenerationMixin, nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        format: str = "k3nn") -> None:
+                        format: str | None = None) -> None:
+        """config.json + sharded safetensors. ``format``: ``"transformers"`` (default for a Kimi Linear model:
+        ``KimiLinearForCausalLM.from_pretrained`` loads it), ``"k3nn"`` (stacked experts; default otherwise) or
+        ``"moonshot"`` (the original per-expert Kimi layout)."""
         from .checkpoint.io import save_pretrained
 
         save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", backend: str | None = None, revision: str | None = None,
                         cache_dir: str | None = None, local_files_only: bool | None = None,
-                        token: str | bool | None = None, config: KimiK3Config | None = None) -> "KimiK3":
+                        token: str | bool | None = None, config: KimiK3Config | None = None,
+                        torch_dtype: torch.dtype | str | None = None, device_map=None) -> "KimiK3":
+        """Load a k3nn, Moonshot or transformers checkpoint (a directory or a hub id). ``dtype``: a torch dtype, its
+        name or ``"auto"`` (default: the checkpoint's); ``torch_dtype`` is its transformers alias. ``device_map``:
+        transformers' spelling of ``device`` for one device (``"auto"``: the GPU if there is one)."""
         from .checkpoint.io import from_pretrained
 
         return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,
                                revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
-                               token=token, config=config)
+                               token=token, config=config, torch_dtype=torch_dtype, device_map=device_map)

@@ -162,21 +162,82 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: s
 
 
 def _keep_fp32(model: torch.nn.Module) -> None:
+    """Routing and decay-gate parameters stay in at least fp32 (fp64 models keep them in fp64)."""
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith(FP32_SUFFIXES) and p.is_floating_point() and p.dtype != torch.float32:
+        if name.endswith(FP32_SUFFIXES) and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
 
 
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+           "float64": torch.float64, "double": torch.float64}
+
+
+def resolve_dtype(dtype, checkpoint: Path | None = None) -> torch.dtype:
+    """A torch dtype from a dtype, its name (``"bfloat16"``, ``"torch.float16"``) or ``"auto"`` (the checkpoint's:
+    config.json ``dtype`` / ``torch_dtype``, else its first floating-point tensor; fp32 if none)."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.replace("torch.", "")
+        if name == "auto":
+            if checkpoint is None:
+                return torch.float32
+            raw = json.loads((checkpoint / "config.json").read_text())
+            name = raw.get("dtype") or raw.get("torch_dtype")
+            if name is None:
+                for shard in _shards(checkpoint)[:1]:
+                    with _open(shard) as f:
+                        for key in f.keys():
+                            t = f.get_slice(key).get_dtype()
+                            if t in ("F32", "BF16", "F16", "F64"):
+                                return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                                        "F64": torch.float64}[t]
+                return torch.float32
+            return resolve_dtype(str(name))
+        if name in _DTYPES:
+            return _DTYPES[name]
+    raise ValueError(f"dtype must be a torch dtype, one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+
+
+def resolve_device_map(device_map, device) -> torch.device:
+    """transformers' ``device_map`` for one device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, a torch.device,
+    ``"auto"`` (the first GPU if there is one) or ``{"": device}``. A map over several devices is refused."""
+    if device_map is None:
+        return torch.device(device)
+    if isinstance(device_map, dict):
+        devs = {str(torch.device(v) if not isinstance(v, int) else torch.device("cuda", v))
+                for v in device_map.values()}
+        if len(devs) != 1:
+            raise ValueError(f"device_map spreads the model over {sorted(devs)}: k3nn places a model on one device; "
+                             f"shard it over GPUs with k3nn.parallel.tp.apply_tensor_parallel (torchrun) instead")
+        (device_map,) = devs
+    if device_map == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return torch.device("cuda", device_map)
+    try:
+        return torch.device(device_map)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device_map must be a device ('cpu', 'cuda', 'cuda:0', an int), 'auto' or a one-device "
+                         f"dict, got {device_map!r}") from None
+
+
 def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
-                    local_files_only=None, token=None, config: KimiK3Config | None = None):
+                    local_files_only=None, token=None, config: KimiK3Config | None = None, torch_dtype=None,
+                    device_map=None):
+    if torch_dtype is not None:
+        if dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
+        dtype = torch_dtype
     d = resolve_checkpoint(path_or_repo_id, revision, cache_dir, local_files_only, token)
+    device = resolve_device_map(device_map, device)
     if config is None:
         config = KimiK3Config.from_json_file(d / "config.json")
+    dtype = resolve_dtype("auto" if dtype is None else dtype, d)
     model = cls(config, device="meta", backend=backend)
-    if dtype is None:
-        raw = json.loads((d / "config.json").read_text())
-        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        dtype = getattr(torch, str(name).replace("torch.", ""), torch.float32)
     model.to_empty(device=device)
     model.to(dtype)
     _keep_fp32(model)
@@ -190,10 +251,19 @@ def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=N
     return model
 
 
-def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str = "k3nn") -> None:
-    """config.json + sharded safetensors + model.safetensors.index.json (huggingface_hub serialisation)."""
+def default_format(config: KimiK3Config) -> str:
+    """``"transformers"`` for a Kimi Linear model transformers can run (what ``KimiLinearForCausalLM`` loads),
+    else ``"k3nn"``."""
+    return "transformers" if config.transformers_incompatibility() is None else "k3nn"
+
+
+def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str | None = None) -> None:
+    """config.json + sharded safetensors + model.safetensors.index.json (huggingface_hub serialisation).
+    ``format``: a key layout of :mod:`k3nn.checkpoint.formats`; default :func:`default_format`."""
     from huggingface_hub import save_torch_state_dict
 
+    if format is None:
+        format = default_format(model.config)
     if format not in FORMATS:
         raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
     if model.device.type == "meta":
@@ -208,6 +278,9 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
                           metadata={"format": "pt", "k3nn_format": format})
     cfg = model.config.to_dict()
     cfg["dtype"] = str(model.dtype).replace("torch.", "")
+    if format == "k3nn":  # stacked experts: name the layout, so no loader takes it for transformers' own
+        cfg["architectures"] = ["KimiK3ForCausalLM"]
+        cfg["k3nn_layout"] = "k3nn"
     with open(os.path.join(save_directory, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     gc = getattr(model, "generation_config", None)
