@@ -91,6 +91,14 @@ def test_generate_random_tiny(capsys):
     assert "random weights" in err and "Generation: 3 tokens" in err
 
 
+@pytest.mark.parametrize("ids,match", [("5,6,999", "outside [0, vocab_size=256)"),
+                                       ("5,x", "--input-ids must be comma-separated integers")])
+def test_generate_bad_input_ids_is_one_line(capsys, ids, match):
+    rc, _, err = run(capsys, "generate", "--preset", "tiny", "--input-ids", ids, "--max-new-tokens", "2")
+    assert rc == 2 and match in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+
+
 # ----------------------------------------------------------------------- README performance table generator
 def test_perf_report_is_robust(tmp_path):
     import json

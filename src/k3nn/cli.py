@@ -129,7 +129,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(tok_dir, model.config.vocab_size)
     if args.input_ids:
-        ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
+        try:
+            ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
     else:
         ids = tok.encode(args.prompt)
     if not ids:
@@ -300,11 +303,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message tells a user what to do: printed without a traceback."""
+    """Errors whose message tells a user what to do (bad arguments, ids, files, configs): printed as one line
+    without a traceback (``-v`` shows it)."""
     from k3nn.checkpoint.io import CheckpointError
     from k3nn.kernels.registry import BackendUnavailableError
 
-    return (CheckpointError, BackendUnavailableError, FileNotFoundError, ImportError)
+    return (CheckpointError, BackendUnavailableError, FileNotFoundError, ImportError, ValueError, TypeError)
 
 
 if __name__ == "__main__":

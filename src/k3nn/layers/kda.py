@@ -20,46 +20,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from ..utils import upcast
 
 from .. import ops
 from ..config import KimiK3Config
+from ..kernels.kda.prologue import kda_gate, l2norm, short_conv  # the eager math, re-exported
+from ..utils import upcast
 from .norm import GatedRMSNorm
 
 __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = upcast(x)
-    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, kind: str, lower_bound: float,
-             head_dim: int) -> torch.Tensor:
-    """Log-space decay ``g`` [..., H, D] fp32 from the gate projection ``f`` [..., H·D]."""
-    x = (upcast(f) + upcast(dt_bias)).unflatten(-1, (-1, head_dim))
-    a = upcast(A_log).exp()[:, None]  # [H, 1]
-    if kind == "softplus":
-        return -a * F.softplus(x, beta=1.0, threshold=20.0)
-    if kind == "lower_bound":
-        return lower_bound * torch.sigmoid(a * x)
-    raise ValueError(f"unknown KDA gate {kind!r}")
-
-
-def short_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], prev [B, W-1, C] (None = zeros).
-
-    Returns (y [B, T, C], new_prev [B, W-1, C]: the last W-1 inputs including history)."""
-    B, T, C = x.shape
-    W = weight.shape[-1]
-    if prev is None:
-        prev = x.new_zeros(B, W - 1, C)
-    xx = torch.cat([prev.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
-    y = F.conv1d(xx.transpose(1, 2), weight.to(x.dtype)[:, None, :], groups=C).transpose(1, 2)
-    return F.silu(y), xx[:, xx.shape[1] - (W - 1):]
 
 
 class KimiDeltaAttention(nn.Module):

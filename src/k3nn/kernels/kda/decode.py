@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_fused_decode", "kda_fused_decode_reference"]
+from ...utils import upcast
+from .prologue import GATES, kda_gate, l2norm, short_conv
 
-GATES = ("softplus", "lower_bound")
+__all__ = ["check_fused_decode", "kda_fused_decode_reference"]
 
 
 def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
@@ -83,8 +84,6 @@ def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight
 def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state,
                                conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0,
                                norm_eps=1e-5, scale=None):
-    from ...layers.kda import kda_gate, l2norm, short_conv  # the layer's own math (lazy: layers import ops)
-    from ...utils import upcast
     from .reference import kda_recurrent_reference
 
     B, T, _ = qkv.shape
