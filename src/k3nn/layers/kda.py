@@ -25,7 +25,8 @@ from torch import nn
 from .. import ops
 from ..config import KimiK3Config
 from ..kernels.kda.prologue import kda_gate, l2norm, short_conv  # the eager math, re-exported
-from ..utils import upcast
+from ..kernels.registry import backend
+from ..utils import records_grad, upcast
 from .norm import GatedRMSNorm
 
 __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
@@ -87,15 +88,18 @@ class KimiDeltaAttention(nn.Module):
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
     def project(self, x: torch.Tensor, conv_prev: torch.Tensor | None):
-        """Everything before the recurrence: returns q, k (L2-normed), v, g (fp32), beta (fp32), new conv state."""
+        """Everything before the recurrence: returns q, k (L2-normed), v, g (fp32), beta (fp32), new conv state.
+
+        One ``ops.short_conv`` pass gives the conv + SiLU of q | k | v and the L2 norm of q and k. Its kernels and
+        ``ops.kda_gate``'s are forward only: while autograd records, both run their eager math (which trains)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, conv_new = short_conv(qkv, self.conv_weight(), conv_prev)
+        w, f = self.conv_weight(), self.f_b_proj(self.f_a_proj(x))
+        with backend("eager" if records_grad(qkv, w, conv_prev, f, self.A_log, self.dt_bias) else None):
+            qkv, conv_new = ops.short_conv(qkv, w, conv_prev, l2norm_channels=2 * H * D, head_dim=D)
+            g = ops.kda_gate(f, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound, D)
         q, k, v = (t.reshape(B, T, H, D) for t in qkv.split(H * D, dim=-1))
-        q, k = l2norm(q), l2norm(k)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.gate_kind,
-                     self.lower_bound, D)
         beta = torch.sigmoid(upcast(self.b_proj(x)))
         return q, k, v, g, beta, conv_new
 

@@ -2,7 +2,7 @@
 backend in force (see :mod:`k3nn.kernels.registry`)."""
 
 from .attnres import AttnResPhase2Output, attnres_mix, attnres_phase1, attnres_phase2
-from .kda import kda_chunk, kda_fused_decode, kda_recurrent
+from .kda import kda_chunk, kda_fused_decode, kda_gate, kda_recurrent, short_conv
 from .mla import mla_attention, mla_decode, mla_prefill
 from .moe import moe_expert_outputs, moe_experts, moe_latent_finalize
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
@@ -12,3 +12,4 @@ __all__ = ["attnres_mix", "kda_chunk", "kda_recurrent", "moe_experts",
 __all__ += ["mla_attention", "mla_decode", "mla_prefill"]
 __all__ += ["attnres_phase1", "attnres_phase2", "AttnResPhase2Output"]
 __all__ += ["kda_fused_decode"]
+__all__ += ["short_conv", "kda_gate"]

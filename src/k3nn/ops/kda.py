@@ -1,5 +1,6 @@
-"""KDA functional ops: ``kda_chunk`` (prefill / training), ``kda_recurrent`` (token by token) and
-``kda_fused_decode`` (one launch per layer for decode and verify windows, updating cache slots in place)."""
+"""KDA functional ops: ``kda_chunk`` (prefill / training), ``kda_recurrent`` (token by token),
+``kda_fused_decode`` (one launch per layer for decode and verify windows, updating cache slots in place), and the
+prefill prologue: ``short_conv`` (causal conv + SiLU + L2 norm of q, k) and ``kda_gate`` (the decay)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 from ..kernels import kda as _kda  # noqa: F401  (registers the backends)
 from ..kernels.kda.api import check_kda_inputs, normalise_checkpoints, seq_lengths
 from ..kernels.kda.decode import check_fused_decode
+from ..kernels.kda.prologue import check_kda_gate, check_short_conv
 from ..kernels.registry import dispatch, resolve
 
-__all__ = ["kda_chunk", "kda_recurrent", "kda_fused_decode"]
+__all__ = ["kda_chunk", "kda_recurrent", "kda_fused_decode", "short_conv", "kda_gate"]
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens, checkpoint_positions):
@@ -85,3 +87,52 @@ def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: 
     return dispatch("kda_fused_decode", qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight,
                     recurrent_state, conv_state, state_indices, gate_kind=gate_kind, lower_bound=lower_bound,
                     norm_eps=norm_eps, scale=scale)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,
+               cu_seqlens: torch.Tensor | None = None, l2norm_channels: int = 0, head_dim: int | None = None,
+               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise short convolution + SiLU, optionally L2-normalising the leading channels per head::
+
+        y[t, c] = SiLU(Σ_j weight[c, j] · xx[t + j, c]),   xx = [history (W−1 rows) ; x]   (rounded to x's dtype)
+        y[t, g] = y[t, g] / sqrt(Σ_{c ∈ g} y[t, c]² + eps)  for the groups g of ``head_dim`` channels below
+                                                            ``l2norm_channels`` (fp32 math)
+
+    KDA passes channels q | k | v and ``l2norm_channels = 2·H·D``: L2-normed q, k and plain v in one pass.
+
+    Args:
+        x: ``[B, T, C]`` (fp16 / bf16 / fp32 on the Triton path; fp64 eager); with ``cu_seqlens``, ``[1, total, C]``.
+        weight: ``[C, W]`` depthwise kernels (cast to x's dtype, as ``F.conv1d`` would need).
+        initial_state: ``[N, W−1, C]`` the W−1 inputs before each sequence (None: zeros); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        cu_seqlens: int ``[N + 1]`` packed-sequence offsets on x's device (B must be 1); no sequence reads
+            another's tokens. Its values are checked when it is a CPU tensor.
+        l2norm_channels: number of leading channels to L2-normalise (a multiple of ``head_dim``); 0: none.
+        head_dim: the normalisation group width (needed when ``l2norm_channels > 0``).
+        eps: added to Σ y² inside the square root.
+    Returns:
+        ``(y [B, T, C] in x's dtype, final_state [N, W−1, C] in x's dtype)``: the last W−1 inputs of each
+        sequence, history included (a sequence shorter than W−1 keeps the newest history rows).
+    Reference: :func:`k3nn.kernels.kda.prologue.short_conv_reference` (the layer's ``short_conv`` +
+    ``l2norm``); the Triton kernel is forward only (eager when an input requires grad).
+    """
+    check_short_conv(x, weight, initial_state, cu_seqlens, l2norm_channels, head_dim, eps)
+    return dispatch("short_conv", x, weight, initial_state, cu_seqlens, l2norm_channels, head_dim, eps)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, kind: str, lower_bound: float,
+             head_dim: int) -> torch.Tensor:
+    """KDA log-space decay per key channel, from the gate projection output::
+
+        g = −exp(A_log[h]) · softplus(f + dt_bias)                 kind "softplus" (Kimi Linear; threshold 20)
+        g = lower_bound · sigmoid(exp(A_log[h]) · (f + dt_bias))   kind "lower_bound" (K3)
+
+    Args:
+        f: ``[..., H·D]`` (fp16 / bf16 / fp32 on the Triton path); A_log: ``[H]``; dt_bias: ``[H·D]``.
+        lower_bound: the bound of the "lower_bound" gate (ignored by "softplus"); head_dim: D.
+    Returns:
+        g ``[..., H, D]`` fp32 (fp64 when an input is fp64, eager only).
+    Reference: :func:`k3nn.kernels.kda.prologue.kda_gate` (the layer's math).
+    """
+    check_kda_gate(f, A_log, dt_bias, kind, lower_bound, head_dim)
+    return dispatch("kda_gate", f, A_log, dt_bias, kind, lower_bound, head_dim)
