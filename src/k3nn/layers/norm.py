@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..utils import upcast
+from .. import ops
+from ..kernels.registry import backend
+from ..utils import records_grad, upcast
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +36,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = upcast(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
-        return (xf * torch.sigmoid(upcast(gate))).to(x.dtype)
+        """x, gate [..., dim] (one shape) → [..., dim] in x's dtype (:func:`k3nn.ops.gated_rmsnorm`; its kernels
+        are forward only, so while autograd records the eager math runs, whatever the backend)."""
+        with backend("eager" if records_grad(x, gate, self.weight) else None):
+            return ops.gated_rmsnorm(x, gate, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
