@@ -182,15 +182,25 @@ def main(argv=None):
             ref = hf32(ids).logits
             del hf32
             _free()
-            k32 = copy.deepcopy(k3).float()
-            fp32_kernels = k32(ids[:, :512]).logits
+            k64 = copy.deepcopy(k3).double()
             with backend("eager"):
-                fp32_eager = k32(ids[:, :512]).logits
+                ref64 = k64(ids[:, :512]).logits
+            del k64
+            k32 = copy.deepcopy(k3).float()
+            tf32 = torch.backends.cuda.matmul.allow_tf32
+            try:
+                torch.backends.cuda.matmul.allow_tf32 = False  # the exact fp32 mode
+                fp32_ieee = k32(ids[:, :512]).logits
+                torch.backends.cuda.matmul.allow_tf32 = True
+                fp32_tf32 = k32(ids[:, :512]).logits
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
             del k32
         checks = dict(check_k3nn_bf16_vs_transformers_fp32=rel_err(k3_bf16, ref),
                       check_transformers_bf16_vs_transformers_fp32=rel_err(hf_bf16, ref),
                       check_k3nn_bf16_vs_transformers_bf16=rel_err(k3_bf16, hf_bf16),
-                      check_k3nn_fp32_kernels_vs_eager=rel_err(fp32_kernels, fp32_eager))
+                      check_k3nn_fp32_tf32_off_vs_fp64=rel_err(fp32_ieee, ref64),
+                      check_k3nn_fp32_tf32_on_vs_fp64=rel_err(fp32_tf32, ref64))
         meta.update({k: round(v, 6) for k, v in checks.items()})
         print(f"# agreement ({time.perf_counter() - t_start:.0f} s): {checks}", flush=True)
         del ref, k3_bf16, hf_bf16

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_interpreting, triton_ready
+from ..registry import fp32_dot_options, triton_interpreting, triton_ready
 from .api import normalise_checkpoints, seq_lengths
 
 __all__ = ["kda_chunk_triton_fwd", "build_chunk_plan", "supports_kda_chunk"]
@@ -493,10 +493,10 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
     else:
         args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H)
         if config is None:
-            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN)
+            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **fp32_dot_options(q.dtype))
         else:
             _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
-                                   num_stages=config.num_stages)
+                                   num_stages=config.num_stages, **fp32_dot_options(q.dtype))
 
 
 def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
@@ -546,7 +546,7 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
         recur[grid](qg, kg, w, u, A, egl, c_start, c_len, s_lo, s_hi, slot,
                          o, h0, ht if ht is not None else qg, ck if ck is not None else qg, H,
                          K=K, V=V, BK=BK, HAS_INIT=initial_state is not None, STORE_FINAL=ht is not None,
-                         HAS_CKPT=bool(ckpts))
+                         HAS_CKPT=bool(ckpts), **fp32_dot_options(dt))
     elif ht is not None:
         ht.zero_()
     if ht is not None and NC == 0 and initial_state is not None:

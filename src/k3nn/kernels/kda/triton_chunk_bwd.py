@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_interpreting
+from ..registry import fp32_dot_options, triton_interpreting
 from .triton_chunk import _SPAN, _tune, build_chunk_plan, intra_fill, kda_chunk_triton_fwd
 
 __all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd", "backward_mode"]
@@ -456,14 +456,15 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     vn = _buf(NC, H, 64, V, device=dev)
     h0 = initial_state.float().contiguous() if initial_state is not None else hs
     grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
+    prec = fp32_dot_options(q.dtype)
     _kda_bwd_states[grid](w, u, kg, egl, s_lo, s_hi, h0, hs, vn, H, K=K, V=V, BK=BK,
-                          HAS_INIT=initial_state is not None)
+                          HAS_INIT=initial_state is not None, **prec)
 
     # 3. reverse pass: state gradients and dv'
     dhs = _buf(NC, H, K, V, device=dev)
     dvn = _buf(NC, H, 64, V, device=dev)
     _kda_bwd_dh[grid](qg, kg, w, A, egl, do, c_start, c_len, s_lo, s_hi, dht if dht is not None else hs,
-                      dhs, dvn, dh0, H, K=K, V=V, BK=BK, HAS_DHT=dht is not None)
+                      dhs, dvn, dh0, H, K=K, V=V, BK=BK, HAS_DHT=dht is not None, **prec)
 
     # 4. per-chunk gradients
     sc = [_buf(NC, H, 64, K, device=dev) for _ in range(4)]
@@ -471,7 +472,7 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     sL = _buf(NC, H, 64, 64, device=dev)
     sb = _buf(NC, H, 64, device=dev)
     _kda_bwd_chunk[(NC, H)](q, k, v, g, beta, do, c_start, c_len, X, hs, dhs, vn, dvn, dq, dk, dv, dg, db,
-                            *sc, sA, sL, sb, scale, H, K=K, V=V, SPAN=_SPAN)
+                            *sc, sA, sL, sb, scale, H, K=K, V=V, SPAN=_SPAN, **prec)
     return dq, dk, dv, dg, db, dh0
 
 

@@ -377,14 +377,14 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
     if 0 in stages:
         grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))
         _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": early},
-             configs[0])
+             configs[0], q.dtype)
     if 1 in stages:
         rows = (scores or scores_stage()) == "rows"
         _run(_g_scores_rows if rows else _g_scores, (NC * (4 if rows else 10), H),
-             (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN}, configs[1])
+             (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN}, configs[1], q.dtype)
     if 2 in stages:
-        _run(_split_solve, (NC, H), (X, H), {}, configs[2])
+        _run(_split_solve, (NC, H), (X, H), {}, configs[2], q.dtype)
     if 3 in stages:
         grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
         _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
-             {"K": K, "V": V, "QK": not early}, configs[3])
+             {"K": K, "V": V, "QK": not early}, configs[3], q.dtype)

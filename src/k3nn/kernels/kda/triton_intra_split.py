@@ -35,6 +35,7 @@ import os
 
 import triton
 import triton.language as tl
+from ..registry import fp32_dot_options
 
 from .triton_chunk import _SPAN, _inverse_offdiag, _ld, _st, _store_inverse, _tune
 
@@ -327,7 +328,10 @@ def split_kernels():
     return _split_scores, _split_solve, _split_wu
 
 
-def _run(kern, grid, args, kw, config):
+def _run(kern, grid, args, kw, config, dtype):
+    """Launch ``kern`` (autotuned, or with ``config``); ``dtype``: the activations' (fp32 products follow torch's
+    TF32 setting for fp32 models)."""
+    kw = {**kw, **fp32_dot_options(dtype)}
     if config is None:
         kern[grid](*args, **kw)
     else:
@@ -345,10 +349,10 @@ def intra_split_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u
     configs = configs or (None, None, None)
     if 0 in stages:
         _run(_split_scores, (NC * 10, H), (q, k, g, beta, c_start, c_len, A, X, scale, H),
-             {"K": K, "SPAN": _SPAN}, configs[0])
+             {"K": K, "SPAN": _SPAN}, configs[0], q.dtype)
     if 1 in stages:
-        _run(_split_solve, (NC, H), (X, H), {}, configs[1])
+        _run(_split_solve, (NC, H), (X, H), {}, configs[1], q.dtype)
     if 2 in stages:
         grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
         _run(_split_wu, grid, (q, k, v, g, beta, c_start, c_len, X, qg, kg, w, u, egl, scale, H),
-             {"K": K, "V": V}, configs[2])
+             {"K": K, "V": V}, configs[2], q.dtype)
