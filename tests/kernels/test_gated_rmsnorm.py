@@ -85,3 +85,41 @@ def test_gated_rmsnorm_checks_and_dispatch():
     y = ops.gated_rmsnorm(x, gate, wg, 1e-5)  # eager trains
     y.sum().backward()
     assert wg.grad is not None and torch.isfinite(wg.grad).all()
+
+
+# -- plain RMSNorm (the model's pre-norms) ------------------------------------------------------------------------
+@given(lead=st.sampled_from([(1,), (3,), (2, 5), ()]), D=st.sampled_from([1, 7, 16, 96]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), wdtype=st.sampled_from([torch.float32, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_matches_eager(lead, D, dtype, wdtype, seed):
+    from k3nn.kernels.norm.reference import rms_norm_reference
+    from k3nn.kernels.norm.triton_rms import rms_norm_triton
+
+    note(f"lead={lead} D={D} {dtype} weight {wdtype}")
+    x, _, w = inputs((*lead, D), dtype, seed, wdtype)
+    ref = rms_norm_reference(x, w, 1e-5)
+    out = poison(*lead, D, dtype=ref.dtype)
+    got = rms_norm_triton(x, w, 1e-5, out=out)
+    assert got is out and got.dtype == torch.promote_types(wdtype, dtype)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def test_rms_norm_layer_dispatch_and_errors():
+    from k3nn.layers.norm import RMSNorm
+
+    norm = RMSNorm(24, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm(x), norm.weight * xf)  # fp64: the eager math, exactly
+    with k3nn.backend("triton"), torch.no_grad():
+        torch.testing.assert_close(norm.float()(x.float()), (norm.weight * xf).float(), rtol=1e-5, atol=1e-5)
+    xr = torch.randn(2, 24, requires_grad=True)
+    norm.float()(xr).sum().backward()  # autograd runs the eager math whatever the backend
+    assert xr.grad is not None
+    with pytest.raises(ValueError, match=r"weight must be \[D\]"):
+        ops.rms_norm(x, torch.ones(5, dtype=torch.float64))
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        with k3nn.backend("triton"):
+            ops.rms_norm(x, norm.weight.double())

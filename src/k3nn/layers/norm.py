@@ -7,7 +7,7 @@ from torch import nn
 
 from .. import ops
 from ..kernels.registry import backend
-from ..utils import records_grad, upcast
+from ..utils import records_grad
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +19,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = upcast(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        """x [..., dim] → [..., dim] (:func:`k3nn.ops.rms_norm`; eager while autograd records)."""
+        with backend("eager" if records_grad(x, self.weight) else None):
+            return ops.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -6,11 +6,11 @@ from .kda import kda_chunk, kda_fused_decode, kda_gate, kda_recurrent, short_con
 from .mla import mla_attention, mla_decode, mla_prefill
 from .moe import moe_expert_outputs, moe_experts, moe_latent_finalize
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from .norm import gated_rmsnorm
+from .norm import gated_rmsnorm, rms_norm
 
 __all__ = ["attnres_mix", "kda_chunk", "kda_recurrent", "moe_experts",
             "moe_expert_outputs", "moe_latent_finalize", "mxfp4_quantize", "mxfp4_dequantize"]
 __all__ += ["mla_attention", "mla_decode", "mla_prefill"]
 __all__ += ["attnres_phase1", "attnres_phase2", "AttnResPhase2Output"]
 __all__ += ["kda_fused_decode"]
-__all__ += ["short_conv", "kda_gate", "gated_rmsnorm"]
+__all__ += ["short_conv", "kda_gate", "gated_rmsnorm", "rms_norm"]

@@ -1,8 +1,10 @@
-"""Gated RMSNorm (fla ``FusedRMSNormGated``), the norm on KDA outputs before ``o_proj``::
+"""RMSNorm (the transformers / Moonshot convention) and the gated RMSNorm (fla ``FusedRMSNormGated``) on KDA
+outputs before ``o_proj``::
 
-    y = weight · x / sqrt(mean(x²) + eps) · sigmoid(gate)       over the last dim, fp32 math, y in x's dtype
+    rms_norm:       y = weight · (x / sqrt(mean(x²) + eps)).to(x.dtype)                 y in promote(weight, x)
+    gated_rmsnorm:  y = weight · x / sqrt(mean(x²) + eps) · sigmoid(gate)   fp32 math, y in x's dtype
 
-Shapes: x, gate ``[..., D]``; weight ``[D]``.
+over the last dim. Shapes: x, gate ``[..., D]``; weight ``[D]``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,20 @@ import torch
 
 from ...utils import upcast
 
-__all__ = ["gated_rmsnorm_reference", "check_gated_rmsnorm"]
+__all__ = ["gated_rmsnorm_reference", "check_gated_rmsnorm", "rms_norm_reference", "check_rms_norm"]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The eager math of :class:`k3nn.layers.norm.RMSNorm`: normalised in fp32 (fp64 stays fp64), cast back to
+    x's dtype, then scaled (the product rounds once more in the promoted dtype, as transformers does)."""
+    xf = upcast(x)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def check_rms_norm(x, weight, eps) -> int:
+    """Validate the ``rms_norm`` op's arguments; returns D."""
+    return check_gated_rmsnorm(x, x, weight, eps)
 
 
 def gated_rmsnorm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
