@@ -88,6 +88,15 @@ def test_short_conv_short_sequences(T, init):
     assert torch.equal(final, torch.cat([hist, x], 1)[:, T:])
 
 
+@pytest.mark.parametrize("lens", [[3, 0, 1, 5], [0, 6], [2, 1, 0]])
+@pytest.mark.parametrize("init", [False, True])
+def test_short_conv_varlen_edge_cases(lens, init):
+    """Empty sequences first, between and last; sequences shorter than the W − 1 history rows."""
+    W, C = 4, 36
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    x, w, h0 = conv_inputs(1, sum(lens), C, W, len(lens), torch.float32, len(lens), init)
+    check_conv(x, w, h0, cu, 24, 12)
+
 def test_short_conv_empty_inputs():
     W, C = 4, 12
     x, w, h0 = conv_inputs(2, 0, C, W, 2, torch.float32, 0)
