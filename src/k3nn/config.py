@@ -21,6 +21,20 @@ Activation = Literal["silu", "situ"]
 
 __all__ = ["KimiK3Config"]
 
+#: text model types with the DeepSeek-V3 architecture (Kimi K2, the text model of Kimi K2.5)
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
+
+#: transformers' ``DeepseekV3Config`` defaults, for keys a DeepSeek-V3 config.json leaves out
+_DEEPSEEK_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "rope_interleave": True, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
 
 def _is_float_type(tp) -> bool:
     return tp is float or (typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None))
@@ -102,6 +116,10 @@ class KimiK3Config:
     mla_use_nope: bool = True  # no rotary embedding on the rope part (Kimi Linear, K3)
     mla_use_output_gate: bool = False  # K3: sigmoid(g_proj x) between W_UV and o_proj
     rope_theta: float = 10000.0
+    #: the checkpoint stores each head's rope dims as interleaved pairs (DeepSeek-V3 / Kimi K2.5, transformers'
+    #: ``rope_interleave``); k3nn rotates halves (NeoX), so the loader permutes those rows of q and k_r (exact: the
+    #: same permutation on both sides of every dot product) and ``save_pretrained`` permutes them back
+    rope_interleave: bool = False
     # --- Attention Residuals (K3) ---------------------------------------------------------------------
     use_attn_res: bool = False
     attn_res_block_size: int = 12
@@ -173,6 +191,9 @@ class KimiK3Config:
         need(not bad, f"mla_layers has indices outside [0, {self.num_hidden_layers}): {bad}")
         need(len(set(self.mla_layers)) == len(self.mla_layers), "mla_layers has duplicates")
         self.mla_layers = sorted(int(i) for i in self.mla_layers)
+        if self.model_type in DEEPSEEK_TYPES:
+            bad = self.deepseek_incompatibility()
+            need(bad is None, f"model_type {self.model_type!r} is the DeepSeek-V3 architecture, but {bad}")
         if self.moe_kind == "latent":
             need(self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size > 0,
                  "moe_kind='latent' needs routed_expert_hidden_size")
@@ -218,6 +239,22 @@ class KimiK3Config:
             (self.hidden_act == "silu", f"hidden_act is {self.hidden_act!r}"),
             (not self.use_full_rank_gate, "full-rank KDA output gate"),
             (self.moe_layer_freq == 1, f"moe_layer_freq is {self.moe_layer_freq}"),
+        ]
+        bad = [why for ok, why in checks if not ok]
+        return "; ".join(bad) if bad else None
+
+    def deepseek_incompatibility(self) -> str | None:
+        """None when this is a DeepSeek-V3 model (the text model of Kimi K2 / K2.5: every layer MLA with RoPE,
+        standard MoE, SiLU), else why not."""
+        checks = [
+            (self.mla_layers == list(range(self.num_hidden_layers)), "not every layer is MLA"),
+            (not self.use_attn_res, "AttnRes is on"),
+            (self.moe_kind == "standard", f"moe_kind is {self.moe_kind!r}"),
+            (self.hidden_act == "silu", f"hidden_act is {self.hidden_act!r}"),
+            (not self.mla_use_output_gate, "MLA output gate"),
+            (not self.mla_use_nope, "MLA without rotary positions"),
+            (not self.mxfp4_experts, "MXFP4 experts"),
+            (self.moe_router_activation_func == "sigmoid", "softmax router"),
         ]
         bad = [why for ok, why in checks if not ok]
         return "; ".join(bad) if bad else None
@@ -308,8 +345,12 @@ class KimiK3Config:
         return cls.k3(**base)
 
     # --- (de)serialisation ----------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """A config.json dict in the Kimi Linear / K3 layout (1-based layer lists)."""
+    def to_dict(self, form: str = "moonshot") -> dict[str, Any]:
+        """A config.json dict in the Kimi Linear / K3 layout (1-based layer lists); a DeepSeek-V3 model type
+        (Kimi K2 / K2.5 text) in DeepSeek's keys, ``form`` ``"moonshot"`` (``rope_theta`` / ``rope_scaling``) or
+        ``"transformers"`` (``rope_parameters``, model_type ``deepseek_v3``)."""
+        if self.model_type in DEEPSEEK_TYPES:
+            return self._to_deepseek_dict(form)
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra",)}
         mla = d.pop("mla_layers")
         d["linear_attn_config"] = {
@@ -329,14 +370,71 @@ class KimiK3Config:
         out.update(d)
         return out
 
+    def _to_deepseek_dict(self, form: str) -> dict[str, Any]:
+        if form not in ("moonshot", "transformers"):
+            raise ValueError(f"form must be 'moonshot' or 'transformers', got {form!r}")
+        d = {k: getattr(self, k) for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "intermediate_size", "first_k_dense_replace", "moe_layer_freq", "moe_intermediate_size",
+            "routed_scaling_factor", "topk_group", "rope_interleave")}
+        d.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_token,
+                 n_shared_experts=self.num_shared_experts, norm_topk_prob=self.moe_renormalize,
+                 n_group=self.num_expert_group, hidden_act="silu", num_key_value_heads=self.num_attention_heads,
+                 scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False)
+        if form == "transformers":
+            d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                     rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"})
+        else:
+            d.update(model_type=self.model_type, architectures=["DeepseekV3ForCausalLM"], rope_theta=self.rope_theta,
+                     rope_scaling=None)
+        out = dict(self.extra)
+        out.update(d)
+        return out
+
+    @classmethod
+    def _deepseek_kwargs(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """The k3nn fields of a DeepSeek-V3 (Kimi K2 / K2.5 text) config.json; consumes the keys it reads."""
+        for k, v in _DEEPSEEK_DEFAULTS.items():
+            d.setdefault(k, v)
+        rope = d.pop("rope_parameters", None) or {}
+        scaling = d.pop("rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type") or "default"
+        if kind != "default":
+            raise ValueError(f"rope scaling {kind!r} (rope_scaling / rope_parameters) is not implemented by k3nn's "
+                             f"MLA, which rotates by rope_theta alone: positions would be wrong")
+        if d.pop("attention_bias", False):
+            raise ValueError("attention_bias = true: k3nn's MLA projections have no bias")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r}: the DeepSeek-V3 MoE of k3nn uses silu")
+        if d.pop("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError("scoring_func must be 'sigmoid' (DeepSeek-V3's noaux_tc router)")
+        n = int(d.get("num_hidden_layers"))
+        kw = dict(mla_layers=list(range(n)), mla_use_nope=False, mla_use_output_gate=False, use_attn_res=False,
+                  moe_kind="standard", hidden_act="silu", mxfp4_experts=False)
+        if "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        return kw
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KimiK3Config":
-        """Read a k3nn, Kimi Linear (remote code or transformers ``kimi_linear``) or K3 config.json dict."""
+        """Read a k3nn, Kimi Linear (remote code or transformers ``kimi_linear``), K3 or DeepSeek-V3 (Kimi K2 /
+        K2.5 text) config.json dict; a multimodal wrapper gives its ``text_config``."""
         if not isinstance(d, dict):
             raise TypeError(f"config must be a dict, got {type(d).__name__}")
         d = dict(d)
-        if "text_config" in d and isinstance(d["text_config"], dict):  # K3 ships a multimodal wrapper
-            d = {**d["text_config"]}
+        if "text_config" in d and isinstance(d["text_config"], dict):  # K3 / K2.5 ship a multimodal wrapper
+            top, d = d, {**d["text_config"]}
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # Moonshot writes them at the top
+                if top.get(k) is not None and d.get(k) is None:
+                    d[k] = top[k]
+            if "tie_word_embeddings" in top:  # transformers ties by the wrapper's flag
+                d["tie_word_embeddings"] = top["tie_word_embeddings"]
+            elif top.get("model_type") == "kimi_k25":
+                d["tie_word_embeddings"] = True  # Kimi_K25Config's default
+        deepseek = d.get("model_type") in DEEPSEEK_TYPES
+        pre = cls._deepseek_kwargs(d) if deepseek else {}
         known = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
         lac = d.pop("linear_attn_config", None) or {}
@@ -402,11 +500,13 @@ class KimiK3Config:
                 hints.append(f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k))
             warnings.warn(f"config: unknown key(s) {', '.join(hints)} are kept in config.extra but not used by "
                           f"the model", UserWarning, stacklevel=2)
+        kw.update(pre)
         if "mla_layers" in kw:
             kw["mla_layers"] = list(kw["mla_layers"])
         kw["extra"] = extra
-        if kw.get("model_type") not in (None, "kimi_k3", "kimi_linear", "kimi_k3_text"):
-            raise ValueError(f"config.json: model_type {kw['model_type']!r} is not a Kimi Linear / K3 model")
+        if kw.get("model_type") not in (None, "kimi_k3", "kimi_linear", "kimi_k3_text", *DEEPSEEK_TYPES):
+            raise ValueError(f"config.json: model_type {kw['model_type']!r} is not a Kimi Linear / K3 / Kimi K2 "
+                             f"(DeepSeek-V3) model")
         return cls(**kw)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
