@@ -1,0 +1,15 @@
+"""Vision for the multimodal Kimi models: MoonViT tower, patch merge, projector (see :mod:`k3nn.multimodal`).
+
+``VisionConfig`` / ``MultimodalConfig`` (config.py), ``MoonViT`` and ``patch_merge`` (tower.py), 2D rotary
+(rope.py), varlen attention over packed patches with ``cu_seqlens`` (attention.py), ``PatchMergerProjector``
+(projector.py).
+"""
+
+from .attention import cu_seqlens_from_grid, varlen_attention
+from .config import MultimodalConfig, VisionConfig
+from .projector import PatchMergerProjector
+from .rope import apply_rope_2d, rope_2d_angles
+from .tower import MoonViT, check_image_inputs, num_image_tokens, patch_merge
+
+__all__ = ["VisionConfig", "MultimodalConfig", "MoonViT", "PatchMergerProjector", "patch_merge", "varlen_attention",
+           "cu_seqlens_from_grid", "rope_2d_angles", "apply_rope_2d", "check_image_inputs", "num_image_tokens"]
