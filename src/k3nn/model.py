@@ -211,6 +211,13 @@ class KimiK3Model(nn.Module):
         return self.norm(h), captured
 
 
+def _refuse_images(pixel_values, image_grid_thw) -> None:
+    if pixel_values is not None or image_grid_thw is not None:
+        name = "pixel_values" if pixel_values is not None else "image_grid_thw"
+        raise ValueError(f"{name}: KimiK3 is a text-only model and takes no images; a multimodal checkpoint loads "
+                         f"with k3nn.KimiK3ForConditionalGeneration.from_pretrained")
+
+
 class KimiK3(GenerationMixin, nn.Module):
     """The Kimi K3 family causal LM.
 
@@ -244,9 +251,16 @@ class KimiK3(GenerationMixin, nn.Module):
                         "device (use from_pretrained or pass device=)", nbytes / 1e9)
             return
         self.to_empty(device=device or "cpu")
+        self.tie_weights()
         if dtype is not None:
             self.to(dtype)
         self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding when ``tie_word_embeddings`` (again after ``to_empty``, which gives every
+        parameter its own storage)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     # -- weights -------------------------------------------------------------------------------------------
     @property
@@ -364,7 +378,8 @@ class KimiK3(GenerationMixin, nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, output_hidden_layers: list[int] | None = None,
-                checkpoint_positions=None, prefill_chunk_size: int | None = None) -> KimiK3Output:
+                checkpoint_positions=None, prefill_chunk_size: int | None = None, *, pixel_values=None,
+                image_grid_thw=None) -> KimiK3Output:
         """input_ids [B, T] → logits [B, T, vocab] (the last ``logits_to_keep`` positions if > 0).
 
         With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call); more than
@@ -372,8 +387,10 @@ class KimiK3(GenerationMixin, nn.Module):
         ``attention_mask`` [B, T] marks real tokens (1) vs left padding (0) of these new tokens.
         ``output_hidden_layers``: layer indices whose outputs are returned in ``hidden_states``.
         ``checkpoint_positions``: forwarded to every KDA layer (states exported in the same pass into
-        ``cache.layers[i].checkpoints``).
+        ``cache.layers[i].checkpoints``). ``pixel_values`` / ``image_grid_thw`` are refused (a ValueError):
+        images go to :class:`k3nn.KimiK3ForConditionalGeneration`.
         """
+        _refuse_images(pixel_values, image_grid_thw)
         if inputs_embeds is None:
             self._check_inputs(input_ids, attention_mask, cache)
         chunk = self._chunk_size(prefill_chunk_size)
@@ -434,6 +451,12 @@ class KimiK3(GenerationMixin, nn.Module):
         h = tail if logits_to_keep > 0 else torch.cat(hs, 1)
         return h, [torch.cat(xs, 1) for xs in (captured or [])]
 
+    def generate(self, input_ids: torch.Tensor, *args, pixel_values=None, image_grid_thw=None, **kwargs):
+        _refuse_images(pixel_values, image_grid_thw)
+        return super().generate(input_ids, *args, **kwargs)
+
+    generate.__doc__ = GenerationMixin.generate.__doc__
+
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
                         format: str | None = None) -> None:
@@ -449,12 +472,17 @@ class KimiK3(GenerationMixin, nn.Module):
                         device: torch.device | str = "cpu", backend: str | None = None, revision: str | None = None,
                         cache_dir: str | None = None, local_files_only: bool | None = None,
                         token: str | bool | None = None, config: KimiK3Config | None = None,
-                        torch_dtype: torch.dtype | str | None = None, device_map=None) -> "KimiK3":
+                        torch_dtype: torch.dtype | str | None = None, device_map=None,
+                        language_model_only: bool = False) -> "KimiK3":
         """Load a k3nn, Moonshot or transformers checkpoint (a directory or a hub id). ``dtype``: a torch dtype, its
         name or ``"auto"`` (default: the checkpoint's); ``torch_dtype`` is its transformers alias. ``device_map``:
-        transformers' spelling of ``device`` for one device (``"auto"``: the GPU if there is one)."""
+        transformers' spelling of ``device`` for one device (``"auto"``: the GPU if there is one).
+        A multimodal checkpoint (Kimi K2.5 / K3 with a vision tower) is refused unless ``language_model_only``:
+        then its language model is loaded and the vision weights are skipped (with a warning); the whole model is
+        :class:`k3nn.KimiK3ForConditionalGeneration`."""
         from .checkpoint.io import from_pretrained
 
         return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,
                                revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
-                               token=token, config=config, torch_dtype=torch_dtype, device_map=device_map)
+                               token=token, config=config, torch_dtype=torch_dtype, device_map=device_map,
+                               language_model_only=language_model_only)

@@ -18,10 +18,12 @@ from tqdm.auto import tqdm
 
 from ..config import KimiK3Config
 from .formats import FORMATS, detect
+from .rope_layout import deinterleave_rope_, interleave_rope, text_config_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "resolve_checkpoint", "save_pretrained", "from_pretrained", "load_weights"]
+__all__ = ["CheckpointError", "resolve_checkpoint", "save_pretrained", "from_pretrained", "load_weights",
+           "checkpoint_keys"]
 
 #: parameters kept in fp32 whatever the model dtype (routing and decay gates are precision-sensitive)
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias")
@@ -97,20 +99,42 @@ def _open(path: Path):
         raise CheckpointError(f"cannot read {path.name}: corrupt or truncated safetensors file ({e})") from None
 
 
-def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: str | None = None) -> str:
-    """Stream every shard of ``directory`` into ``model`` (already materialised). Returns the format used."""
+def checkpoint_keys(directory: str | os.PathLike) -> set[str]:
+    """Every tensor name of the checkpoint in ``directory`` (headers only)."""
+    return {k for p in _shards(Path(directory)) for k in _open(p).keys()}
+
+
+def _tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another (earlier) parameter: tied weights are loaded once."""
+    seen, alias = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            alias.add(name)
+        seen.add(id(p))
+    return alias
+
+
+def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format=None) -> str:
+    """Stream every shard of ``directory`` into ``model`` (already materialised). ``format``: a name of
+    :data:`~k3nn.checkpoint.formats.FORMATS`, a key-map object with ``to_native`` (e.g. a multimodal layout), or
+    None (detected). Returns the format's name."""
     d = Path(directory)
     shards = _shards(d)
     handles = [(p, _open(p)) for p in shards]
     all_keys = {k for _, f in handles for k in f.keys()}
-    fmt = format or detect(all_keys)
-    if fmt not in FORMATS:
-        raise CheckpointError(f"unknown checkpoint format {fmt!r}; known: {sorted(FORMATS)}")
-    conv = FORMATS[fmt]
+    if format is None or isinstance(format, str):
+        fmt = format or detect(all_keys)
+        if fmt not in FORMATS:
+            raise CheckpointError(f"unknown checkpoint format {fmt!r}; known: {sorted(FORMATS)}")
+        conv = FORMATS[fmt]
+    else:
+        conv, fmt = format, getattr(format, "NAME", type(format).__name__)
     targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
     targets = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in targets.items()}
     if getattr(model.config, "tie_word_embeddings", False):
         targets.pop("lm_head.weight", None)
+    for k in _tied_aliases(model):
+        targets.pop(k, None)
     written: dict[str, set[int] | bool] = {}
     unexpected, misshaped = [], []
     model_keys = set(targets)
@@ -126,9 +150,14 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: s
                 if dst is None:
                     unexpected.append(key)
                     continue
-                view = dst if j is None else (dst[j] if 0 <= j < dst.shape[0] else None)
+                if isinstance(j, slice):  # a block of rows (e.g. q, k, v of a fused qkv weight)
+                    rows = range(*j.indices(dst.shape[0]))
+                    view = dst[j] if j.stop is None or j.stop <= dst.shape[0] else None
+                else:
+                    view = dst if j is None else (dst[j] if 0 <= j < dst.shape[0] else None)
                 if view is None or tuple(view.shape) != tuple(t.shape):
-                    want = tuple(dst.shape) if j is None else tuple(dst.shape[1:])
+                    want = (tuple(dst.shape) if j is None else
+                            (len(rows), *dst.shape[1:]) if isinstance(j, slice) else tuple(dst.shape[1:]))
                     misshaped.append(f"{key}: checkpoint {tuple(t.shape)}, model expects {want}")
                     continue
                 if t.dtype == torch.uint8 and view.dtype != torch.uint8:
@@ -141,7 +170,7 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: s
                 else:
                     s = written.setdefault(nkey, set())
                     if isinstance(s, set):
-                        s.add(j)
+                        s.update(rows if isinstance(j, slice) else (j,))
     missing = []
     for k, v in targets.items():
         w = written.get(k)
@@ -158,6 +187,8 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike, format: s
         problems.append(f"mis-shaped tensors ({len(misshaped)}): {misshaped[:20]}")
     if problems:
         raise CheckpointError(f"checkpoint {d} (format {fmt!r}) does not match the model:\n  " + "\n  ".join(problems))
+    if getattr(text_config_of(model), "rope_interleave", False):
+        deinterleave_rope_(model)
     return fmt
 
 
@@ -225,9 +256,27 @@ def resolve_device_map(device_map, device) -> torch.device:
                          f"dict, got {device_map!r}") from None
 
 
+def _text_only_format(d: Path, language_model_only: bool):
+    """None for a text checkpoint; for a multimodal one the key map of its language model when
+    ``language_model_only``, else a CheckpointError saying how to load it."""
+    from .formats.multimodal import LanguageModelOnly, is_multimodal, is_vision_key
+
+    keys = checkpoint_keys(d)
+    if not is_multimodal(keys):
+        return None
+    vision = sorted(k for k in keys if is_vision_key(k))
+    if not language_model_only:
+        raise CheckpointError(
+            f"{d} is a multimodal checkpoint ({len(vision)} vision tower / projector tensors, e.g. "
+            f"{vision[:2]}, beside its language model): load it with k3nn.KimiK3ForConditionalGeneration"
+            f".from_pretrained, or pass language_model_only=True to KimiK3.from_pretrained to load only the "
+            f"language model and skip the vision weights")
+    return LanguageModelOnly.for_checkpoint(keys)
+
+
 def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
                     local_files_only=None, token=None, config: KimiK3Config | None = None, torch_dtype=None,
-                    device_map=None):
+                    device_map=None, language_model_only: bool = False):
     if torch_dtype is not None:
         if dtype is not None and dtype != torch_dtype:
             raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
@@ -237,11 +286,17 @@ def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=N
     if config is None:
         config = KimiK3Config.from_json_file(d / "config.json")
     dtype = resolve_dtype("auto" if dtype is None else dtype, d)
+    text_only = _text_only_format(d, language_model_only)
     model = cls(config, device="meta", backend=backend)
     model.to_empty(device=device)
+    model.tie_weights()
     model.to(dtype)
     _keep_fp32(model)
-    model.load_format = load_weights(model, d)
+    model.load_format = load_weights(model, d, text_only)
+    if text_only is not None:
+        model.load_format = text_only.text.NAME
+        log.warning("%s: loaded the language model of a multimodal checkpoint and skipped its %d vision tower / "
+                    "projector tensors (language_model_only=True)", d, len(text_only.skipped))
     gen_cfg = d / "generation_config.json"
     if gen_cfg.exists():
         from ..generation import GenerationConfig
@@ -272,6 +327,8 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    if model.config.rope_interleave:
+        sd = interleave_rope(model, sd)
     sd = FORMATS[format].from_native(sd)
     sd = {k: v.contiguous() for k, v in sd.items()}
     save_torch_state_dict(sd, save_directory, max_shard_size=max_shard_size,
