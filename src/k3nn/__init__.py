@@ -19,6 +19,14 @@ def __getattr__(name: str):
         from . import model
 
         return getattr(model, name)
+    if name in ("KimiK3ForConditionalGeneration",):
+        from . import multimodal
+
+        return getattr(multimodal, name)
+    if name in ("MultimodalConfig", "VisionConfig"):
+        from .vision import config
+
+        return getattr(config, name)
     if name in ("GenerationConfig",):
         from . import generation
 
@@ -26,5 +34,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'k3nn' has no attribute {name!r}")
 
 
-__all__ = ["KimiK3", "KimiK3Config", "GenerationConfig", "BackendUnavailableError", "available_backends",
+__all__ = ["KimiK3", "KimiK3Config", "KimiK3ForConditionalGeneration", "MultimodalConfig", "VisionConfig",
+           "GenerationConfig", "BackendUnavailableError", "available_backends",
            "backend", "current_backend", "ops", "__version__"]
