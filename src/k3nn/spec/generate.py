@@ -13,7 +13,9 @@ One round, per row b (all rows share one window of T = 1 + max_b n_b tokens)::
 The output has ``generate()``'s format: prompt + new columns, rows that finished padded with ``pad_token_id``
 (eos when unset), as many columns as plain decoding would produce. With greedy decoding the tokens equal plain
 greedy decoding (up to floating-point differences between a T-token and a 1-token forward); with sampling the
-output has the target's distribution.
+output has the target's distribution. The target's scores go through the call's
+:class:`~k3nn.logits.LogitsPipeline` row by row of the window (history-free processors: min length / min new
+tokens, single-token bad words, the sampling warpers), the same processors plain decoding applies.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import loop_setup, sample_next
+from ..generation import loop_setup
+from ..logits import LogitsPipeline
 from ..kernels.registry import backend as use_backend
 from ..decode.runner import eager_backend_on_cuda
 from .rollback import WindowRollback
@@ -102,7 +105,8 @@ def _leading_confident(conf: torch.Tensor | None, threshold: float, n: int, B: i
 @torch.no_grad()
 def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cfg,
                          n_new: int, streamer=None, options: SpecOptions | None = None,
-                         cuda_graph: bool | str | None = None) -> torch.Tensor:
+                         cuda_graph: bool | str | None = None,
+                         pipeline: LogitsPipeline | None = None) -> torch.Tensor:
     """Speculative decoding with ``drafter`` (a :class:`~k3nn.layers.dspark.DSparkDrafter` or any object with
     ``target_layers``, ``new_state``, ``extend``, ``propose``). Arguments as passed by ``generate()``; the
     statistics land in ``drafter.last_stats`` (:class:`SpecStats`).
@@ -118,11 +122,19 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     ``draft`` and ``extend``; with sampling only the backbone is: the Markov draft sampling draws from the
     call's generator, which the graphs do not own, so it runs eagerly); other drafters run eagerly. The path taken lands in ``last_stats.mode`` / ``.graphs`` /
     ``.fallback``.
+
+    ``pipeline``: the logits processors (default: built from ``cfg``); processors that read the token history
+    raise NotImplementedError. A NaN or Inf in the target's logits raises FloatingPointError naming the round.
     """
     opts = options or getattr(drafter, "spec_options", None) or SpecOptions()
     gamma = int(cfg.num_assistant_tokens)
     dev = model.device
     B, T0 = input_ids.shape
+    if pipeline is None:
+        pipeline = LogitsPipeline.from_config(cfg, prompt_length=T0, vocab_size=model.config.vocab_size,
+                                              device=dev, attention_mask=attention_mask)
+    pipeline.check_history_free("speculative decoding")
+    pipe = pipeline
     stats = SpecStats(gamma=gamma, position_tried=[0] * gamma, position_accepted=[0] * gamma)
     drafter.last_stats = stats
     mode = _resolve_mode(opts.cuda_graph if cuda_graph is None else cuda_graph, dev)
@@ -141,7 +153,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     if mode != "eager":
         stats.mode = mode
         return _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts, stats,
-                                gen, eos, pad, graphs=mode == "graph")
+                                gen, eos, pad, pipe, graphs=mode == "graph")
     taps = list(drafter.target_layers)
     # rejected window entries stay as masked holes in rows that kept fewer tokens than the longest row:
     # the shared write position advances by the longest kept prefix per round (≤ γ + 1, ≤ Σ rows' emissions)
@@ -170,10 +182,11 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     pos_tried = torch.zeros(gamma, dtype=torch.long, device=dev)
     pos_acc = torch.zeros(gamma, dtype=torch.long, device=dev)
     with WindowRollback(model, cache, opts.rollback) as rb:
-        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen)
+        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe, gen)
         emit(pending[:, None], torch.ones(B, dtype=torch.long, device=dev))
         stream()
-        while not bool(finished.all()):
+        done = bool(finished.all())
+        while not done:
             remaining = n_new - n_out  # tokens each row may still emit
             n_b = torch.where(finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, gamma))
             n = int(n_b.max())
@@ -194,12 +207,9 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             res = model(window, cache=cache, output_hidden_layers=taps,
                         checkpoint_positions=rb.checkpoint_positions(T))
             logits = res.logits
-            if opts.synthetic_acceptance_length is not None:
-                m, nxt = synthetic_accept(logits, drafts, n_b, opts.synthetic_acceptance_length, cfg, gen)
-            elif cfg.do_sample:
-                m, nxt = rejection_accept(logits, drafts, q, n_b, cfg, gen)
-            else:
-                m, nxt = greedy_accept(logits, drafts, n_b)
+            nonfinite = ~torch.isfinite(logits).all()
+            scores = pipe.window(logits.float(), T0 + n_out)  # row j scores new token n_out + j
+            m, nxt = _accept(scores, drafts, q, n_b, opts, pipe, gen)
             active = ~finished
             keep = torch.where(active, m + 1, torch.ones_like(m))  # finished rows: keep only the pending token
             rb.commit(keep)
@@ -221,6 +231,9 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             toks.scatter_(1, m[:, None], nxt[:, None])
             emit(toks, m + 1)
             pending = nxt
+            done, bad = torch.stack([finished.all(), nonfinite]).tolist()
+            if bad:
+                _raise_nonfinite(rounds)
             stream()
     stats.rounds, stats.row_rounds = rounds, int(row_rounds)
     stats.drafted, stats.accepted = int(drafted), int(accepted)
@@ -260,12 +273,34 @@ def _resolve_mode(cuda_graph, dev: torch.device) -> str:
     raise ValueError(f"cuda_graph must be None, 'auto', 'static', True or False, got {cuda_graph!r}")
 
 
-def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen) -> torch.Tensor:
+def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe: LogitsPipeline,
+             gen) -> torch.Tensor:
     """The prompt through the target (hidden states of the drafter's taps into its context); the first token."""
     res = model(input_ids, cache=cache, attention_mask=attention_mask, logits_to_keep=1, output_hidden_layers=taps)
     m0 = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     drafter.extend(dstate, res.hidden_states, (m0.long().cumsum(1) - 1).clamp_min(0), m0, start=0)
-    return sample_next(res.logits[:, -1], cfg, gen)
+    logits = res.logits[:, -1:].float()
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError("speculative decoding: the target's logits contain NaN or Inf at step 0 (the "
+                                 "prefill's next-token logits)")
+    B, T0 = input_ids.shape
+    scores = pipe.window(logits, torch.full((B,), T0, dtype=torch.long, device=logits.device))[:, 0]
+    return pipe.choose(scores, gen)
+
+
+def _accept(scores, drafts, q, n_b, opts: SpecOptions, pipe: LogitsPipeline, gen):
+    """Acceptance of one window over processed scores [B, n+1, V]: synthetic, rejection sampling or greedy."""
+    if opts.synthetic_acceptance_length is not None:
+        return synthetic_accept(scores, drafts, n_b, opts.synthetic_acceptance_length, None, gen,
+                                do_sample=pipe.do_sample)
+    if pipe.do_sample:
+        return rejection_accept(scores, drafts, q, n_b, None, gen)
+    return greedy_accept(scores, drafts, n_b)
+
+
+def _raise_nonfinite(round_index: int) -> None:
+    raise FloatingPointError(f"speculative decoding: the target's logits contain NaN or Inf in verify round "
+                             f"{round_index} (0-based)")
 
 
 def _emit(out: torch.Tensor, n_out: torch.Tensor, finished: torch.Tensor, tokens: torch.Tensor,
@@ -336,7 +371,7 @@ class _GraphStep:
 
 @torch.no_grad()
 def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts: SpecOptions,
-                     stats: SpecStats, gen, eos, pad, graphs: bool) -> torch.Tensor:
+                     stats: SpecStats, gen, eos, pad, pipe: LogitsPipeline, graphs: bool) -> torch.Tensor:
     """The graph-safe round: every window has T = γ + 1 tokens, the cache is in static mode, acceptance, emission,
     statistics and the MLA rewind run on device tensors; the host reads [B] acceptance + finished flags once per
     round (termination, which KDA commit functions to run, the host write position). A graph-safe drafter
@@ -363,7 +398,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
     kacc = torch.zeros(B, **long0)
     ext_pos = torch.zeros(B, T, **long0)
     ext_mask = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    sync_buf = torch.zeros(2 * B, **long0)
+    sync_buf = torch.zeros(2 * B + 1, **long0)  # kept tokens, finished flags, non-finite logits flag
     counters = torch.zeros(4, **long0)  # row_rounds, drafted, accepted, (unused)
     pos_tried = torch.zeros(gamma, **long0)
     pos_acc = torch.zeros(gamma, **long0)
@@ -385,7 +420,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         _emit(out, n_out, finished, tokens, counts, eos, n_new)
 
     with WindowRollback(model, cache, "replay") as rb:
-        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, cfg, gen)
+        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe, gen)
         emit(pending[:, None], torch.ones(B, **long0))
         stream()
         cache.set_static(True)
@@ -402,12 +437,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         def post():
             logits = verify_step.out[0] if verify_step.graph is not None else box["logits"]  # (logits, hid)
             drafts = window[:, 1:]
-            if opts.synthetic_acceptance_length is not None:
-                m, nxt = synthetic_accept(logits, drafts, n_b, opts.synthetic_acceptance_length, cfg, gen)
-            elif cfg.do_sample:
-                m, nxt = rejection_accept(logits, drafts, box.get("q"), n_b, cfg, gen)
-            else:
-                m, nxt = greedy_accept(logits, drafts, n_b)
+            scores = pipe.window(logits.float(), T0 + n_out)  # row j scores new token n_out + j
+            m, nxt = _accept(scores, drafts, box.get("q"), n_b, opts, pipe, gen)
             active = ~finished
             keep = torch.where(active, m + 1, torch.ones_like(m))
             kacc.copy_(torch.where(active, keep, torch.zeros_like(keep)))  # finished rows: KDA state untouched
@@ -430,7 +461,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             emit(toks, m + 1)
             pending.copy_(nxt)
             sync_buf[:B].copy_(kacc)
-            sync_buf[B:].copy_(finished.long())
+            sync_buf[B:2 * B].copy_(finished.long())
+            sync_buf[2 * B].copy_((~torch.isfinite(logits).all()).long())
             return sync_buf
 
         def round_inputs():  # per-row verify budget and the pending token's rope position
@@ -489,7 +521,9 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             # static outputs (else a capture would keep one round's tensors)
             graphed = verify_step.graph is not None
             vals = (post_step() if graphed else post()).tolist()  # the one host read of the round
-            acc, fin = vals[:B], vals[B:]
+            acc, fin = vals[:B], vals[B:2 * B]
+            if vals[2 * B]:
+                _raise_nonfinite(rounds)
             cache.seen_tokens = start + max(1, max(acc))
             for a in sorted(set(acc) - {0}):
                 if a not in commit_steps:

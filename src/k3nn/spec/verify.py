@@ -6,6 +6,12 @@ truncation); drafts past it count as not proposed, so the bonus comes from row `
 
 * :func:`greedy_accept`: accept draft k iff it equals the target argmax of row k−1; the next token is the target
   argmax at the first mismatch (or the bonus row).
+
+The functions take the window's *scores*: the target logits after the call's
+:class:`~k3nn.logits.LogitsPipeline` (:meth:`~k3nn.logits.LogitsPipeline.window`), so greedy and sampled
+verification see the same processors as plain ``generate()``. ``cfg`` (the sampling ones) may instead be a config
+with ``temperature`` / ``top_k`` / ``top_p`` whose warpers are applied here, or None when the scores are already
+processed.
 * :func:`rejection_accept`: lossless speculative sampling — accept draft d_k with probability
   ``min(1, p_k(d_k) / q_k(d_k))`` left → right; at the first rejection sample from ``norm(max(0, p − q))``
   (p if that mass is zero); when all are accepted, sample the bonus from the last row.
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation import process_logits
+from ..logits import LogitsPipeline, sample_from_scores
 
 __all__ = ["greedy_accept", "rejection_accept", "synthetic_accept", "target_probs"]
 
@@ -31,14 +37,25 @@ def _limit_mask(limit: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=limit.device)[None, :] < limit[:, None]
 
 
-def target_probs(logits: torch.Tensor, cfg) -> torch.Tensor:
-    """[B, T, V] target logits → fp32 sampling distributions (temperature, top-k, top-p as in generate())."""
-    B, T, V = logits.shape
-    return process_logits(logits.reshape(B * T, V), cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1).view(B, T, V)
+def _scores(logits: torch.Tensor, cfg) -> torch.Tensor:
+    """[..., V] → fp32 scores: ``cfg`` None (already processed), a LogitsPipeline (history-free, applied per row)
+    or a config with ``temperature`` / ``top_k`` / ``top_p`` (those warpers)."""
+    x = logits.float()
+    if cfg is None:
+        return x
+    if not isinstance(cfg, LogitsPipeline):
+        cfg = LogitsPipeline.for_sampling(True, cfg.temperature, cfg.top_k or 0, cfg.top_p)
+    V = x.shape[-1]
+    return cfg(None, x.reshape(-1, V)).view(x.shape)
+
+
+def target_probs(logits: torch.Tensor, cfg=None) -> torch.Tensor:
+    """[B, T, V] target scores (see :func:`_scores` for ``cfg``) → fp32 sampling distributions."""
+    return _scores(logits, cfg).softmax(-1)
 
 
 def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor):
-    """logits [B, n+1, V], drafts [B, n], limit [B] → (accepted drafts m [B], next token [B])."""
+    """scores [B, n+1, V], drafts [B, n], limit [B] → (accepted drafts m [B], next token [B])."""
     tgt = logits.argmax(-1)  # [B, n+1]
     n = drafts.shape[1]
     ok = (drafts == tgt[:, :n]) & _limit_mask(limit, n)
@@ -52,7 +69,7 @@ def _sample(probs: torch.Tensor, generator) -> torch.Tensor:
 
 
 def rejection_accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                     limit: torch.Tensor, cfg, generator=None):
+                     limit: torch.Tensor, cfg=None, generator=None):
     """Lossless rejection sampling. draft_probs [B, n, V] is q (None: one-hot q on the drafts, i.e. greedy
     drafts under exact sampling). Returns (accepted drafts m [B], next token [B])."""
     B, n = drafts.shape
@@ -79,15 +96,18 @@ def rejection_accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: to
     return m, _sample(dist, generator)
 
 
-def synthetic_accept(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor, length: int, cfg,
-                     generator=None):
+def synthetic_accept(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor, length: int, cfg=None,
+                     generator=None, do_sample: bool | None = None):
     """Fixed acceptance length ``length`` (bonus included): m = min(limit, length − 1). The next token is the
-    target's greedy / sampled choice at row m (the drafts are kept as proposed)."""
+    target's greedy / sampled choice at row m (the drafts are kept as proposed). ``do_sample`` (default:
+    ``cfg.do_sample``) picks sampling."""
     B = drafts.shape[0]
     m = limit.clamp(max=max(0, int(length) - 1))
     row = logits.gather(1, m[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0]
-    if cfg.do_sample:
-        nxt = _sample(process_logits(row, cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1), generator)
+    if do_sample is None:
+        do_sample = bool(cfg is not None and getattr(cfg, "do_sample", False))
+    if do_sample:
+        nxt = sample_from_scores(_scores(row, cfg), generator)
     else:
         nxt = row.argmax(-1)
     return m, nxt
