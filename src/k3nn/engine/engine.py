@@ -34,7 +34,7 @@ from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
-from ..generation import GenerationConfig, sample_next
+from ..logits import LogitsPipeline
 from .request import Request, RequestOutput, RequestStatus, SamplingParams
 
 __all__ = ["Engine", "EngineConfig"]
@@ -344,13 +344,17 @@ class Engine:
         return self._default_eos if e is None else ([e] if isinstance(e, int) else list(e))
 
     def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        """Each request's next token through its own :class:`~k3nn.logits.LogitsPipeline` (the processors of
+        ``generate()``; greedy rows: argmax)."""
         if all(not r.params.do_sample for r in reqs):
             return logits.argmax(-1).tolist()
         out = []
         for b, r in enumerate(reqs):
-            p = r.params
-            cfg = GenerationConfig(do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-            out.append(int(sample_next(logits[b:b + 1], cfg, r.generator)[0]))
+            pipe = r.logits_pipeline
+            if pipe is None:
+                p = r.params
+                pipe = r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
+            out.append(int(pipe.choose(pipe(None, logits[b:b + 1].float()), r.generator)[0]))
         return out
 
     def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,

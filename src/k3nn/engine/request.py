@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,7 @@ class Request:
     decode_snap: tuple[int, int] | None = None  # (position, private snapshot slot) of the last aligned decode state
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    logits_pipeline: Any = None  # k3nn.logits.LogitsPipeline of the sampling params (built on first use)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
