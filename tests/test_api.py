@@ -113,6 +113,8 @@ def test_generate_bad_arguments(model):
     with pytest.raises(ValueError, match="left padding"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0]]))
     with pytest.raises(TypeError, match="unknown generation argument"):
+        model.generate(ids, num_beam=4)
+    with pytest.raises(NotImplementedError, match="beam search"):
         model.generate(ids, num_beams=4)
 
 
