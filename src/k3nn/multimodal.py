@@ -53,8 +53,11 @@ class _PromptEmbedsLM(GenerationMixin):
         embeds, self._embeds = self._embeds, None
         if embeds is None:
             return self._lm(input_ids, cache=cache, **kwargs)
-        if tuple(embeds.shape[:2]) != tuple(input_ids.shape):
+        B, T = input_ids.shape
+        if embeds.shape[1] != T or B % embeds.shape[0]:
             raise RuntimeError("generate: the prompt embeddings do not match input_ids")
+        if B != embeds.shape[0]:  # num_return_sequences: each prompt repeated, copies adjacent
+            embeds = embeds.repeat_interleave(B // embeds.shape[0], dim=0)
         return self._lm(inputs_embeds=embeds, cache=cache, **kwargs)
 
 
