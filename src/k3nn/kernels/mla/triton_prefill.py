@@ -36,11 +36,17 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dn = tl.arange(0, BDN)
     in_n = offs_n < Lk
+    # the tile's first row in int64 (L · H · D passes 2^31 elements at K3 widths), rows within it in int32
+    n0 = tl.cast(start_n, tl.int64)
+    rn = tl.arange(0, BLOCK_N)
+    kn_base = kn_base + n0 * s_kn
+    kr_base = kr_base + n0 * s_kr
+    v_base = v_base + n0 * s_v
     if MASKED or BDN != DN:
-        kn = tl.load(kn_base + offs_n[:, None] * s_kn + dn[None, :], mask=in_n[:, None] & (dn[None, :] < DN),
+        kn = tl.load(kn_base + rn[:, None] * s_kn + dn[None, :], mask=in_n[:, None] & (dn[None, :] < DN),
                      other=0.0)
     else:
-        kn = tl.load(kn_base + offs_n[:, None] * s_kn + dn[None, :])
+        kn = tl.load(kn_base + rn[:, None] * s_kn + dn[None, :])
     if IEEE:
         s = tl.dot(q_n, tl.trans(kn), input_precision="ieee")
     else:
@@ -48,10 +54,10 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
     if DR > 0:
         dr = tl.arange(0, BDR)
         if MASKED or BDR != DR:
-            kr = tl.load(kr_base + offs_n[:, None] * s_kr + dr[None, :],
+            kr = tl.load(kr_base + rn[:, None] * s_kr + dr[None, :],
                          mask=in_n[:, None] & (dr[None, :] < DR), other=0.0)
         else:
-            kr = tl.load(kr_base + offs_n[:, None] * s_kr + dr[None, :])
+            kr = tl.load(kr_base + rn[:, None] * s_kr + dr[None, :])
         if IEEE:
             s += tl.dot(q_r, tl.trans(kr), input_precision="ieee")
         else:
@@ -75,9 +81,9 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
     l_i = l_i * alpha + tl.sum(p, 1)
     dv = tl.arange(0, BDV)
     if MASKED or BDV != DV:
-        v = tl.load(v_base + offs_n[:, None] * s_v + dv[None, :], mask=in_n[:, None] & (dv[None, :] < DV), other=0.0)
+        v = tl.load(v_base + rn[:, None] * s_v + dv[None, :], mask=in_n[:, None] & (dv[None, :] < DV), other=0.0)
     else:
-        v = tl.load(v_base + offs_n[:, None] * s_v + dv[None, :])
+        v = tl.load(v_base + rn[:, None] * s_v + dv[None, :])
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -130,9 +136,9 @@ def _mla_attn_fwd(Qn, Qr, Kn, Kr, V, O, LSE, KM, CUQ, CUK, QS,
                       mask=in_m[:, None] & (dr[None, :] < DR), other=0.0)
     else:
         q_r = q_n  # unused
-    kn_base = Kn + bq * s_kn_b + h * s_kn_h + k0 * s_kn_l
+    kn_base = Kn + bq * s_kn_b + h.to(tl.int64) * s_kn_h + k0 * s_kn_l
     kr_base = Kr + bq * s_kr_b + k0 * s_kr_l
-    v_base = V + bq * s_v_b + h * s_v_h + k0 * s_v_l
+    v_base = V + bq * s_v_b + h.to(tl.int64) * s_v_h + k0 * s_v_l
     km_base = KM + bq * s_km_b
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
