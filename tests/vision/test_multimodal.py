@@ -217,3 +217,23 @@ def test_chunked_prefill_with_images_gives_the_same_tokens(inputs):
     a = m.generate(**x, max_new_tokens=4, eos_token_id=[])
     b = m.generate(**x, max_new_tokens=4, eos_token_id=[], prefill_chunk_size=6)
     assert torch.equal(a, b)
+
+
+def test_an_image_and_a_video_clip_in_one_prompt_match_transformers(hf, loaded):
+    """A 2-frame clip (temporal embedding, attention across its frames, frames averaged) at the video tokens beside an
+    image at the image tokens."""
+    _, m = loaded
+    g = torch.Generator().manual_seed(7)
+    img_grid, vid_grid = torch.tensor([[1, 4, 6]]), torch.tensor([[2, 6, 4]])
+    img = torch.randn(24, 3, 4, 4, generator=g)
+    vid = torch.randn(48, 3, 4, 4, generator=g)
+    ids = torch.tensor([[5, 6] + [pf.IMAGE_TOKEN_ID] * 6 + [7] + [pf.VIDEO_TOKEN_ID] * 6 + [8, 9]])
+    kw = dict(pixel_values=img, image_grid_thw=img_grid, pixel_values_videos=vid, video_grid_thw=vid_grid)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, **kw).logits
+        assert rel(m(ids, **kw).logits, ref) < 1e-4
+    out = m.generate(ids, **kw, max_new_tokens=5, eos_token_id=[])
+    assert torch.equal(out, hf.generate(input_ids=ids, **kw, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                        pad_token_id=pf.PAD_ID))
+    with pytest.raises(ValueError, match=r"6 video tokens.*1 videos of \[12\] tokens.*more videos"):
+        m(ids, **{**kw, "video_grid_thw": torch.tensor([[1, 6, 8]])})
