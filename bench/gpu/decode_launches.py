@@ -186,7 +186,7 @@ def main(argv=None):
 
         kernels.default_impl = args.kernels
     if args.config == "k3_slice":
-        from k3nn.bench.e2e import build_model
+        from k3nn.bench.models import build_model
 
         model = build_model(KimiK3Config.k3_slice(), str(dev), torch.bfloat16)
     else:

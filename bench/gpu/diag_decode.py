@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from k3nn.bench.e2e import build_model, clone_cache
+from k3nn.bench.e2e import clone_cache
+from k3nn.bench.models import build_model
 from k3nn.cache.hybrid import HybridCache
 from k3nn.config import KimiK3Config
 from k3nn.decode.runner import make_decode_runner

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from .models import bench_model  # re-exported: it lives in bench/models.py
+
 __all__ = ["device_meta", "bench_ms", "graph_bench_ms", "print_call_times", "write_results", "results_dir",
            "rel_err", "bench_model"]
 
@@ -150,20 +152,3 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "")) for c in cols))
-
-
-def bench_model(preset: str, device: str | torch.device, dtype_name: str | None = None):
-    """A seeded ``KimiK3Config.<preset>()`` model on ``device`` (bf16 on CUDA, fp32 on CPU unless ``dtype_name``);
-    ``tiny``/``small`` initialised on the CPU generator then moved, larger presets (``k3_slice``) drawn on the
-    device. Returns (config, model)."""
-    from ..config import KimiK3Config
-    from ..model import KimiK3
-
-    device = torch.device(device)
-    dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = getattr(KimiK3Config, preset)()
-    if preset in ("tiny", "small"):
-        return cfg, KimiK3(cfg, dtype=dtype, seed=0).to(device).eval()
-    from .e2e import build_model  # K3 widths: random weights drawn on the device (a CPU init takes minutes)
-
-    return cfg, build_model(cfg, str(device), dtype)

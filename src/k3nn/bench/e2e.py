@@ -22,7 +22,6 @@ launches / layers; the latency-specialized rows carry the top kernels by device 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 
@@ -32,6 +31,7 @@ from ..cache.hybrid import HybridCache, KDAState
 from ..config import KimiK3Config
 from ..decode.runner import make_decode_runner
 from .common import print_table, rel_err, write_results
+from .models import build_model
 
 SUITE = "e2e"
 MODES = {  # name: (backend, cuda_graph, decode_backend)
@@ -42,49 +42,6 @@ MODES = {  # name: (backend, cuda_graph, decode_backend)
     # the same with the path's small Triton kernels (router, GLU, norms, gate: opt-in until measured)
     "latency_specialized+kernels": ("auto", True, "latency_specialized+kernels"),
 }
-
-
-@torch.no_grad()
-def build_model(cfg: KimiK3Config, device: str, dtype: torch.dtype, seed: int = 0):
-    """Random weights generated on the device (the CPU init of KimiK3 would take minutes at K3 widths):
-    normal(0, initializer_range) projections, random MXFP4 codes with scale 2^-8, fla gate init."""
-    from ..model import KimiK3
-    from ..layers.kda import KimiDeltaAttention
-    from ..layers.moe import Experts, Router
-    from ..layers.norm import GatedRMSNorm, RMSNorm
-
-    model = KimiK3(cfg, device="meta")
-    model.to(dtype)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    std = cfg.initializer_range
-    for name, mod in model.named_modules():
-        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
-            if name.endswith("_res_proj"):  # small random AttnRes queries: non-uniform depth mixing
-                mod.weight.normal_(0, 0.05, generator=gen)
-            else:
-                mod.weight.normal_(0, std, generator=gen)
-        elif isinstance(mod, torch.nn.Conv1d):
-            mod.weight.normal_(0, 1 / math.sqrt(mod.weight.shape[-1]), generator=gen)
-        elif isinstance(mod, (RMSNorm, GatedRMSNorm)):
-            mod.weight.fill_(1.0)
-        elif isinstance(mod, Router):
-            mod.weight.normal_(0, std, generator=gen)
-            mod.e_score_correction_bias.zero_()
-        elif isinstance(mod, Experts):
-            for w in ("w1", "w3", "w2"):
-                if mod.mxfp4:
-                    p = getattr(mod, f"{w}_packed")
-                    p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=device, dtype=torch.int32).to(torch.uint8))
-                    getattr(mod, f"{w}_scale").fill_(127 - 8)
-                else:
-                    getattr(mod, w).normal_(0, std, generator=gen)
-        elif isinstance(mod, KimiDeltaAttention):
-            mod.reset_gate_parameters(gen)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
-    return model
 
 
 def clone_cache(src: HybridCache) -> HybridCache:

@@ -132,7 +132,7 @@ def main(argv=None):
     meta = device_meta()
     rows: list[dict] = []
     if args.preset == "k3_slice":
-        from .common import bench_model
+        from .models import bench_model
 
         cfg, k3 = bench_model("k3_slice", "cuda")
         hf = None

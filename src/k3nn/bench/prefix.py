@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..engine import Engine, EngineConfig
-from .common import bench_model
+from .models import bench_model
 
 __all__ = ["main", "measure_ttft"]
 

@@ -77,7 +77,7 @@ def _time(fn, dev, reps):
 def _build(name: str, dev: torch.device, dtype: torch.dtype):
     cfg = getattr(KimiK3Config, name)()
     if dev.type == "cuda" or name != "tiny":
-        from .e2e import build_model
+        from .models import build_model
 
         model = build_model(cfg, str(dev), dtype)
     else:
