@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .paged import HybridPools
+from .prefix_entry import PrefixEntry
 from .retention import CostModel, EvictionPolicy, make_eviction
 
 __all__ = ["PrefixCache", "PrefixEntry", "PrefixMatch", "block_hashes"]
@@ -37,23 +38,6 @@ def block_hashes(tokens: Sequence[int], unit: int = 64, salt: bytes = b"", prev:
         h = hashlib.blake2b(h + blk, digest_size=16).digest()
         out.append(h)
     return out
-
-
-@dataclass(eq=False)
-class PrefixEntry:
-    key: bytes
-    parent: "PrefixEntry | None"
-    end: int  # tokens covered: the prefix [0, end)
-    page: int  # latent page of tokens [end - unit, end) (one reference held by the index)
-    snapshot: int | None = None  # KDA snapshot slot: the state after `end` tokens
-    children: int = 0
-    last_access: int = 0
-
-    def snapshot_parent_len(self) -> int:
-        p = self.parent
-        while p is not None and p.snapshot is None:
-            p = p.parent
-        return 0 if p is None else p.end
 
 
 @dataclass

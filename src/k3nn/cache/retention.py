@@ -20,13 +20,11 @@ Eviction orders candidates (:class:`LRU`, or :class:`MarconiEviction`'s ``recenc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..config import KimiK3Config
+from .prefix_entry import PrefixEntry
 from .states import kda_layer_ids, latent_bytes_per_token, mla_layer_ids, state_bytes_per_slot
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .prefix import PrefixEntry
 
 __all__ = ["PlanInput", "RetentionPolicy", "ReplayBoundary", "Interval", "PromptBoundaries", "Marconi",
            "NoRetention", "EvictionPolicy", "LRU", "MarconiEviction", "CostModel", "make_retention",
@@ -175,7 +173,7 @@ class CostModel:
 class EvictionPolicy:
     """``order(candidates, now)`` → candidates, the first to evict first."""
 
-    def order(self, candidates: list["PrefixEntry"], now: int, cost: CostModel | None = None) -> list["PrefixEntry"]:
+    def order(self, candidates: list[PrefixEntry], now: int, cost: CostModel | None = None) -> list[PrefixEntry]:
         raise NotImplementedError
 
 
