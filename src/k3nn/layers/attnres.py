@@ -16,21 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..utils import upcast
-
+from ..kernels.attnres.reference import attnres_mix_reference  # re-exported: the math lives with the kernels
 from .norm import RMSNorm
 
 __all__ = ["attnres_mix_reference", "AttnResQuery", "stack_queries"]
-
-
-def attnres_mix_reference(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
-                          eps: float) -> torch.Tensor:
-    """sources: S tensors [..., d] (blocks then the partial); query_weight, norm_weight: [d] → [..., d]."""
-    V = torch.stack([upcast(s) for s in sources], 0)  # [S, ..., d]
-    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    s = (K * (upcast(norm_weight) * upcast(query_weight))).sum(-1)  # [S, ...]
-    p = s.softmax(0)
-    return (p[..., None] * V).sum(0).to(sources[-1].dtype)
 
 
 class AttnResQuery(nn.Module):

@@ -1,8 +1,8 @@
 """AttnRes kernels: the depth mix and the two phases of paper Algorithm 1 (eager references + Triton)."""
 
-from ...layers.attnres import attnres_mix_reference
 from ..registry import _triton_import_error, register
-from .reference import AttnResPhase2Output, attnres_phase1_reference, attnres_phase2_reference
+from .reference import (AttnResPhase2Output, attnres_mix_reference, attnres_phase1_reference,
+                        attnres_phase2_reference)
 
 register("attnres_mix", "eager")(attnres_mix_reference)
 register("attnres_phase1", "eager")(attnres_phase1_reference)

@@ -1,4 +1,10 @@
-"""Eager references for the two-phase Block AttnRes computation (paper Algorithm 1).
+"""Eager references for Block AttnRes: the one-shot depth mix and its two-phase form (paper Algorithm 1).
+
+The mix (``attnres_mix``): a pseudo-query (RMSNorm gain g folded into a 1×d projection w) attends over depth::
+
+    K_j = V_j / sqrt(mean_d(V_j²) + eps)      (sources V_j: stored blocks + current partial sum)
+    s_j = Σ_d K_j,d · g_d · w_d
+    h   = Σ_j softmax_j(s)_j · V_j            (fp32 math, cast back)
 
 Notation (shapes with a legend: Q queries, S stored sources, ``...`` token dims, d model width):
 
@@ -23,7 +29,20 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AttnResPhase2Output", "attnres_phase1_reference", "attnres_phase2_reference", "rmsnorm_reference"]
+from ...utils import upcast
+
+__all__ = ["AttnResPhase2Output", "attnres_mix_reference", "attnres_phase1_reference", "attnres_phase2_reference",
+           "rmsnorm_reference"]
+
+
+def attnres_mix_reference(sources: list[torch.Tensor], query_weight: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """sources: S tensors [..., d] (blocks then the partial); query_weight, norm_weight: [d] → [..., d]."""
+    V = torch.stack([upcast(s) for s in sources], 0)  # [S, ..., d]
+    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    s = (K * (upcast(norm_weight) * upcast(query_weight))).sum(-1)  # [S, ...]
+    p = s.softmax(0)
+    return (p[..., None] * V).sum(0).to(sources[-1].dtype)
 
 
 class AttnResPhase2Output(NamedTuple):
