@@ -389,7 +389,7 @@ def _self_check(argv=None) -> int:
                 rows += _bench(ctx, *case, backend_name=args.backend, graph=graphs, graph_steps=args.graph_steps,
                                heads=args.heads, lens_per_layer=args.lens_per_layer)
             if ctx.rank == 0 and os.environ.get("K3NN_RESULTS_DIR") and cuda:
-                from ..bench.common import write_results
+                from ..results import write_results
 
                 write_results("mla-dcp", rows, {"world_size": ctx.world_size, "backend": dist.get_backend(ctx.group),
                                                 "graphs": graphs, "heads": args.heads})

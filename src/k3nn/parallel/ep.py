@@ -172,7 +172,7 @@ def _self_check(argv=None) -> int:
                              "anchor": "the same layer, every expert on one rank, same tokens", "anchor_ms": round(one, 4),
                              "rel_err_vs_one_rank": float(f"{err:.3g}"), "timing": "host wall clock per step, 20 steps"})
         if rows and os.environ.get("K3NN_RESULTS_DIR") and cuda:
-            from ..bench.common import write_results
+            from ..results import write_results
 
             write_results("moe-ep", rows, {"world_size": world, "backend": dist.get_backend()})
         return 1 if bad else 0
