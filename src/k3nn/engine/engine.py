@@ -34,10 +34,27 @@ from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
+from ..generation import GenerationConfig
 from ..logits import LogitsPipeline
-from .request import Request, RequestOutput, RequestStatus, SamplingParams
+from .request import Request, RequestOutput, RequestStatus, SamplingParams, _int
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
+
+_DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
+
+
+class EngineStalledError(RuntimeError):
+    """:meth:`Engine.stream` found requests waiting that no step can ever admit (nothing running would free a
+    row or pages): e.g. every row or the pages are held by prefilled requests awaiting export."""
+
+
+class RequestFailedError(RuntimeError):
+    """:meth:`Engine.generate`: some of its requests failed inside ``step()`` (the others completed);
+    ``failures`` maps request id → reason."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = failures
+        super().__init__("request(s) failed: " + "; ".join(f"{k!r}: {v}" for k, v in failures.items()))
 
 
 @dataclass
@@ -101,51 +118,101 @@ class Engine:
         self.num_steps = self.num_forwards = self.rows_moved = 0
         self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
         self.start_time: float | None = None
-        eos = self.mcfg.eos_token_id
-        self._default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        # generate()'s resolution: the model's generation_config when it has one, else the model config's ids
+        gc = getattr(model, "generation_config", None)
+        gc = (GenerationConfig.coerce(gc, source="model.generation_config") if gc is not None
+              else GenerationConfig.from_model_config(self.mcfg))
+        self._default_eos = gc.eos_ids
+        self._failed_outputs: list[RequestOutput] = []  # failures outside a forward, reported by the next step()
+        self._stall: str | None = None  # why the last admission attempt was refused (for EngineStalledError)
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams | None = None, *,
                     request_id: str | None = None, boundaries: Sequence[int] = (), prefill_only: bool = False,
                     **sampling) -> str:
         """Queue a prompt (token ids). ``boundaries``: prompt positions worth a KDA snapshot (turn ends);
-        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`."""
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
-            prompt = prompt.tolist()
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        V = self.mcfg.vocab_size
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(f"prompt has token ids outside [0, vocab_size={V})")
+        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`.
+
+        Everything is checked here (TypeError for a wrong type, ValueError / CacheFullError for a value out of
+        range, each naming the argument); on error nothing is queued."""
+        req = self._make_request(prompt, params, request_id, boundaries, prefill_only, sampling)
+        self._enqueue(req)
+        return req.request_id
+
+    def _make_request(self, prompt, params, request_id, boundaries, prefill_only, sampling,
+                      taken: frozenset[str] = frozenset()) -> Request:
+        """A validated, unregistered :class:`Request` (no engine state changes except the id counter)."""
+        prompt = self._token_ids(prompt)
         if params is not None and sampling:
             raise TypeError("give a SamplingParams or sampling keyword arguments, not both")
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams(**sampling)
         params.validate()
+        if not isinstance(prefill_only, bool):
+            raise TypeError(f"prefill_only must be a bool, got {type(prefill_only).__name__}")
+        if isinstance(boundaries, (str, bytes, torch.Tensor)) or not isinstance(boundaries, Sequence):
+            raise TypeError(f"boundaries must be a sequence of ints, got {type(boundaries).__name__}")
+        bounds = [_int("boundaries", b, lo=0, hi=len(prompt)) for b in boundaries]
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.requests or rid in taken:
             raise ValueError(f"request id {rid!r} is already in use")
         need = self.pools.pages_for(self._cache_tokens(len(prompt), params, prefill_only))
         if need > self.pools.allocator.num_blocks:
             raise CacheFullError(f"request {rid!r} needs {need} latent pages (prompt {len(prompt)} + "
                                  f"{params.max_new_tokens} new tokens) but the pool has "
                                  f"{self.pools.allocator.num_blocks}; create the engine with more num_pages")
-        req = Request(rid, prompt, params, boundaries=[int(b) for b in boundaries], prefill_only=prefill_only)
-        if params.do_sample:
-            req.generator = torch.Generator(device=self.pools.device)
-            req.generator.manual_seed(0 if params.seed is None else int(params.seed))
+        req = Request(rid, prompt, params, boundaries=bounds, prefill_only=prefill_only)
+        req.generator = self._generator(params)
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
-        self.requests[rid] = req
+        return req
+
+    def _token_ids(self, prompt) -> list[int]:
+        """Prompt token ids as a list of ints in [0, vocab_size): no floats, bools or strings."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+            if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+                raise TypeError(f"prompt must be an integer tensor of token ids, got dtype {prompt.dtype}")
+            prompt = prompt.tolist()
+        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt must be a sequence of token ids (ints) or a 1-D integer tensor, "
+                            f"got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        ids = []
+        for i, t in enumerate(prompt):
+            try:
+                ids.append(_int(f"prompt[{i}]", t))
+            except TypeError as e:
+                raise TypeError(f"prompt must hold token ids (ints): {e}") from None
+        V = self.mcfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt has token ids outside [0, vocab_size={V}): {bad[:8]}")
+        return ids
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        """A sampling request's generator: ``seed`` when set (reproducible), else fresh OS randomness (an unset
+        seed never means the same samples for every request)."""
+        if not params.do_sample:
+            return None
+        g = torch.Generator(device=self.pools.device)
+        if params.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(int(params.seed))
+        return g
+
+    def _enqueue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.prompt_tokens += len(prompt)
+        self.prompt_tokens += len(req.prompt)
         if self.start_time is None:
             self.start_time = time.perf_counter()
-        return rid
 
     @staticmethod
     def _cache_tokens(n_prompt: int, params: SamplingParams, prefill_only: bool) -> int:
@@ -154,15 +221,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r.status == RequestStatus.RUNNING for r in self.running)
 
-    def abort(self, request_id: str) -> None:
-        req = self.requests[request_id]
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a waiting, running or prefilled request and free its row and pages; returns whether it was live.
+        A request that already ended (finished, aborted, failed) is left as it is."""
+        req = self._get(request_id)
+        if req.status in _DONE:
+            return False
         if req in self.waiting:
             self.waiting.remove(req)
         self._release(req, RequestStatus.ABORTED, "abort")
+        return True
 
     def release(self, request_id: str) -> None:
         """Free a PREFILLED (exported) request's row and pages."""
-        req = self.requests[request_id]
+        req = self._get(request_id)
         if req.status != RequestStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not prefilled")
         self._release(req, RequestStatus.FINISHED, "exported")
@@ -182,6 +260,15 @@ class Engine:
         req.status, req.finish_reason = status, req.finish_reason or reason
         req.finish_time = time.perf_counter()
 
+    def _fail(self, req: Request, exc: BaseException, where: str) -> RequestOutput:
+        """End one request on an error: free its row, pages and private snapshot; the output that reports it."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = "error"
+        req.error = f"{where}: {type(exc).__name__}: {exc}"
+        self._release(req, RequestStatus.FAILED, "error")
+        return RequestOutput(req.request_id, [], True, "error", list(req.output), req.error)
+
     # -- admission ---------------------------------------------------------------------------------------------
     def _free_row(self) -> int | None:
         for r, o in enumerate(self.row_owner):
@@ -192,6 +279,7 @@ class Engine:
     def _admit(self, req: Request) -> bool:
         row = self._free_row()
         if row is None:
+            self._stall = f"all {len(self.row_owner)} running rows are held"
             return False
         N = req.num_prompt_tokens
         m = self.prefix.match(req.prompt, req.keys, record=False) if self.prefix is not None else PrefixMatch()
@@ -199,16 +287,16 @@ class Engine:
         need = max(total - len(m.pages), 0)
         alloc = self.pools.allocator
         alloc.incref(m.pages)
+        req.blocks = list(m.pages)  # owned from here on: _release frees them if anything below fails
         if alloc.num_free < need and self.prefix is not None:
             self.prefix.make_room(pages=need)
         if alloc.num_free < need:
             alloc.free(m.pages)
-            if not any(r.status == RequestStatus.RUNNING for r in self.running):
-                raise CacheFullError(f"cannot admit request {req.request_id!r}: it needs {need} free latent pages, "
-                                     f"{alloc.num_free} of {alloc.num_blocks} are free and nothing is running "
-                                     f"that would release more")
+            req.blocks = []
+            self._stall = (f"request {req.request_id!r} needs {need} free latent pages, {alloc.num_free} of "
+                           f"{alloc.num_blocks} are free and nothing is running that would release more")
             return False
-        req.blocks = list(m.pages) + alloc.allocate(need)
+        req.blocks += alloc.allocate(need)
         req.row = row
         self.row_owner[row] = req
         if m.snapshot is not None:
@@ -235,8 +323,11 @@ class Engine:
         pages ``pages`` [n_pages, 64, D] per MLA layer, KDA state per KDA layer). The next step recomputes the
         rest of the prompt (normally its last token, as a decode row) and generates."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        prompt = [int(t) for t in prompt]
+        prompt = self._token_ids(prompt)
+        num_computed = _int("num_computed", num_computed)
         if not 0 <= num_computed < len(prompt):
             raise ValueError(f"adopt: num_computed must be in [0, {len(prompt)}), got {num_computed}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -255,9 +346,7 @@ class Engine:
         self.pools.running.write(row, recurrent, conv)
         req = Request(rid, prompt, params, status=RequestStatus.RUNNING, row=row, blocks=blocks,
                       num_computed=num_computed)
-        if params.do_sample:
-            req.generator = torch.Generator(device=self.pools.device)
-            req.generator.manual_seed(0 if params.seed is None else int(params.seed))
+        req.generator = self._generator(params)
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
         self.row_owner[row] = req
@@ -298,7 +387,12 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if not self._admit(req):
+            try:
+                admitted = self._admit(req)
+            except Exception as e:  # this request's admission (prefix match, retention plan): fail it alone
+                self._failed_outputs.append(self._fail(req, e, "admission"))
+                continue
+            if not admitted:
                 break
             self.waiting.pop(0)
             if req.status != RequestStatus.RUNNING:
@@ -343,19 +437,28 @@ class Engine:
         e = req.params.eos_token_id
         return self._default_eos if e is None else ([e] if isinstance(e, int) else list(e))
 
-    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
+    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int | Exception]:
         """Each request's next token through its own :class:`~k3nn.logits.LogitsPipeline` (the processors of
-        ``generate()``; greedy rows: argmax)."""
-        if all(not r.params.do_sample for r in reqs):
-            return logits.argmax(-1).tolist()
-        out = []
+        ``generate()``; greedy rows: argmax), or the error that fails that request alone (NaN logits, a
+        sampler error)."""
+        greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()  # one sync
+        out: list[int | Exception] = []
         for b, r in enumerate(reqs):
-            pipe = r.logits_pipeline
-            if pipe is None:
-                p = r.params
-                pipe = r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
-            out.append(int(pipe.choose(pipe(None, logits[b:b + 1].float()), r.generator)[0]))
+            if nan[b]:
+                out.append(FloatingPointError("the logits contain NaN"))
+                continue
+            try:
+                out.append(int(greedy[b]) if not r.params.do_sample else self._sample_one(r, logits[b:b + 1]))
+            except Exception as e:
+                out.append(e)
         return out
+
+    def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
+        pipe = r.logits_pipeline
+        if pipe is None:
+            p = r.params
+            pipe = r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
+        return int(pipe.choose(pipe(None, logits.float()), r.generator)[0])
 
     def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
                  snapshots: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
@@ -385,69 +488,119 @@ class Engine:
             return []
         U, lo, hi = self.pools.block_size, req.num_computed, req.num_computed + n
         out = []
-        for p in [p for p in req.plan if lo < p <= hi]:
-            req.plan.remove(p)
-            if p // U > len(req.keys):
-                continue
-            e = self.prefix.entries.get(req.keys[p // U - 1])
-            if e is not None and e.snapshot is not None:
-                continue  # already cached (by another request)
-            if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
-                continue  # retention is best effort: never block a request for a snapshot
-            out.append((p - lo, self.pools.snapshots.allocate(1)[0]))
+        try:
+            for p in [p for p in req.plan if lo < p <= hi]:
+                req.plan.remove(p)
+                if p // U > len(req.keys):
+                    continue
+                e = self.prefix.entries.get(req.keys[p // U - 1])
+                if e is not None and e.snapshot is not None:
+                    continue  # already cached (by another request)
+                if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
+                    continue  # retention is best effort: never block a request for a snapshot
+                out.append((p - lo, self.pools.snapshots.allocate(1)[0]))
+        except Exception:
+            self.pools.snapshots.free([s for _, s in out])
+            raise
         return out
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit."""
+        """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit.
+
+        An error that belongs to one request (its admission, snapshot plan, sampling, stop check, commit) fails
+        that request alone; an error in a forward fails the requests of that forward. A failed request ends
+        FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and snapshots are freed,
+        and its :class:`RequestOutput` comes back from this step; the engine keeps serving the others."""
         decodes, prefills = self.schedule()
         self.num_steps += 1
+        outputs, self._failed_outputs = self._failed_outputs, []
         if not decodes and not prefills:
-            return []
+            return outputs
         self._layout([decodes, [r for r, _ in prefills]])
         decodes.sort(key=lambda q: q.row)
         prefills.sort(key=lambda x: x[0].row)
-        outputs: list[RequestOutput] = []
         produced: list[tuple[Request, int]] = []
         rows = [(r, 1) for r in decodes] + list(prefills)
         if prefills and max(n for _, n in prefills) > self.config.mixed_forward_max_tokens and decodes:
             batches = [rows[:len(decodes)], rows[len(decodes):]]  # decodes first, then the (long) prefills
         else:
             batches = [rows]  # one mixed forward: short chunks cost little padding
+
+        def fail(r: Request, e: Exception, where: str) -> None:
+            outputs.append(self._fail(r, e, where))
+
         for batch in batches:
-            reqs = [r for r, _ in batch]
-            ns = [n for _, n in batch]
-            snaps = [self._plan_snapshots(r, n) for r, n in batch]
+            snaps = []
+            for r, n in batch:
+                try:
+                    snaps.append(self._plan_snapshots(r, n))
+                except Exception as e:
+                    fail(r, e, "snapshot plan")
+                    snaps.append(None)
+            batch = [(rn, sn) for rn, sn in zip(batch, snaps) if sn is not None]
+            if not batch:
+                continue
+            if [r.row for (r, _), _ in batch] != list(range(batch[0][0][0].row, batch[0][0][0].row + len(batch))):
+                self._layout([[r for (r, _), _ in batch]])  # a failed request left a gap in the rows
+            reqs = [r for (r, _), _ in batch]
+            ns = [n for (_, n), _ in batch]
+            snaps = [sn for _, sn in batch]
             absolute = [[(r.num_computed + p, s) for p, s in sn] for r, sn in zip(reqs, snaps)]
-            logits = self._forward(reqs, ns, reqs[0].row, snaps)
+            try:
+                logits = self._forward(reqs, ns, reqs[0].row, snaps)
+            except Exception as e:  # the whole forward: its requests fail, the engine goes on
+                self.pools.snapshots.free([s for sn in snaps for _, s in sn])
+                for r in reqs:
+                    fail(r, e, "forward")
+                continue
             done = [b for b, r in enumerate(reqs) if r.remaining == 0 and not r.prefill_only]
             if done:
                 toks = self._sample([reqs[b] for b in done], logits[done])
-                produced += [(reqs[b], t) for b, t in zip(done, toks)]
-            self._commit_prefix(reqs, absolute)
-            self._track_decode_state(reqs)
+                for b, t in zip(done, toks):
+                    if isinstance(t, Exception):
+                        fail(reqs[b], t, "sampling")
+                    else:
+                        produced.append((reqs[b], t))
+            for r, sn in zip(reqs, absolute):
+                if r.status == RequestStatus.FAILED:
+                    self.pools.snapshots.free([s for _, s in sn])
+                    continue
+                try:
+                    self._commit_prefix([r], [sn])
+                    self._track_decode_state([r])
+                except Exception as e:
+                    fail(r, e, "cache commit")
         now = time.perf_counter()
         for r, t in produced:
-            r.output.append(int(t))
-            self.generated_tokens += 1
-            if r.first_token_time is None:
-                r.first_token_time = now
-            finished, reason = False, None
-            if int(t) in self._eos(r):
-                finished, reason = True, "stop"
-            elif len(r.output) >= r.params.max_new_tokens:
-                finished, reason = True, "length"
-            if finished:
-                r.finish_reason = reason
-                self._retain_finished(r)
-                self._release(r, RequestStatus.FINISHED, reason)
-            outputs.append(RequestOutput(r.request_id, [int(t)], finished, reason,
-                                         list(r.output) if finished else None))
+            if r.status == RequestStatus.FAILED:
+                continue
+            try:
+                outputs.append(self._append_token(r, t, now))
+            except Exception as e:
+                fail(r, e, "stop check")
         for r in list(self.running):
             if r.prefill_only and r.status == RequestStatus.RUNNING and r.remaining <= 0:
                 r.status = RequestStatus.PREFILLED
                 if r.first_token_time is None:
                     r.first_token_time = now
         return outputs
+
+    def _append_token(self, r: Request, t: int, now: float) -> RequestOutput:
+        """Add a sampled token, finish the request on eos / length."""
+        r.output.append(int(t))
+        self.generated_tokens += 1
+        if r.first_token_time is None:
+            r.first_token_time = now
+        finished, reason = False, None
+        if int(t) in self._eos(r):
+            finished, reason = True, "stop"
+        elif len(r.output) >= r.params.max_new_tokens:
+            finished, reason = True, "length"
+        if finished:
+            r.finish_reason = reason
+            self._retain_finished(r)
+            self._release(r, RequestStatus.FINISHED, reason)
+        return RequestOutput(r.request_id, [int(t)], finished, reason, list(r.output) if finished else None)
 
     def _commit_prefix(self, reqs: Sequence[Request], snapshots: Sequence[Sequence[tuple[int, int]]]) -> None:
         """After the forward: index the requests' new full prompt pages, then attach the written snapshots."""
@@ -501,25 +654,60 @@ class Engine:
 
     # -- loops ------------------------------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:
-        """Step until nothing is left to run, yielding every new token as it is produced."""
+        """Step until nothing is left to run, yielding every new token (and every failure) as it is produced.
+
+        Raises :class:`EngineStalledError` when requests are waiting but no step can make progress (nothing
+        runs, nothing is admitted): the engine is left as it is (release or abort requests, then stream again)."""
         while self.has_unfinished():
-            yield from self.step()
+            before = (self.num_forwards, len(self.waiting), len(self.running))
+            self._stall = None
+            outs = self.step()
+            yield from outs
+            if not outs and before == (self.num_forwards, len(self.waiting), len(self.running)):
+                held = [r.request_id for r in self.running if r.status == RequestStatus.PREFILLED]
+                raise EngineStalledError(
+                    f"no progress possible: {len(self.waiting)} request(s) waiting "
+                    f"({[r.request_id for r in self.waiting[:4]]}...), none can be admitted "
+                    f"({self._stall or 'no budget'}) and nothing is running"
+                    + (f"; prefilled requests {held} hold rows and pages until release()" if held else ""))
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
                  progress: bool = False, **sampling) -> list[list[int]]:
-        """Run a batch of prompts to completion; returns the generated ids per prompt, in order."""
-        ids = [self.add_request(p, params, **sampling) for p in prompts]
+        """Run a batch of prompts to completion; returns the generated ids per prompt, in order.
+
+        Every prompt is checked before any is queued (an invalid one raises and queues none). If some requests
+        fail inside a step the others still run to completion, then :class:`RequestFailedError` names the failed
+        ones; on any other error (a stall, an interrupt) this call's unfinished requests are aborted."""
+        prompts = list(prompts)
+        reqs: list[Request] = []
+        for i, p in enumerate(prompts):
+            try:
+                reqs.append(self._make_request(p, params, None, (), False, sampling))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from e
+        for r in reqs:
+            self._enqueue(r)
+        ids = [r.request_id for r in reqs]
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), unit="req")
-        for out in self.stream():
-            if bar is not None and out.finished:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [self.requests[i].output for i in ids]
+        try:
+            for out in self.stream():
+                if bar is not None and out.finished:
+                    bar.update(1)
+        except BaseException:
+            for r in reqs:
+                self.abort(r.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        failed = {r.request_id: r.error for r in reqs if r.status == RequestStatus.FAILED}
+        if failed:
+            raise RequestFailedError(failed)
+        return [r.output for r in reqs]
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -532,8 +720,11 @@ class Engine:
         def pct(xs, q):
             return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
-        m = {"requests": len(self.requests), "finished": sum(r.status == RequestStatus.FINISHED
-                                                             for r in self.requests.values()),
+        count = {st: 0 for st in RequestStatus}
+        for r in self.requests.values():
+            count[r.status] += 1
+        m = {"requests": len(self.requests), "finished": count[RequestStatus.FINISHED],
+             "aborted": count[RequestStatus.ABORTED], "failed": count[RequestStatus.FAILED],
              "steps": self.num_steps, "forwards": self.num_forwards, "rows_moved": self.rows_moved,
              "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": pct(ttft, 0.5),
              "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
