@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 __all__ = ["RepetitionPenalty", "NoRepeatNGram", "NoBadWords", "MinLength", "MinNewTokens", "Temperature", "TopK",
-           "TopP", "MinP", "TypicalP", "LogitsPipeline", "sample_from_scores"]
+           "TopP", "MinP", "TypicalP", "LogitsPipeline", "sample_from_scores", "process_logits", "sample_next"]
 
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -468,3 +468,16 @@ def sample_from_scores(scores: torch.Tensor, generator: torch.Generator | None =
     probs = scores.float().softmax(-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(-1)
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[N, V] logits → fp32 scores after the temperature, top-k and top-p warpers (transformers' math, −inf
+    outside)."""
+    return LogitsPipeline.for_sampling(True, temperature, top_k, top_p)(None, logits.float())
+
+
+def sample_next(logits: torch.Tensor, cfg, generator: torch.Generator | None) -> torch.Tensor:
+    """[B, V] → [B] next ids: argmax, or a sample after temperature / top-k / top-p of ``cfg``."""
+    if not cfg.do_sample:
+        return logits.argmax(-1)
+    return sample_from_scores(process_logits(logits, cfg.temperature, cfg.top_k or 0, cfg.top_p), generator)

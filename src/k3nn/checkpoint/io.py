@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import KimiK3Config
+from ..generation_config import GenerationConfig
 from .formats import FORMATS, detect
 from .rope_layout import deinterleave_rope_, interleave_rope, text_config_of
 
@@ -299,8 +300,6 @@ def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=N
                     "projector tensors (language_model_only=True)", d, len(text_only.skipped))
     gen_cfg = d / "generation_config.json"
     if gen_cfg.exists():
-        from ..generation import GenerationConfig
-
         model.generation_config = GenerationConfig.from_pretrained(d)
     model.eval()
     return model

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..logits import process_logits
 from .mla import apply_rope
 from .norm import RMSNorm
 
@@ -402,8 +403,6 @@ class DSparkDrafter(nn.Module):
                      generator: torch.Generator | None = None) -> DraftProposal:
         """The serial Markov / confidence heads of :meth:`propose` over :meth:`draft_logits`' outputs.
         Graph-safe when greedy (``sample_cfg`` None or not sampling); sampling draws from ``generator``."""
-        from ..generation import process_logits
-
         B, n = base.shape[:2]
         dev = anchor.device
         sampling = sample_cfg is not None and sample_cfg.do_sample
