@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..cache.hybrid import CacheFullError
@@ -172,6 +173,8 @@ class Engine:
 
     def _token_ids(self, prompt) -> list[int]:
         """Prompt token ids as a list of ints in [0, vocab_size): no floats, bools or strings."""
+        if isinstance(prompt, np.ndarray):
+            prompt = torch.from_numpy(prompt) if prompt.dtype.kind in "iub" else prompt.tolist()
         if isinstance(prompt, torch.Tensor):
             if prompt.dim() != 1:
                 raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
