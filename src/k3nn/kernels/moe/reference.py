@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...layers.mlp import glu_activation
 from ...quant.mxfp4 import MXFP4Weight
+from ..glu import glu_activation
 
 __all__ = ["moe_experts_reference", "moe_expert_outputs_reference", "moe_latent_finalize_reference"]
 
