@@ -79,7 +79,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert owner is None or owner.row == row
         assert sorted(r.row for r in live) == sorted(row for row, o in enumerate(e.row_owner) if o is not None)
         for r in e.requests.values():
-            if r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.WAITING):
+            if r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED,
+                            RequestStatus.WAITING):
                 assert r.row is None and not r.blocks
             assert 0 <= r.num_computed <= len(r.prompt) + len(r.output)
             assert len(r.output) <= r.params.max_new_tokens

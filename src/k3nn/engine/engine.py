@@ -19,6 +19,12 @@ One :meth:`Engine.step`:
    else two (decodes ``[D, 1]``, then prefills ``[P, T]``); rows are right-padded and the KDA state of a short
    row, like every planned snapshot, is exported inside the same pass. Sample, then **commit**: index the new full pages and
    snapshots (visible to lookups from the next step on), finish requests, free their rows and pages.
+
+Failures: :meth:`Engine.add_request` checks every argument (nothing is queued on error); inside a step, an error
+that belongs to one request (admission, snapshot plan, sampling — NaN logits included —, stop check, commit) ends
+that request FAILED with its reason, an error in a forward ends the requests of that forward, and the engine
+keeps serving the rest; :meth:`Engine.stream` raises :class:`EngineStalledError` rather than spin when nothing
+can progress.
 """
 
 from __future__ import annotations
@@ -119,11 +125,6 @@ class Engine:
         self.num_steps = self.num_forwards = self.rows_moved = 0
         self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
         self.start_time: float | None = None
-        # generate()'s resolution: the model's generation_config when it has one, else the model config's ids
-        gc = getattr(model, "generation_config", None)
-        gc = (GenerationConfig.coerce(gc, source="model.generation_config") if gc is not None
-              else GenerationConfig.from_model_config(self.mcfg))
-        self._default_eos = gc.eos_ids
         self._failed_outputs: list[RequestOutput] = []  # failures outside a forward, reported by the next step()
         self._stall: str | None = None  # why the last admission attempt was refused (for EngineStalledError)
 
@@ -166,6 +167,7 @@ class Engine:
                                  f"{params.max_new_tokens} new tokens) but the pool has "
                                  f"{self.pools.allocator.num_blocks}; create the engine with more num_pages")
         req = Request(rid, prompt, params, boundaries=bounds, prefill_only=prefill_only)
+        req.eos_ids = self._eos_ids(params)
         req.generator = self._generator(params)
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
@@ -437,8 +439,20 @@ class Engine:
 
     # -- execution ---------------------------------------------------------------------------------------------
     def _eos(self, req: Request) -> list[int]:
-        e = req.params.eos_token_id
-        return self._default_eos if e is None else ([e] if isinstance(e, int) else list(e))
+        if req.eos_ids is None:
+            req.eos_ids = self._eos_ids(req.params)
+        return req.eos_ids
+
+    def _eos_ids(self, params: SamplingParams) -> list[int]:
+        """The request's eos ids; unset: generate()'s resolution at the time the request is added (the model's
+        ``generation_config`` when it has one, else the model config's ``eos_token_id``)."""
+        e = params.eos_token_id
+        if e is not None:
+            return [int(e)] if not isinstance(e, (list, tuple)) else [int(t) for t in e]
+        gc = getattr(self.model, "generation_config", None)
+        gc = (GenerationConfig.coerce(gc, source="model.generation_config") if gc is not None
+              else GenerationConfig.from_model_config(self.mcfg))
+        return gc.eos_ids
 
     def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int | Exception]:
         """Each request's next token through its own :class:`~k3nn.logits.LogitsPipeline` (the processors of

@@ -92,6 +92,7 @@ class Request:
     decode_snap: tuple[int, int] | None = None  # (position, private snapshot slot) of the last aligned decode state
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "exported" | "error"
     error: str | None = None  # why a FAILED request failed
+    eos_ids: list[int] | None = None  # resolved when added (None: resolve on first use)
     generator: torch.Generator | None = None
     logits_pipeline: Any = None  # k3nn.logits.LogitsPipeline of the sampling params (built on first use)
     arrival_time: float = field(default_factory=time.perf_counter)
