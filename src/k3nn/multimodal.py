@@ -283,15 +283,11 @@ class KimiK3ForConditionalGeneration(nn.Module):
         of its layouts), strictly: every tensor of the model read once, none left over. Arguments as
         :meth:`KimiK3.from_pretrained`."""
         from .checkpoint.formats.multimodal import MultimodalFormat
-        from .checkpoint.io import (CheckpointError, _keep_fp32, checkpoint_keys, load_weights, resolve_checkpoint,
-                                    resolve_device_map, resolve_dtype)
+        from .checkpoint.io import (CheckpointError, _keep_fp32, checkpoint_keys, load_weights, resolve_dtype,
+                                    resolve_loading)
 
-        if torch_dtype is not None:
-            if dtype is not None and dtype != torch_dtype:
-                raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
-            dtype = torch_dtype
-        d = resolve_checkpoint(path_or_repo_id, revision, cache_dir, local_files_only, token)
-        device = resolve_device_map(device_map, device)
+        d, device, dtype = resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, revision,
+                                           cache_dir, local_files_only, token)
         if config is None:
             path = d / "config.json"
             try:

@@ -275,15 +275,23 @@ def _text_only_format(d: Path, language_model_only: bool):
     return LanguageModelOnly.for_checkpoint(keys)
 
 
-def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
-                    local_files_only=None, token=None, config: KimiK3Config | None = None, torch_dtype=None,
-                    device_map=None, language_model_only: bool = False):
+def resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, revision=None, cache_dir=None,
+                    local_files_only=None, token=None) -> tuple[Path, torch.device, object]:
+    """The checkpoint directory, the one device and the dtype argument (``torch_dtype`` folded in) of a
+    ``from_pretrained`` call, with transformers' spellings accepted (see :func:`resolve_device_map`)."""
     if torch_dtype is not None:
         if dtype is not None and dtype != torch_dtype:
             raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
         dtype = torch_dtype
     d = resolve_checkpoint(path_or_repo_id, revision, cache_dir, local_files_only, token)
-    device = resolve_device_map(device_map, device)
+    return d, resolve_device_map(device_map, device), dtype
+
+
+def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
+                    local_files_only=None, token=None, config: KimiK3Config | None = None, torch_dtype=None,
+                    device_map=None, language_model_only: bool = False):
+    d, device, dtype = resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, revision, cache_dir,
+                                       local_files_only, token)
     if config is None:
         config = KimiK3Config.from_json_file(d / "config.json")
     dtype = resolve_dtype("auto" if dtype is None else dtype, d)
