@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
+from .init import init_standard_
 
 __all__ = ["PatchMergerProjector"]
 
@@ -52,11 +53,4 @@ class PatchMergerProjector(nn.Module):
     @torch.no_grad()
     def init_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
         for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * std)
-                if mod.bias is not None:
-                    mod.bias.zero_()
-            elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
-                mod.weight.fill_(1.0)
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.zero_()
+            init_standard_(mod, gen, std)

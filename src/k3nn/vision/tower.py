@@ -27,6 +27,7 @@ from torch import nn
 
 from .attention import cu_seqlens_from_grid, varlen_attention
 from .config import VisionConfig
+from .init import init_standard_
 from .rope import apply_rope_2d, rope_2d_angles
 
 __all__ = ["MoonViT", "PatchEmbed", "LearnedPosEmb", "VisionBlock", "VisionEncoder", "patch_merge",
@@ -238,15 +239,9 @@ class MoonViT(nn.Module):
     def init_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
         """normal(0, std) weights, zero biases, unit norms; the learned grid normal(0, 1) like Moonshot's."""
         for mod in self.modules():
-            if isinstance(mod, (nn.Linear, nn.Conv2d)):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * std)
-                if mod.bias is not None:
-                    mod.bias.zero_()
-            elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
-                mod.weight.fill_(1.0)
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.zero_()
-            elif isinstance(mod, LearnedPosEmb):
+            if init_standard_(mod, gen, std):
+                continue
+            if isinstance(mod, LearnedPosEmb):
                 mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen))
         self.reset_buffers()
 
