@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: the model's generation config, else 50 as "
+                        "in transformers; 0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (and random --preset weights)")
     g.add_argument("--eos-token-id", help="comma-separated stop ids")
