@@ -5,30 +5,10 @@ import random
 import pytest
 import torch
 
-from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import CacheFullError
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 
-CFG = KimiK3Config.tiny()
-_REFS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return KimiK3(CFG, dtype=torch.float64, seed=0).eval()
-
-
-def rand_ids(n, seed):
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def reference(model, prompt, n, **sampling):
-    """Uncached generation: the model's own generate() on the contiguous cache."""
-    key = (tuple(prompt), n, tuple(sorted(sampling.items())))
-    if key not in _REFS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, **sampling)
-        _REFS[key] = out[0, len(prompt):].tolist()
-    return _REFS[key]
+from engine_helpers import CFG, model, rand_ids, reference  # noqa: F401  (model is a fixture)
 
 
 class RecordingEngine(Engine):
