@@ -69,6 +69,19 @@ def _type_ok(v, tp) -> tuple[bool, str]:
     return isinstance(v, tp), tp.__name__
 
 
+def check_field_types(obj) -> None:
+    """Every field of the dataclass ``obj`` holds its annotated type (ints as ints, not "64"; bools as bools, not
+    "no"), else a TypeError naming the class and field; ints given for float fields become floats."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        ok, want = _type_ok(v, hints[f.name])
+        if not ok:
+            raise TypeError(f"{type(obj).__name__}: {f.name} must be {want}, got {v!r} ({type(v).__name__})")
+        if isinstance(v, int) and not isinstance(v, bool) and _is_float_type(hints[f.name]):
+            setattr(obj, f.name, float(v))
+
+
 #: config.json keys that transformers or Moonshot write and k3nn has no use for (read, dropped without a warning)
 _IGNORED_KEYS = frozenset({
     "architectures", "auto_map", "num_key_value_heads", "pretraining_tp", "attention_bias", "attention_dropout",
@@ -152,16 +165,7 @@ class KimiK3Config:
         self.validate()
 
     def _check_types(self) -> None:
-        """Every field holds its annotated type (ints as ints, not "64"; bools as bools, not "no"); ints are
-        accepted where a float is expected."""
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            ok, want = _type_ok(v, hints[f.name])
-            if not ok:
-                raise TypeError(f"KimiK3Config: {f.name} must be {want}, got {v!r} ({type(v).__name__})")
-            if isinstance(v, int) and not isinstance(v, bool) and _is_float_type(hints[f.name]):
-                setattr(self, f.name, float(v))
+        check_field_types(self)
 
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> None:

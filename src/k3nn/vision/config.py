@@ -17,26 +17,16 @@ LayerNorm before the projector MLP. Kimi K3 (MoonViT-V2, ``patchmergerv2``): RMS
 from __future__ import annotations
 
 import dataclasses
-import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..config import KimiK3Config, _type_ok
+from ..config import KimiK3Config, check_field_types
 
 __all__ = ["VisionConfig", "MultimodalConfig"]
 
 NormType = Literal["layernorm", "rmsnorm"]
 ProjectorType = Literal["patchmerger", "patchmergerv2"]
-
-
-def _check_fields(obj) -> None:
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        ok, want = _type_ok(v, hints[f.name])
-        if not ok:
-            raise TypeError(f"{type(obj).__name__}: {f.name} must be {want}, got {v!r} ({type(v).__name__})")
 
 
 @dataclass
@@ -72,9 +62,7 @@ class VisionConfig:
     def __post_init__(self) -> None:
         if isinstance(self.merge_kernel_size, tuple):
             self.merge_kernel_size = list(self.merge_kernel_size)
-        _check_fields(self)
-        for k in ("rope_theta", "projector_eps"):
-            setattr(self, k, float(getattr(self, k)))
+        check_field_types(self)  # also makes the float fields floats
         self.validate()
 
     def validate(self) -> None:
