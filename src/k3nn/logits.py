@@ -5,7 +5,11 @@ Each processor maps next-token scores ``[N, V]`` fp32 to new scores, with transf
 brackets (equal inputs give equal scores):
 
 * ``RepetitionPenalty`` [``RepetitionPenaltyLogitsProcessor``]: s_v / θ if s_v > 0 else s_v · θ, for every token
-  v of ``input_ids`` (the prompt's left padding left out).
+  v of ``input_ids`` (the prompt's left padding left out). Over prompt + output this is also vLLM's
+  ``repetition_penalty``.
+* ``FrequencyPenalty`` / ``PresencePenalty`` [no transformers class; vLLM's / OpenAI's ``frequency_penalty`` /
+  ``presence_penalty``]: s_v − β·c_v / s_v − α·[c_v > 0], c_v = occurrences of v among the *generated* tokens
+  (``input_ids[:, prompt_length:]``).
 * ``NoRepeatNGram`` [``NoRepeatNGramLogitsProcessor``]: −inf for the tokens that would repeat an n-gram.
 * ``NoBadWords`` [``NoBadWordsLogitsProcessor``]: −inf for the last token of each banned sequence whose other
   tokens end ``input_ids`` (single tokens: always).
@@ -26,6 +30,14 @@ bad words) are *history-free*: :meth:`LogitsPipeline.window` applies them to eve
 ``[B, T, V]`` exactly, the length of row j being known on the device. Processors that read the tokens themselves
 (repetition penalty, n-grams, multi-token bad words, user callables) are not, and the speculative path refuses
 them (:meth:`LogitsPipeline.check_history_free`).
+
+The three penalties also run from token statistics kept incrementally by the caller (:class:`TokenCounts`: a
+``[N, V]`` count tensor of the generated tokens and a ``[N, V]`` seen-mask of the whole sequence) instead of
+``input_ids``: :meth:`LogitsPipeline.apply_counts`. The Engine's per-request sampler (:mod:`k3nn.engine.sampling`)
+uses that path with the pipeline :meth:`LogitsPipeline.for_request` builds for a ``SamplingParams``: repetition,
+frequency and presence penalties (vLLM's order), the ``min_tokens`` stop-token block, then — when sampling only —
+temperature, top-k, top-p. The counts of a speculative window's row j include the drafts before it, so the
+penalties are exact there too.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RepetitionPenalty", "NoRepeatNGram", "NoBadWords", "MinLength", "MinNewTokens", "Temperature", "TopK",
+__all__ = ["RepetitionPenalty", "FrequencyPenalty", "PresencePenalty", "TokenCounts", "NoRepeatNGram", "NoBadWords", "MinLength", "MinNewTokens", "Temperature", "TopK",
            "TopP", "MinP", "TypicalP", "LogitsPipeline", "sample_from_scores", "process_logits", "sample_next"]
 
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -92,6 +104,78 @@ class RepetitionPenalty(_Base):
         g = s.gather(1, ids)
         g = torch.where(g < 0, g * self.penalty, g / self.penalty)
         return s.scatter(1, ids, g)[..., :V]
+
+    def apply_counts(self, scores: torch.Tensor, counts: "TokenCounts") -> torch.Tensor:
+        """The same penalty for the tokens of ``counts.seen`` (the whole sequence: prompt and output)."""
+        pen = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)
+        return torch.where(counts.seen, pen, scores)
+
+
+def _real(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite real number, got {v!r}")
+    return float(v)
+
+
+class TokenCounts:
+    """What the history processors read of a sequence, as tensors a caller can keep up to date token by token
+    (no re-scan of the history per step).
+
+    * ``output`` [N, V] (or [V]) fp32: c_v, the occurrences of token v among the generated tokens;
+    * ``seen`` [N, V] (or [V]) bool: v occurs anywhere in the sequence (prompt included);
+    * ``length``: int or [N] long device tensor, the tokens in the sequence (prompt included) before the scored
+      one, for the length processors.
+
+    Either tensor may be None when no processor of the pipeline reads it.
+    """
+
+    __slots__ = ("output", "seen", "length")
+
+    def __init__(self, output: torch.Tensor | None, seen: torch.Tensor | None, length: int | torch.Tensor):
+        self.output, self.seen, self.length = output, seen, length
+
+    @classmethod
+    def from_ids(cls, input_ids: torch.Tensor, prompt_length: int, vocab_size: int) -> "TokenCounts":
+        """The statistics of ``input_ids`` [N, L] long whose first ``prompt_length`` positions are the prompt
+        (ids >= ``vocab_size`` are left out)."""
+        N, L = input_ids.shape
+        V = vocab_size
+        ids = input_ids.clamp(min=0, max=V)  # column V is a spare one, dropped
+        gen = ids[:, prompt_length:]
+        out = torch.zeros(N, V + 1, dtype=torch.float, device=ids.device)
+        out.scatter_add_(1, gen, torch.ones_like(gen, dtype=torch.float))
+        seen = torch.zeros(N, V + 1, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
+        return cls(out[:, :V], seen[:, :V], L)
+
+
+class FrequencyPenalty(_Base):
+    """s_v − β · c_v, c_v = occurrences of v among the generated tokens (positions ≥ ``prompt_length`` of
+    ``input_ids``): vLLM's / OpenAI's ``frequency_penalty`` (β > 0 discourages repeats, β < 0 encourages them)."""
+
+    def __init__(self, penalty: float, prompt_length: int = 0):
+        self.penalty = _real("frequency_penalty", penalty)
+        self.prompt_length = int(prompt_length)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.apply_counts(scores, TokenCounts.from_ids(input_ids, self.prompt_length, scores.shape[-1]))
+
+    def apply_counts(self, scores: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+        return scores - self.penalty * counts.output
+
+
+class PresencePenalty(_Base):
+    """s_v − α · [c_v > 0], c_v = occurrences of v among the generated tokens (positions ≥ ``prompt_length`` of
+    ``input_ids``): vLLM's / OpenAI's ``presence_penalty``."""
+
+    def __init__(self, penalty: float, prompt_length: int = 0):
+        self.penalty = _real("presence_penalty", penalty)
+        self.prompt_length = int(prompt_length)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.apply_counts(scores, TokenCounts.from_ids(input_ids, self.prompt_length, scores.shape[-1]))
+
+    def apply_counts(self, scores: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+        return scores - self.penalty * (counts.output > 0).to(scores.dtype)
 
 
 class NoRepeatNGram(_Base):
@@ -406,7 +490,53 @@ class LogitsPipeline:
         return cls.from_config(SimpleNamespace(do_sample=do_sample, temperature=temperature, top_k=top_k,
                                                top_p=top_p))
 
+    @classmethod
+    def for_request(cls, params: Any, *, prompt_length: int, vocab_size: int, eos_ids: Sequence[int] = (),
+                    device: torch.device | str | None = None) -> "LogitsPipeline":
+        """The pipeline of one Engine request (``params``: a :class:`k3nn.engine.SamplingParams`, or any object
+        with some of its attributes; a missing one counts as unset), in vLLM's order:
+
+        1. ``RepetitionPenalty(repetition_penalty)`` over prompt + output, ``FrequencyPenalty`` and
+           ``PresencePenalty`` over the output (positions ≥ ``prompt_length``), each only when not neutral;
+        2. ``MinNewTokens``: while fewer than ``min_tokens`` tokens were generated, −inf for the tokens that would
+           stop the request: ``stop_token_ids`` and ``eos_ids`` (eos left out under ``ignore_eos``, as vLLM);
+        3. when ``do_sample``: ``Temperature``, ``TopK``, ``TopP`` (as :meth:`for_sampling`).
+
+        A greedy request keeps 1–2: its token is the argmax of the processed scores. ``__call__(input_ids [1, L],
+        scores)`` with ``input_ids`` = prompt + output runs it from the ids; :meth:`apply_counts` from incremental
+        :class:`TokenCounts` (equal results)."""
+        def get(name, default):
+            v = getattr(params, name, None)
+            return default if v is None else v
+
+        procs: list = []
+        rp = float(get("repetition_penalty", 1.0))
+        if rp != 1.0:
+            procs.append(RepetitionPenalty(rp))
+        fp = float(get("frequency_penalty", 0.0))
+        if fp != 0.0:
+            procs.append(FrequencyPenalty(fp, prompt_length))
+        pp = float(get("presence_penalty", 0.0))
+        if pp != 0.0:
+            procs.append(PresencePenalty(pp, prompt_length))
+        min_tokens = int(get("min_tokens", 0))
+        stops = [int(t) for t in get("stop_token_ids", ())]
+        if not get("ignore_eos", False):
+            stops += [int(e) for e in eos_ids]
+        stops = sorted(set(stops))
+        if min_tokens > 0 and stops:
+            procs.append(MinNewTokens(int(prompt_length), min_tokens, stops, vocab_size, device))
+        sample = bool(get("do_sample", False))
+        if sample:
+            procs += cls.for_sampling(True, get("temperature", 1.0), get("top_k", 0), get("top_p", 1.0)).processors
+        return cls(procs, do_sample=sample)
+
     # -- properties ----------------------------------------------------------------------------------------------
+    @property
+    def reads_counts(self) -> bool:
+        """Some processor reads :class:`TokenCounts` tensors (``apply_counts`` needs ``output`` / ``seen``)."""
+        return any(hasattr(p, "apply_counts") for p in self.processors)
+
     @property
     def history_free(self) -> bool:
         """Every processor reads only the scores and the sequence length (none reads the tokens)."""
@@ -447,6 +577,20 @@ class LogitsPipeline:
             x = p.apply(x, lengths)
         return x.view(B, T, V)
 
+    def apply_counts(self, scores: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+        """scores [N, V] fp32 after every processor, the history read from ``counts`` (kept by the caller) instead
+        of ``input_ids``: the penalties through their ``apply_counts``, the history-free processors through
+        ``apply(scores, counts.length)``. Equal to ``self(input_ids, scores)`` when ``counts`` are those of
+        ``input_ids``; no host sync. Raises NotImplementedError for a processor that needs the ids themselves."""
+        for p in self.processors:
+            if hasattr(p, "apply_counts"):
+                scores = p.apply_counts(scores, counts)
+            elif isinstance(p, _Base) and not p.reads_tokens:
+                scores = p.apply(scores, counts.length)
+            else:
+                raise NotImplementedError(f"LogitsPipeline.apply_counts: {_describe(p)} reads the token ids")
+        return scores
+
     def choose(self, scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """[..., V] processed scores → [...] next ids: argmax, or (``do_sample``) a sample of softmax(scores)."""
         return sample_from_scores(scores, generator) if self.do_sample else scores.argmax(-1)
@@ -457,6 +601,8 @@ def _describe(p) -> str:
         return f"repetition_penalty={p.penalty}"
     if isinstance(p, NoRepeatNGram):
         return f"no_repeat_ngram_size={p.ngram_size}"
+    if isinstance(p, (FrequencyPenalty, PresencePenalty)):
+        return f"{type(p).__name__}({p.penalty})"
     if isinstance(p, NoBadWords):
         return f"bad_words_ids with multi-token sequences {p.multi}"
     return f"logits_processor {type(p).__name__}"

@@ -6,16 +6,38 @@ import enum
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["SamplingParams", "TokenLogprobs", "Request", "RequestOutput", "RequestStatus"]
 
 
 @dataclass
 class SamplingParams:
+    """How one Engine request samples and stops; the names and semantics of vLLM's ``SamplingParams`` where they
+    exist there (``max_new_tokens`` is vLLM's ``max_tokens``; ``do_sample=False`` is greedy, vLLM's
+    ``temperature=0``). :mod:`k3nn.engine.sampling` applies them.
+
+    * ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k`` (0: off), ``top_p``, ``seed`` (None: fresh
+      randomness), ``eos_token_id`` (None: the model's): as in ``generate()``.
+    * ``n`` (≥ 1): independent samples of the prompt; the Engine runs :meth:`child` ``(i)`` for i < n.
+    * ``stop``: a string or a list of strings; the output ends at the first one its text contains (needs the
+      Engine's tokenizer). The text excludes it unless ``include_stop_str_in_output``; the token ids keep the
+      token that completed it (vLLM).
+    * ``stop_token_ids``: ids that end the request besides eos (kept in the output ids, left out of the text).
+    * ``ignore_eos``: eos does not stop the request (nor is it blocked by ``min_tokens``).
+    * ``min_tokens`` (≤ ``max_new_tokens``): eos and ``stop_token_ids`` get −inf, and stop strings are not
+      looked for, until that many tokens were generated.
+    * ``repetition_penalty`` (> 0, 1: off): s / θ if s > 0 else s · θ for every token of prompt + output.
+    * ``presence_penalty``, ``frequency_penalty`` (in [−2, 2], 0: off): s − α·[c > 0] − β·c, c = the token's
+      count in the output (not the prompt). All penalties apply to greedy requests too.
+    * ``logprobs`` (None: off; k ≥ 0): each new token comes with its log-probability, its rank and the k most
+      likely tokens' log-probabilities, all of the raw model distribution (log_softmax of the logits before
+      any penalty, temperature or top-k/top-p: vLLM's default ``raw_logprobs``).
+    """
+
     max_new_tokens: int = 64
     do_sample: bool = False
     temperature: float = 1.0
@@ -23,14 +45,43 @@ class SamplingParams:
     top_p: float = 1.0
     eos_token_id: int | list[int] | None = None  # None: the model config's
     seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
-    def validate(self) -> None:
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when unset)."""
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def child(self, index: int) -> "SamplingParams":
+        """The parameters of sample ``index`` of an ``n``-sample request: ``n=1`` and, when seeded, seed
+        ``seed + index`` (mod 2**64), so the samples differ and each is reproducible (vLLM's rule)."""
+        i = _int("index", index, lo=0)
+        if i >= self.n:
+            raise ValueError(f"index must be < n={self.n}, got {i}")
+        seed = None if self.seed is None else (int(self.seed) + i) % 2**64
+        return replace(self, n=1, seed=seed,
+                       stop=None if self.stop is None else (self.stop if isinstance(self.stop, str)
+                                                            else list(self.stop)),
+                       stop_token_ids=None if self.stop_token_ids is None else list(self.stop_token_ids))
+
+    def validate(self, tokenizer: Any = None) -> None:
         """Types and ranges of every field; each error names the field (TypeError for a wrong type, ValueError
-        for a value out of range)."""
+        for a value out of range). ``tokenizer``: what will detokenise the output (an object with
+        ``decode(ids) -> str``); ``stop`` strings are refused without one."""
         _int("max_new_tokens", self.max_new_tokens, lo=1)
-        if not isinstance(self.do_sample, bool):
-            raise TypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__}")
-        for name in ("temperature", "top_p"):
+        for name in ("do_sample", "ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
@@ -50,6 +101,32 @@ class SamplingParams:
                     _int("eos_token_id", t, lo=0)
             else:
                 _int("eos_token_id", e, lo=0)
+        _int("n", self.n, lo=1)
+        _int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens must be <= max_new_tokens={self.max_new_tokens}, got {self.min_tokens}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, lo=0)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
+            for t in self.stop_token_ids:
+                _int("stop_token_ids", t, lo=0)
+        if self.stop is not None:
+            if not isinstance(self.stop, (str, list, tuple)) or \
+                    any(not isinstance(x, str) for x in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+                raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")
+            if any(x == "" for x in self.stop_strings):
+                raise ValueError(f"stop must not contain the empty string, got {self.stop!r}")
+            if self.stop_strings and not callable(getattr(tokenizer, "decode", None)):
+                raise ValueError(f"stop={self.stop!r} needs a tokenizer (an object with decode(ids) -> str) to "
+                                 f"find stop strings in the output text; give the Engine one, or use "
+                                 f"stop_token_ids")
 
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -99,6 +176,13 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_forwards: int = 0  # forwards this request took part in before its first token
+    num_spec: int = 0  # drafts per verify window (0: plain decoding)
+    drafts: list[int] = field(default_factory=list)  # this step's drafts (fed after the pending token)
+    draft_probs: Any = None  # [n, V] draft distribution of sampled drafts (None: greedy drafts)
+    spec_rounds: int = 0  # verify windows with at least one draft
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,14 +198,48 @@ class Request:
         return end - self.num_computed
 
     def tokens_to_feed(self, n: int) -> list[int]:
-        return self.all_tokens()[self.num_computed:self.num_computed + n]
+        return (self.all_tokens() + self.drafts)[self.num_computed:self.num_computed + n]
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify window (accepted drafts + the target's token); 0 without windows."""
+        return (self.spec_accepted + self.spec_rounds) / self.spec_rounds if self.spec_rounds else 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position, of the raw model distribution (log_softmax of the fp32
+    logits before any processing).
+
+    ``token_id``/``logprob``: the chosen token and its log-probability; ``rank``: 1 + the number of tokens with a
+    larger log-probability (1: the most likely one); ``top``: the ``SamplingParams.logprobs`` most likely tokens
+    → log-probability, in descending order (insertion order; ties: lower id first). The chosen token need not be
+    in ``top``."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
 
 
 @dataclass
 class RequestOutput:
+    """One step's news of one request.
+
+    ``new_token_ids``: tokens added this step; ``finish_reason``: "stop" (eos, a stop token id or a stop
+    string), "length", "abort", "exported", "error"; ``output_token_ids``: every output token (when finished);
+    ``stop_reason``: what stopped it under "stop" — the stop token id (``stop_token_ids``), the stop string,
+    or None (eos); ``logprobs``: one :class:`TokenLogprobs` per new token (None unless
+    ``SamplingParams.logprobs`` is set); ``text``: the output text so far (None without a tokenizer), stop string
+    left out unless ``include_stop_str_in_output``; while the request runs it holds back the last
+    ``max(len(stop)) − 1`` characters, which could begin a stop string."""
+
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
     output_token_ids: list[int] | None = None
     error: str | None = None  # finish_reason "error": what failed
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    text: str | None = None
