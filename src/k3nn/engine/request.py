@@ -213,7 +213,7 @@ class TokenLogprobs:
 
     ``token_id``/``logprob``: the chosen token and its log-probability; ``rank``: 1 + the number of tokens with a
     larger log-probability (1: the most likely one); ``top``: the ``SamplingParams.logprobs`` most likely tokens
-    → log-probability, in descending order (insertion order; ties: lower id first). The chosen token need not be
+    → log-probability, in descending order (insertion order; the order of equal values is unspecified). The chosen token need not be
     in ``top``."""
 
     token_id: int
