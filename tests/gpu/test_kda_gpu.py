@@ -139,29 +139,6 @@ def test_fused_decode_cuda_graph():
     assert torch.equal(S, S_ref) and torch.equal(cs, c_ref) and torch.equal(y, y_ref)
 
 
-@pytest.mark.parametrize("B,T,H", [(1, 1, 96), (7, 3, 4)])
-def test_fused_decode_cuda(monkeypatch, B, T, H):
-    from k3nn.kernels.kda import cuda_decode
-
-    monkeypatch.setenv("K3NN_KDA_CUDA", "1")
-    cuda_decode.available.cache_clear()
-    try:
-        assert cuda_decode.available() is None
-        args, S, cs, idx = _decode_inputs(B, T, H, 128, 4, B + 2, 3 * B + T, torch.bfloat16)
-        for gate in ("softplus", "lower_bound"):
-            kw = dict(gate_kind=gate, lower_bound=-5.0, norm_eps=1e-5)
-            S1, c1, S2, c2 = S.clone(), cs.clone(), S.clone(), cs.clone()
-            with k3nn.backend("eager"):
-                y1 = ops.kda_fused_decode(*args, S1, c1, idx, **kw)
-            with k3nn.backend("cuda"):
-                y2 = ops.kda_fused_decode(*args, S2, c2, idx, **kw)
-            assert rms_ratio(y2, y1) < 1e-2
-            assert rms_ratio(S2, S1) < 2e-3
-            assert torch.equal(c2, c1)
-    finally:
-        cuda_decode.available.cache_clear()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gate,scale_g", [("lower_bound", 1.0), ("softplus", 1.0), ("softplus", 30.0)])
 def test_intra_splitg_matches_fused(dtype, gate, scale_g):

@@ -3,9 +3,7 @@ layer) replayed in a CUDA graph, vs fla-core ``fused_recurrent_kda`` (recurrence
 L2 norm; no conv, no output norm) on the same shapes.
 
 Reports per-layer time and the achieved bandwidth of the fp32 state (read + write, 2·B·H·D²·4 bytes) against
-the copy ceiling measured in the same run. Requests sit in shuffled cache slots (``state_indices``). With
-``K3NN_KDA_CUDA=1`` the CUDA kernel is timed on the same inputs too (``cuda_*`` columns; variant from
-``K3NN_KDA_CUDA_VARIANT``, default ``persistent``).
+the copy ceiling measured in the same run. Requests sit in shuffled cache slots (``state_indices``).
 
     k3nn bench kda-decode [--quick]
 """
@@ -17,9 +15,8 @@ import argparse
 import torch
 
 from .. import backend, ops
-from ..kernels.kda import cuda_decode
 from ..kernels.kda.triton_decode import decode_plan
-from .common import device_meta, graph_bench_ms, print_table, rel_err, write_results
+from .common import graph_bench_ms, print_table, rel_err, write_results
 
 SUITE = "kda-decode"
 
@@ -63,8 +60,7 @@ def main(argv=None):
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         print("interrupted: writing the rows measured so far")
     path = write_results(SUITE, rows, {"suite": SUITE})
-    print_table(rows, ["case", "k3nn_us", "tbps", "frac_copy_bw", "cuda_path", "cuda_us", "cuda_frac_copy_bw",
-                       "anchor_ms", "speedup", "err_vs_eager"])
+    print_table(rows, ["case", "k3nn_us", "tbps", "frac_copy_bw", "anchor_ms", "speedup", "err_vs_eager"])
     print(f"wrote {path}")
     return rows
 
@@ -87,18 +83,6 @@ def _cases(cases, rows, fr, gen, D, W):
         row = {"case": f"B{B} T{T} H{H} D{D} W{W} bf16 fp32-state gate={gate_kind}",
                "path": "{}-bv{}-w{}".format(*decode_plan(B, H, D)), "k3nn_ms": round(ms, 5),
                "k3nn_us": round(ms * 1e3, 2), "tbps": round(state_bytes / ms / 1e9, 3), "err_vs_eager": float(f"{err:.3g}")}
-        if cuda_decode.available() is None:  # the CUDA kernel (opt-in: K3NN_KDA_CUDA=1), same inputs
-            pl = cuda_decode.plan(B, H)
-            stages = f"-s{pl['stages']}" if pl["variant"] == "persistent" else ""
-            row["cuda_path"] = f"{pl['variant']}-w{pl['warps']}{stages}"
-            S_c, cs_c = S.clone(), cs.clone()
-            with backend("cuda"):
-                y_c = ops.kda_fused_decode(*p.values(), S_c, cs_c, idx, **kw)
-                row["cuda_err_vs_eager"] = float(f"{max(rel_err(y_c, y_r), rel_err(S_c, S_r)):.3g}")
-                ms_c = graph_bench_ms(lambda: ops.kda_fused_decode(*p.values(), S_c, cs_c, idx, **kw))
-            row["cuda_us"] = round(ms_c * 1e3, 2)
-            row["cuda_tbps"] = round(state_bytes / ms_c / 1e9, 3)
-            row["cuda_frac_copy_bw"] = round(row["cuda_tbps"] / device_meta()["copy_tbps"], 3)
         if fr is not None:
             y = p["qkv"].float().reshape(B, T, 3, H, D)
             q, k, v = (y[:, :, i].to(torch.bfloat16).contiguous() for i in range(3))

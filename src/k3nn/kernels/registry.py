@@ -5,9 +5,14 @@ for a given call); both return ``None`` when fine or a short reason string when 
 
 * an explicit backend (``k3nn.backend("triton")``, ``KimiK3(cfg, backend=...)``, env ``K3NN_BACKEND``):
   that implementation or a :class:`BackendUnavailableError` listing why it was refused;
-* ``"auto"`` (default): the first of cuda → triton → eager that can run the call. Auto never picks an
-  interpreted Triton kernel (``TRITON_INTERPRET=1`` is for tests) and never picks an implementation marked
-  ``exact=False`` (one whose numerics differ from the reference beyond rounding).
+* ``"auto"`` (default): the first of cuda → triton → eager that can run the call and does not step aside
+  for it (``auto_skip``: a kernel that runs the call but is known to be slower there than the next one). Auto
+  never picks an interpreted Triton kernel (``TRITON_INTERPRET=1`` is for tests) and never picks an
+  implementation marked ``exact=False`` (one whose numerics differ from the reference beyond rounding).
+
+Kernel parameters that are not a backend (autotuning, the thresholds of per-shape heuristics, pinned tiles) live
+in one typed object, :class:`KernelTuning`, read per call by the kernels: ``with tuning(autotune=False): ...``.
+The environment holds only ``K3NN_BACKEND`` here (see ``docs/architecture.md`` for every variable k3nn reads).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import contextvars
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
@@ -26,8 +31,9 @@ BACKENDS = ("eager", "triton", "cuda")
 _CHOICES = BACKENDS + ("auto",)
 AUTO_ORDER = ("cuda", "triton", "eager")
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "register", "dispatch", "backend", "current_backend",
-           "available_backends", "get_op", "ops", "resolve", "triton_interpreting", "fp32_dot_options"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "KernelTuning", "register", "dispatch", "backend",
+           "current_backend", "current_tuning", "tuning", "available_backends", "get_op", "ops", "resolve",
+           "triton_interpreting", "fp32_dot_options"]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -66,6 +72,77 @@ def backend(name: str | None) -> Iterator[str]:
         yield _current.get()  # type: ignore[misc]
     finally:
         _current.reset(tok)
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Kernel parameters below the choice of backend; every field's default is what the kernels do untuned.
+
+    Fields:
+        autotune: Triton kernels with several candidate configs (the KDA chunk forward and backward) and the
+            Triton MLA decode plan time their candidates on the first call per shape. False: the first config /
+            the heuristic plan, no timing (quick GPU tests). A shape keeps the choice made on its first call.
+        kda_decode_head_min: B·H from which the Triton fused KDA decode takes its ``head`` kernel (one program
+            per request-head); smaller calls take ``split`` (column blocks of a head in parallel). 1 sends every
+            call to ``head``, a huge value every call to ``split``.
+        mla_decode_tile: pins the Triton MLA decode tile, ``(bh, bn, warps, stages[, lazy, sv, ahead, opaque,
+            tma])`` (see :func:`k3nn.kernels.mla.triton_decode.pinned_tile`); the split count stays per shape.
+            None: the tuned (or heuristic) plan.
+        mla_cluster: CTAs per thread-block cluster of the CUDA (wgmma) MLA decode kernel's split merge, 1 to 8
+            (1: no cluster, a combine kernel merges the splits). None: the kernel's plan decides per shape.
+    """
+
+    autotune: bool = True
+    kda_decode_head_min: int = 256
+    mla_decode_tile: tuple[int, ...] | None = None
+    mla_cluster: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.autotune, bool):
+            raise TypeError(f"KernelTuning.autotune must be a bool, got {self.autotune!r}")
+        if isinstance(self.kda_decode_head_min, bool) or not isinstance(self.kda_decode_head_min, int) \
+                or self.kda_decode_head_min < 0:
+            raise ValueError(f"KernelTuning.kda_decode_head_min must be an int >= 0, got {self.kda_decode_head_min!r}")
+        t = self.mla_decode_tile
+        if t is not None:
+            if not isinstance(t, tuple) or not 4 <= len(t) <= 9 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in t):
+                raise ValueError("KernelTuning.mla_decode_tile must be None or a tuple of 4 to 9 ints "
+                                 f"(bh, bn, warps, stages[, lazy, sv, ahead, opaque, tma]), got {t!r}")
+        c = self.mla_cluster
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 8):
+            raise ValueError(f"KernelTuning.mla_cluster must be None or an int in 1..8, got {c!r}")
+
+
+_tuning: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("k3nn_tuning", default=KernelTuning())
+
+
+def current_tuning() -> KernelTuning:
+    """The :class:`KernelTuning` in force: the innermost ``tuning(...)``, else the defaults."""
+    return _tuning.get()
+
+
+@contextlib.contextmanager
+def tuning(config: KernelTuning | None = None, /, **changes: Any) -> Iterator[KernelTuning]:
+    """Context manager that sets kernel tuning for calls inside it (restores on exit): a whole
+    :class:`KernelTuning`, and/or field changes on top of the current one (``tuning(autotune=False)``)."""
+    names = {f.name for f in fields(KernelTuning)}
+    bad = sorted(set(changes) - names)
+    if bad:
+        raise TypeError(f"tuning(): unknown field(s) {', '.join(bad)}; KernelTuning has {', '.join(sorted(names))}")
+    if config is not None and not isinstance(config, KernelTuning):
+        raise TypeError(f"tuning(): expected a KernelTuning, got {type(config).__name__}")
+    tok = _tuning.set(replace(config if config is not None else _tuning.get(), **changes))
+    try:
+        yield _tuning.get()
+    finally:
+        _tuning.reset(tok)
+
+
+def autotune_prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """``early_config_prune`` for ``triton.autotune``: every candidate, or only the first one when
+    :attr:`KernelTuning.autotune` is off (the autotuner then times nothing)."""
+    return configs if current_tuning().autotune else configs[:1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +194,7 @@ class Impl:
     supports: Callable[..., str | None] | None = None  # per-call check; None = supports everything
     available: Callable[[], str | None] | None = None  # machine check
     exact: bool = True  # same numerics as the reference up to rounding; auto only picks exact impls
+    auto_skip: Callable[..., str | None] | None = None  # per call: why auto passes over it (runnable but slower)
 
     def why_not(self, args: tuple, kwargs: dict) -> str | None:
         if self.available is not None:
@@ -143,15 +221,18 @@ _logged: set[tuple[str, str]] = set()
 
 
 def register(op: str, backend: str, *, supports: Callable[..., str | None] | None = None,
-             available: Callable[[], str | None] | None = None, exact: bool = True):
-    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``."""
+             available: Callable[[], str | None] | None = None, exact: bool = True,
+             auto_skip: Callable[..., str | None] | None = None):
+    """Decorator: register ``fn`` as the ``backend`` implementation of ``op``. ``auto_skip(*args, **kwargs)``:
+    None, or why ``auto`` should take the next backend for this call although this one can run it (an
+    explicit ``backend(...)`` still runs it)."""
     backend = _check_name(backend)
     if backend == "auto":
         raise ValueError("register(): 'auto' is not a backend")
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         o = _OPS.setdefault(op, Op(op))
-        o.impls[backend] = Impl(op, backend, fn, supports, available, exact)
+        o.impls[backend] = Impl(op, backend, fn, supports, available, exact, auto_skip)
         return fn
 
     return deco
@@ -191,12 +272,21 @@ def resolve(op: str, args: tuple = (), kwargs: dict | None = None, backend_name:
             continue
         if name == "triton" and triton_interpreting():
             continue
-        if impl.why_not(args, kwargs) is None:
+        if impl.why_not(args, kwargs) is None and _skip_reason(impl, args, kwargs) is None:
             if (op, name) not in _logged:
                 _logged.add((op, name))
                 log.debug("%s: auto picked %s", op, name)
             return impl
     raise BackendUnavailableError(f"{op}: no backend can run this call\n{_reasons(o, args, kwargs)}")
+
+
+def _skip_reason(impl: Impl, args: tuple, kwargs: dict) -> str | None:
+    if impl.auto_skip is None:
+        return None
+    try:
+        return impl.auto_skip(*args, **kwargs)
+    except Exception as e:  # like supports(): a bug here must not hide the real error path
+        return f"auto_skip() check failed: {type(e).__name__}: {e}"
 
 
 def _reasons(o: Op, args: tuple, kwargs: dict) -> str:
@@ -206,7 +296,9 @@ def _reasons(o: Op, args: tuple, kwargs: dict) -> str:
         if impl is None:
             lines.append(f"  {name}: not implemented")
         else:
-            lines.append(f"  {name}: {impl.why_not(args, kwargs) or 'ok'}")
+            why = impl.why_not(args, kwargs)
+            skip = None if why else _skip_reason(impl, args, kwargs)
+            lines.append(f"  {name}: {why or (f'auto passes over it: {skip}' if skip else 'ok')}")
     return "\n".join(lines)
 
 

@@ -1,11 +1,10 @@
-"""KDA kernels: eager reference, and (registered by their modules) Triton / CUDA backends; the prologue ops
-(short convolution, decay gate) with their eager math in :mod:`.prologue`."""
+"""KDA kernels: eager reference and Triton backends; the prologue ops (short convolution, decay gate) with their
+eager math in :mod:`.prologue`."""
 
 from __future__ import annotations
 
 from ..registry import register
 from .api import check_kda_inputs, normalise_checkpoints
-from . import cuda_decode
 from .decode import kda_fused_decode_reference
 from .chunk_torch import kda_chunk_eager
 from .prologue import kda_gate, short_conv_reference
@@ -18,8 +17,6 @@ register("kda_recurrent", "eager")(kda_recurrent_reference)
 register("kda_fused_decode", "eager")(kda_fused_decode_reference)
 register("short_conv", "eager")(short_conv_reference)
 register("kda_gate", "eager")(kda_gate)
-register("kda_fused_decode", "cuda", supports=cuda_decode.supports,
-         available=cuda_decode.available)(cuda_decode.kda_fused_decode_cuda)  # built on first use
 
 try:  # Triton backends (registration is cheap: nothing compiles until first call)
     import triton  # noqa: F401

@@ -28,36 +28,30 @@ Roundings follow the eager reference: the conv output, the SiLU output, the L2-n
 recurrence output o are rounded to the activation dtype where the reference rounds them; the RMSNorm and the
 sigmoid gate run in fp32 on the rounded o. See :mod:`.decode` for the contract.
 
-Environment overrides (for benchmarks): ``K3NN_KDA_DECODE_PATH`` = ``auto`` | ``head`` | ``split``;
-``K3NN_KDA_DECODE_HEAD_MIN`` (B·H from which ``auto`` takes ``head``, default 256);
-``K3NN_KDA_DECODE_BV`` / ``K3NN_KDA_DECODE_WARPS`` (chunk / block width and warps of the chosen path);
-``K3NN_KDA_DECODE_PF`` (``head``: state chunks loaded ahead, 1 or 2) and ``K3NN_KDA_DECODE_MAXNREG`` (``head``:
-register cap per thread, so more programs fit an SM; default :data:`HEAD_MAXNREG` for [D, 32] chunks over 4 warps,
-otherwise 0 = the compiler's choice); ``K3NN_KDA_DECODE_ORDER`` (``hb``, the default: the heads of one request
-launched together — batch first anyway above 65535 requests; ``bh``: the programs of one head for every request
-together, their states H·D²·4 bytes apart); ``K3NN_KDA_DECODE_EVICT`` (``evict_first`` on the state loads and
-stores: ``both``, ``load``, ``store`` or ``none``; by default ``both``, and ``load`` from B·H =
-:data:`EVICT_LOAD_ONLY_MIN`).
+Plan (:func:`decode_plan`, shapes only, so calls can be captured in a CUDA graph): ``head`` from B·H =
+:attr:`KernelTuning.kda_decode_head_min <k3nn.kernels.registry.KernelTuning>` (default 256), else ``split``;
+``head`` takes [D, 64] chunks over 4 warps, ``split`` [D, 32] blocks over 4 warps (both at most D wide), and a
+[D, 32] ``head`` chunk (D ≤ 32) a register cap of :data:`HEAD_MAXNREG`. The heads of one request are launched
+together, batch first above 65535 requests (the grid's second axis). ``evict_first`` goes on the state loads
+and stores, on the loads only from B·H = :data:`EVICT_LOAD_ONLY_MIN`.
 
 On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
 same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
 and from 72.3% to 79.3–79.9% at B=256; [D, 64] chunks then reach 80.3% at B=64 H=96 (236 µs; fla's bare
-recurrence 74.7%), 83.2% at B=64 H=32 and 79.2% at B=8 H=96. Slower, kept as knobs: evict_first on the stores
+recurrence 74.7%), 83.2% at B=64 H=32 and 79.2% at B=8 H=96. Slower and removed: evict_first on the stores
 only (+1.3% at B=64 H=96, −2.5% at H=32), two chunks ahead, 96 registers (spills), wider tiles over 8 or 16
-warps. Tried and removed: several neighbouring heads per program, each one's first chunk loaded during the
+warps, the programs of one head for every request launched together. Also tried and removed: several neighbouring heads per program, each one's first chunk loaded during the
 previous one's last chunk (−4%, h200-s6-run3); the T = 1 outputs gathered in registers for the RMSNorm instead
 of stored and reloaded (−10%, h200-s6-run5).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_interpreting, triton_ready
+from ..registry import current_tuning, triton_interpreting, triton_ready
 
 __all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
 
@@ -175,7 +169,7 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
-                     EVEN: tl.constexpr, PF: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False,
+                     EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
         h = tl.program_id(0)
@@ -192,22 +186,15 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     rb = tl.arange(0, BV)
     s_b = S_ptr + (slot * H + h) * (D * D)
     s_off = rd[:, None] * D + rb[None, :]
-    # the state is what this kernel waits for: issue its first chunk (PF = 2: its first two) before anything else
+    # the state is what this kernel waits for: issue its first chunk before anything else
     Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
-    Sn2 = Sn
-    if PF == 2 and NC > 1:
-        Sn2 = _state_chunk(s_b, s_off, 1, rb, md, BV, D, EVEN, LD_EV)
     b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     if T1:  # one token: q, k, g, β once for every chunk
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
                                DT, H, D, W, SOFTPLUS)
     for c in tl.static_range(NC):
         S = Sn
-        if PF == 2:  # the next two chunks in flight while this one is updated
-            Sn = Sn2
-            if c + 2 < NC:
-                Sn2 = _state_chunk(s_b, s_off, c + 2, rb, md, BV, D, EVEN, LD_EV)
-        elif c + 1 < NC:  # the next chunk in flight while this one is updated
+        if c + 1 < NC:  # the next chunk in flight while this one is updated
             Sn = _state_chunk(s_b, s_off, c + 1, rb, md, BV, D, EVEN, LD_EV)
         rv = c * BV + rb
         mv = rv < D
@@ -320,36 +307,22 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-HEAD_MIN = 256  # B·H from which `auto` takes the head path (B=1 H=96 stays split; B>=3 at H=96 goes head)
-
-
 #: ``head`` path register cap for [D, 32] chunks over 4 warps (its default tile before h200-s6-run5): 4 programs
 #: of 128 threads per SM instead of 3 (+1.3% at B=64 and B=256 H=96 on the H200, h200-s5-run3)
 HEAD_MAXNREG = 128
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name, "")
-    return int(v) if v.strip() else default
-
-
 def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
-    """(path, BV, num_warps) the call takes: path ``head`` | ``split``; see the module docstring."""
+    """(path, BV, num_warps) the call takes: path ``head`` from B·H = ``kda_decode_head_min`` of the current
+    :class:`~k3nn.kernels.registry.KernelTuning` (default 256: B=1 H=96 stays ``split``, B >= 3 at H=96 goes
+    ``head``), else ``split``; see the module docstring."""
     BD = max(16, triton.next_power_of_2(D))
-    path = os.environ.get("K3NN_KDA_DECODE_PATH", "auto").strip().lower() or "auto"
-    if path not in ("auto", "head", "split"):
-        raise ValueError(f"K3NN_KDA_DECODE_PATH must be auto, head or split, got {path!r}")
-    if path == "auto":
-        path = "head" if B * H >= _env_int("K3NN_KDA_DECODE_HEAD_MIN", HEAD_MIN) else "split"
+    path = "head" if B * H >= current_tuning().kda_decode_head_min else "split"
     if path == "head":  # [D, 64] chunks over 4 warps (h200-s6-run5: 80.3% of copy at B=64 H=96, [D, 32] 77.7%)
         bv, nw = 64, 4
     else:
         bv, nw = 32, 4
-    bv = _env_int("K3NN_KDA_DECODE_BV", bv)
-    nw = _env_int("K3NN_KDA_DECODE_WARPS", nw)
-    bv = min(BD, max(16, triton.next_power_of_2(bv)))
-    nw = max(1, triton.next_power_of_2(nw))
-    return path, bv, nw
+    return path, min(BD, bv), nw
 
 
 #: B·H from which the state loads alone carry ``evict_first`` (stores plain): at B=256 H=96 (3.2 GB of state)
@@ -358,18 +331,10 @@ EVICT_LOAD_ONLY_MIN = 16384
 
 
 def _order_and_hints(B: int, H: int) -> tuple[bool, dict]:
-    """(heads first?, cache-hint constexprs) from ``K3NN_KDA_DECODE_ORDER`` / ``K3NN_KDA_DECODE_EVICT``."""
-    order = os.environ.get("K3NN_KDA_DECODE_ORDER", "hb").strip().lower() or "hb"
-    if order not in ("bh", "hb"):
-        raise ValueError(f"K3NN_KDA_DECODE_ORDER must be bh or hb (program order of the decode grid), got {order!r}")
-    hints = os.environ.get("K3NN_KDA_DECODE_EVICT", "").strip().lower() or (
-        "load" if B * H >= EVICT_LOAD_ONLY_MIN else "both")
-    if hints not in ("both", "load", "store", "none"):
-        raise ValueError(f"K3NN_KDA_DECODE_EVICT must be both, load, store or none (evict_first on the state "
-                         f"loads / stores), got {hints!r}")
-    # heads first puts the batch on the grid's second axis, which holds at most 65535 programs
-    return order == "hb" and B <= 65535, dict(LD_EV="evict_first" if hints in ("both", "load") else "",
-                               ST_EV="evict_first" if hints in ("both", "store") else "")
+    """(heads first?, cache-hint constexprs): the heads of a request launched together unless the batch does not
+    fit the grid's second axis (65535 programs); ``evict_first`` on the state stores too below
+    :data:`EVICT_LOAD_ONLY_MIN`."""
+    return B <= 65535, dict(LD_EV="evict_first", ST_EV="evict_first" if B * H < EVICT_LOAD_ONLY_MIN else "")
 
 
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
@@ -410,15 +375,11 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)
     if path == "head":
-        pf = _env_int("K3NN_KDA_DECODE_PF", 1)
-        if pf not in (1, 2):
-            raise ValueError(f"K3NN_KDA_DECODE_PF must be 1 or 2 (state chunks in flight ahead), got {pf}")
         # the cap was measured for [D, 32] chunks over 4 warps; other tiles keep the compiler's count
-        maxnreg = _env_int("K3NN_KDA_DECODE_MAXNREG", HEAD_MAXNREG if (BV, nw) == (32, 4) else 0)
-        if maxnreg and not triton_interpreting():  # registers per thread: more programs per SM
-            extra["maxnreg"] = maxnreg
+        if (BV, nw) == (32, 4) and not triton_interpreting():  # registers per thread: more programs per SM
+            extra["maxnreg"] = HEAD_MAXNREG
         _kda_decode_head[(H, B) if hf else (B, H)](*common, scale, float(lower_bound), float(norm_eps), T,
-                                                   NC=triton.cdiv(D, BV), PF=pf, HEADS_FIRST=hf, **consts, **extra)
+                                                   NC=triton.cdiv(D, BV), HEADS_FIRST=hf, **consts, **extra)
     else:
         cnt = _counter(qkv.device, B * H)
         ns = triton.cdiv(D, BV)
