@@ -9,13 +9,17 @@ so the columns and rows of the patch grid share one frequency ladder. Frames of 
 an additive embedding instead). This is Moonshot's complex form (``view_as_complex`` on the pairs); transformers'
 ``Kimi_K25VisionRotaryEmbedding`` is the same rotation after its checkpoint converter has permuted each head's
 q/k rows from pairs to halves (:mod:`k3nn.checkpoint.formats.multimodal` applies that permutation).
+
+``apply_rope_2d`` is the reference (the rotation written out on the two halves of each pair); the tower rotates with
+``rotate_pairs``: the same rotation as one complex product per pair, ``(x_{2j} + i·x_{2j+1})·e^{iθ_j}``, with
+``e^{iθ}`` computed once per forward (``rope_2d_cis``) and q and k rotated in one call.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_2d_angles", "apply_rope_2d"]
+__all__ = ["rope_2d_angles", "apply_rope_2d", "rope_2d_cis", "rotate_pairs"]
 
 
 def rope_2d_angles(grid_thw: torch.Tensor, head_dim: int, theta: float = 10000.0,
@@ -44,3 +48,19 @@ def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
     a, b = xf[..., 0], xf[..., 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
+
+
+def rope_2d_cis(angles: torch.Tensor) -> torch.Tensor:
+    """angles [L, D/2] → e^{i·angle} [L, 1, D/2] complex64 (broadcasts over heads)."""
+    a = angles.float()
+    return torch.polar(torch.ones_like(a), a)[:, None]
+
+
+def rotate_pairs(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [L, H, D] (any strides, last dim contiguous) rotated pairwise by cis [L, 1, D/2] (:func:`rope_2d_cis`):
+    fp32 math, result [L, H, D] contiguous in x's dtype. Equals ``apply_rope_2d(x, angles)``."""
+    xf = x.float()
+    if xf.stride(-1) != 1 or any(s % 2 for s in xf.stride()[:-1]) or xf.storage_offset() % 2:
+        xf = xf.contiguous()
+    y = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * cis)
+    return y.flatten(-2).to(x.dtype)

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import cu_seqlens_from_grid, varlen_attention
+from .attention import BACKENDS, Segments, varlen_attention
 from .config import VisionConfig
 from .init import init_standard_
-from .rope import apply_rope_2d, rope_2d_angles
+from .rope import rope_2d_angles, rope_2d_cis, rotate_pairs
 
 __all__ = ["MoonViT", "PatchEmbed", "LearnedPosEmb", "VisionBlock", "VisionEncoder", "patch_merge",
            "check_image_inputs", "num_image_tokens"]
@@ -134,8 +134,11 @@ class PatchEmbed(nn.Module):
         self.pos_emb = LearnedPosEmb(cfg)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [L, C, p, p] → [L, D]."""
-        x = self.proj(pixel_values.to(self.proj.weight.dtype)).flatten(1)
+        """pixel_values [L, C, p, p] → [L, D]. A p×p convolution at stride p over one p×p patch is one matrix
+        product over the patch's C·p·p values: computed as that GEMM (``proj`` keeps the checkpoint's Conv2d
+        layout)."""
+        w = self.proj.weight
+        x = F.linear(pixel_values.to(w.dtype).flatten(1), w.flatten(1), self.proj.bias)
         return self.pos_emb(x, grid_thw)
 
 
@@ -161,17 +164,21 @@ class VisionBlock(nn.Module):
         self.wo = nn.Linear(cfg.attn_width, cfg.hidden_size, bias=cfg.attn_bias)
         self.norm1 = _norm(cfg, cfg.hidden_size)
         self.mlp = VisionMLP(cfg)
-        #: "sdpa" or "eager" (see :func:`k3nn.vision.attention.varlen_attention`)
-        self.attn_backend = "sdpa"
+        #: one of :data:`k3nn.vision.attention.BACKENDS` (see :func:`k3nn.vision.attention.varlen_attention`):
+        #: "auto" runs the varlen flash kernel where it can (CUDA, fp16 / bf16) and SDPA elsewhere
+        self.attn_backend = "auto"
 
-    def attention(self, x: torch.Tensor, cu_seqlens: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)  # [L, H, Dh] each
-        q, k = apply_rope_2d(q, angles), apply_rope_2d(k, angles)
-        o = varlen_attention(q, k, v, cu_seqlens, self.head_dim ** -0.5, backend=self.attn_backend)
+    def attention(self, x: torch.Tensor, segments: Segments, cis: torch.Tensor) -> torch.Tensor:
+        """x [L, D] → [L, D]; ``cis`` [L, 1, Dh/2] the rotations (:func:`k3nn.vision.rope.rope_2d_cis`)."""
+        H = self.num_heads
+        qkv = self.wqkv(x).unflatten(-1, (3, H, self.head_dim))  # [L, 3, H, Dh]
+        qk = rotate_pairs(qkv[:, :2].flatten(1, 2), cis)  # q and k rotated in one pass: [L, 2H, Dh]
+        o = varlen_attention(qk[:, :H], qk[:, H:], qkv[:, 2], segments, self.head_dim ** -0.5,
+                             backend=self.attn_backend)
         return self.wo(o.flatten(1))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), cu_seqlens, angles)
+    def forward(self, x: torch.Tensor, segments: Segments, cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), segments, cis)
         return x + self.mlp(self.norm1(x))
 
 
@@ -183,10 +190,11 @@ class VisionEncoder(nn.Module):
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
 
     def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        cu = cu_seqlens_from_grid(grid_thw).to(x.device)
-        angles = rope_2d_angles(grid_thw, self.head_dim, self.rope_theta, device=x.device)
+        """Segments and rotations are built once here for every block (no host reads inside the layers)."""
+        segments = Segments.from_grid(grid_thw, x.device)
+        cis = rope_2d_cis(rope_2d_angles(grid_thw.cpu(), self.head_dim, self.rope_theta, device=x.device))
         for blk in self.blocks:
-            x = blk(x, cu, angles)
+            x = blk(x, segments, cis)
         return self.final_layernorm(x)
 
 
@@ -216,12 +224,10 @@ class MoonViT(nn.Module):
 
     @property
     def attn_backend(self) -> str:
-        return self.encoder.blocks[0].attn_backend if len(self.encoder.blocks) else "sdpa"
+        return self.encoder.blocks[0].attn_backend if len(self.encoder.blocks) else "auto"
 
     @attn_backend.setter
     def attn_backend(self, value: str) -> None:
-        from .attention import BACKENDS
-
         if value not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {value!r}")
         for blk in self.encoder.blocks:
@@ -229,10 +235,12 @@ class MoonViT(nn.Module):
 
     def patch_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """[L, C, p, p] → [L, D] after the final norm (before merging)."""
+        grid_thw = grid_thw.cpu()  # the grid is read on the host: once here, not per layer
         return self.encoder(self.patch_embed(pixel_values, grid_thw), grid_thw)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         check_image_inputs(pixel_values, grid_thw, self.config)
+        grid_thw = grid_thw.cpu()
         return patch_merge(self.patch_features(pixel_values, grid_thw), grid_thw, self.config.merge_kernel_size)
 
     @torch.no_grad()
