@@ -172,6 +172,7 @@ class Request:
     eos_ids: list[int] | None = None  # resolved when added (None: resolve on first use)
     generator: torch.Generator | None = None
     logits_pipeline: Any = None  # k3nn.logits.LogitsPipeline of the sampling params (built on first use)
+    sampler: Any = None  # k3nn.engine.sampling.RequestSampler of the sampling params (built when added)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -71,7 +71,8 @@ class IncrementalDetokenizer:
 
     Each :meth:`push` decodes ``ids[prefix:]`` and ``ids[prefix:read]`` (a few tokens) and appends the difference
     when it grew and does not end in U+FFFD; ``prefix, read`` then move to ``read, len(ids)``. ``context``: tokens
-    before the stream (the prompt's last few), decoded for their effect on the first tokens only."""
+    before the stream (the prompt's last few), decoded for their effect on the first tokens only (a character the
+    context began and the stream completes is the stream's)."""
 
     def __init__(self, tokenizer: Any, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
@@ -79,10 +80,15 @@ class IncrementalDetokenizer:
         self.prefix, self.read = 0, len(self.ids)
         self.text = ""
 
+    def _before(self) -> str:
+        # a context that ends inside a character decodes to U+FFFD there: the character is the output's
+        return self.tokenizer.decode(self.ids[self.prefix:self.read]).rstrip("\ufffd") if self.read > self.prefix \
+            else ""
+
     def push(self, token: int) -> int:
         """Add one token; returns the number of characters appended to :attr:`text`."""
         self.ids.append(int(token))
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        before = self._before()
         after = self.tokenizer.decode(self.ids[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             delta = after[len(before):]
@@ -95,7 +101,7 @@ class IncrementalDetokenizer:
         """Append the held-back text (the stream ended)."""
         if self.read == len(self.ids):
             return 0
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        before = self._before()
         delta = self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
         self.text += delta
