@@ -129,11 +129,12 @@ class PoisonEngine(Engine):
         if hit:
             self.crash_ids = self.crash_ids - {r.request_id for r in hit}
             raise RuntimeError("injected forward failure")
-        logits = super()._forward(reqs, num_new, row0, snapshots).clone()  # an inference tensor
+        logits, cache, hidden = super()._forward(reqs, num_new, row0, snapshots)
+        logits = logits.clone()  # an inference tensor
         for b, r in enumerate(reqs):
             if r.request_id in self.nan_ids:
                 logits[b] = float("nan")
-        return logits
+        return logits, cache, hidden
 
     def _retain_finished(self, r):
         if r.request_id in self.commit_ids:

@@ -105,12 +105,15 @@ class HybridPools:
 # -- conv-state capture for checkpoints ------------------------------------------------------------------------
 def _capture_hook(module, args, kwargs):
     state = args[1] if len(args) > 1 else kwargs.get("state")
-    if isinstance(state, PagedKDAState) and state.owner.ckpt_pairs:
+    if isinstance(state, PagedKDAState) and (state.owner.ckpt_pairs or state.owner.record_inputs):
         x = args[0] if args else kwargs["x"]
         mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
         if mask is not None:  # the layer zeroes padded inputs before projecting; do the same
             x = x * mask[..., None].to(x.dtype)
-        state.capture_conv(module, x)
+        if state.owner.ckpt_pairs:
+            state.capture_conv(module, x)
+        if state.owner.record_inputs:
+            state.window_x = x  # the engine's speculative replay folds the accepted part of it in
     return None
 
 
@@ -140,6 +143,7 @@ class PagedKDAState:
         self.conv = pool.conv[j][r0:r0 + B]
         self.checkpoints: torch.Tensor | None = None
         self._conv_ckpt: torch.Tensor | None = None
+        self.window_x: torch.Tensor | None = None  # this layer's input [B, T, d] when the owner records inputs
 
     def capture_conv(self, module, x: torch.Tensor) -> None:
         """Pre-conv inputs before every requested checkpoint: [M, W-1, 3·H·D] (M = number of checkpoints)."""
@@ -282,6 +286,7 @@ class PagedHybridCache(HybridCache):
         self.write_slots = slot_mapping(self.block_table, pos, pools.block_size)
         self.seq_lens = cached + new  # tokens of each request once this forward has written its own
         self.key_mask = torch.arange(self.gather_len, device=dev)[None, :] < self.seq_lens[:, None]
+        self.record_inputs: set[int] = set()  # batch rows whose KDA layer inputs are kept (speculative replay)
         self.layers = []
         j = 0
         for i in range(self.config.num_hidden_layers):
@@ -290,6 +295,7 @@ class PagedHybridCache(HybridCache):
             else:
                 self.layers.append(PagedKDAState(self, j))
                 j += 1
+        self.layers_kda = [st for st in self.layers if isinstance(st, PagedKDAState)]
         self.seen_tokens = min(self.num_cached)
 
     # -- protocol ------------------------------------------------------------------------------------------

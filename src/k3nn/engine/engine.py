@@ -30,6 +30,7 @@ can progress.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -43,9 +44,14 @@ from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
 from ..generation import GenerationConfig
 from ..logits import LogitsPipeline
+from ..spec.generate import SpecOptions
+from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
 from .request import Request, RequestOutput, RequestStatus, SamplingParams, _int
+from .speculative import DraftRow, KDAReplay, as_engine_drafter
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
+
+log = logging.getLogger(__name__)
 
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
@@ -80,10 +86,23 @@ class EngineConfig:
     retention: str | RetentionPolicy | None = "marconi"
     eviction: str | EvictionPolicy | None = "lru"
     pad_token_id: int = 0
+    watermark: float = 0.01  # admission keeps this fraction of the pages free for running requests to grow
+    num_speculative_tokens: int | None = None  # per-request default with a drafter (None: the drafter's block size)
+    spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
+                or not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
+        if self.num_speculative_tokens is not None:
+            _int("num_speculative_tokens", self.num_speculative_tokens, lo=0)
+        if self.spec is not None:
+            if not isinstance(self.spec, SpecOptions):
+                raise TypeError(f"spec must be a k3nn.spec.SpecOptions, got {type(self.spec).__name__}")
+            if self.spec.rollback != "replay":
+                raise ValueError(f"the engine rolls KDA back by replay only; got spec.rollback={self.spec.rollback!r}")
         if self.budget not in ("adaptive", "fixed"):
             raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
         if self.max_num_batched_tokens < 1 or self.reserve_per_seq < 1 or self.min_prefill_tokens < 1:
@@ -99,7 +118,7 @@ class Engine:
     ``stream()`` steps until every request finished; ``generate(prompts)`` → outputs in order; ``metrics()``.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, **overrides):
         cfg = config or EngineConfig()
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
@@ -117,6 +136,17 @@ class Engine:
         if cfg.budget == "fixed" and cfg.max_num_batched_tokens - cfg.reserve_per_seq * cfg.max_num_seqs < 1:
             raise ValueError("budget='fixed': max_num_batched_tokens must exceed reserve_per_seq · max_num_seqs")
         enable_state_capture(model)
+        self.drafter = None
+        self.spec_options = cfg.spec or SpecOptions()
+        self.default_num_spec = 0
+        if drafter is not None:
+            self.drafter = as_engine_drafter(drafter, num_pages, self.pools.block_size, device)
+            gamma = getattr(getattr(drafter, "config", None), "block_size", None)
+            self.default_num_spec = (cfg.num_speculative_tokens if cfg.num_speculative_tokens is not None
+                                     else int(gamma or 1))
+        self.replay = KDAReplay(model, self.pools)
+        self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
+        self.num_preemptions = self.recomputed_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
         self.requests: dict[str, Request] = {}
@@ -131,19 +161,27 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams | None = None, *,
                     request_id: str | None = None, boundaries: Sequence[int] = (), prefill_only: bool = False,
-                    **sampling) -> str:
+                    num_speculative_tokens: int | None = None, **sampling) -> str:
         """Queue a prompt (token ids). ``boundaries``: prompt positions worth a KDA snapshot (turn ends);
-        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`.
+        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`;
+        ``num_speculative_tokens``: drafts per verify window for this request (0: plain decoding; None: the
+        engine's default; needs a drafter).
 
         Everything is checked here (TypeError for a wrong type, ValueError / CacheFullError for a value out of
         range, each naming the argument); on error nothing is queued."""
-        req = self._make_request(prompt, params, request_id, boundaries, prefill_only, sampling)
+        req = self._make_request(prompt, params, request_id, boundaries, prefill_only, sampling,
+                                 num_spec=num_speculative_tokens)
         self._enqueue(req)
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, boundaries, prefill_only, sampling,
-                      taken: frozenset[str] = frozenset()) -> Request:
+                      taken: frozenset[str] = frozenset(), num_spec: int | None = None) -> Request:
         """A validated, unregistered :class:`Request` (no engine state changes except the id counter)."""
+        if num_spec is not None:
+            num_spec = _int("num_speculative_tokens", num_spec, lo=0)
+            if num_spec > 0 and self.drafter is None:
+                raise ValueError("num_speculative_tokens > 0 needs an engine with a drafter (Engine(model, "
+                                 "drafter=...))")
         prompt = self._token_ids(prompt)
         if params is not None and sampling:
             raise TypeError("give a SamplingParams or sampling keyword arguments, not both")
@@ -167,6 +205,7 @@ class Engine:
                                  f"{params.max_new_tokens} new tokens) but the pool has "
                                  f"{self.pools.allocator.num_blocks}; create the engine with more num_pages")
         req = Request(rid, prompt, params, boundaries=bounds, prefill_only=prefill_only)
+        req.num_spec = self.default_num_spec if num_spec is None else num_spec
         req.eos_ids = self._eos_ids(params)
         req.generator = self._generator(params)
         if self.prefix is not None:
@@ -281,25 +320,42 @@ class Engine:
                 return r
         return None
 
+    def _watermark_pages(self) -> int:
+        """Pages admission leaves free for the running requests to grow into (none when nothing runs)."""
+        if not any(r.status == RequestStatus.RUNNING for r in self.running):
+            return 0
+        return int(self.config.watermark * self.pools.allocator.num_blocks + 0.999999)
+
     def _admit(self, req: Request) -> bool:
+        """Give ``req`` a running row and the pages of what it feeds before its first sample (its prompt; a
+        preempted request: prompt + output so far, minus what the prefix index still holds); the pages of the
+        tokens it generates are added as it decodes (:meth:`_grow`)."""
         row = self._free_row()
         if row is None:
             self._stall = f"all {len(self.row_owner)} running rows are held"
             return False
-        N = req.num_prompt_tokens
-        m = self.prefix.match(req.prompt, req.keys, record=False) if self.prefix is not None else PrefixMatch()
-        total = self.pools.pages_for(self._cache_tokens(N, req.params, req.prefill_only))
+        resumed = bool(req.output)
+        tokens = req.all_tokens()
+        N = len(tokens)
+        keys = req.keys
+        if resumed and self.prefix is not None:
+            keys = req.keys + block_hashes(tokens, self.pools.block_size, self.prefix.salt,
+                                           req.keys[-1] if req.keys else None, len(req.keys))
+        m = self.prefix.match(tokens, keys, record=False) if self.prefix is not None else PrefixMatch()
+        total = self.pools.pages_for(max(N - 1, 1) if req.prefill_only else N)
         need = max(total - len(m.pages), 0)
         alloc = self.pools.allocator
         alloc.incref(m.pages)
         req.blocks = list(m.pages)  # owned from here on: _release frees them if anything below fails
-        if alloc.num_free < need and self.prefix is not None:
-            self.prefix.make_room(pages=need)
-        if alloc.num_free < need:
+        reserve = self._watermark_pages()
+        if alloc.num_free < need + reserve and self.prefix is not None:
+            self.prefix.make_room(pages=need + reserve)
+        if alloc.num_free < need + reserve:
             alloc.free(m.pages)
             req.blocks = []
-            self._stall = (f"request {req.request_id!r} needs {need} free latent pages, {alloc.num_free} of "
-                           f"{alloc.num_blocks} are free and nothing is running that would release more")
+            self._stall = (f"request {req.request_id!r} needs {need} free latent pages (+ {reserve} kept free), "
+                           f"{alloc.num_free} of {alloc.num_blocks} are free and nothing is running that would "
+                           f"release more")
             return False
         req.blocks += alloc.allocate(need)
         req.row = row
@@ -308,18 +364,63 @@ class Engine:
             self.pools.running.copy_([row], self.pools.snapshots, [m.snapshot])  # copy-on-write
         else:
             self.pools.running.zero_([row])
-        req.num_computed = req.hit_len = m.hit_len
+        req.num_computed = m.hit_len
         req.kv_len = m.kv_len
         req.indexed_blocks = len(m.pages)
-        if self.prefix is not None:
+        if resumed:
+            self.recomputed_tokens += N - m.hit_len
+        else:
+            req.hit_len = m.hit_len
+            self.computed_prompt_tokens += N - m.hit_len
+        if self.prefix is not None and not resumed:
             self.prefix.record(m, N)
             req.plan = self.retention.plan(PlanInput(N, m.hit_len, m.kv_len, req.boundaries, self.pools.block_size))
-        self.computed_prompt_tokens += N - m.hit_len
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         if req.prefill_only and req.remaining <= 0:
             req.status = RequestStatus.PREFILLED
         return True
+
+    def _grow(self, req: Request, num_tokens: int, protect: Sequence[Request] = ()) -> bool:
+        """Make ``req``'s pages cover ``num_tokens`` tokens: free pages, then prefix-index pages, then preempt
+        the newest running request (never one in ``protect``; ``req`` itself when it is the newest). Returns
+        False when ``req`` itself was preempted."""
+        need = self.pools.pages_for(num_tokens) - len(req.blocks)
+        alloc = self.pools.allocator
+        while need > 0 and alloc.num_free < need:
+            if self.prefix is not None and self.prefix.make_room(pages=need):
+                break
+            victim = next((q for q in reversed(self.running)
+                           if q.status == RequestStatus.RUNNING and q not in protect and q is not req), None)
+            if victim is None or self.running.index(victim) < self.running.index(req):
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+        if need > 0:
+            req.blocks += alloc.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: index what ``req`` fed (so its recompute may hit the prefix index), free its
+        row, pages and snapshots, and queue it at the front; it resumes from prompt + output with the same
+        generator (identical output)."""
+        self._retain_finished(req)
+        if req.decode_snap is not None:
+            self.pools.snapshots.free([req.decode_snap[1]])
+            req.decode_snap = None
+        if req.row is not None:
+            self.row_owner[req.row] = None
+            req.row = None
+        if req.blocks:
+            self.pools.allocator.free(req.blocks)
+            req.blocks = []
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = req.indexed_blocks = 0
+        req.plan, req.drafts, req.draft_probs = [], [], None
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
 
     def adopt(self, prompt: Sequence[int], num_computed: int, pages: Sequence[torch.Tensor],
               recurrent: Sequence[torch.Tensor], conv: Sequence[torch.Tensor], params: SamplingParams | None = None,
@@ -338,20 +439,30 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if self.pools.pages_for(len(prompt) + params.max_new_tokens - 1) > self.pools.allocator.num_blocks:
+            raise CacheFullError(f"adopt: request {rid!r} (prompt {len(prompt)} + {params.max_new_tokens} new "
+                                 f"tokens) can never fit the pool of {self.pools.allocator.num_blocks} pages")
         row = self._free_row()
         if row is None:
             raise CacheFullError(f"adopt: all {len(self.row_owner)} running rows are busy")
         n_src = self.pools.pages_for(num_computed)
-        total = self.pools.pages_for(self._cache_tokens(len(prompt), params, False))
+        self._check_state_tensors(n_src, pages, recurrent, conv)
+        total = self.pools.pages_for(len(prompt))
         if self.pools.allocator.num_free < total and self.prefix is not None:
             self.prefix.make_room(pages=total)
-        blocks = self.pools.allocator.allocate(total)
-        if n_src:
-            self.pools.write_pages(blocks[:n_src], [p[:n_src] for p in pages])
-        self.pools.running.write(row, recurrent, conv)
+        blocks = self.pools.allocator.allocate(total)  # raises CacheFullError before anything is taken
+        try:
+            if n_src:
+                self.pools.write_pages(blocks[:n_src], [p[:n_src] for p in pages])
+            self.pools.running.write(row, recurrent, conv)
+        except BaseException:
+            self.pools.allocator.free(blocks)
+            raise
         req = Request(rid, prompt, params, status=RequestStatus.RUNNING, row=row, blocks=blocks,
                       num_computed=num_computed)
         req.generator = self._generator(params)
+        req.eos_ids = self._eos_ids(params)
+        req.num_spec = 0  # the shipped pages carry no drafter context: an adopted request decodes plainly
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
         self.row_owner[row] = req
@@ -363,11 +474,31 @@ class Engine:
             self.start_time = time.perf_counter()
         return rid
 
+    def _check_state_tensors(self, n_pages: int, pages, recurrent, conv) -> None:
+        """Shapes of a transferred state against this engine's pools (ValueError naming the tensor)."""
+        pl = self.pools
+        if len(pages) != len(pl.pages):
+            raise ValueError(f"adopt: pages must hold one tensor per MLA layer ({len(pl.pages)}), got {len(pages)}")
+        for i, (p, ref) in enumerate(zip(pages, pl.pages)):
+            if p.dim() != 3 or p.shape[0] < n_pages or tuple(p.shape[1:]) != tuple(ref.shape[1:]):
+                raise ValueError(f"adopt: pages[{i}] must be [>= {n_pages}, {ref.shape[1]}, {ref.shape[2]}], got "
+                                 f"{tuple(p.shape)}")
+        run = pl.running
+        for name, got, ref in (("recurrent", recurrent, run.recurrent), ("conv", conv, run.conv)):
+            if len(got) != len(ref):
+                raise ValueError(f"adopt: {name} must hold one tensor per KDA layer ({len(ref)}), got {len(got)}")
+            for j, (t, r) in enumerate(zip(got, ref)):
+                if tuple(t.shape) != tuple(r.shape[1:]):
+                    raise ValueError(f"adopt: {name}[{j}] must be {tuple(r.shape[1:])}, got {tuple(t.shape)}")
+
     # -- scheduling ---------------------------------------------------------------------------------------------
-    def prefill_budget(self, num_decodes: int) -> int:
+    def prefill_budget(self, num_decodes: int, decode_tokens: int = 0) -> int:
+        """Tokens left for prefill chunks this step: the step budget minus what the decodes hold
+        (``reserve_per_seq`` per decode row — per row of ``max_num_seqs`` with ``budget="fixed"`` — or the
+        decodes' actual tokens with their verify windows, whichever is larger)."""
         c = self.config
         held = c.max_num_seqs if c.budget == "fixed" else num_decodes
-        return max(c.max_num_batched_tokens - c.reserve_per_seq * held, c.min_prefill_tokens)
+        return max(c.max_num_batched_tokens - max(c.reserve_per_seq * held, decode_tokens), c.min_prefill_tokens)
 
     def _chunk(self, req: Request, budget: int) -> int:
         rem = req.remaining
@@ -379,31 +510,54 @@ class Engine:
                 n = end - req.num_computed
         return n
 
+    def _draft_len(self, req: Request) -> int:
+        """Drafts this decode row may verify: its ``num_speculative_tokens``, at most one less than the tokens it
+        may still emit (the target's own token always follows the accepted drafts)."""
+        if self.drafter is None or req.num_spec <= 0:
+            return 0
+        return max(0, min(req.num_spec, req.params.max_new_tokens - len(req.output) - 1))
+
     def schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
-        """Decide this step's work: (decode requests, [(prefill request, tokens)])."""
+        """Decide this step's work: (decode requests, [(prefill request, tokens)]).
+
+        Decodes first, oldest first, each given the pages of its tokens this step (its verify window with
+        speculation), preempting the newest running request when the pool runs out (:meth:`_grow`); then the
+        partial prefills (FCFS) and new admissions within the token budget. A waiting request that does not fit
+        the free pages does not block smaller ones behind it; after a preemption nothing new is admitted in the
+        same step."""
         active = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        preempted = self.num_preemptions
+        for r in [r for r in active if r.remaining == 1]:
+            if r.status == RequestStatus.RUNNING:
+                self._grow(r, r.num_computed + 1 + self._draft_len(r))
+        active = [r for r in active if r.status == RequestStatus.RUNNING]
         decodes = [r for r in active if r.remaining == 1]
-        budget = self.prefill_budget(len(decodes))
+        budget = self.prefill_budget(len(decodes), sum(1 + self._draft_len(r) for r in decodes))
         prefills: list[tuple[Request, int]] = []
         for r in active:
             if r.remaining > 1 and budget > 0:
                 n = self._chunk(r, budget)
                 prefills.append((r, n))
                 budget -= n
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and self.num_preemptions == preempted:
+            req = self.waiting[i]
             try:
                 admitted = self._admit(req)
             except Exception as e:  # this request's admission (prefix match, retention plan): fail it alone
                 self._failed_outputs.append(self._fail(req, e, "admission"))
                 continue
             if not admitted:
-                break
-            self.waiting.pop(0)
+                if self._free_row() is None:
+                    break
+                i += 1  # too large for the free pages now: smaller requests behind it may fit
+                continue
+            self.waiting.pop(i)
             if req.status != RequestStatus.RUNNING:
                 continue
             if req.remaining == 1:
-                decodes.append(req)
+                if self._grow(req, req.num_computed + 1 + self._draft_len(req)):
+                    decodes.append(req)
             else:
                 n = self._chunk(req, budget)
                 prefills.append((req, n))
@@ -471,33 +625,127 @@ class Engine:
         return out
 
     def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
-        pipe = r.logits_pipeline
-        if pipe is None:
-            p = r.params
-            pipe = r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
+        pipe = self._pipeline(r)
         return int(pipe.choose(pipe(None, logits.float()), r.generator)[0])
 
+    def _pipeline(self, r: Request) -> LogitsPipeline:
+        if r.logits_pipeline is None:
+            p = r.params
+            r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
+        return r.logits_pipeline
+
     def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
-                 snapshots: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
-        """One model forward over consecutive rows; returns the logits at each row's last new token [B, V]."""
+                 snapshots: Sequence[Sequence[tuple[int, int]]] | None = None):
+        """One model forward over consecutive rows. Returns (the logits at each row's last new token [B, V],
+        the cache view, the final hidden states [B, T, d]); rows with drafts are verify windows (their KDA inputs
+        recorded for :class:`~k3nn.engine.speculative.KDAReplay`); with a drafter the tapped hidden states of every
+        fed token go into its paged context."""
         if [r.row for r in reqs] != list(range(row0, row0 + len(reqs))):
             raise RuntimeError(f"engine: rows {[r.row for r in reqs]} are not consecutive from {row0}")
         cache = PagedHybridCache(self.pools, row0, [r.blocks for r in reqs], [r.num_computed for r in reqs],
                                  num_new, snapshots)
         ids = cache.input_ids([r.tokens_to_feed(n) for r, n in zip(reqs, num_new)], self.config.pad_token_id)
+        self.replay.begin(cache, [b for b, r in enumerate(reqs) if r.drafts])
+        taps = self.drafter.target_layers if self.drafter is not None else None
         with torch.inference_mode():
-            out = self.model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1)
+            out = self.model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1,
+                             output_hidden_layers=taps)
             if cache.T == 1 or all(n == cache.T for n in num_new):
                 logits = out.logits[:, -1]
             else:
                 h = out.last_hidden_state[torch.arange(len(reqs), device=ids.device), cache.last_index()]
                 logits = self.model.lm_head(h)
+            if self.drafter is not None:
+                self.drafter.write(out.hidden_states, cache.q_pos, cache.write_slots)
         self.num_forwards += 1
         for r, n in zip(reqs, num_new):
             r.num_computed += n
             if r.first_token_time is None:
                 r.num_forwards += 1
-        return logits
+        return logits, cache, out.last_hidden_state
+
+    # -- speculation --------------------------------------------------------------------------------------------
+    def _draft(self, decodes: Sequence[Request]) -> None:
+        """Drafts for this step's decode rows (``req.drafts``). Greedy rows of one draft length share one
+        drafter call; a sampling row drafts alone, from its own generator. A drafter error costs only the
+        speedup: those rows decode plainly this step (logged)."""
+        for r in decodes:
+            r.drafts, r.draft_probs = [], None
+        groups: dict[tuple, list[Request]] = {}
+        for r in decodes:
+            n = self._draft_len(r)
+            if n > 0:
+                groups.setdefault((n, r.request_id) if r.params.do_sample else (n,), []).append(r)
+        opts, V = self.spec_options, self.mcfg.vocab_size
+        for key, group in groups.items():
+            n = key[0]
+            rows = [DraftRow(r.all_tokens(), r.num_computed, r.blocks, r.params, r.generator) for r in group]
+            try:
+                with torch.inference_mode():
+                    prop = self.drafter.propose(rows, n)
+                toks = prop.tokens[:, :n]
+                if tuple(toks.shape) != (len(group), n):
+                    raise ValueError(f"expected drafts of shape {(len(group), n)}, got {tuple(toks.shape)}")
+                lim = [n] * len(group)
+                if opts.confidence_threshold > 0 and prop.confidence is not None:
+                    ok = (prop.confidence[:, :n] >= opts.confidence_threshold).long().cumprod(1).sum(1)
+                    lim = ok.tolist()
+                toks_l = toks.tolist()
+                if any(not 0 <= t < V for row in toks_l for t in row):
+                    raise ValueError(f"draft token ids outside [0, vocab_size={V})")
+            except Exception as e:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding
+                log.warning("engine: drafting failed for %s (%s: %s); decoding them without drafts",
+                            [r.request_id for r in group], type(e).__name__, e)
+                continue
+            for k, r in enumerate(group):
+                r.drafts = toks_l[k][:lim[k]]
+                if prop.probs is not None and r.drafts:
+                    r.draft_probs = prop.probs[k, :lim[k]]
+
+    def _verify(self, reqs: Sequence[Request], hidden: torch.Tensor) -> dict[int, list[int] | Exception]:
+        """Accept the drafts of the verify rows of one forward: batch row → emitted tokens (accepted drafts +
+        the target's token) or the error that fails that request. Greedy: leading matches of the processed
+        scores' argmax; sampling: lossless rejection sampling with the request's generator; with
+        ``spec.synthetic_acceptance_length`` a fixed count (benchmarks; not the target's output)."""
+        rows = [b for b, r in enumerate(reqs) if r.drafts]
+        if not rows:
+            return {}
+        Tw = 1 + max(len(reqs[b].drafts) for b in rows)
+        idx = torch.tensor(rows, device=hidden.device)
+        with torch.inference_mode():
+            wl = self.model.lm_head(hidden.index_select(0, idx)[:, :Tw]).float()  # [Bv, Tw, V]
+        scores = torch.stack([self._pipeline(reqs[b])(None, wl[k]) for k, b in enumerate(rows)])
+        amax = torch.cat([scores.argmax(-1), (~torch.isfinite(wl).all(-1)).long()], 1).tolist()  # one sync
+        out: dict[int, list[int] | Exception] = {}
+        L = self.spec_options.synthetic_acceptance_length
+        for k, b in enumerate(rows):
+            r = reqs[b]
+            n = len(r.drafts)
+            row = amax[k]
+            tgt, nonfinite = row[:Tw], row[Tw:]
+            if any(nonfinite[:n + 1]):
+                out[b] = FloatingPointError("the logits of the verify window contain NaN or Inf")
+                continue
+            try:
+                limit = torch.tensor([n], device=wl.device)
+                if L is not None:
+                    m = min(n, max(0, int(L) - 1))
+                    nxt = (tgt[m] if not r.params.do_sample else
+                           int(self._pipeline(r).choose(scores[k, m:m + 1], r.generator)[0]))
+                elif r.params.do_sample:
+                    d = torch.tensor([r.drafts], device=wl.device)
+                    q = None if r.draft_probs is None else r.draft_probs[None]
+                    mt, nt = rejection_accept(scores[k:k + 1, :n + 1], d, q, limit, None, r.generator)
+                    m, nxt = int(mt[0]), int(nt[0])
+                else:
+                    m = 0
+                    while m < n and r.drafts[m] == tgt[m]:
+                        m += 1
+                    nxt = tgt[m]
+                out[b] = list(r.drafts[:m]) + [int(nxt)]
+            except Exception as e:  # noqa: BLE001 - fails this request alone
+                out[b] = e
+        return out
 
     def _plan_snapshots(self, req: Request, n: int) -> list[tuple[int, int]]:
         """Snapshot slots for the planned positions inside this chunk (relative positions)."""
@@ -533,11 +781,13 @@ class Engine:
         outputs, self._failed_outputs = self._failed_outputs, []
         if not decodes and not prefills:
             return outputs
+        if self.drafter is not None:
+            self._draft(decodes)
         self._layout([decodes, [r for r, _ in prefills]])
         decodes.sort(key=lambda q: q.row)
         prefills.sort(key=lambda x: x[0].row)
-        produced: list[tuple[Request, int]] = []
-        rows = [(r, 1) for r in decodes] + list(prefills)
+        produced: list[tuple[Request, list[int]]] = []
+        rows = [(r, 1 + len(r.drafts)) for r in decodes] + list(prefills)
         if prefills and max(n for _, n in prefills) > self.config.mixed_forward_max_tokens and decodes:
             batches = [rows[:len(decodes)], rows[len(decodes):]]  # decodes first, then the (long) prefills
         else:
@@ -564,20 +814,46 @@ class Engine:
             snaps = [sn for _, sn in batch]
             absolute = [[(r.num_computed + p, s) for p, s in sn] for r, sn in zip(reqs, snaps)]
             try:
-                logits = self._forward(reqs, ns, reqs[0].row, snaps)
+                logits, cache, hidden = self._forward(reqs, ns, reqs[0].row, snaps)
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
                 self.pools.snapshots.free([s for sn in snaps for _, s in sn])
                 for r in reqs:
+                    r.drafts, r.draft_probs = [], None
                     fail(r, e, "forward")
                 continue
-            done = [b for b, r in enumerate(reqs) if r.remaining == 0 and not r.prefill_only]
+            verified = self._verify(reqs, hidden)
+            keep: dict[int, int] = {}
+            for b, res in verified.items():
+                r = reqs[b]
+                n = len(r.drafts)
+                r.drafts, r.draft_probs = [], None
+                if isinstance(res, Exception):
+                    fail(r, res, "verification")
+                    continue
+                m = len(res) - 1
+                r.num_computed -= n - m  # keep the pending token + the accepted drafts
+                keep[b] = m + 1
+                r.spec_rounds += 1
+                r.spec_drafted += n
+                r.spec_accepted += m
+                self.spec_rounds, self.spec_drafted, self.spec_accepted = (
+                    self.spec_rounds + 1, self.spec_drafted + n, self.spec_accepted + m)
+                produced.append((r, res))
+            if verified:
+                try:
+                    self.replay.commit(cache, keep)
+                except Exception as e:  # the rebuilt KDA states are not trustworthy: fail the windows' requests
+                    for b in keep:
+                        fail(reqs[b], e, "speculative rollback")
+            done = [b for b, r in enumerate(reqs)
+                    if b not in verified and r.remaining == 0 and not r.prefill_only]
             if done:
                 toks = self._sample([reqs[b] for b in done], logits[done])
                 for b, t in zip(done, toks):
                     if isinstance(t, Exception):
                         fail(reqs[b], t, "sampling")
                     else:
-                        produced.append((reqs[b], t))
+                        produced.append((reqs[b], [t]))
             for r, sn in zip(reqs, absolute):
                 if r.status == RequestStatus.FAILED:
                     self.pools.snapshots.free([s for _, s in sn])
@@ -588,11 +864,11 @@ class Engine:
                 except Exception as e:
                     fail(r, e, "cache commit")
         now = time.perf_counter()
-        for r, t in produced:
+        for r, toks in produced:
             if r.status == RequestStatus.FAILED:
                 continue
             try:
-                outputs.append(self._append_token(r, t, now))
+                outputs.append(self._append_tokens(r, toks, now))
             except Exception as e:
                 fail(r, e, "stop check")
         for r in list(self.running):
@@ -602,22 +878,28 @@ class Engine:
                     r.first_token_time = now
         return outputs
 
-    def _append_token(self, r: Request, t: int, now: float) -> RequestOutput:
-        """Add a sampled token, finish the request on eos / length."""
-        r.output.append(int(t))
-        self.generated_tokens += 1
+    def _append_tokens(self, r: Request, toks: Sequence[int], now: float) -> RequestOutput:
+        """Add the step's tokens (one, or a verify window's emissions) in order; finish the request on eos /
+        length (the tokens after that are dropped)."""
         if r.first_token_time is None:
             r.first_token_time = now
+        new: list[int] = []
         finished, reason = False, None
-        if int(t) in self._eos(r):
-            finished, reason = True, "stop"
-        elif len(r.output) >= r.params.max_new_tokens:
-            finished, reason = True, "length"
+        for t in toks:
+            r.output.append(int(t))
+            new.append(int(t))
+            self.generated_tokens += 1
+            if int(t) in self._eos(r):
+                finished, reason = True, "stop"
+            elif len(r.output) >= r.params.max_new_tokens:
+                finished, reason = True, "length"
+            if finished:
+                break
         if finished:
             r.finish_reason = reason
             self._retain_finished(r)
             self._release(r, RequestStatus.FINISHED, reason)
-        return RequestOutput(r.request_id, [int(t)], finished, reason, list(r.output) if finished else None)
+        return RequestOutput(r.request_id, new, finished, reason, list(r.output) if finished else None)
 
     def _commit_prefix(self, reqs: Sequence[Request], snapshots: Sequence[Sequence[tuple[int, int]]]) -> None:
         """After the forward: index the requests' new full prompt pages, then attach the written snapshots."""
