@@ -148,6 +148,15 @@ def test_window_rows_see_the_drafts_as_history(kw, V, G, D, as_tensor, seed):
         s.window_scores(logits, output, drafts[:-1])
 
 
+def test_sampler_penalties_by_hand():
+    # vLLM's semantics (tests/test_logits_request.py works the numbers out): prompt [0, 1], output [3, 3, 2]
+    # appended at once (the counts of a repeated token add up)
+    s = sampler((0, 1), V=5, eos=(), repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
+    assert s.scores(logits, [3, 3, 2]).tolist() == [[1.0, -2.0, -0.5, 0.5, 0.0]]
+    assert s.scores(logits, [3, 3, 2, 3]).tolist() == [[1.0, -2.0, -0.5, 0.25, 0.0]]
+
+
 def test_greedy_applies_the_penalties():
     V = 8
     logits = torch.tensor([0.0, 5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0])

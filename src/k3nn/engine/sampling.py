@@ -13,7 +13,8 @@ Interface for the Engine (build the sampler when the request is added, so bad pa
     RequestOutput(..., stop_reason=s.stop_reason, logprobs=[lp] if lp else None, text=s.text)
 
     # speculative verify: logits [T, V], row j scoring the token after req.output + drafts[:j]
-    scores = s.window_scores(logits, req.output, drafts)   # processed scores [T, V] (fp32, no host sync)
+    scores = s.window_scores(logits, req.output, drafts)   # processed scores [T, V] fp32; drafts: ints or a
+                                                           # device tensor; no host sync
     # greedy: accept while scores[j].argmax() == drafts[j]; sampling: rejection sampling with p = softmax(scores)
     lps = s.logprobs_of(logits[:k + 1], accepted)          # when params.logprobs is set (one host sync)
     req.output += accepted; finished, reason, trim = s.check_stop(req.output)
@@ -64,6 +65,13 @@ from .request import SamplingParams, TokenLogprobs
 __all__ = ["RequestSampler", "IncrementalDetokenizer"]
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, so its first token's text is right (leading spaces)
+
+
+def _ids_on(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A [n] long tensor of ``ids`` on ``device``; to a GPU through pinned memory, asynchronously (a pageable
+    host-to-device copy would wait for the stream)."""
+    t = torch.tensor([int(i) for i in ids], dtype=torch.long, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
 
 
 class IncrementalDetokenizer:
@@ -143,8 +151,7 @@ class RequestSampler:
         if self._counting:
             seen = torch.zeros(V, dtype=torch.bool, device=self.device)
             if self.prompt_length:
-                ids = torch.as_tensor(list(prompt), dtype=torch.long).clamp_(0, V - 1).to(self.device)
-                seen[ids] = True
+                seen.index_fill_(0, _ids_on(prompt, self.device).clamp_(0, V - 1), True)
             self._prompt_seen = seen
         self._counts: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
@@ -205,13 +212,14 @@ class RequestSampler:
             bad = [t for t in new if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"output has token ids outside [0, vocab_size={self.vocab_size}): {bad[:8]}")
-            if len(new) == 1:  # a Python index: no host-to-device copy
-                self._counts[new[0]] += 1
-                self._seen[new[0]] = True
+            # explicit in-place ops: item assignment from a Python scalar copies it from the host on a GPU
+            if len(new) == 1:
+                self._counts.narrow(0, new[0], 1).add_(1)
+                self._seen.narrow(0, new[0], 1).fill_(True)
             else:
-                idx = torch.tensor(new, dtype=torch.long, device=self.device)
-                self._counts.index_put_((idx,), torch.ones(len(new), device=self.device), accumulate=True)
-                self._seen[idx] = True
+                idx = _ids_on(new, self.device)
+                self._counts.index_add_(0, idx, torch.ones(len(new), device=self.device))
+                self._seen.index_fill_(0, idx, True)
         self._n, self._last = len(output), new[-1]
 
     def _row(self, logits: torch.Tensor) -> torch.Tensor:
@@ -250,7 +258,7 @@ class RequestSampler:
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [T, V] with V={self.vocab_size}, got {tuple(logits.shape)}")
         T = logits.shape[0]
-        d = drafts if isinstance(drafts, torch.Tensor) else torch.tensor([int(t) for t in drafts], dtype=torch.long)
+        d = drafts if isinstance(drafts, torch.Tensor) else _ids_on(drafts, logits.device)
         if d.dim() != 1 or T > d.shape[0] + 1:
             raise ValueError(f"drafts must be 1-D with at least T - 1 = {T - 1} tokens, got shape {tuple(d.shape)}")
         x = logits.float()
@@ -263,7 +271,7 @@ class RequestSampler:
         if self._counting:
             inc = torch.zeros(T, self.vocab_size, dtype=torch.float, device=dev)
             if T > 1:
-                inc[torch.arange(1, T, device=dev), d[:T - 1].to(dev)] = 1.0
+                inc[1:].scatter_(1, d[:T - 1, None].to(dev), 1.0)
             inc = inc.cumsum(0)  # row j: the counts of drafts[:j]
             counts, seen = self._counts + inc, self._seen | (inc > 0)
         return self.pipeline.apply_counts(x, TokenCounts(counts, seen, length))
@@ -275,7 +283,8 @@ class RequestSampler:
             raise ValueError("logprobs_of needs SamplingParams.logprobs set")
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [T, V] with V={self.vocab_size}, got {tuple(logits.shape)}")
-        ids = torch.as_tensor(token_ids, dtype=torch.long).to(logits.device).reshape(-1)
+        ids = (token_ids.to(logits.device) if isinstance(token_ids, torch.Tensor)
+               else _ids_on(token_ids, logits.device)).reshape(-1)
         if ids.shape[0] != logits.shape[0]:
             raise ValueError(f"token_ids must have one id per row of logits ({logits.shape[0]}), got {ids.shape[0]}")
         return self._logprobs(logits.float(), ids)
