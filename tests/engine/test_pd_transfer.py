@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation: export (N−1 state + pages + manifest, pinned), import, torch.distributed."""
 
+import math
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -9,12 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3nn import KimiK3, KimiK3Config
-from k3nn.cache.transfer import (RequestState, acknowledge, config_fingerprint, export_request_state,
-                                 import_request_state, recv_request_state, send_request_state)
+from k3nn.cache.transfer import (RequestState, acknowledge, config_fingerprint, expire_leases, export_request_state,
+                                 import_request_state, leases, recv_request_state, send_request_state)
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 
 CFG = KimiK3Config.tiny()
 PROMPT = torch.randint(0, CFG.vocab_size, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+SHORT = PROMPT[:70]  # 69 computed tokens: cheap to prefill for the lease tests
 NEW = 4
 
 
@@ -62,8 +65,8 @@ def test_export_import_round_trip(model, expected):
     list(D.stream())
     assert D.requests[did].output == expected
     assert D.requests[did].num_forwards == 1  # the last prompt token ran as one decode row
-    state.lease.release()
-    state.lease.release()  # idempotent
+    assert state.lease.release() is True
+    assert state.lease.release() is False  # idempotent
     assert P.requests[rid].status == RequestStatus.FINISHED and P.requests[rid].row is None
     assert P.pools.allocator.num_free == 12 - len(P.prefix.entries)
 
@@ -86,6 +89,67 @@ def test_import_rejects_mismatched_state(model):
     with pytest.raises(ValueError, match="not prefilled"):
         P.release(rid)
     state.lease.release()
+
+
+def test_lease_expires_on_the_clock_and_frees_the_request(model):
+    P = make_engine(model)
+    rid = prefill(P, SHORT)
+    state = export_request_state(P, rid, lease_timeout_s=30.0)
+    lease = state.lease
+    t0 = lease.expires_at - 30.0
+    assert leases(P) == {rid: lease} and not lease.expired and not lease.is_expired(now=t0 + 29.9)
+    assert expire_leases(P, now=t0 + 29.9) == [] and P.requests[rid].status == RequestStatus.PREFILLED
+    lease.renew(60.0, now=t0 + 10)  # the decoder asked for more time
+    assert lease.expires_at == t0 + 70
+    assert expire_leases(P, now=t0 + 31) == [] and P.requests[rid].row is not None
+    assert lease.is_expired(now=t0 + 70)
+    assert expire_leases(P, now=t0 + 70) == [rid]
+    assert P.requests[rid].status == RequestStatus.FINISHED and P.row_owner == [None, None]
+    assert P.pools.allocator.num_free == 12 - len(P.prefix.entries)
+    assert lease.released and lease.expired and lease.end_reason == "expired"
+    assert lease.release() is False and expire_leases(P, now=t0 + 1e6) == [] and leases(P) == {}
+    with pytest.raises(ValueError, match="already ended"):
+        lease.renew(10.0)
+    with pytest.raises(ValueError, match="expired at"):  # past its deadline, not yet collected
+        late = export_request_state(P, prefill(P, SHORT), lease_timeout_s=1.0).lease
+        late.renew(10.0, now=late.expires_at + 1)
+    assert late.release() is True
+
+
+def test_release_after_abort_is_a_noop(model):
+    P = make_engine(model)
+    rid = prefill(P, SHORT)
+    state = export_request_state(P, rid)
+    assert P.abort(rid)
+    assert state.lease.release() is False  # used to raise: the request is no longer prefilled
+    assert state.lease.released and state.lease.end_reason == "gone" and not state.lease.expired
+    assert leases(P) == {}
+    rid = prefill(P, SHORT)  # aborted while live: the next expiry pass drops the lease without listing it
+    lease = export_request_state(P, rid, lease_timeout_s=None).lease
+    assert lease.expires_at is None and expire_leases(P, now=math.inf) == []  # never expires
+    assert P.abort(rid) and expire_leases(P) == [] and leases(P) == {} and lease.end_reason == "gone"
+    assert lease.release() is False and P.pools.allocator.num_free == 12 - len(P.prefix.entries)
+
+
+def test_lease_arguments_and_one_live_lease_per_request(model):
+    P = make_engine(model)
+    rid = prefill(P, SHORT)
+    for bad, exc in [(0, ValueError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+                     ("5", TypeError), (True, TypeError)]:
+        with pytest.raises(exc, match="lease_timeout_s"):
+            export_request_state(P, rid, lease_timeout_s=bad)
+    assert leases(P) == {}
+    state = export_request_state(P, rid)
+    assert state.lease.expires_at == pytest.approx(time.monotonic() + 600.0, abs=60)
+    with pytest.raises(ValueError, match="live lease"):
+        export_request_state(P, rid)
+    with pytest.raises(ValueError, match="timeout_s"):
+        state.lease.renew(0)
+    with state.lease:
+        pass
+    assert state.lease.end_reason == "released" and P.requests[rid].status == RequestStatus.FINISHED
+    with pytest.raises(ValueError, match="prefilled"):
+        export_request_state(P, rid)
 
 
 def _pd_worker(rank, init_file, results):

@@ -402,9 +402,10 @@ def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
     mla_dt = _dtype(_get(m, "mla.dtype"), "manifest mla.dtype")
     conv_dt = _dtype(_get(m, "kda.conv_dtype"), "manifest kda.conv_dtype") if kda_layers else None
     rec_dt = _dtype(_get(m, "kda.recurrent_dtype"), "manifest kda.recurrent_dtype") if kda_layers else None
-    expect = [(f"mla.{l}.pages", [n_pages, bs, pools.row_dim], mla_dt) for l in pools.mla_layer_ids]
+    expect = [(f"mla.{l}.pages", [n_pages, bs, pools.row_dim], mla_dt, "mla.dtype") for l in pools.mla_layer_ids]
     for l in kda_layers:
-        expect += [(f"kda.{l}.recurrent", rec_shape, rec_dt), (f"kda.{l}.conv", conv_shape, conv_dt)]
+        expect += [(f"kda.{l}.recurrent", rec_shape, rec_dt, "kda.recurrent_dtype"),
+                   (f"kda.{l}.conv", conv_shape, conv_dt, "kda.conv_dtype")]
     entries = _get(m, "tensors", list)
     if not isinstance(ts, (list, tuple)):
         raise ValueError(f"state.tensors must be a list of tensors, got {type(ts).__name__}")
@@ -413,17 +414,18 @@ def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
     if len(entries) != len(expect):
         raise ValueError(f"manifest lists {len(entries)} tensors, this engine's layout needs {len(expect)} "
                          f"({', '.join(e[0] for e in expect)})")
-    for i, (e, t, (name, shape, dt)) in enumerate(zip(entries, ts, expect)):
+    for i, (e, t, (name, shape, dt, declared)) in enumerate(zip(entries, ts, expect)):
         if not isinstance(e, dict) or set(e) < {"name", "shape", "dtype"}:
             raise ValueError(f"manifest tensors[{i}] must be a dict with name, shape and dtype, got {e!r}")
         if e["name"] != name:
             raise ValueError(f"manifest tensors[{i}] is {e['name']!r}, expected {name!r} (tensors go MLA pages per "
                              f"layer, then recurrent and conv per KDA layer)")
         if e["shape"] != shape:
-            raise ValueError(f"tensor {name}: manifest shape {e['shape']} != {shape} required by num_tokens {n} and "
-                             f"this engine's layout")
+            raise ValueError(f"tensor {name}: manifest shape {e['shape']} != {shape}, what this engine's layout "
+                             f"requires (num_tokens {n})")
         if e["dtype"] != _dtype_name(dt):
-            raise ValueError(f"tensor {name}: manifest dtype {e['dtype']!r} != declared {_dtype_name(dt)!r}")
+            raise ValueError(f"tensor {name}: manifest dtype {e['dtype']!r} != {_dtype_name(dt)!r} declared in "
+                             f"manifest {declared}")
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"tensor {name}: expected a torch.Tensor, got {type(t).__name__}")
         if list(t.shape) != shape:
@@ -443,8 +445,8 @@ def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
     bad = [k for k in ["prompt", *names] if shipped[k] != got["parts"][k]]
     if bad:
         what = ", ".join("the prompt ids / num_tokens" if k == "prompt" else f"tensor {k!r}" for k in bad)
-        raise ValueError(f"digest mismatch: {what} differ(s) from what the sender hashed (corrupted in transit or "
-                         f"edited after export)")
+        raise ValueError(f"digest mismatch: {what} {'differ' if len(bad) > 1 or bad == ['prompt'] else 'differs'} "
+                         f"from what the sender hashed (corrupted in transit or edited after export)")
     if d.get("value") != got["value"]:
         raise ValueError("digest mismatch: the manifest's digest value does not match its parts")
     return prompt, n
