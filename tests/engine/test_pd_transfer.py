@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation: export (N−1 state + pages + manifest, pinned), import, torch.distributed."""
 
+import gc
 import math
 import os
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -150,6 +152,16 @@ def test_lease_arguments_and_one_live_lease_per_request(model):
     assert state.lease.end_reason == "released" and P.requests[rid].status == RequestStatus.FINISHED
     with pytest.raises(ValueError, match="prefilled"):
         export_request_state(P, rid)
+
+
+def test_a_dropped_engine_is_not_kept_alive_by_its_leases(model):
+    P = make_engine(model)
+    state = export_request_state(P, prefill(P, SHORT))
+    ref = weakref.ref(P)
+    del P
+    gc.collect()
+    assert ref() is None  # the lease registry holds engines weakly, leases hold them weakly
+    assert state.lease.engine is None and state.lease.release() is False and state.lease.end_reason == "gone"
 
 
 def _pd_worker(rank, init_file, results):

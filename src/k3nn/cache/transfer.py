@@ -99,16 +99,31 @@ class Lease:
 
     ``expires_at``: deadline on the ``time.monotonic()`` clock (None: never expires). ``released``: the lease
     ended (released, expired, or the request ended some other way); ``end_reason`` says which ("released",
-    "expired", "gone")."""
+    "expired", "gone"). A new lease joins the engine's registry (:func:`leases`), which :func:`expire_leases`
+    walks, so a lease whose holder vanished (a decoder that died) still expires. The lease refers to its engine
+    weakly: the registry never keeps an engine alive."""
 
     def __init__(self, engine: "Engine", request_id: str, timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S,
                  now: float | None = None):
-        self.engine, self.request_id = engine, request_id
+        timeout = _timeout(timeout_s, "timeout_s")
+        live = _LEASES.setdefault(engine, {})
+        old = live.get(request_id)
+        if old is not None and old._held():
+            raise ValueError(f"request {request_id!r} is already exported under a live lease (expires_at "
+                             f"{old.expires_at}); release it or reuse that state")
+        self._engine = weakref.ref(engine)
+        self.request_id = request_id
         self._request = engine.requests[request_id]
         self.released = False
         self.end_reason: str | None = None
         self.expires_at: float | None = None
-        self._deadline(_timeout(timeout_s, "timeout_s"), now)
+        self._deadline(timeout, now)
+        live[request_id] = self
+
+    @property
+    def engine(self) -> "Engine | None":
+        """The prefill engine (None once it was garbage-collected)."""
+        return self._engine()
 
     def _deadline(self, timeout_s: float | None, now: float | None) -> None:
         now = time.monotonic() if now is None else now
@@ -118,16 +133,17 @@ class Lease:
         """The engine still holds the exported request (prefilled, the same request object)."""
         from ..engine.request import RequestStatus
 
-        req = self.engine.requests.get(self.request_id)
+        engine = self.engine
+        req = engine.requests.get(self.request_id) if engine is not None else None
         return req is self._request and req.status == RequestStatus.PREFILLED
 
     def _end(self, reason: str) -> bool:
         """Free the request if the engine still holds it; True if this call freed it."""
-        held = self._held()
+        held, engine = self._held(), self.engine
         if held:
-            self.engine.release(self.request_id)  # raises before the lease is marked ended
+            engine.release(self.request_id)  # raises before the lease is marked ended
         self.released, self.end_reason = True, reason if held else "gone"
-        live = _LEASES.get(self.engine)
+        live = _LEASES.get(engine) if engine is not None else None
         if live is not None and live.get(self.request_id) is self:
             del live[self.request_id]
         return held
@@ -276,9 +292,8 @@ def export_request_state(engine: "Engine", request_id: str,
     if req.status != RequestStatus.PREFILLED:
         raise ValueError(f"request {request_id!r} is {req.status.value}; export needs a prefill_only request that "
                          f"has finished its prefill (status 'prefilled')")
-    live = _LEASES.setdefault(engine, {})
-    old = live.get(request_id)
-    if old is not None and old._held():
+    old = _LEASES.get(engine, {}).get(request_id)
+    if old is not None and old._held():  # checked again by Lease(): fail before copying anything
         raise ValueError(f"request {request_id!r} is already exported under a live lease (expires_at "
                          f"{old.expires_at}); release it or reuse that state")
     pools, cfg = engine.pools, engine.mcfg
@@ -323,9 +338,7 @@ def export_request_state(engine: "Engine", request_id: str,
         "tensors": entries,
         "digest": state_digest(prompt, n, [e["name"] for e in entries], tensors),
     }
-    lease = Lease(engine, request_id, timeout)
-    live[request_id] = lease
-    return RequestState(manifest, tensors, lease)
+    return RequestState(manifest, tensors, Lease(engine, request_id, timeout))
 
 
 def _get(m: Any, path: str, kind: type | tuple[type, ...] | None = None) -> Any:
