@@ -97,7 +97,7 @@ def test_dcp_nccl_two_gpus(interleave):
     assert p.stdout.count("rel err") == 4  # 2 ranks × (replicated, sharded heads)
 
 
-# ---- CUDA kernel (k3nn.kernels.mla.cuda_decode; opt-in K3NN_MLA_CUDA=1) ----
+# ---- CUDA kernel (k3nn.kernels.mla.cuda_decode: the wgmma kernel on sm_90; mma.sync under backend("cuda")) ----
 
 def _poisoned(q_lat, dtype):
     return (torch.full(q_lat.shape, float("nan"), device="cuda", dtype=dtype),
@@ -106,20 +106,22 @@ def _poisoned(q_lat, dtype):
 
 @pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64)], ids=["rows16", "rows64", "wgmma"])
 def cuda_mla(monkeypatch, request):
-    """The CUDA kernel, opted in: mma.sync with 16 or 64 query rows per stage-1 CTA (K3NN_MLA_CUDA_ROWS), or
-    the warp-group kernel (sm_90 only)."""
+    """The registry's CUDA implementation pinned to one stage-1 kernel: mma.sync with 16 or 64 query rows per
+    CTA, or the warp-group kernel (sm_90 only)."""
+    import functools
+
     from k3nn.kernels.mla import cuda_decode
+    from k3nn.kernels.registry import get_op
 
     kernel, rows = request.param
     if kernel != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the {kernel} kernel is built for sm_90 only")
-    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
-    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", kernel)
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", str(rows))
-    assert cuda_decode.enabled() is None
     assert cuda_decode.available() is None, cuda_decode.available()
-    assert cuda_decode.kernel_choice(device=torch.device("cuda")) == kernel
-    assert cuda_decode.rows_choice() == rows
+    impl = get_op("mla_decode").impls["cuda"]
+    monkeypatch.setattr(impl, "fn", functools.partial(cuda_decode.mla_decode_cuda, kernel=kernel, rows=rows))
+    monkeypatch.setattr(impl, "supports", functools.partial(cuda_decode.supports, kernel=kernel, rows=rows))
+    monkeypatch.setattr(impl, "auto_skip", None)
+    monkeypatch.setattr(cuda_decode, "mla_decode_cuda", impl.fn)
     return cuda_decode
 
 
@@ -153,12 +155,12 @@ def test_cuda_matches_reference(cuda_mla, lens, Tq, H, splits, dtype, explicit_v
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
 
 
-def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
+def test_cuda_allocating_call_and_auto(cuda_mla):
     q_lat, q_rope, pool, table, sl = case(5, [130, 64, 2], 2, 16)  # every length >= Tq (mla_decode checks it)
     from k3nn.kernels.registry import resolve
 
     args = (q_lat, q_rope, pool, table, sl, 0.0722)
-    assert resolve("mla_decode", args, {}, "auto").backend == "cuda"  # K3NN_MLA_CUDA=1: auto tries cuda first
+    assert resolve("mla_decode", args, {}, "auto").backend == "cuda"  # auto tries cuda first
     o, lse = mla_decode(*args)
     o_ref, lse_ref = mla_decode_reference(*args, out_dtype=torch.float32)
     assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
@@ -167,14 +169,13 @@ def test_cuda_allocating_call_and_auto_opt_in(cuda_mla):
     print(f"mla cuda build/load {cuda_mla.last_build_seconds:.1f} s")
 
 
-def test_cuda_rows_variants_agree_with_explicit_rows(monkeypatch):
-    """rows= and kernel= override the environment; the variants (mma.sync with 16 / 64 rows, wgmma on sm_90)
+def test_cuda_rows_variants_agree_with_explicit_rows():
+    """rows= and kernel= pick the stage-1 kernel; the variants (mma.sync with 16 / 64 rows, wgmma on sm_90)
     give the same result up to accumulation order (H=96: the 64-row grid has a half-empty last CTA; Tq=2: rows
     of two positions share a CTA)."""
     from k3nn.kernels.mla import cuda_decode
 
     assert cuda_decode.available() is None, cuda_decode.available()
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
     q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
     outs = {}
     hopper = torch.cuda.get_device_capability() == (9, 0)
@@ -211,18 +212,30 @@ def test_cuda_page_sizes_and_padded_pool_rows(cuda_mla, bs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
 @pytest.mark.parametrize("bs", [16, 64, 128])
-def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(monkeypatch, bs):
-    """The wgmma kernel's two key-tile loaders (TMA boxes, and per-thread cp.async with K3NN_MLA_TMA=0) put the same
-    bytes in shared memory, zeros past each split's end included (the pool's unused rows are NaN)."""
+def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(bs):
+    """The wgmma kernel's two key-tile loaders (TMA boxes for pages of a multiple of 16 rows, per-thread cp.async
+    for 24-row pages) put the same bytes in shared memory, zeros past each split's end included (the pool's unused
+    rows are NaN): the same keys paged both ways give the same bits."""
     from k3nn.kernels.mla import cuda_decode
 
-    q_lat, q_rope, pool, table, sl = case(5, [1000, 64, 3, 130], 2, 96, bs=bs)
+    lens = [1000, 64, 3, 130]
+    q_lat, q_rope, pool, table, sl = case(5, lens, 2, 96, bs=bs)
+    # the same keys again in 24-row pages (no TMA: the cp.async loader)
+    keys = [pool[table[b, : -(-n // bs)].long()].reshape(-1, R + DR)[:n] for b, n in enumerate(lens)]
+    nblk24 = [-(-n // 24) for n in lens]
+    pool24 = torch.full((sum(nblk24) + 1, 24, R + DR), float("nan"), device="cuda", dtype=pool.dtype)
+    table24 = torch.full((len(lens), max(nblk24) + 1), 10**6, dtype=torch.int32, device="cuda")
+    k = 0
+    for b, n in enumerate(lens):
+        table24[b, : nblk24[b]] = torch.arange(k, k + nblk24[b], dtype=torch.int32, device="cuda").flip(0)
+        pool24.view(-1, R + DR)[(table24[b, : nblk24[b]].long()[:, None] * 24 + torch.arange(24, device="cuda"))
+                               .view(-1)[:n]] = keys[b]
+        k += nblk24[b]
     outs = []
-    for tma in ("1", "0"):
-        monkeypatch.setenv("K3NN_MLA_TMA", tma)
+    for kv, tab in ((pool, table), (pool24, table24)):
         for splits in (1, 5):
             out = _poisoned(q_lat, torch.float32)
-            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out,
+            cuda_decode.mla_decode_cuda(q_lat, q_rope, kv, tab, sl, 0.0722, num_splits=splits, out=out,
                                         kernel="wgmma")
             outs.append(out)
     for a, b in zip(outs[:2], outs[2:]):
@@ -306,19 +319,17 @@ def test_wgmma_cluster_merge_matches_combine(lens, Tq, H, cluster, mult, explici
 
 @_sm90
 @pytest.mark.parametrize("cluster", [2, 3, 4, 7, 8])
-def test_wgmma_cluster_default_plan_and_graph_replay(monkeypatch, cluster):
-    """K3NN_MLA_CLUSTER picks the cluster size; the default plan (one wave of resident clusters) at B=1 L=32K H=64,
-    captured in a CUDA graph and replayed with new lengths."""
+def test_wgmma_cluster_default_plan_and_graph_replay(cluster):
+    """KernelTuning.mla_cluster picks the cluster size; the default plan (one wave of resident clusters) at B=1
+    L=32K H=64, captured in a CUDA graph and replayed with new lengths."""
     from k3nn.kernels.mla import cuda_decode
+    from k3nn.kernels.registry import tuning
 
-    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
-    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "wgmma")
-    monkeypatch.setenv(cuda_decode.CLUSTER_ENV, str(cluster))
     q_lat, q_rope, pool, table, sl = case(4, [32768], 1, 64)
     waves = cuda_decode.max_clusters(torch.cuda.current_device(), cluster)
     assert waves * cluster <= torch.cuda.get_device_properties(0).multi_processor_count, waves
     out = _poisoned(q_lat, q_lat.dtype)
-    with backend("cuda"):
+    with backend("cuda"), tuning(mla_cluster=cluster):
         mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out)
         S, C = cuda_decode.LAST_CALL[2:]
         assert C == cluster and S % C == 0 and S // C <= waves, (S, C, waves)

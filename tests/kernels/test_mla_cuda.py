@@ -1,6 +1,6 @@
-"""CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability and enable reasons, supports()
-reasons (auto's default on sm_90: batched calls only, stepping aside when the extension cannot build), the
-kernel choice (wgmma / mma) and the 16 / 64-row choice (K3NN_MLA_CUDA_ROWS), the registry keeping auto on
+"""CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability reasons, supports() reasons (the
+extension failing to build), auto_skip (auto's default: the wgmma kernel on sm_90 for batched calls only), the
+kernel choice (wgmma / mma) and the 16 / 64-row choice, the cluster size from the tuning object, the registry keeping auto on
 Triton/eager here, the split heuristics and the generated source (the slow tests compile it with nvcc for sm_90
 and sm_90a). The kernels themselves run in tests/gpu/test_mla_gpu.py."""
 
@@ -13,7 +13,7 @@ import torch
 from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.mla.cuda_decode as cd
-from k3nn.kernels.registry import get_op, resolve
+from k3nn.kernels.registry import get_op, resolve, tuning
 
 
 def _inputs(dtype=torch.bfloat16, R=512, DR=64, B=2, Tq=1, H=4, page=64):
@@ -37,31 +37,33 @@ def test_unavailable_on_cpu_with_a_reason(monkeypatch):
     assert "sm_80" in cd.available.__wrapped__()
 
 
-@pytest.mark.parametrize("value,hopper,on", [(None, False, False), ("", False, False), ("0", False, False),
-                                             ("1", False, True), (None, True, True), ("0", True, False)])
-def test_enable_knob(monkeypatch, value, hopper, on):
-    """K3NN_MLA_CUDA: 1 always, 0 never, unset on sm_90 only (where the warp-group kernel runs)."""
-    if value is None:
-        monkeypatch.delenv("K3NN_MLA_CUDA", raising=False)
-    else:
-        monkeypatch.setenv("K3NN_MLA_CUDA", value)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: hopper)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert (cd.enabled() is None) == on
-    if not on:
-        assert "K3NN_MLA_CUDA" in cd.enabled()
+def test_auto_skip_leaves_small_calls_and_other_gpus_to_triton(monkeypatch):
+    """Under auto: on sm_90 the CUDA kernel for batched calls only; off sm_90 never (mma.sync is slower than the
+    Triton kernel). An explicit backend("cuda") runs them all (auto_skip is not asked then)."""
+    class Props:
+        shared_memory_per_block_optin = 227 * 1024
+        major, minor = 9, 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    small = _inputs(B=cd.MIN_ROW_CTAS - 1)
+    assert "small batch" in cd.auto_skip(*small, 0.07)
+    assert cd.auto_skip(*_inputs(B=cd.MIN_ROW_CTAS), 0.07) is None
+    assert cd.auto_skip(*_inputs(B=1, H=96), 0.07) is None  # two 64-row blocks per request: the kernel too
+    assert cd.auto_skip(*_inputs(B=1, Tq=2, H=64), 0.07) is None
+    Props.major = 8
+    assert "mma.sync" in cd.auto_skip(*_inputs(B=64), 0.07)
+    monkeypatch.undo()
+    assert cd.auto_skip(*_inputs(), 0.07) is None  # not CUDA tensors: supports() gives the reason
+    assert get_op("mla_decode").impls["cuda"].auto_skip is not None
 
 
-def test_registered_and_auto_keeps_the_reference_on_cpu(monkeypatch):
-    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+def test_registered_and_auto_keeps_the_reference_on_cpu():
     impl = get_op("mla_decode").impls["cuda"]
     args = _inputs(torch.float32) + (0.07,)
-    why = impl.why_not(args, {})
-    assert why  # CPU: no CUDA
+    assert impl.why_not(args, {})  # CPU: no CUDA
+    assert impl.why_not(args, {}) == cd.available()  # the machine's reason comes first
     assert resolve("mla_decode", args, {}, "auto").backend != "cuda"
-    monkeypatch.delenv("K3NN_MLA_CUDA")
-    # the machine's reason comes first (no CUDA here); with a toolchain the switch's reason shows
-    assert impl.why_not(args, {}) == cd.available() or "K3NN_MLA_CUDA" in impl.why_not(args, {})
 
 
 def test_supports_reasons_without_gpu():
@@ -90,32 +92,23 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     assert cd.supports(*_inputs(), 0.07) is None  # the default falls back to 16 rows
     assert cd.rows_choice(None, torch.device("cuda", 0)) == 16 and cd.rows_choice() == 64
     assert "64-row" in cd.supports(*_inputs(), 0.07, rows=64)
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "64")
-    assert "64-row" in cd.supports(*_inputs(), 0.07)
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", "32")
-    assert "K3NN_MLA_CUDA_ROWS" in cd.supports(*_inputs(), 0.07)
-    monkeypatch.delenv("K3NN_MLA_CUDA_ROWS")
+    assert "rows must be 16 or 64" in cd.supports(*_inputs(), 0.07, rows=32)
     Props.shared_memory_per_block_optin = 48 * 1024
     assert "shared memory" in cd.supports(*_inputs(), 0.07)
 
 
 def test_kernel_choice_on_fake_cuda(monkeypatch):
-    """wgmma is the default on sm_90 and refused elsewhere; K3NN_MLA_CUDA_KERNEL and kernel= pick; its shared
-    memory is checked; unknown names are errors naming the knob."""
+    """wgmma is the default on sm_90 and refused elsewhere; kernel= picks; its shared memory is checked; unknown
+    names are errors naming the argument."""
     class Props:
         shared_memory_per_block_optin = 227 * 1024
         major, minor = 9, 0
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL", raising=False)
-    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
     dev = torch.device("cuda", 0)
     assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
     assert cd.kernel_choice("mma", dev) == "mma"
-    assert cd.supports(*_inputs(), 0.07) is None
-    monkeypatch.delenv("K3NN_MLA_CUDA")  # unset: a single request of one row block stays on the Triton kernel
-    assert "small batch" in cd.supports(*_inputs(B=cd.MIN_ROW_CTAS - 1), 0.07)
     q_lat, q_rope, pool, table, sl = _inputs()
     big = (q_lat[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), q_rope[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), pool,
            table[:1].expand(cd.MIN_ROW_CTAS, -1), sl[:1].expand(cd.MIN_ROW_CTAS))
@@ -133,17 +126,11 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     assert "failed to build" in cd.supports(*big, 0.07) and "compute_90a" in cd.supports(*big, 0.07)
     monkeypatch.setattr(cd, "build", SimpleNamespace(cache_info=lambda: SimpleNamespace(currsize=1)))  # built
     assert cd.supports(*big, 0.07) is None
-    monkeypatch.setenv("K3NN_MLA_CUDA", "1")
+    assert cd.supports(*_inputs(B=1), 0.07) is None  # what auto passes over, an explicit backend runs
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
-    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "mma")
-    assert cd.kernel_choice(device=dev) == "mma"
-    monkeypatch.setenv("K3NN_MLA_CUDA_KERNEL", "tcgen05")
-    assert "K3NN_MLA_CUDA_KERNEL" in cd.supports(*_inputs(), 0.07)
-    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_KERNEL"):
-        cd.kernel_choice(device=dev)
+    assert "kernel must be one of" in cd.supports(*_inputs(), 0.07, kernel="tcgen05")
     with pytest.raises(ValueError, match="kernel"):
         cd.kernel_choice("wmma", dev)
-    monkeypatch.delenv("K3NN_MLA_CUDA_KERNEL")
     Props.shared_memory_per_block_optin = 200 * 1024
     assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
     assert cd.supports(*_inputs(), 0.07, kernel="mma") is None
@@ -153,26 +140,13 @@ def test_kernel_choice_on_fake_cuda(monkeypatch):
     assert "sm_90" in cd.supports(*_inputs(), 0.07, kernel="wgmma")
 
 
-@pytest.mark.parametrize("value,rows", [(None, 64), ("", 64), ("16", 16), (" 64 ", 64)])
-def test_rows_knob(monkeypatch, value, rows):
-    if value is None:
-        monkeypatch.delenv("K3NN_MLA_CUDA_ROWS", raising=False)
-    else:
-        monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", value)
-    assert cd.rows_choice() == rows
-    assert cd.rows_choice(64) == 64 and cd.rows_choice(16) == 16  # an explicit rows= wins
-    assert cd.DEFAULT_ROWS == 64  # faster than 16 rows at every H200 case (h200-s5-run1)
-
-
-@pytest.mark.parametrize("value", ["32", "abc", "0", "64x"])
-def test_rows_knob_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv("K3NN_MLA_CUDA_ROWS", value)
-    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_ROWS must be 16 or 64"):
-        cd.rows_choice()
-    with pytest.raises(ValueError, match="K3NN_MLA_CUDA_ROWS"):  # before any device work
-        cd.mla_decode_cuda(*_inputs(), 0.07)
-    monkeypatch.delenv("K3NN_MLA_CUDA_ROWS")
-    with pytest.raises(ValueError, match="rows must be 16 or 64"):
+def test_rows_choice():
+    assert cd.rows_choice() == 64 and cd.DEFAULT_ROWS == 64  # faster than 16 rows at every H200 case (h200-s5-run1)
+    assert cd.rows_choice(64) == 64 and cd.rows_choice(16) == 16
+    for bad in (32, 0, "64"):
+        with pytest.raises(ValueError, match="rows must be 16 or 64"):
+            cd.rows_choice(bad)
+    with pytest.raises(ValueError, match="rows must be 16 or 64"):  # before any device work
         cd.mla_decode_cuda(*_inputs(), 0.07, rows=32)
 
 
@@ -264,17 +238,16 @@ def test_wgmma_plan_and_cluster_choice(monkeypatch):
     assert cd.wgmma_plan(1, 64, 32768, 132, 4, num_splits=7) == (7, 1)
     assert cd.wgmma_plan(1, 64, 32768, 132, 5, num_splits=15) == (15, 5)
     assert cd.wgmma_plan(1, 64, 32768, 132, 2, num_splits=999) == (cd.MAX_SPLITS, 2)
-    monkeypatch.delenv(cd.CLUSTER_ENV, raising=False)
     assert cd.cluster_choice() is None
     assert cd.cluster_choice(4) == 4
-    monkeypatch.setenv(cd.CLUSTER_ENV, "2")
-    assert cd.cluster_choice() == 2
-    for bad in ("0", "x", "9", "16"):
-        monkeypatch.setenv(cd.CLUSTER_ENV, bad)
-        with pytest.raises(ValueError, match=cd.CLUSTER_ENV):
-            cd.cluster_choice()
-    with pytest.raises(ValueError, match="cluster"):
-        cd.cluster_choice(9)
+    with tuning(mla_cluster=2):
+        assert cd.cluster_choice() == 2 and cd.cluster_choice(4) == 4  # an explicit cluster= wins
+    assert cd.cluster_choice() is None
+    for bad in (0, 9, 16, "2", True):
+        with pytest.raises(ValueError, match="cluster"):
+            cd.cluster_choice(bad)
+    with pytest.raises(ValueError, match="mla_cluster"):
+        tuning(mla_cluster=9).__enter__()
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from k3nn import backend
-from k3nn.kernels.registry import BackendUnavailableError
+from k3nn.kernels.registry import BackendUnavailableError, tuning
 from k3nn.layers.mla import _mask, absorbed_attention, decompressed_attention
 from k3nn.ops import mla_decode
 
@@ -270,7 +270,7 @@ def test_plan_variants(data):
 
 def test_plans_and_split_counts(monkeypatch):
     """Host-side plan logic for a 132-SM GPU, without one: split counts that fill whole waves, candidate
-    filtering by row count, plan tuples, the K3NN_MLA_TILE override."""
+    filtering by row count, plan tuples, the tile pinned through the tuning object."""
     from k3nn.kernels.mla import triton_decode as td
 
     monkeypatch.setattr(td, "_sm_count", lambda index: 132)
@@ -303,9 +303,8 @@ def test_plans_and_split_counts(monkeypatch):
     # B=1: half- and quarter-wave split counts too, none above the block table's width
     assert {c.splits for c in td._candidates(1, 64, dev) if c.bh == 64} == {132, 128, 66, 33}
     assert max(c.splits for c in td._candidates(1, 64, dev, max_blocks=40)) == 40
-    monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,1,2,1,0")
-    assert td._env_tile() == (64, 32, 8, 4, True, 2, True, False)
-    monkeypatch.setenv("K3NN_MLA_TILE", "64,32,8,4,0,1,1,1,1")
-    assert td.make_plan(td._env_tile(), 2).short() == "64x32w8s4-AOT/S2"
-    monkeypatch.delenv("K3NN_MLA_TILE")
-    assert td._env_tile() is None
+    with tuning(mla_decode_tile=(64, 32, 8, 4, 1, 2, 1, 0)):
+        assert td.pinned_tile() == (64, 32, 8, 4, True, 2, True, False)
+    with tuning(mla_decode_tile=(64, 32, 8, 4, 0, 1, 1, 1, 1)):
+        assert td.make_plan(td.pinned_tile(), 2).short() == "64x32w8s4-AOT/S2"
+    assert td.pinned_tile() is None

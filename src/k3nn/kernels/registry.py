@@ -272,7 +272,8 @@ def resolve(op: str, args: tuple = (), kwargs: dict | None = None, backend_name:
             continue
         if name == "triton" and triton_interpreting():
             continue
-        if impl.why_not(args, kwargs) is None and _skip_reason(impl, args, kwargs) is None:
+        # auto_skip first: a kernel auto passes over for this call is not probed (nor built) for it
+        if _skip_reason(impl, args, kwargs) is None and impl.why_not(args, kwargs) is None:
             if (op, name) not in _logged:
                 _logged.add((op, name))
                 log.debug("%s: auto picked %s", op, name)

@@ -64,7 +64,13 @@ register("mla_decode", "triton", supports=_triton_supports)(_triton_decode)
 def _cuda_available():
     from . import cuda_decode
 
-    return cuda_decode.available() or cuda_decode.enabled()
+    return cuda_decode.available()
+
+
+def _cuda_auto_skip(*args, **kwargs):
+    from . import cuda_decode
+
+    return cuda_decode.auto_skip(*args, **kwargs)
 
 
 def _cuda_supports(*args, **kwargs):
@@ -82,8 +88,9 @@ def _cuda_decode(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_l
 
 
 # auto tries cuda first: on sm_90 the warp-group kernel takes batched calls (small ones stay on triton); elsewhere
-# the CUDA kernels are opt-in (K3NN_MLA_CUDA=1). See cuda_decode.enabled / supports.
-register("mla_decode", "cuda", supports=_cuda_supports, available=_cuda_available)(_cuda_decode)
+# the mma.sync kernel runs under an explicit k3nn.backend("cuda") only. See cuda_decode.auto_skip / supports.
+register("mla_decode", "cuda", supports=_cuda_supports, available=_cuda_available,
+         auto_skip=_cuda_auto_skip)(_cuda_decode)
 
 __all__ = ["check_mla_decode_inputs", "default_visible_lens", "merge_attn_states", "mla_attention_reference",
            "mla_decode_reference", "mla_prefill"]

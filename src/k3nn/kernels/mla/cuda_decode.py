@@ -26,7 +26,7 @@ fragments through shared memory (a 64-thread named barrier) and add them, so bot
 registers; each runs the (identical) online softmax for its two fragment rows and feeds P from the score
 registers straight into the A fragments of ``P·V`` (no P tile in shared memory). Key tiles: 32 tokens, two
 ``cp.async`` buffers, one block barrier per tile; shared memory 166 KB (one CTA per SM, 229 registers, no
-spills on sm_90). ``rows=16`` or ``K3NN_MLA_CUDA_ROWS=16`` (:func:`rows_choice`) selects the first variant.
+spills on sm_90). ``rows=16`` (:func:`rows_choice`) selects the first variant.
 On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``) these mma.sync kernels moved 1.66 / 0.88 /
 0.58 TB/s (64 rows) and 0.91 / 0.46 / 0.43 (16 rows) at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64.
 
@@ -35,7 +35,7 @@ sm_90a): 64 query rows, two specialized warp groups, Q and two 64-key tiles in s
 swizzled layout that ``wgmma`` descriptors and TMA boxes share. Group 0 computes the scores of a whole tile
 (``wgmma m64n64k16``), the online softmax (lazy rescale) and P, then ``O[:, :256] += P·V`` with P from its
 registers; group 1 loads the key tiles (TMA into an mbarrier per buffer, or ``cp.async`` where pages are not
-multiples of 16 rows or ``K3NN_MLA_TMA=0``) and computes ``O[:, 256:] += P·V`` from a shared P tile under group
+multiples of 16 rows) and computes ``O[:, 256:] += P·V`` from a shared P tile under group
 0's next scores (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran
 B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30 TB/s) against 231 / 418 µs for the Triton kernel's default
 plan, 269 against 417 µs with 2-token windows, and B=1 L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3
@@ -47,7 +47,7 @@ stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them
 lse = −inf.
 
 Cluster merge (warp-group kernel, :func:`wgmma_plan`): ``C`` consecutive splits of a row tile run as one thread-block
-cluster (2 to 8 CTAs; ``cluster=`` or ``K3NN_MLA_CLUSTER``). Each CTA stages its normalized rows and their lse in
+cluster (2 to 8 CTAs; ``cluster=`` or :attr:`KernelTuning.mla_cluster <k3nn.kernels.registry.KernelTuning>`). Each CTA stages its normalized rows and their lse in
 its shared memory; after a cluster barrier, each CTA of the cluster merges its ``ceil(64 / C)`` rows of all ``C``
 tiles through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and
 lse when the cluster holds every split. By default a call whose splits are 2 to 8 runs them as one cluster when every
@@ -62,42 +62,40 @@ once per size), never on lengths read from the device, and the
 launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
 Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+; the warp-group kernel needs sm_90. ``auto``
-(see :func:`enabled` and :func:`supports`): with ``K3NN_MLA_CUDA`` unset, the warp-group kernel on an sm_90 GPU,
-except for calls of one 64-row block per request (Tq·H ≤ 64) and fewer than :data:`MIN_ROW_CTAS` requests, which
-go to the Triton kernel;
-``K3NN_MLA_CUDA=1`` sends every call here (on other GPUs: the mma.sync kernel), ``K3NN_MLA_CUDA=0`` none.
+takes the warp-group kernel on an sm_90 GPU, except for calls of one 64-row block per request (Tq·H ≤ 64) and
+fewer than :data:`MIN_ROW_CTAS` requests, which go to the Triton kernel (:func:`auto_skip`); elsewhere the
+mma.sync kernel runs under an explicit ``k3nn.backend("cuda")`` only (it matches the reference but is slower than
+the Triton kernel). An explicit ``k3nn.backend("cuda")`` runs every call it supports here.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import torch
 
 from ..cuda_ext import PDL_SOURCE, RAISE_SMEM_SOURCE, load_inline_module, toolchain_reason
+from ..registry import current_tuning
 from ..cuda_ext import sm_count as _sm_count
 from ..cuda_ext import smem_per_block as _smem_limit
 
 __all__ = [
     "BLOCK_N",
     "CLUSTERS",
-    "CLUSTER_ENV",
     "DEFAULT_ROWS",
     "MAX_SPLITS",
     "ROWS",
-    "ROWS_ENV",
     "ROWS_VARIANTS",
     "SMEM_BYTES",
     "SMEM_BYTES_BY_ROWS",
+    "auto_skip",
     "available",
     "build",
     "cluster_choice",
     "default_num_splits",
     "kernel_num_splits",
-    "enabled",
     "kernel_choice",
     "kernel_source",
     "max_clusters",
@@ -118,12 +116,10 @@ SMEM_BYTES = ROWS * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 4 * ROWS * _SLD * 4 + RO
 SMEM_BYTES_64 = 64 * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 8 * (BLOCK_N // 8) * 32 * 16 + 64 * 4
 SMEM_BYTES_BY_ROWS = {16: SMEM_BYTES, 64: SMEM_BYTES_64}
 ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
-#: rows per CTA when neither ``rows=`` nor the environment says otherwise: 64 beat 16 at every H200 case
+#: rows per CTA of the mma.sync kernel without ``rows=``: 64 beat 16 at every H200 case
 #: (``bench/results/logs/h200-s5-run1-2026-11-30.log``)
 DEFAULT_ROWS = 64
-ROWS_ENV = "K3NN_MLA_CUDA_ROWS"
-ENABLE_ENV = "K3NN_MLA_CUDA"
-#: with K3NN_MLA_CUDA unset, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
+#: under ``auto``, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
 #: on the Triton kernel. Official bench, H=64, tuned Triton against wgmma (h200-s11-run6): B=1 L=32K 29.6 against
 #: 31.9 µs; B=2 L=32K 45.9 / 41.7, B=4 L=32K 74.2 / 59.9, B=8 L=8K 43.4 / 42.2, B=15 L=8K 68.2 / 50.7 (8 splits as one
 #: cluster), B=30 L=8K 120.4 / 90.2 (4 as one cluster). With two blocks per request the wgmma kernel is faster at
@@ -131,13 +127,11 @@ ENABLE_ENV = "K3NN_MLA_CUDA"
 MIN_ROW_CTAS = 2
 KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
 CLUSTERS = tuple(range(1, 9))  # CTAs per cluster of the wgmma kernel's cluster merge (1: none; 8: the portable limit)
-CLUSTER_ENV = "K3NN_MLA_CLUSTER"
 #: key tiles per split at least, with the cluster merge (its partials cost less: smaller splits pay off)
 CLUSTER_MIN_TILES = 4
 #: by default, a row tile's splits may shrink to this fraction of the plain rule's to fit one resident cluster
 CLUSTER_SHRINK = 0.85
 _KERNEL_CODES = {"mma": 0, "wgmma": 1}
-KERNEL_ENV = "K3NN_MLA_CUDA_KERNEL"
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
 #: stats, two mbarriers
@@ -919,8 +913,8 @@ WGMMA_SOURCE = r"""
 //   group 1  the loader and O[:, 256:512] += P · V with P from the shared tile, which runs under group 0's scores
 //            of the next tile. Key tiles come by TMA (a 3-D tensor map of the pool, boxes of 64 columns × 64 or 16
 //            rows inside one page, completion on one mbarrier per buffer; rows past the split's end are zeroed
-//            after landing) when pages are multiples of 16 rows and K3NN_MLA_TMA is not 0, else by per-thread
-//            cp.async (zero-filled past the end). A buffer is refilled as soon as both groups are done with it;
+//            after landing) when pages are multiples of 16 rows and the pool's tensor map encodes, else by
+//            per-thread cp.async (zero-filled past the end). A buffer is refilled as soon as both groups are done with it;
 //            the block ids of a refill are read a tile ahead.
 // Hand-offs are named barriers of 256 threads, each used once per tile (one side arrives, the other waits):
 //   FULL    group 1 → 0: tile `it` landed and fenced for the async proxy
@@ -1661,8 +1655,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.cluster = (int)cluster;
   p.parts = (int)(splits / cluster);
   p.tma_rows = 0;
-  const char* tma_env = std::getenv("K3NN_MLA_TMA");
-  if (kernel == 1 && p.page % 16 == 0 && !(tma_env && tma_env[0] == '0')) {
+  if (kernel == 1 && p.page % 16 == 0) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
     if (!k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows)) p.tma_rows = 0;  // no tensor map: the cp.async loader
   }
@@ -1695,23 +1688,24 @@ def available() -> str | None:
     return toolchain_reason((8, 0), "cp.async, ldmatrix, mma.sync m16n8k16")
 
 
-def _env_choice() -> bool | None:
-    """``K3NN_MLA_CUDA`` (read per call): True for a non-zero value, False for ``0``, None when unset or empty."""
-    v = os.environ.get(ENABLE_ENV, "").strip()
-    return None if not v else v != "0"
+def _hopper(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def enabled() -> str | None:
-    """The registry's switch: None when ``auto`` may pick this kernel. ``K3NN_MLA_CUDA=1``: always (every
-    shape); ``0``: never; unset: on an sm_90 GPU, where the warp-group kernel runs (batched calls only, see
-    :func:`supports`), and off elsewhere (the mma.sync kernels are slower than the Triton one)."""
-    choice = _env_choice()
-    if choice is False:
-        return f"disabled by {ENABLE_ENV}=0"
-    if choice or (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return None
-    return (f"opt-in off sm_90: set {ENABLE_ENV}=1 (the mma.sync kernel matches the reference but is slower than "
-            "the Triton kernel)")
+def auto_skip(q_lat, q_rope=None, *args, **kwargs) -> str | None:
+    """The registry's ``auto_skip``: why ``auto`` takes the Triton kernel for a call this one could run. Off sm_90
+    (only the mma.sync kernel runs there, slower than the Triton one) and, on sm_90, for a single request of one
+    64-row block (Tq·H ≤ 64, fewer than :data:`MIN_ROW_CTAS` requests). ``k3nn.backend("cuda")`` runs them here."""
+    if not isinstance(q_lat, torch.Tensor) or q_lat.dim() != 4 or q_lat.device.type != "cuda":
+        return None  # not a call for this kernel at all: supports() says why
+    if not _hopper(q_lat.device):
+        return ("off sm_90 only the mma.sync kernel runs, which matches the reference but is slower than the Triton "
+                "kernel (k3nn.backend('cuda') runs it)")
+    B, M = q_lat.shape[0], q_lat.shape[1] * q_lat.shape[2]
+    if M <= 64 and B < MIN_ROW_CTAS:
+        return (f"small batch (B = {B} < {MIN_ROW_CTAS} with Tq·H = {M} ≤ 64): the Triton split-KV kernel is faster "
+                "(k3nn.backend('cuda') runs the CUDA kernel anyway)")
+    return None
 
 
 #: seconds the last :func:`build` spent compiling or loading (0 once the module is loaded in this process)
@@ -1759,42 +1753,31 @@ _BUILD_FAILED: list[str] = []
 
 def kernel_choice(kernel: str | None = None, device: torch.device | None = None) -> str:
     """Stage-1 kernel: ``"wgmma"`` (64 query rows, warp-group MMA from swizzled shared memory; sm_90 only) or
-    ``"mma"`` (``mma.sync``, 16 or 64 rows, see :func:`rows_choice`). ``kernel`` when given, else
-    ``K3NN_MLA_CUDA_KERNEL`` (read per call), else ``"wgmma"`` on an sm_90 ``device`` and ``"mma"`` elsewhere.
-    Raises ``ValueError`` for other names, and for ``"wgmma"`` on a device that is not sm_90."""
-    name = kernel if kernel is not None else os.environ.get(KERNEL_ENV, "").strip()
-    hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    ``"mma"`` (``mma.sync``, 16 or 64 rows, see :func:`rows_choice`). ``kernel`` when given, else ``"wgmma"`` on
+    an sm_90 ``device`` and ``"mma"`` elsewhere. Raises ``ValueError`` for other names, and for ``"wgmma"`` on a
+    device that is not sm_90."""
+    name = kernel
+    hopper = _hopper(device)
     if not name:
         return "wgmma" if hopper else "mma"
     if name not in KERNELS:
-        src = f"{KERNEL_ENV}" if kernel is None else "mla_decode_cuda: kernel"
-        raise ValueError(f"{src} must be one of {KERNELS}, got {name!r}")
+        raise ValueError(f"mla_decode_cuda: kernel must be one of {KERNELS}, got {name!r}")
     if name != "mma" and device is not None and not hopper:
         raise ValueError(f"the {name} MLA decode kernel needs an sm_90 GPU (H100 / H200)")
     return name
 
 
 def rows_choice(rows: int | None = None, device: torch.device | None = None) -> int:
-    """Query rows per stage-1 CTA: ``rows`` when given, else ``K3NN_MLA_CUDA_ROWS`` (read per call; unset or
-    empty: :data:`DEFAULT_ROWS`, or 16 where ``device`` cannot give a CTA the 64-row kernel's shared memory).
-    Raises ``ValueError`` for anything but 16 or 64."""
+    """Query rows per stage-1 CTA of the mma.sync kernel: ``rows`` when given, else :data:`DEFAULT_ROWS`, or 16
+    where ``device`` cannot give a CTA the 64-row kernel's shared memory. Raises ``ValueError`` for anything but
+    16 or 64."""
     if rows is not None:
         if rows not in ROWS_VARIANTS:
             raise ValueError(f"mla_decode_cuda: rows must be 16 or 64, got {rows!r}")
         return int(rows)
-    env = os.environ.get(ROWS_ENV, "").strip()
-    if not env:
-        if device is not None and SMEM_BYTES_BY_ROWS[DEFAULT_ROWS] > _smem_limit(device):
-            return 16
-        return DEFAULT_ROWS
-    try:
-        value = int(env)
-    except ValueError:
-        value = None
-    if value not in ROWS_VARIANTS:
-        raise ValueError(f"{ROWS_ENV} must be 16 or 64 (query rows per CTA of the CUDA MLA decode kernel), "
-                         f"got {env!r}")
-    return value
+    if device is not None and SMEM_BYTES_BY_ROWS[DEFAULT_ROWS] > _smem_limit(device):
+        return 16
+    return DEFAULT_ROWS
 
 
 def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int | None = None,
@@ -1821,23 +1804,14 @@ def kernel_num_splits(kernel: str, B: int, M: int, max_tokens: int, sm_count: in
 
 
 def cluster_choice(cluster: int | None = None) -> int | None:
-    """CTAs per cluster of the wgmma kernel's cluster merge: ``cluster`` when given, else ``K3NN_MLA_CLUSTER`` (read
-    per call); None (neither set): :func:`wgmma_plan` decides. Raises ``ValueError`` for anything not in
-    :data:`CLUSTERS`."""
-    src = "mla_decode_cuda: cluster"
-    value = cluster
-    if value is None:
-        env = os.environ.get(CLUSTER_ENV, "").strip()
-        if not env:
-            return None
-        src = CLUSTER_ENV
-        try:
-            value = int(env)
-        except ValueError:
-            value = env
-    if value not in CLUSTERS:
-        raise ValueError(f"{src} must be one of {CLUSTERS}, got {value!r}")
-    return int(value)
+    """CTAs per cluster of the wgmma kernel's cluster merge: ``cluster`` when given, else ``mla_cluster`` of the
+    current :class:`~k3nn.kernels.registry.KernelTuning` (read per call); None (neither set): :func:`wgmma_plan`
+    decides. Raises ``ValueError`` for anything not in :data:`CLUSTERS`."""
+    if cluster is None:
+        return current_tuning().mla_cluster  # checked by KernelTuning
+    if isinstance(cluster, bool) or cluster not in CLUSTERS:
+        raise ValueError(f"mla_decode_cuda: cluster must be one of {CLUSTERS}, got {cluster!r}")
+    return int(cluster)
 
 
 @functools.cache
@@ -1887,7 +1861,8 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
              out_dtype=None, out=None, rows=None, kernel=None) -> str | None:
     """None when :func:`mla_decode_cuda` takes this call, else the reason (inputs already checked by
     ``check_mla_decode_inputs``; ``rows`` as in :func:`rows_choice` and ``kernel`` as in :func:`kernel_choice`,
-    whose errors are the reason when the environment asks for something they do not offer)."""
+    whose errors are the reason when they are asked for something they do not offer). Which calls ``auto`` leaves
+    to the Triton kernel: :func:`auto_skip`."""
     if not isinstance(q_lat, torch.Tensor) or q_lat.device.type != "cuda":
         return "inputs are not CUDA tensors"
     if q_lat.dtype not in _IN_CODES:
@@ -1914,19 +1889,9 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
         return str(e)
     lim = _smem_limit(q_lat.device)
     if kern != "mma":
-        try:
-            cluster_choice()
-        except ValueError as e:
-            return str(e)
         if SMEM_BYTES_WGMMA > lim:
             return f"the {kern} kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
-        B, M = q_lat.shape[0], q_lat.shape[1] * q_lat.shape[2]
-        if _env_choice() is None:  # chosen by default, not asked for: step aside rather than fail
-            if M <= 64 and B < MIN_ROW_CTAS:
-                return (f"small batch (B = {B} < {MIN_ROW_CTAS} with Tq·H = {M} ≤ 64): the Triton split-KV kernel "
-                        f"is faster (set {ENABLE_ENV}=1 to run the CUDA kernel anyway)")
-            return _build_reason()
-        return None
+        return _build_reason()
     need = SMEM_BYTES_BY_ROWS[nrows]
     if need > lim:
         return f"the {nrows}-row kernel needs {need} bytes of shared memory per CTA (limit {lim})"
@@ -1944,8 +1909,8 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
                     out_dtype=None, out=None, rows=None, kernel=None, cluster=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
     :func:`supports`). ``kernel``: ``"wgmma"`` or ``"mma"`` (None: :func:`kernel_choice`); ``rows``: 16 or 64
-    query rows per stage-1 CTA of the ``mma`` kernel (None: ``K3NN_MLA_CUDA_ROWS``, else :data:`DEFAULT_ROWS`
-    where it fits; the wgmma kernel always takes 64). Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
+    query rows per stage-1 CTA of the ``mma`` kernel (None: :data:`DEFAULT_ROWS` where it fits; the wgmma kernel
+    always takes 64); ``cluster``: as in :func:`cluster_choice`. Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
     kern = kernel_choice(kernel, q_lat.device)
     wgmma = kern != "mma"
     nrows = 64 if wgmma else rows_choice(rows, q_lat.device)

@@ -34,22 +34,25 @@ Plans (:class:`Plan`) select the tile and the constexpr variants:
 The plan depends only on ``B``, ``Tq·H``, the dims and the device (never on lengths read from the device), so a
 call can be captured in a CUDA graph; each request's keys are divided evenly among its splits. On a GPU the first
 call of a shape (outside capture) times a few plans on its own inputs and keeps the fastest
-(``K3NN_MLA_NO_TUNE=1``: the heuristic plan; ``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque,tma]``:
-that tile, one wave of splits; ``K3NN_MLA_TUNE_VERBOSE=1`` prints the timings).
+(:class:`~k3nn.kernels.registry.KernelTuning`: ``autotune=False`` takes the heuristic plan; ``mla_decode_tile=(bh,
+bn, warps, stages[, lazy, sv, ahead, opaque, tma])`` that tile, one wave of splits; the timings are logged at
+debug level).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_interpreting
+from ..registry import current_tuning, triton_interpreting
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Plan", "choose_num_splits", "make_plan", "mla_decode_triton", "wave_splits"]
 
@@ -430,7 +433,7 @@ def wave_splits(B: int, rows: int, device: torch.device, block_h: int, split_v: 
 
 
 def _default_plan(B, M, dev):
-    """The plan without tuning (K3NN_MLA_NO_TUNE, or first seen inside a graph capture). On Hopper, 64 or more
+    """The plan without tuning (``KernelTuning.autotune`` off, or first seen inside a graph capture). On Hopper, 64 or more
     query rows take the 64-row split-score tile: the best plan in every >= 64-row case of the H200 sweep
     (bench/results/logs/h200-s3-run3-2026-11-30.log; B=64 L=8K H=64 2.44 TB/s against 0.92 for the 32-row
     tile at the same splits)."""
@@ -541,12 +544,13 @@ def _time_plan(fn) -> float:
         return float(do_bench(fn, warmup=3, rep=15, return_mode="median"))
 
 
-def _env_tile():
-    """``K3NN_MLA_TILE=bh,bn,warps,stages[,lazy,sv,ahead,opaque,tma]`` pins the tile on the GPU (no tuning)."""
-    v = os.environ.get("K3NN_MLA_TILE")
-    if not v:
+def pinned_tile():
+    """The tile that ``mla_decode_tile`` of the current :class:`~k3nn.kernels.registry.KernelTuning` pins on the
+    GPU (no tuning), as a plan's tile: ``(bh, bn, warps, stages[, lazy, sv, ahead, opaque, tma])`` with the flags
+    as bools and ``sv`` (1 or 2) an int; None when nothing is pinned."""
+    f = current_tuning().mla_decode_tile
+    if f is None:
         return None
-    f = [int(x) for x in v.split(",")]
     return tuple(f[:4]) + tuple(bool(x) if i != 1 else x for i, x in enumerate(f[4:9]))
 
 
@@ -559,7 +563,7 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
     pin = int(num_splits) if num_splits else None
     if dev.type != "cuda":
         return make_plan(_INTERP_TILE, pin or 1)
-    forced = _env_tile()
+    forced = pinned_tile()
     if forced is not None:
         t = make_plan(forced, 1)
         return make_plan(forced, pin or wave_splits(B, M, dev, t.bh, t.sv))
@@ -567,7 +571,7 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
            triton.next_power_of_2(max_blocks or 1))
     if key in _TUNED:
         return _TUNED[key]
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("K3NN_MLA_NO_TUNE"):
+    if torch.cuda.is_current_stream_capturing() or not current_tuning().autotune:
         p = _default_plan(B, M, dev)
         return make_plan(p.tile, pin) if pin else p
     cands = _candidates(B, M, dev, max_blocks=max_blocks)
@@ -580,8 +584,7 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
             ms = _time_plan(lambda c=c: run(c))
         except Exception:  # a tile that does not fit this GPU (shared memory / registers)
             continue
-        if os.environ.get("K3NN_MLA_TUNE_VERBOSE"):
-            print(f"mla_decode tune B={B} M={M}: plan {c.short()} {ms * 1e3:.1f} us", flush=True)
+        log.debug("mla_decode tune B=%d M=%d: plan %s %.1f us", B, M, c.short(), ms * 1e3)
         if ms < best_ms:
             best, best_ms = c, ms
     if best is None:  # nothing could be timed: keep the heuristic (its launch reports any real error)
