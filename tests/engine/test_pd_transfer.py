@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine_helpers import reference
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.transfer import (RequestState, acknowledge, config_fingerprint, expire_leases, export_request_state,
                                  import_request_state, leases, recv_request_state, send_request_state)
@@ -45,7 +46,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def expected(model):
-    return model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW)[0, len(PROMPT):].tolist()
+    return reference(model, PROMPT, NEW)  # memoised across the engine test modules
 
 
 def test_export_import_round_trip(model, expected):

@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 from engine_helpers import model, rand_ids, reference  # noqa: F401  (model is a fixture)
 from k3nn.cache.hybrid import CacheFullError
+from k3nn.cache.prefix import block_hashes
 from k3nn.cache.transfer import RequestState, export_request_state, import_request_state, state_digest
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 
@@ -258,3 +259,35 @@ def test_adopt_failing_after_registering_is_undone(model, exported, monkeypatch)
     assert import_request_state(D, clone(exported), request_id="pd-1") == "pd-1"  # the id is free again
     assert D.requests["pd-1"].status == RequestStatus.RUNNING
     D.abort("pd-1")
+
+
+@pytest.mark.parametrize("n", [1, 65])  # nothing computed (no pages); 64 computed (the last page full)
+def test_edge_lengths_round_trip(model, n):
+    prompt = rand_ids(n, 11)
+    P, D = make_engine(model, enable_prefix_caching=False), make_engine(model)  # the sender never hashed
+    state = export_request_state(P, prefill(P, prompt))
+    assert state.manifest["mla"]["num_pages"] == -(-(n - 1) // 64)
+    assert state.manifest["block_hashes"] == [k.hex() for k in D.prefix.hashes(prompt)]
+    did = import_request_state(D, state, SamplingParams(max_new_tokens=2))
+    assert state.lease.release() is True
+    list(D.stream())
+    assert D.requests[did].output == reference(model, prompt, 2)
+
+
+def test_a_sender_with_another_page_size_is_repaged(exported, model):
+    """A 32-token-page sender: the checks use its unit (pages, hashes), the import re-lays the tokens out."""
+    s = clone(exported)
+    m, n, bs = s.manifest, s.manifest["num_tokens"], 32
+    for i, e in enumerate(m["tensors"]):
+        if e["name"].startswith("mla."):
+            flat = s.tensors[i].reshape(-1, s.tensors[i].shape[-1])[:n]
+            s.tensors[i] = torch.cat([flat, flat.new_zeros(-n % bs, flat.shape[-1])]).view(-1, bs, flat.shape[-1])
+            e["shape"] = list(s.tensors[i].shape)
+    m["mla"].update(block_size=bs, num_pages=-(-n // bs))
+    with pytest.raises(ValueError, match="block_hashes"):  # still hashed in 64-token blocks
+        import_request_state(make_engine(model), redigest(clone(s)))
+    m["block_hashes"] = [k.hex() for k in block_hashes(m["prompt"], bs)]
+    D = make_engine(model)
+    did = import_request_state(D, redigest(s), SamplingParams(max_new_tokens=NEW))
+    list(D.stream())
+    assert D.requests[did].output == reference(model, PROMPT, NEW)
