@@ -11,8 +11,8 @@ plus a JSON manifest (config fingerprint, layouts, dtypes, token count, prompt i
 
 **Leases.** The request's pages and row stay pinned until the returned :class:`Lease` is released (after the
 decoder confirms) or expires: every lease has a deadline (``lease_timeout_s``, default 600 s, on the
-``time.monotonic()`` clock; :meth:`Lease.renew` moves it) and :func:`expire_leases` (called once per
-``Engine.step()``) frees every request whose lease ran out. :meth:`Lease.release` is idempotent: it returns
+``time.monotonic()`` clock; :meth:`Lease.renew` moves it) and :func:`expire_leases` (meant to run once per
+``Engine.step()``, before scheduling) frees every request whose lease ran out. :meth:`Lease.release` is idempotent: it returns
 False when the lease already ended or the request is no longer held (aborted, failed, released).
 
 **Integrity.** :func:`import_request_state` trusts nothing in the manifest. Before the receiving engine
@@ -31,7 +31,8 @@ the part digests in manifest order. Per-tensor parts name the tensor that disagr
 hashed in parallel. Cost: every shipped byte is read once more on each side — copied to host memory in
 64 MiB chunks (a device→host copy for CUDA tensors) and hashed at sha256 speed, about 1.5 GB/s per core
 (threads over tensors when the state exceeds 256 MiB). For K3 (bf16) a request ships 27 KiB per token of
-latent pages plus 0.45 GB of KDA state: a 128k-token request is ~4 GB, about 0.4 s per side on 8 cores.
+latent pages plus 0.45 GB of KDA state: a 128k-token request is ~4 GB, ~2.7 s of sha256 on one core per
+side, divided by the threads the host can give (the KDA state alone is ~0.3 s on one core).
 The digest guards against corruption and mismatched halves of a transfer, not against a forger (anyone who can
 edit the manifest can recompute it).
 
@@ -433,7 +434,7 @@ def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
         if e["name"] != name:
             raise ValueError(f"manifest tensors[{i}] is {e['name']!r}, expected {name!r} (tensors go MLA pages per "
                              f"layer, then recurrent and conv per KDA layer)")
-        if e["shape"] != shape:
+        if not isinstance(e["shape"], (list, tuple)) or list(e["shape"]) != shape:
             raise ValueError(f"tensor {name}: manifest shape {e['shape']} != {shape}, what this engine's layout "
                              f"requires (num_tokens {n})")
         if e["dtype"] != _dtype_name(dt):
