@@ -17,7 +17,7 @@ per CTA; each at its default split count and a few others); ``--cuda-only`` runs
 
 Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
 read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
-summary also gives the full tuple to pin with ``K3NN_MLA_TILE=bh,bn,warps,stages,lazy,sv,ahead,opaque,tma`` (flag T = whole tiles through tensor
+summary also gives the full tuple to pin with ``k3nn.kernels.registry.tuning(mla_decode_tile=(bh, bn, warps, stages, lazy, sv, ahead, opaque, tma))`` (flag T = whole tiles through tensor
 descriptors).
 """
 

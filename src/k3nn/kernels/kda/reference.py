@@ -16,7 +16,7 @@ import torch
 
 from .api import Checkpoints, normalise_checkpoints
 
-__all__ = ["kda_recurrent_reference"]
+__all__ = ["kda_recurrent_reference", "kda_intra_reference"]
 
 
 def kda_recurrent_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -57,3 +57,50 @@ def kda_recurrent_reference(q, k, v, g, beta, scale=None, initial_state=None, ou
     if checkpoint_positions is not None:
         res = res + (out_ck,)
     return res
+
+
+def kda_intra_reference(q, k, v, g, beta, scale, chunk_start, chunk_len):
+    """The intra-chunk quantities of the chunked form, in fp64: per chunk c of the plan (``chunk_start`` /
+    ``chunk_len``: first token in the flattened B·T axis and length ≤ 64) and head, with ``G`` the chunk-local
+    cumulative log decay (``G_last`` at its last token, and on the 64 − len padding rows)::
+
+        qg = scale · q ⊙ e^G          kg = k ⊙ e^{G_last − G}          egl = e^{G_last}
+        A[i, j] = scale · Σ_d q_id k_jd e^{G_id − G_jd}   (j ≤ i)
+        L[i, j] = β_i Σ_d k_id k_jd e^{G_id − G_jd}       (j < i)      X = (I + L)⁻¹
+        w = X (β ⊙ k ⊙ e^G)           u = X (β ⊙ v)
+
+    Padding rows hold zeros (X: the identity). Returns ``(qg, kg, w, u, A, egl, X)`` shaped ``[NC, H, 64, K]``
+    (qg, kg, w), ``[NC, H, 64, V]``, ``[NC, H, 64, 64]`` (A, X) and ``[NC, H, K]``: what the Triton chunk
+    kernels' intra stage computes (they keep X's block-lower part only)."""
+    H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
+    f64 = torch.float64
+    qf, kf, vf, gf = (t.reshape(-1, H, t.shape[-1]).to(f64) for t in (q, k, v, g))
+    bf = beta.reshape(-1, H).to(f64)
+    starts, lens = chunk_start.tolist(), chunk_len.tolist()
+    NC = len(starts)
+    out = [torch.zeros(NC, H, 64, d, dtype=f64) for d in (K, K, K, V)]
+    qg, kg, w, u = out
+    A = torch.zeros(NC, H, 64, 64, dtype=f64)
+    X = torch.eye(64, dtype=f64).repeat(NC, H, 1, 1)
+    egl = torch.ones(NC, H, K, dtype=f64)
+    for c, (s, n) in enumerate(zip(starts, lens)):
+        if n == 0:
+            continue
+        sl = slice(s, s + n)
+        qc, kc, vc, bc = (t[sl].transpose(0, 1) for t in (qf, kf, vf, bf))  # [H, n, .], beta [H, n]
+        G = gf[sl].transpose(0, 1).cumsum(1)  # [H, n, K]
+        Gl = G[:, -1]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+        decay = diff.exp()  # e^{G_i − G_j} ≤ 1 where j ≤ i, 0 elsewhere
+        Aqk = scale * torch.einsum("hid,hjd,hijd->hij", qc, kc, decay)
+        Lkk = bc[:, :, None] * torch.einsum("hid,hjd,hijd->hij", kc, kc, decay).tril(-1)
+        Xc = torch.linalg.inv(torch.eye(n, dtype=f64) + Lkk)
+        qg[c, :, :n] = scale * qc * G.exp()
+        kg[c, :, :n] = kc * (Gl[:, None] - G).exp()
+        w[c, :, :n] = Xc @ (bc[..., None] * kc * G.exp())
+        u[c, :, :n] = Xc @ (bc[..., None] * vc)
+        A[c, :, :n, :n] = Aqk
+        X[c, :, :n, :n] = Xc
+        egl[c] = Gl.exp()
+    return qg, kg, w, u, A, egl, X
