@@ -34,14 +34,15 @@ def test_rotate_pairs_equals_the_reference_rotation(grid, heads, dim, seed):
     ang = rope_2d_angles(grid_t, dim, theta=10000.0)
     L = ang.shape[0]
     qkv = torch.randn(L, 3, heads, dim, generator=g)
-    qk = qkv[:, :2].flatten(1, 2)  # strided, as in the tower
-    out = rotate_pairs(qk, rope_2d_cis(ang))
-    ref = apply_rope_2d(qk, ang)
-    assert out.shape == ref.shape and out.is_contiguous()
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
-    bf = rotate_pairs(qk.bfloat16(), rope_2d_cis(ang))
-    assert bf.dtype == torch.bfloat16
-    torch.testing.assert_close(bf, apply_rope_2d(qk.bfloat16(), ang), atol=1e-2, rtol=8e-3)  # ≤ 1 bf16 ulp
+    qk = qkv[:, :2].transpose(0, 1)  # [2, L, H, D] strided, as in the tower
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3)):  # bf16: ≤ 1 ulp after the same fp32 math
+        x = qk.to(dtype)
+        q, k = rotate_pairs(x, rope_2d_cis(ang))
+        assert q.dtype == dtype and q.is_contiguous() and k.is_contiguous()
+        torch.testing.assert_close(q, apply_rope_2d(x[0], ang), atol=tol, rtol=tol)
+        torch.testing.assert_close(k, apply_rope_2d(x[1], ang), atol=tol, rtol=tol)
+    one = qkv[:, 1]  # a single [L, H, D] view
+    torch.testing.assert_close(rotate_pairs(one, rope_2d_cis(ang)), apply_rope_2d(one, ang), atol=2e-6, rtol=2e-6)
 
 
 @given(n=st.integers(1, 30), count=st.integers(1, 4), empties=st.integers(0, 2), heads=st.integers(1, 3),
@@ -105,7 +106,7 @@ def test_flash_backend_calls_the_varlen_kernel_once_over_the_packed_batch(length
     assert (c["max_q"], c["max_k"]) == (max(lengths), max(lengths))
     assert (c["dropout_p"], c["is_causal"], c["debug"]) == (0.0, False, False)
     assert c["scale"] == (16 ** -0.5 if scale is None else scale)
-    assert c["strides"][0] == q.stride()  # the tower's strided views go in as they are: no copies
+    assert all(st == (16 * 2, 16, 1) for st in c["strides"])  # dense [L, H, D] rows go to the kernel
 
 
 def test_flash_is_refused_off_cuda_and_auto_falls_back():

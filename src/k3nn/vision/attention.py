@@ -144,6 +144,7 @@ def _flash(q, k, v, seg: Segments, scale):
         cu = cu.to(q.device, torch.int32)
     # (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale)
     # → (output, logsumexp, ...): the same keys bound the queries, nothing causal, no dropout
+    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))  # dense rows: the kernel's layout
     out = _flash_op()(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, False, False, scale=scale)
     return out[0]
 

@@ -57,10 +57,9 @@ def rope_2d_cis(angles: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_pairs(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """x [L, H, D] (any strides, last dim contiguous) rotated pairwise by cis [L, 1, D/2] (:func:`rope_2d_cis`):
-    fp32 math, result [L, H, D] contiguous in x's dtype. Equals ``apply_rope_2d(x, angles)``."""
-    xf = x.float()
-    if xf.stride(-1) != 1 or any(s % 2 for s in xf.stride()[:-1]) or xf.storage_offset() % 2:
-        xf = xf.contiguous()
+    """x [..., L, H, D] (any strides) rotated pairwise by cis [L, 1, D/2] (:func:`rope_2d_cis`): fp32 math, the
+    result contiguous in x's dtype (so x = qkv[:, :2].transpose(0, 1), [2, L, H, D], gives dense q and k). Equals
+    ``apply_rope_2d`` on each [L, H, D]."""
+    xf = x.float().contiguous()  # one pass: the cast (bf16) or the gather of a strided view (fp32)
     y = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * cis)
     return y.flatten(-2).to(x.dtype)

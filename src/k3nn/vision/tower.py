@@ -170,11 +170,9 @@ class VisionBlock(nn.Module):
 
     def attention(self, x: torch.Tensor, segments: Segments, cis: torch.Tensor) -> torch.Tensor:
         """x [L, D] → [L, D]; ``cis`` [L, 1, Dh/2] the rotations (:func:`k3nn.vision.rope.rope_2d_cis`)."""
-        H = self.num_heads
-        qkv = self.wqkv(x).unflatten(-1, (3, H, self.head_dim))  # [L, 3, H, Dh]
-        qk = rotate_pairs(qkv[:, :2].flatten(1, 2), cis)  # q and k rotated in one pass: [L, 2H, Dh]
-        o = varlen_attention(qk[:, :H], qk[:, H:], qkv[:, 2], segments, self.head_dim ** -0.5,
-                             backend=self.attn_backend)
+        qkv = self.wqkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # [L, 3, H, Dh]
+        q, k = rotate_pairs(qkv[:, :2].transpose(0, 1), cis)  # q and k rotated in one pass, each [L, H, Dh] dense
+        o = varlen_attention(q, k, qkv[:, 2], segments, self.head_dim ** -0.5, backend=self.attn_backend)
         return self.wo(o.flatten(1))
 
     def forward(self, x: torch.Tensor, segments: Segments, cis: torch.Tensor) -> torch.Tensor:
