@@ -73,16 +73,16 @@ def kda_intra_reference(q, k, v, g, beta, scale, chunk_start, chunk_len):
     (qg, kg, w), ``[NC, H, 64, V]``, ``[NC, H, 64, 64]`` (A, X) and ``[NC, H, K]``: what the Triton chunk
     kernels' intra stage computes (they keep X's block-lower part only)."""
     H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
-    f64 = torch.float64
+    f64, dev = torch.float64, q.device
     qf, kf, vf, gf = (t.reshape(-1, H, t.shape[-1]).to(f64) for t in (q, k, v, g))
     bf = beta.reshape(-1, H).to(f64)
     starts, lens = chunk_start.tolist(), chunk_len.tolist()
     NC = len(starts)
-    out = [torch.zeros(NC, H, 64, d, dtype=f64) for d in (K, K, K, V)]
+    out = [torch.zeros(NC, H, 64, d, dtype=f64, device=dev) for d in (K, K, K, V)]
     qg, kg, w, u = out
-    A = torch.zeros(NC, H, 64, 64, dtype=f64)
-    X = torch.eye(64, dtype=f64).repeat(NC, H, 1, 1)
-    egl = torch.ones(NC, H, K, dtype=f64)
+    A = torch.zeros(NC, H, 64, 64, dtype=f64, device=dev)
+    X = torch.eye(64, dtype=f64, device=dev).repeat(NC, H, 1, 1)
+    egl = torch.ones(NC, H, K, dtype=f64, device=dev)
     for c, (s, n) in enumerate(zip(starts, lens)):
         if n == 0:
             continue
@@ -90,12 +90,12 @@ def kda_intra_reference(q, k, v, g, beta, scale, chunk_start, chunk_len):
         qc, kc, vc, bc = (t[sl].transpose(0, 1) for t in (qf, kf, vf, bf))  # [H, n, .], beta [H, n]
         G = gf[sl].transpose(0, 1).cumsum(1)  # [H, n, K]
         Gl = G[:, -1]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
         decay = diff.exp()  # e^{G_i − G_j} ≤ 1 where j ≤ i, 0 elsewhere
         Aqk = scale * torch.einsum("hid,hjd,hijd->hij", qc, kc, decay)
         Lkk = bc[:, :, None] * torch.einsum("hid,hjd,hijd->hij", kc, kc, decay).tril(-1)
-        Xc = torch.linalg.inv(torch.eye(n, dtype=f64) + Lkk)
+        Xc = torch.linalg.inv(torch.eye(n, dtype=f64, device=dev) + Lkk)
         qg[c, :, :n] = scale * qc * G.exp()
         kg[c, :, :n] = kc * (Gl[:, None] - G).exp()
         w[c, :, :n] = Xc @ (bc[..., None] * kc * G.exp())
