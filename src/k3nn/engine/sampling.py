@@ -227,7 +227,12 @@ class RequestSampler:
             logits = logits[0]
         if logits.dim() != 1 or logits.shape[0] != self.vocab_size:
             raise ValueError(f"logits must be [V] or [1, V] with V={self.vocab_size}, got {tuple(logits.shape)}")
+        self._check_device(logits)
         return logits.float()[None]
+
+    def _check_device(self, logits: torch.Tensor) -> None:
+        if self._counting and logits.device != self._counts.device:
+            raise ValueError(f"logits are on {logits.device}, the sampler's device is {self._counts.device}")
 
     # -- choosing -----------------------------------------------------------------------------------------------
     def scores(self, logits: torch.Tensor, output_so_far: Sequence[int]) -> torch.Tensor:
@@ -257,6 +262,7 @@ class RequestSampler:
         no host sync)."""
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [T, V] with V={self.vocab_size}, got {tuple(logits.shape)}")
+        self._check_device(logits)
         T = logits.shape[0]
         d = drafts if isinstance(drafts, torch.Tensor) else _ids_on(drafts, logits.device)
         if d.dim() != 1 or T > d.shape[0] + 1:
