@@ -15,7 +15,8 @@
    raster order, grid (1, h, w); the image sizes here need no resizing, so the grids are the processor's).
 4. Checks, on a mixed batch of different sizes: projected features of k3nn vs transformers in fp32 (TF32 off; ≤ 1e-4
    relative), and in bf16 (k3nn's error against transformers' fp32 within 1.5× transformers' own bf16 error, or
-   ≤ 5e-3); k3nn's bf16 attention (the varlen flash kernel on CUDA) against its eager reference.
+   ≤ 5e-3); k3nn's bf16 attention (the varlen flash kernel on CUDA) against its eager reference (the same bound,
+   both against transformers' fp32).
 5. Timing of ``image_features`` (k3nn) and ``model.get_image_features`` (transformers, its default SDPA attention),
    bf16, ``torch.inference_mode()``: CUDA events, warm-up calls, median of N; a batch of 448×448 images, a batch of
    1024×1024 images (74×74 patches each after the processor's padding) and a mixed batch. Reported: ms per batch,
@@ -262,7 +263,10 @@ def run(args) -> tuple[Path, bool]:
         eager16 = k3nn_features(k16, px16, grid)
         tower.attn_backend = timed_backend
         checks["bf16_attention_vs_eager"] = rel_err(out16, eager16)
-        checks["attention_ok"] = checks["bf16_attention_vs_eager"] <= 1e-2 and "attention_error" not in checks
+        # bf16 noise grows through 27 layers, so the two bf16 runs are each compared with the fp32 reference
+        checks["bf16_eager_attention_vs_fp32"] = rel_err(eager16, ref32)
+        checks["attention_ok"] = "attention_error" not in checks and \
+            checks["bf16_k3nn_vs_fp32"] <= max(1.5 * checks["bf16_eager_attention_vs_fp32"], 5e-3)
     del ref32, hf16, out16, eager16
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
