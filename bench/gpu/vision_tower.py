@@ -48,6 +48,7 @@ T0 = time.time()
 
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, PAD_ID = 250, 251, 252
 
+
 def text_config(hidden: int) -> dict:
     """One DeepSeek-V3 layer (dense MLP) of width ``hidden``: only its width matters here (the projector's output)."""
     return dict(model_type="deepseek_v3", vocab_size=256, hidden_size=hidden, intermediate_size=128,
@@ -62,7 +63,7 @@ def text_config(hidden: int) -> dict:
 TINY_VISION = dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
                    num_hidden_layers=2, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2])
 
-#: (label, [(height, width) px per image]) for Kimi K2.5 dims; the batch sizes come from the command line
+#: the mixed batches, (height, width) px per image (the equal-size batches' sizes come from the command line)
 MIXED = [(1024, 1024), (448, 448), (768, 1024), (1024, 576), (336, 336), (640, 480), (224, 896), (896, 672)]
 TINY_MIXED = [(32, 32), (64, 64), (20, 28), (48, 16)]
 
