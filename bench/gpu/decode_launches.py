@@ -178,13 +178,17 @@ def main(argv=None):
     ap.add_argument("--path", default="latency_specialized", choices=["latency_specialized", "standard"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", help="model dtype of the small configs (k3_slice: bf16)")
-    ap.add_argument("--kernels", default=None, help="K3NN_DECODE_KERNELS for the run (eager / auto / triton)")
+    ap.add_argument("--kernels", default="eager", choices=["eager", "auto", "triton"],
+                    help="the path's small fused kernels (KernelTuning.decode_kernels)")
     args = ap.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.kernels:
-        from k3nn.decode import kernels
+    from k3nn.kernels.registry import tuning
 
-        kernels.default_impl = args.kernels
+    with tuning(decode_kernels=args.kernels):
+        return _run(args)
+
+
+def _run(args):
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.config == "k3_slice":
         from k3nn.bench.models import build_model
 

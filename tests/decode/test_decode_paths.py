@@ -86,14 +86,14 @@ def test_latency_specialized_matches_standard(which, request):
     assert torch.equal(a, b)
 
 
-def test_latency_specialized_with_triton_kernels(k3, monkeypatch):
+def test_latency_specialized_with_triton_kernels(k3):
     """The path as it runs on GPU: its small kernels in Triton (interpreted here)."""
-    from k3nn.decode import kernels
+    from k3nn.kernels.registry import tuning
 
-    monkeypatch.setattr(kernels, "default_impl", "triton")
     ids, _ = _prompt(2, 5, 4, False)
-    ref, _, _ = _step_logits(k3, {}, dict(cuda_graph=False), ids, 3)
-    out, _, run = _step_logits(k3, dict(mla_pool=True), dict(decode_backend="latency_specialized"), ids, 3)
+    with tuning(decode_kernels="triton"):
+        ref, _, _ = _step_logits(k3, {}, dict(cuda_graph=False), ids, 3)
+        out, _, run = _step_logits(k3, dict(mla_pool=True), dict(decode_backend="latency_specialized"), ids, 3)
     assert run.name == "latency_specialized"
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=1e-4)
 

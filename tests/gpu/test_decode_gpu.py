@@ -51,7 +51,7 @@ def test_latency_specialized_graph_equals_standard(model, B):
 
 
 def test_decode_kernels_on_gpu(model, monkeypatch):
-    """The latency path's small Triton kernels (opt-in: K3NN_DECODE_KERNELS) on the GPU: same tokens, and each
+    """The latency path's small Triton kernels (opt-in: KernelTuning.decode_kernels) on the GPU: same tokens, and each
     kernel == its eager form."""
     from k3nn.decode import kernels as K
 
@@ -63,8 +63,10 @@ def test_decode_kernels_on_gpu(model, monkeypatch):
     for act in ("silu", "situ"):
         torch.testing.assert_close(K.glu(gu, act, impl="triton").float(), K.glu(gu, act, impl="eager").float(),
                                    atol=2e-2, rtol=1e-2)
-    monkeypatch.setattr(K, "default_impl", "auto")
+    from k3nn.kernels.registry import tuning
+
     ids = _prompt(2, 8, 21)[0]
-    a = model.generate(ids, max_new_tokens=10, cuda_graph=False)
-    b = model.generate(ids, max_new_tokens=10, decode_backend="latency_specialized")
+    with tuning(decode_kernels="auto"):
+        a = model.generate(ids, max_new_tokens=10, cuda_graph=False)
+        b = model.generate(ids, max_new_tokens=10, decode_backend="latency_specialized")
     assert model.last_decode_info["graph"] and torch.equal(a, b)

@@ -89,18 +89,18 @@ def count_launches(fn, dev) -> tuple[int, list[dict]]:
 
 
 def run_mode(model, base: HybridCache, first: torch.Tensor, mode: str, steps: int, warm: int = 3):
-    from ..decode import kernels
+    from ..kernels.registry import tuning
 
     backend, graph, dec = MODES[mode]
     dev = base.device
     model.backend = backend
-    impl = kernels.default_impl
+    kernels = "eager"
     if dec.endswith("+kernels"):
-        dec, kernels.default_impl = dec[: -len("+kernels")], "auto"
+        dec, kernels = dec[: -len("+kernels")], "auto"
     try:
-        return _run_mode(model, base, first, backend, graph, dec, steps, warm, dev)
+        with tuning(decode_kernels=kernels):
+            return _run_mode(model, base, first, backend, graph, dec, steps, warm, dev)
     finally:
-        kernels.default_impl = impl
         model.backend = None
 
 

@@ -9,17 +9,17 @@
   scaling (:func:`k3nn.layers.moe.route` without expert groups) — one launch instead of ~10.
 
 ``impl``: ``"triton"`` forces the kernel (CPU tensors need ``TRITON_INTERPRET=1``: how the tests check them);
-``"eager"`` the plain-PyTorch form (the reference); None → ``default_impl``, set from ``$K3NN_DECODE_KERNELS``:
-unset / ``"eager"`` = eager (the default until the kernels have run on a GPU: they are verified under the
-Triton interpreter only), ``"auto"`` = Triton on CUDA tensors, eager elsewhere, ``"triton"`` = always Triton.
+``"eager"`` the plain-PyTorch form (the reference); ``"auto"`` Triton on CUDA tensors, eager elsewhere; None →
+``decode_kernels`` of the current :class:`~k3nn.kernels.registry.KernelTuning` (default ``"eager"``;
+``k3nn.kernels.registry.tuning(decode_kernels="auto")`` turns them on, as the e2e benchmark's
+``latency_specialized+kernels`` mode does).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernels.registry import current_tuning
 from ..layers.mlp import glu_activation
 from ..layers.moe import route as route_reference
 
@@ -32,12 +32,8 @@ except Exception:  # pragma: no cover - triton missing
     triton = None
 
 
-#: what ``impl=None`` means: "auto" = Triton on CUDA tensors, eager elsewhere; "triton" / "eager" force one
-default_impl: str = os.environ.get("K3NN_DECODE_KERNELS", "eager") or "eager"
-
-
 def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
-    impl = impl or default_impl
+    impl = impl or current_tuning().decode_kernels
     if impl not in ("auto", "triton", "eager"):
         raise ValueError(f"impl must be None, 'auto', 'triton' or 'eager', got {impl!r}")
     if impl == "auto":

@@ -90,12 +90,16 @@ class KernelTuning:
             None: the tuned (or heuristic) plan.
         mla_cluster: CTAs per thread-block cluster of the CUDA (wgmma) MLA decode kernel's split merge, 1 to 8
             (1: no cluster, a combine kernel merges the splits). None: the kernel's plan decides per shape.
+        decode_kernels: the small fused kernels of the latency-specialized decode path (router, GLU, norms,
+            gate; :mod:`k3nn.decode.kernels`): ``"eager"`` their PyTorch forms, ``"auto"`` Triton on CUDA
+            tensors, ``"triton"`` always (CPU tensors under ``TRITON_INTERPRET=1``).
     """
 
     autotune: bool = True
     kda_decode_head_min: int = 256
     mla_decode_tile: tuple[int, ...] | None = None
     mla_cluster: int | None = None
+    decode_kernels: str = "eager"
 
     def __post_init__(self):
         if not isinstance(self.autotune, bool):
@@ -112,6 +116,9 @@ class KernelTuning:
         c = self.mla_cluster
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 8):
             raise ValueError(f"KernelTuning.mla_cluster must be None or an int in 1..8, got {c!r}")
+        if self.decode_kernels not in ("eager", "auto", "triton"):
+            raise ValueError(f"KernelTuning.decode_kernels must be 'eager', 'auto' or 'triton', "
+                             f"got {self.decode_kernels!r}")
 
 
 _tuning: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("k3nn_tuning", default=KernelTuning())
