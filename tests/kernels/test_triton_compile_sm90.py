@@ -43,7 +43,8 @@ def _compile(module, name, types, constexprs, default="i32", warps=4, stages=1):
 def test_kda_intra_scores_compile(module, name):
     _compile(module, name, {"q": "*bf16", "k": "*bf16", "beta": "*bf16", "chunk_start": "*i32",
                             "chunk_len": "*i32", "G": "*fp32", "g": "*fp32", "A_out": "*fp32", "L_out": "*fp32",
-                            "scale": "fp32"}, {"K": 128, "BK": 32, "SPAN": 80.0}, warps=2, stages=2)
+                            "scale": "fp32"}, {"K": 128, "BK": 32, "SPAN": 80.0, "DOT_PREC": "tf32"},
+             warps=2, stages=2)
 
 
 @pytest.mark.parametrize("SUM", [True, False])

@@ -33,7 +33,7 @@ AUTO_ORDER = ("cuda", "triton", "eager")
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "KernelTuning", "register", "dispatch", "backend",
            "current_backend", "current_tuning", "tuning", "available_backends", "get_op", "ops", "resolve",
-           "triton_interpreting", "fp32_dot_options"]
+           "triton_interpreting"]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -164,18 +164,6 @@ def _triton_import_error() -> str | None:
 
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def fp32_dot_options(dtype) -> dict[str, str]:
-    """Launch options for a Triton kernel on ``dtype`` inputs: fp32 products in IEEE fp32 unless torch allows TF32
-    (``torch.backends.cuda.matmul.allow_tf32``, set by ``torch.set_float32_matmul_precision("high")``), so an fp32
-    model computes in fp32 like torch's own matmuls; half-precision kernels are unaffected. Products a kernel
-    pins with ``input_precision=`` keep it."""
-    import torch
-
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 and not triton_interpreting():
-        return {"default_dot_input_precision": "ieee"}
-    return {}
 
 
 def triton_ready(*tensors: Any) -> str | None:

@@ -44,7 +44,9 @@ backward's intra recompute follows the same knob.
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input
 dtype), and in the recurrence the state cast for ``w h`` / ``qg h`` (fla does the same); the diagonal intra
-blocks and the inverse stay fp32. fp32 inputs stay fp32 (TF32 dots on the GPU; the inverse in full fp32).
+blocks and the inverse stay fp32. fp32 inputs stay fp32: every product takes ``DOT_PREC``
+(:func:`k3nn.kernels.precision.dot_precision`: IEEE fp32 while torch does not allow TF32, else TF32; the inverse
+is IEEE fp32 always).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import fp32_dot_options, triton_interpreting, triton_ready
+from ..precision import dot_precision
+from ..registry import triton_interpreting, triton_ready
 from .api import normalise_checkpoints, seq_lengths
 
 __all__ = ["kda_chunk_triton_fwd", "build_chunk_plan", "supports_kda_chunk"]
@@ -165,7 +168,7 @@ def _store_inverse(Xp, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32):
 
 @triton.jit
 def _strip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, w_out, ob, s: tl.constexpr, kb, scale,
-           K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
+           K: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     """One 16-row strip of one key block. ``pre``: G at the row before the strip, ``r``: G at its last row.
 
     Writes qg = scale·q·e^G, kg = k·e^{G_last − G} and z = β·k·e^G (into w_out; turned into w after the
@@ -183,8 +186,8 @@ def _strip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, w_out, ob, s: tl.cons
     qa = q_s * ea
     kbb = k_s * eb
     ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
-    dA = tl.dot(ka * ed, tl.trans(kbb))
-    dQ = tl.dot(qa * ed, tl.trans(kbb))
+    dA = tl.dot(ka * ed, tl.trans(kbb), input_precision=DOT_PREC)
+    dQ = tl.dot(qa * ed, tl.trans(kbb), input_precision=DOT_PREC)
     if tl.max(pre - r, 0) > SPAN:
         # pairwise exact diagonal block: e^{G_i − G_j} ≤ 1 for j ≤ i, never overflows
         r16 = tl.arange(0, 16)
@@ -199,12 +202,13 @@ def _strip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, w_out, ob, s: tl.cons
     return ka, qa, kbb, dA, dQ
 
 
-@triton.autotune(configs=_intra_configs(), key=["K", "V"])
+@triton.autotune(configs=_intra_configs(), key=["K", "V", "DOT_PREC"])
 @triton.jit
 def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
                qg_out, kg_out, w_out, u_out, A_out, egl_out, scratch,
                scale, H,
-               K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
+               K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr,
+               DOT_PREC: tl.constexpr):
     # One program per (chunk, head). Pass 1 walks the key channels in blocks of BKB: the four 16-row strips
     # are loaded once, their cumulative decay G built from strip cumsums plus running prefixes, and every
     # 16×16 block of Akk/Aqk accumulated from them (ten blocks each; nothing recomputed per strip). The
@@ -240,28 +244,28 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
         k0 = _ld(k, bos, L, pid_h, H, 0, kb, K, BKB)
         G0 = tl.cumsum(g0, 0)
         _ka0, _qa0, kb0, d, e = _strip(q0, k0, G0, p0, r0, r3, b0,
-                                       qg_out, kg_out, w_out, ob, 0, kb, scale, K, BKB, SPAN)
+                                       qg_out, kg_out, w_out, ob, 0, kb, scale, K, BKB, SPAN, DOT_PREC)
         A00 += d
         Q00 += e
         q1 = _ld(q, bos, L, pid_h, H, 1, kb, K, BKB)
         k1 = _ld(k, bos, L, pid_h, H, 1, kb, K, BKB)
         G1 = tl.cumsum(g1, 0) + r0[None, :]
         ka1, qa1, kb1, d, e = _strip(q1, k1, G1, r0, r1, r3, b1,
-                                       qg_out, kg_out, w_out, ob, 1, kb, scale, K, BKB, SPAN)
+                                       qg_out, kg_out, w_out, ob, 1, kb, scale, K, BKB, SPAN, DOT_PREC)
         A11 += d
         Q11 += e
         q2 = _ld(q, bos, L, pid_h, H, 2, kb, K, BKB)
         k2 = _ld(k, bos, L, pid_h, H, 2, kb, K, BKB)
         G2 = tl.cumsum(g2, 0) + r1[None, :]
         ka2, qa2, kb2, d, e = _strip(q2, k2, G2, r1, r2, r3, b2,
-                                       qg_out, kg_out, w_out, ob, 2, kb, scale, K, BKB, SPAN)
+                                       qg_out, kg_out, w_out, ob, 2, kb, scale, K, BKB, SPAN, DOT_PREC)
         A22 += d
         Q22 += e
         q3 = _ld(q, bos, L, pid_h, H, 3, kb, K, BKB)
         k3 = _ld(k, bos, L, pid_h, H, 3, kb, K, BKB)
         G3 = tl.cumsum(g3, 0) + r2[None, :]
         ka3, qa3, _kb3, d, e = _strip(q3, k3, G3, r2, r3, r3, b3,
-                                       qg_out, kg_out, w_out, ob, 3, kb, scale, K, BKB, SPAN)
+                                       qg_out, kg_out, w_out, ob, 3, kb, scale, K, BKB, SPAN, DOT_PREC)
         A33 += d
         Q33 += e
         # block (i, j), i > j: (x e^{G − Gend(i−1)}) (e^{Gend(i−1) − Gend(j)}) (k e^{Gend(j) − G}), all ≤ 1
@@ -280,18 +284,18 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
         qa2 = qa2.to(cd)
         ka3 = ka3.to(cd)
         qa3 = qa3.to(cd)
-        A10 += tl.dot(ka1, c0)
-        Q10 += tl.dot(qa1, c0)
-        A20 += tl.dot(ka2, c20)
-        Q20 += tl.dot(qa2, c20)
-        A21 += tl.dot(ka2, c1)
-        Q21 += tl.dot(qa2, c1)
-        A30 += tl.dot(ka3, c30)
-        Q30 += tl.dot(qa3, c30)
-        A31 += tl.dot(ka3, c31)
-        Q31 += tl.dot(qa3, c31)
-        A32 += tl.dot(ka3, c2)
-        Q32 += tl.dot(qa3, c2)
+        A10 += tl.dot(ka1, c0, input_precision=DOT_PREC)
+        Q10 += tl.dot(qa1, c0, input_precision=DOT_PREC)
+        A20 += tl.dot(ka2, c20, input_precision=DOT_PREC)
+        Q20 += tl.dot(qa2, c20, input_precision=DOT_PREC)
+        A21 += tl.dot(ka2, c1, input_precision=DOT_PREC)
+        Q21 += tl.dot(qa2, c1, input_precision=DOT_PREC)
+        A30 += tl.dot(ka3, c30, input_precision=DOT_PREC)
+        Q30 += tl.dot(qa3, c30, input_precision=DOT_PREC)
+        A31 += tl.dot(ka3, c31, input_precision=DOT_PREC)
+        Q31 += tl.dot(qa3, c31, input_precision=DOT_PREC)
+        A32 += tl.dot(ka3, c2, input_precision=DOT_PREC)
+        Q32 += tl.dot(qa3, c2, input_precision=DOT_PREC)
 
     # Aqk (scaled, causal) out; the upper blocks are written as zeros
     Ap = A_out + ob * 64 * 64
@@ -341,7 +345,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
         ow = ob * 64 * K + r64[:, None] * K + rk[None, :]
         mw = (rk < K)[None, :] & (r64 < 64)[:, None]
         z = tl.load(w_out + ow, mask=mw, other=0.0)
-        w = tl.dot(X, z.to(cd))
+        w = tl.dot(X, z.to(cd), input_precision=DOT_PREC)
         tl.debug_barrier()  # every thread has read this block of z before any overwrites it
         tl.store(w_out + ow, w.to(w_out.dtype.element_ty), mask=mw)
     tok = (bos + r64).to(tl.int64)
@@ -350,7 +354,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
         mv = rv < V
         v_b = tl.load(v + (tok * H + pid_h)[:, None] * V + rv[None, :], mask=(r64 < L)[:, None] & mv[None, :],
                       other=0.0).to(tl.float32)
-        u = tl.dot(X, (v_b * b_all[:, None]).to(cd))
+        u = tl.dot(X, (v_b * b_all[:, None]).to(cd), input_precision=DOT_PREC)
         tl.store(u_out + ob * 64 * V + r64[:, None] * V + rv[None, :], u.to(u_out.dtype.element_ty),
                  mask=mv[None, :] & (r64[:, None] < 64))
 
@@ -359,7 +363,7 @@ def _kda_intra(q, k, v, g, beta, chunk_start, chunk_len,
 def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_hi, export_slot,
                o, h0, ht, ckpt, H,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CKPT: tl.constexpr):
+               HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CKPT: tl.constexpr, DOT_PREC: tl.constexpr):
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -393,11 +397,11 @@ def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_
         b_A = tl.load(A + ob * 64 * 64 + r64[:, None] * 64 + r64[None, :])
         b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
         hb = h.to(dt)
-        vn = b_u.to(tl.float32) - tl.dot(b_w, hb)
+        vn = b_u.to(tl.float32) - tl.dot(b_w, hb, input_precision=DOT_PREC)
         vnb = vn.to(dt)
         # the state update first (the loop-carried chain), the output after it (nothing waits on it)
-        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnb)
-        b_o = tl.dot(b_q, hb) + tl.dot(b_A, vnb)
+        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnb, input_precision=DOT_PREC)
+        b_o = tl.dot(b_q, hb, input_precision=DOT_PREC) + tl.dot(b_A, vnb, input_precision=DOT_PREC)
         tok = (bos + r64).to(tl.int64)
         tl.store(o + (tok * H + pid_h)[:, None] * V + rv[None, :], b_o.to(o.dtype.element_ty),
                  mask=(r64[:, None] < L) & mv[None, :])
@@ -405,9 +409,9 @@ def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_
         tl.store(ht + soff, h, mask=mkv)
 
 
-_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V", "H"])(_kda_recur_kernel)
+_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V", "H", "DOT_PREC"])(_kda_recur_kernel)
 # fp32 operands: pipelined stages do not fit in shared memory, so a separate tuner without them
-_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V", "H"])(_kda_recur_kernel)
+_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V", "H", "DOT_PREC"])(_kda_recur_kernel)
 
 
 @functools.lru_cache(maxsize=64)
@@ -493,10 +497,10 @@ def intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl
     else:
         args = (q, k, v, g, beta, c_start, c_len, qg, kg, w, u, A, egl, X, scale, H)
         if config is None:
-            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **fp32_dot_options(q.dtype))
+            _kda_intra[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, DOT_PREC=dot_precision(q.dtype))
         else:
             _kda_intra.fn[(NC, H)](*args, K=K, V=V, SPAN=_SPAN, **config.kwargs, num_warps=config.num_warps,
-                                   num_stages=config.num_stages, **fp32_dot_options(q.dtype))
+                                   num_stages=config.num_stages, DOT_PREC=dot_precision(q.dtype))
 
 
 def _intra_launch(q, k, v, g, beta, scale, NC, c_start, c_len, config=None, mode=None, return_x=False):
@@ -546,7 +550,7 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
         recur[grid](qg, kg, w, u, A, egl, c_start, c_len, s_lo, s_hi, slot,
                          o, h0, ht if ht is not None else qg, ck if ck is not None else qg, H,
                          K=K, V=V, BK=BK, HAS_INIT=initial_state is not None, STORE_FINAL=ht is not None,
-                         HAS_CKPT=bool(ckpts), **fp32_dot_options(dt))
+                         HAS_CKPT=bool(ckpts), DOT_PREC=dot_precision(dt))
     elif ht is not None:
         ht.zero_()
     if ht is not None and NC == 0 and initial_state is not None:

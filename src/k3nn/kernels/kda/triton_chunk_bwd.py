@@ -55,7 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import fp32_dot_options, triton_interpreting
+from ..precision import dot_precision
+from ..registry import triton_interpreting
 from .triton_chunk import _SPAN, _tune, build_chunk_plan, intra_fill, kda_chunk_triton_fwd
 
 __all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd", "backward_mode"]
@@ -97,7 +98,7 @@ def _chunk_configs():
 @triton.jit
 def _kda_bwd_states_kernel(w, u, kg, egl, seq_lo, seq_hi, h0, hs, vn, H,
                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           HAS_INIT: tl.constexpr):
+                           HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward recurrence again: hs[c] = state at chunk c's start (fp32), vn[c] = v' = u − w h (fp32)."""
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -125,16 +126,16 @@ def _kda_bwd_states_kernel(w, u, kg, egl, seq_lo, seq_hi, h0, hs, vn, H,
         b_k = tl.load(kg + offk, mask=mk[None, :], other=0.0).to(tl.float32)
         b_u = tl.load(u + ob * 64 * V + r64[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
-        vnew = b_u.to(tl.float32) - tl.dot(b_w, h)
+        vnew = b_u.to(tl.float32) - tl.dot(b_w, h, input_precision=DOT_PREC)
         tl.store(vn + ob * 64 * V + r64[:, None] * V + rv[None, :], vnew, mask=mv[None, :])
-        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnew)
+        h = h * b_e[:, None] + tl.dot(tl.trans(b_k), vnew, input_precision=DOT_PREC)
 
 
 @triton.jit
 def _kda_bwd_dh_kernel(qg, kg, w, A, egl, do, chunk_start, chunk_len, seq_lo, seq_hi, dht,
                        dhs, dvn, dh0, H,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       HAS_DHT: tl.constexpr):
+                       HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr):
     """Reverse pass over one sequence's chunks: dhs[c] = gradient of the state after chunk c,
     dvn[c] = dv' = Aqkᵀ do + kg dh⁺, dh0[n] = gradient of the initial state."""
     n = tl.program_id(0)
@@ -168,9 +169,11 @@ def _kda_bwd_dh_kernel(qg, kg, w, A, egl, do, chunk_start, chunk_len, seq_lo, se
         b_w = tl.load(w + offk, mask=mk[None, :], other=0.0).to(tl.float32)
         b_A = tl.load(A + ob * 64 * 64 + r64[:, None] * 64 + r64[None, :]).to(tl.float32)
         b_e = tl.load(egl + ob * K + rk, mask=mk, other=0.0)
-        dvp = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_k, dh)
+        dvp = (tl.dot(tl.trans(b_A), b_do, input_precision=DOT_PREC)
+               + tl.dot(b_k, dh, input_precision=DOT_PREC))
         tl.store(dvn + ob * 64 * V + r64[:, None] * V + rv[None, :], dvp, mask=mv[None, :])
-        dh = dh * b_e[:, None] + tl.dot(tl.trans(b_q), b_do) - tl.dot(tl.trans(b_w), dvp)
+        dh = (dh * b_e[:, None] + tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PREC)
+              - tl.dot(tl.trans(b_w), dvp, input_precision=DOT_PREC))
     tl.store(dh0 + soff, dh, mask=mkv)
 
 
@@ -213,7 +216,7 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                           sG, sdq, sdk, sdG, sdA, sdL, sdb,
                           scale, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          SPAN: tl.constexpr):
+                          SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     bos = tl.load(chunk_start + pid_c)
@@ -247,9 +250,9 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
         co = ob * 64 * V + r64[:, None] * V + rv[None, :]
         b_vn = tl.load(vn + co, mask=mv[None, :], other=0.0)
         b_dvn = tl.load(dvn + co, mask=mv[None, :], other=0.0)
-        dA += tl.dot(b_do, tl.trans(b_vn))
-        dX += tl.dot(b_dvn, tl.trans(b_v * b[:, None]))
-        y = tl.dot(tl.trans(_ldX(X, ob, r64)), b_dvn)
+        dA += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        dX += tl.dot(b_dvn, tl.trans(b_v * b[:, None]), input_precision=DOT_PREC)
+        y = tl.dot(tl.trans(_ldX(X, ob, r64)), b_dvn, input_precision=DOT_PREC)
         tl.store(dv + io, (y * b[:, None]).to(dv.dtype.element_ty), mask=m2)
         db += tl.sum(b_v * y, 1)
     tl.store(pA + r64[:, None] * 64 + r64[None, :], tl.where(r64[:, None] >= r64[None, :], dA * scale, 0.0))
@@ -274,9 +277,9 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
             co = ob * 64 * V + r64[:, None] * V + rv[None, :]
             b_vn = tl.load(vn + co, mask=mv[None, :], other=0.0)
             b_dvn = tl.load(dvn + co, mask=mv[None, :], other=0.0)
-            dqg += tl.dot(b_do, tl.trans(b_h))
-            dkg += tl.dot(b_vn, tl.trans(b_dh))
-            dw -= tl.dot(b_dvn, tl.trans(b_h))
+            dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+            dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PREC)
+            dw -= tl.dot(b_dvn, tl.trans(b_h), input_precision=DOT_PREC)
             de += tl.sum(b_h * b_dh, 1)
         gk = _rows(g, bos, L, pid_h, H, r64, rk, K)
         G = tl.cumsum(gk, 0)
@@ -287,8 +290,8 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
         eG = tl.exp(G)
         ekg = tl.exp(Gl[None, :] - G)
         z = b_k * eG * b[:, None]
-        dX += tl.dot(dw, tl.trans(z))
-        dz = tl.dot(tl.trans(_ldX(X, ob, r64)), dw)
+        dX += tl.dot(dw, tl.trans(z), input_precision=DOT_PREC)
+        dz = tl.dot(tl.trans(_ldX(X, ob, r64)), dw, input_precision=DOT_PREC)
         kg = b_k * ekg
         db += tl.sum(b_k * eG * dz, 1)
         _tile_st(pdq, r64, rk, eG * dqg * scale, K)
@@ -331,8 +334,8 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                         ct = ct * tl.exp(Gp - Ge)[None, :]
                         bA = tl.load(pA + rs[:, None] * 64 + rt[None, :])
                         bL = tl.load(pL + rs[:, None] * 64 + rt[None, :])
-                        Rq += tl.dot(bA, ct)
-                        Rk += tl.dot(bL, ct)
+                        Rq += tl.dot(bA, ct, input_precision=DOT_PREC)
+                        Rk += tl.dot(bL, ct, input_precision=DOT_PREC)
             # diagonal block: row factor e^{G_i − Gp} ≤ 1, column factor e^{Gp − G_j} ≤ e^SPAN (upper entries of
             # dA, dL are zero); a strip decaying by more than SPAN nats is summed pairwise, e^{G_i − G_j} ≤ 1
             a_s = tl.exp(G_s - Gp[None, :])
@@ -342,9 +345,10 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                 bL = tl.load(pL + rs[:, None] * 64 + rs[None, :])
                 ec = tl.exp(Gp[None, :] - G_s)
                 kc = k_s * ec
-                Rq = (Rq + tl.dot(bA, kc)) * a_s
-                Rk = (Rk + tl.dot(bL, kc)) * a_s
-                C = ec * (tl.dot(tl.trans(bA), q_s * a_s) + tl.dot(tl.trans(bL), k_s * a_s * b_s[:, None]))
+                Rq = (Rq + tl.dot(bA, kc, input_precision=DOT_PREC)) * a_s
+                Rk = (Rk + tl.dot(bL, kc, input_precision=DOT_PREC)) * a_s
+                C = ec * (tl.dot(tl.trans(bA), q_s * a_s, input_precision=DOT_PREC)
+                          + tl.dot(tl.trans(bL), k_s * a_s * b_s[:, None], input_precision=DOT_PREC))
             else:
                 Rq = Rq * a_s
                 Rk = Rk * a_s
@@ -374,7 +378,8 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
                         xk = _rows(k, bos, L, pid_h, H, ri, rk, K) * f * b_i[:, None]
                         bA = tl.load(pA + ri[:, None] * 64 + rs[None, :])
                         bL = tl.load(pL + ri[:, None] * 64 + rs[None, :])
-                        Cc += tl.dot(tl.trans(bA), xq) + tl.dot(tl.trans(bL), xk)
+                        Cc += (tl.dot(tl.trans(bA), xq, input_precision=DOT_PREC)
+                               + tl.dot(tl.trans(bL), xk, input_precision=DOT_PREC))
                 C += Cc * tl.exp(Ge[None, :] - G_s)
             bRk = b_s[:, None] * Rk
             _tile_st(pdq, rs, rk, _tile(pdq, rs, rk, K) + Rq, K)
@@ -393,9 +398,9 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
     tl.store(dbeta + tok * H + pid_h, tl.load(pb + r64).to(dbeta.dtype.element_ty), mask=live)
 
 
-_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H"])(_kda_bwd_states_kernel)
-_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H"])(_kda_bwd_dh_kernel)
-_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V"])(_kda_bwd_chunk_kernel)
+_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"])(_kda_bwd_states_kernel)
+_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"])(_kda_bwd_dh_kernel)
+_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V", "DOT_PREC"])(_kda_bwd_chunk_kernel)
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -456,7 +461,7 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     vn = _buf(NC, H, 64, V, device=dev)
     h0 = initial_state.float().contiguous() if initial_state is not None else hs
     grid = lambda META: (N, H, triton.cdiv(V, META["BV"]))  # noqa: E731
-    prec = fp32_dot_options(q.dtype)
+    prec = {"DOT_PREC": dot_precision(q.dtype)}  # fp32 products follow torch's TF32 setting
     _kda_bwd_states[grid](w, u, kg, egl, s_lo, s_hi, h0, hs, vn, H, K=K, V=V, BK=BK,
                           HAS_INIT=initial_state is not None, **prec)
 

@@ -33,7 +33,9 @@ X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches
    ``K3NN_KDA_SPLITG_QK=cumsum`` moves qg and kg into the cumsum kernel instead (:func:`qk_stage`).
 
 Numerics equal the fused kernel's up to fp32 rounding (qg, kg and z take one exponential of G instead of a
-product of two; the scores take differences of chunk-level G, as the fused kernel does).
+product of two; the scores take differences of chunk-level G, as the fused kernel does). The score and w/u
+products take ``DOT_PREC`` (:func:`k3nn.kernels.precision.dot_precision`: IEEE for fp32 inputs while torch does not
+allow TF32), passed by ``_run``.
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ def _g_row(Gc, row, rd, mk, K: tl.constexpr):
 
 
 @triton.jit
-def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     """Diagonal block (i, i) over key tile kb: the fused kernel's treatment with ``pre = G[16i − 1]`` (0 for
     the first strip) and ``r = G[16i + 15]`` (capped row factor, pairwise beyond SPAN nats). Returns the block's
     (Akk, Aqk) contributions and, for the off-diagonal blocks of the same row strip, ``pre``, the row factor
@@ -155,8 +158,8 @@ def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: t
     ea = tl.exp(G_s - pre[None, :])
     kbb = k_s * tl.exp(r[None, :] - G_s)
     ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
-    dA = tl.dot(k_s * ea * ed, tl.trans(kbb))
-    dQ = tl.dot(q_s * ea * ed, tl.trans(kbb))
+    dA = tl.dot(k_s * ea * ed, tl.trans(kbb), input_precision=DOT_PREC)
+    dQ = tl.dot(q_s * ea * ed, tl.trans(kbb), input_precision=DOT_PREC)
     if tl.max(pre - r, 0) > SPAN:
         dA, dQ = _pairwise_diag(q_s, k_s, G_s, dA, dQ)
     return dA, dQ, pre, ea, q_s, k_s
@@ -164,7 +167,7 @@ def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: t
 
 @triton.jit
 def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
-                     K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+                     K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_h = tl.program_id(1)
     pid_c, i, j = _block_pair(tl.program_id(0))
     bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
@@ -175,7 +178,7 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
     arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor)
     if i == j:
         for kb in range(0, K, BK):
-            dA, dQ, _, _, _, _ = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN)
+            dA, dQ, _, _, _, _ = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN, DOT_PREC)
             accA += dA
             accQ += dQ
         _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
@@ -191,27 +194,27 @@ def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale,
             k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
             ea = tl.exp(G_i - a)  # ≤ 1: rows at or after the anchor
             colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before it
-            accA += tl.dot((k_i * ea).to(cd), colT)
-            accQ += tl.dot((q_i * ea).to(cd), colT)
+            accA += tl.dot((k_i * ea).to(cd), colT, input_precision=DOT_PREC)
+            accQ += tl.dot((q_i * ea).to(cd), colT, input_precision=DOT_PREC)
         _bst(Lp, ri, j * 16, accA * b_i[:, None])
         _bst(Ap, ri, j * 16, accQ * scale)
 
 
 @triton.jit
 def _g_offdiag(k, Gc, bos, L, pid_h, H, j: tl.constexpr, kb, rd, mk, a, ki_e, qi_e, accA, accQ,
-               K: tl.constexpr, BK: tl.constexpr):
+               K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
     """Block (i, j), j < i, of one key tile added to its accumulators: ``(x_i e^{G_i − a}) · (k_j e^{a − G_j})ᵀ``
     with the row factors ``ki_e`` / ``qi_e`` already formed (shared by every j of row strip i)."""
     cd = ki_e.dtype
     G_j = _g_strip(Gc, j * 16, rd, mk, K)
     k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
     colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before the anchor
-    return accA + tl.dot(ki_e, colT), accQ + tl.dot(qi_e, colT)
+    return accA + tl.dot(ki_e, colT, input_precision=DOT_PREC), accQ + tl.dot(qi_e, colT, input_precision=DOT_PREC)
 
 
 @triton.jit
 def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
-                          K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+                          K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     """Row-strip variant of ``_g_scores_kernel`` (``K3NN_KDA_SPLITG_SCORES=rows``): one program per chunk, head
     and row strip i computes blocks (i, 0) … (i, i) — strip i's q, k and G are loaded once per key tile instead
     of once per block, and its row factor ``e^{G_i − a}`` (a = G[16i − 1], which is also the diagonal block's
@@ -235,20 +238,21 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
     for kb in range(0, K, BK):
         rd = kb + tl.arange(0, BK)
         mk = rd < K
-        dA, dQ, pre, ea, q_s, k_s = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN)
+        dA, dQ, pre, ea, q_s, k_s = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN, DOT_PREC)
         accA += dA
         accQ += dQ
         if i > 0:  # off-diagonal blocks: anchor a = pre, row factor e^{G_i − a} = ea (≤ 1)
             a = pre[None, :]
             ki_e = (k_s * ea).to(cd)
             qi_e = (q_s * ea).to(cd)
-            accA0, accQ0 = _g_offdiag(k, Gc, bos, L, pid_h, H, 0, kb, rd, mk, a, ki_e, qi_e, accA0, accQ0, K, BK)
+            accA0, accQ0 = _g_offdiag(k, Gc, bos, L, pid_h, H, 0, kb, rd, mk, a, ki_e, qi_e, accA0, accQ0, K, BK,
+                                      DOT_PREC)
             if i > 1:
                 accA1, accQ1 = _g_offdiag(k, Gc, bos, L, pid_h, H, 1, kb, rd, mk, a, ki_e, qi_e, accA1, accQ1,
-                                          K, BK)
+                                          K, BK, DOT_PREC)
                 if i > 2:
                     accA2, accQ2 = _g_offdiag(k, Gc, bos, L, pid_h, H, 2, kb, rd, mk, a, ki_e, qi_e, accA2, accQ2,
-                                              K, BK)
+                                              K, BK, DOT_PREC)
     _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
     if i > 0:
         _bst(Lp, ri, 0, accA0 * b_i[:, None])
@@ -277,7 +281,8 @@ def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.con
 
 @triton.jit
 def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_out, u_out,
-                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr):
+                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     d0 = tl.program_id(2) * BD
@@ -305,10 +310,10 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
         z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD, QK)
         z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD, QK)
         z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD, QK)
-        w = tl.dot(X0, z0.to(cd))
-        w = tl.dot(X1, z1.to(cd), w)
-        w = tl.dot(X2, z2.to(cd), w)
-        w = tl.dot(X3, z3.to(cd), w)
+        w = tl.dot(X0, z0.to(cd), input_precision=DOT_PREC)
+        w = tl.dot(X1, z1.to(cd), w, input_precision=DOT_PREC)
+        w = tl.dot(X2, z2.to(cd), w, input_precision=DOT_PREC)
+        w = tl.dot(X3, z3.to(cd), w, input_precision=DOT_PREC)
         tl.store(w_out + ob * 64 * K + r64[:, None] * K + rd[None, :], w.to(w_out.dtype.element_ty),
                  mask=mk[None, :] & (r64 < 64)[:, None])
     if d0 < V:
@@ -316,18 +321,18 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
         v1 = _ld(v, bos, L, pid_h, H, 1, d0, V, BD) * b1[:, None]
         v2 = _ld(v, bos, L, pid_h, H, 2, d0, V, BD) * b2[:, None]
         v3 = _ld(v, bos, L, pid_h, H, 3, d0, V, BD) * b3[:, None]
-        u = tl.dot(X0, v0.to(cd))
-        u = tl.dot(X1, v1.to(cd), u)
-        u = tl.dot(X2, v2.to(cd), u)
-        u = tl.dot(X3, v3.to(cd), u)
+        u = tl.dot(X0, v0.to(cd), input_precision=DOT_PREC)
+        u = tl.dot(X1, v1.to(cd), u, input_precision=DOT_PREC)
+        u = tl.dot(X2, v2.to(cd), u, input_precision=DOT_PREC)
+        u = tl.dot(X3, v3.to(cd), u, input_precision=DOT_PREC)
         tl.store(u_out + ob * 64 * V + r64[:, None] * V + rd[None, :], u.to(u_out.dtype.element_ty),
                  mask=(rd < V)[None, :] & (r64 < 64)[:, None])
 
 
 _g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"])(_g_cumsum_kernel)
-_g_scores = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_kernel)
-_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K"])(_g_scores_rows_kernel)
-_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK"])(_g_wu_kernel)
+_g_scores = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"])(_g_scores_kernel)
+_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"])(_g_scores_rows_kernel)
+_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK", "DOT_PREC"])(_g_wu_kernel)
 
 
 def g_kernels():

@@ -23,7 +23,8 @@ live registers each:
 
 Numerics equal the fused kernel's up to fp32 rounding: the diagonal inverse is substituted instead of the
 doubling product, and the scores use strip-local sums instead of differences of chunk-level ones (slightly
-more accurate for long decays). The inverse stays fp32 throughout.
+more accurate for long decays). The inverse stays fp32 throughout; the score and w/u products take ``DOT_PREC``
+(:func:`k3nn.kernels.precision.dot_precision`: IEEE for fp32 inputs while torch does not allow TF32).
 
 The solve runs in place, so its autotuner restores the scratch between timing runs; the other two are
 idempotent.
@@ -35,7 +36,7 @@ import os
 
 import triton
 import triton.language as tl
-from ..registry import fp32_dot_options
+from ..precision import dot_precision
 
 from .triton_chunk import _SPAN, _inverse_offdiag, _ld, _st, _store_inverse, _tune
 
@@ -143,7 +144,7 @@ def _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
 
 @triton.jit
 def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
-                         K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+                         K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_h = tl.program_id(1)
     pid_c, i, j = _block_pair(tl.program_id(0))
     bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
@@ -163,8 +164,8 @@ def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, sc
             qa = q_s * ea
             kbb = k_s * eb
             ed = tl.exp(tl.minimum(-s, SPAN))[None, :]
-            dA = tl.dot(ka * ed, tl.trans(kbb))
-            dQ = tl.dot(qa * ed, tl.trans(kbb))
+            dA = tl.dot(ka * ed, tl.trans(kbb), input_precision=DOT_PREC)
+            dQ = tl.dot(qa * ed, tl.trans(kbb), input_precision=DOT_PREC)
             if tl.max(-s, 0) > SPAN:
                 dA, dQ = _pairwise_diag(q_s, k_s, c, dA, dQ)
             accA += dA
@@ -182,8 +183,8 @@ def _split_scores_kernel(q, k, g, beta, chunk_start, chunk_len, A_out, L_out, sc
             c_j = tl.cumsum(g_j, 0)
             col = k_j * tl.exp(tl.sum(g_j, 0)[None, :] - c_j) * tl.exp(tl.sum(g_m, 0))[None, :]
             colT = tl.trans(col.to(cd))
-            accA += tl.dot((k_i * ea).to(cd), colT)
-            accQ += tl.dot((q_i * ea).to(cd), colT)
+            accA += tl.dot((k_i * ea).to(cd), colT, input_precision=DOT_PREC)
+            accQ += tl.dot((q_i * ea).to(cd), colT, input_precision=DOT_PREC)
         _bst(Lp, ri, j * 16, accA * b_i[:, None])
         _bst(Ap, ri, j * 16, accQ * scale)
 
@@ -261,7 +262,7 @@ def _zstrip(q_s, k_s, G_s, pre, r, Gl, b_s, qg_out, kg_out, ob, s: tl.constexpr,
 
 @triton.jit
 def _split_wu_kernel(q, k, v, g, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_out, u_out, egl_out,
-                     scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr):
+                     scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     d0 = tl.program_id(2) * BD
@@ -299,10 +300,10 @@ def _split_wu_kernel(q, k, v, g, beta, chunk_start, chunk_len, X, qg_out, kg_out
                      tl.cumsum(g2, 0) + r1[None, :], r1, r2, r3, b2, qg_out, kg_out, ob, 2, d0, scale, K, BD)
         z3 = _zstrip(_ld(q, bos, L, pid_h, H, 3, d0, K, BD), _ld(k, bos, L, pid_h, H, 3, d0, K, BD),
                      tl.cumsum(g3, 0) + r2[None, :], r2, r3, r3, b3, qg_out, kg_out, ob, 3, d0, scale, K, BD)
-        w = tl.dot(X0, z0.to(cd))
-        w = tl.dot(X1, z1.to(cd), w)
-        w = tl.dot(X2, z2.to(cd), w)
-        w = tl.dot(X3, z3.to(cd), w)
+        w = tl.dot(X0, z0.to(cd), input_precision=DOT_PREC)
+        w = tl.dot(X1, z1.to(cd), w, input_precision=DOT_PREC)
+        w = tl.dot(X2, z2.to(cd), w, input_precision=DOT_PREC)
+        w = tl.dot(X3, z3.to(cd), w, input_precision=DOT_PREC)
         tl.store(w_out + ob * 64 * K + r64[:, None] * K + rd[None, :], w.to(w_out.dtype.element_ty),
                  mask=(rd < K)[None, :] & (r64 < 64)[:, None])
     if d0 < V:
@@ -310,17 +311,17 @@ def _split_wu_kernel(q, k, v, g, beta, chunk_start, chunk_len, X, qg_out, kg_out
         v1 = _ld(v, bos, L, pid_h, H, 1, d0, V, BD) * b1[:, None]
         v2 = _ld(v, bos, L, pid_h, H, 2, d0, V, BD) * b2[:, None]
         v3 = _ld(v, bos, L, pid_h, H, 3, d0, V, BD) * b3[:, None]
-        u = tl.dot(X0, v0.to(cd))
-        u = tl.dot(X1, v1.to(cd), u)
-        u = tl.dot(X2, v2.to(cd), u)
-        u = tl.dot(X3, v3.to(cd), u)
+        u = tl.dot(X0, v0.to(cd), input_precision=DOT_PREC)
+        u = tl.dot(X1, v1.to(cd), u, input_precision=DOT_PREC)
+        u = tl.dot(X2, v2.to(cd), u, input_precision=DOT_PREC)
+        u = tl.dot(X3, v3.to(cd), u, input_precision=DOT_PREC)
         tl.store(u_out + ob * 64 * V + r64[:, None] * V + rd[None, :], u.to(u_out.dtype.element_ty),
                  mask=(rd < V)[None, :] & (r64 < 64)[:, None])
 
 
-_split_scores = triton.autotune(configs=_score_configs(), key=["K"])(_split_scores_kernel)
+_split_scores = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"])(_split_scores_kernel)
 _split_solve = triton.autotune(configs=_solve_configs(), key=[], restore_value=["X"])(_split_solve_kernel)
-_split_wu = triton.autotune(configs=_wu_configs(), key=["K", "V"])(_split_wu_kernel)
+_split_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "DOT_PREC"])(_split_wu_kernel)
 
 
 def split_kernels():
@@ -329,9 +330,10 @@ def split_kernels():
 
 
 def _run(kern, grid, args, kw, config, dtype):
-    """Launch ``kern`` (autotuned, or with ``config``); ``dtype``: the activations' (fp32 products follow torch's
-    TF32 setting for fp32 models)."""
-    kw = {**kw, **fp32_dot_options(dtype)}
+    """Launch ``kern`` (autotuned, or with ``config``); ``dtype``: the activations' (a kernel with a ``DOT_PREC``
+    argument gets :func:`~k3nn.kernels.precision.dot_precision`: fp32 products follow torch's TF32 setting)."""
+    if "DOT_PREC" in kern.arg_names:
+        kw = {**kw, "DOT_PREC": dot_precision(dtype)}
     if config is None:
         kern[grid](*args, **kw)
     else:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..precision import dot_precision
 from ..registry import triton_interpreting
 
 __all__ = ["mla_attention_triton", "default_config"]
@@ -200,7 +201,7 @@ def mla_attention_triton(q_nope: torch.Tensor, q_rope: torch.Tensor | None, k_no
         o = torch.empty(B, T, H, DV, dtype=v.dtype, device=v.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=v.device) if return_lse else o
     bm, bn, warps, stages = config or default_config(DN, DR, DV, q_nope.dtype)
-    ieee = q_nope.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    ieee = dot_precision(q_nope.dtype) == "ieee"  # fp32 products follow torch's TF32 setting, read per call
     varlen = cu_seqlens is not None
     if varlen:
         cuq = cu_seqlens.to(torch.int32)
