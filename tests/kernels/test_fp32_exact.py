@@ -179,3 +179,27 @@ def test_mla_prefill_launch_follows_the_flag(monkeypatch, on):
         ref = ops.mla_attention(*(t.double() for t in a), 32 ** -0.5)
     torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
     assert spy.seen == [("mla", "IEEE", not on)]
+
+
+def _compile_sm90(module, name, constexprs, warps, stages):
+    """Compile one kernel for sm_90 with fp32 pointers (no GPU needed; the harness of
+    test_triton_compile_sm90.py: a fresh process without TRITON_INTERPRET)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_triton_compile_sm90 import _compile
+
+    _compile(module, name, {"chunk_start": "*i32", "chunk_len": "*i32", "seq_lo": "*i32", "seq_hi": "*i32",
+                            "export_slot": "*i32", "scale": "fp32", "H": "i32"}, constexprs, default="*fp32", warps=warps,
+             stages=stages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,name,constexprs,warps,stages", [
+    ("k3nn.kernels.kda.triton_intra_g", "_g_scores_rows_kernel", {"K": 128, "BK": 32, "SPAN": 80.0}, 2, 2),
+    ("k3nn.kernels.kda.triton_intra_g", "_g_wu_kernel", {"K": 128, "V": 128, "BD": 64, "QK": True}, 4, 1),
+    ("k3nn.kernels.kda.triton_chunk", "_kda_recur_kernel",
+     {"K": 128, "V": 128, "BK": 128, "BV": 32, "HAS_INIT": True, "STORE_FINAL": True, "HAS_CKPT": False}, 4, 1),
+    ("k3nn.kernels.kda.triton_chunk", "_kda_intra", {"K": 128, "V": 128, "BKB": 32, "BVB": 32, "SPAN": 80.0}, 4, 1),
+])
+def test_fp32_ieee_kernels_compile_for_sm90(module, name, constexprs, warps, stages):
+    """The IEEE variants with fp32 operands (new with the exact mode) compile for Hopper (first tuning configs)."""
+    _compile_sm90(module, name, {**constexprs, "DOT_PREC": "ieee"}, warps, stages)
