@@ -12,8 +12,8 @@ caches rotate over enough copies to exceed L2.
     PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only] [--no-cuda] [--tiles a,b]
 
 The CUDA kernel (``k3nn.kernels.mla.cuda_decode``) runs after the sweep at B=64 L=8K H=64/96 and B=1 L=32K
-H=64 next to the default Triton plan, with its nvcc build time, in both stage-1 variants (16 and 64 query rows
-per CTA; each at its default split count and a few others); ``--cuda-only`` runs only that comparison.
+H=64 next to the default Triton plan, with its nvcc build time, at its default split count and a few others;
+``--cuda-only`` runs only that comparison.
 
 Plans print as ``BHxBN w<warps> s<stages> [v2] -<flags>/S<splits>`` with flags L = lazy rescale, A = block ids
 read a tile ahead, O = scores behind the opaque branch (see ``k3nn.kernels.mla.triton_decode``); the
@@ -246,8 +246,8 @@ CUDA_CASES = [(64, 8192, 64, 1), (64, 8192, 96, 1), (1, 32768, 64, 1), (1, 32768
 
 
 def cuda_compare(copy_tbps):
-    """The CUDA kernels — mma.sync with 16 and 64 rows per CTA, warp-group MMA (sm_90) — at their default split
-    counts and a few others, against the default Triton plan, same inputs."""
+    """The CUDA (warp-group MMA, sm_90) kernel at its default split count and a few others, against the default
+    Triton plan, same inputs."""
     from k3nn.kernels.mla import cuda_decode as cdk
 
     why = cdk.available()
@@ -271,16 +271,11 @@ def cuda_compare(copy_tbps):
         case = f"B={B} L={L} H={H} Tq={Tq}"
         M = Tq * H
         best = {}
-        variants = [("mma", rows) for rows in cdk.ROWS_VARIANTS]
-        if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            variants.insert(0, ("wgmma", 64))
-        for kernel, rows in variants:
-            name = kernel if kernel != "mma" else f"mma{rows}"
-            bn = cdk.WG_BLOCK_N if kernel != "mma" else cdk.BLOCK_N
-            dflt = cdk.kernel_num_splits(kernel, B, M, nblk * BS, sms, rows)
-            wide = B == 1 or rows == 64  # also twice the default (one CTA per SM leaves room)
-            for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt) if wide else dflt}):
-                kw = dict(num_splits=S, rows=rows, kernel=kernel)
+        for name in ("wgmma",):
+            bn = cdk.WG_BLOCK_N
+            dflt = cdk.default_num_splits(B, M, nblk * BS, sms)
+            for S in sorted({dflt, max(1, dflt // 2), min(cdk.MAX_SPLITS, 2 * dflt)}):
+                kw = dict(num_splits=S)
 
                 def call(i, kw=kw, sets=sets, copies=copies, sl=sl):
                     q, pool, bt, o = sets[i % copies]
@@ -299,7 +294,7 @@ def cuda_compare(copy_tbps):
                 if ok == "ok" and (name not in best or ms < best[name][0]):
                     best[name] = (ms, S)
                 tag = f"CUDA {name}" + (" (default)" if S == dflt else "")
-                desc = f"{rows}x{bn} w{4 if rows == 16 else 8} S{S}"
+                desc = f"64x{bn} w8 S{S}"
                 print(f"{case:22s} {tag:17s} {desc:26s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s {tb / copy_tbps:6.1%} copy  "
                       f"rel err {err:.1e} lse {lerr:.1e} {ok}", flush=True)
         if best:

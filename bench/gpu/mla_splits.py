@@ -103,13 +103,13 @@ def main() -> int:
         case = f"B={B} L={L} H={H}{' ordered' if args.ordered else ''} x{len(sets)}"
         if args.anchors:
             anchors(case, sets, cache_bytes, n_calls)
-        counts = sorted({int(s) for s in args.splits.split(",")} | {cdk.kernel_num_splits("wgmma", B, H, L, sms)})
+        counts = sorted({int(s) for s in args.splits.split(",")} | {cdk.default_num_splits(B, H, L, sms)})
         clusters = [int(c) for c in args.clusters.split(",")]
         for S, C in [(S, C) for S in counts for C in clusters if S % C == 0] if not why else []:
             def call(i, out=None, S=S, C=C, sets=sets, sl=sl):
                 q, pool, bt, o = sets[i]
                 cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out or o, num_splits=S,
-                                    kernel="wgmma", cluster=C)
+                                    cluster=C)
             run_variant(f"{case} wgmma S={S}{f' C={C}' if C > 1 else ''}", call, sets, sl, ref, cache_bytes,
                         n_calls)
         if not args.no_triton:

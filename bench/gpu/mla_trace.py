@@ -59,7 +59,7 @@ def main() -> int:
         sets, sl, _, _, _ = make_case(B, L, H, 1, copies=2)
         for i in range(4):
             q, pool, bt, o = sets[i % len(sets)]
-            cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=o, num_splits=S, kernel="wgmma")
+            cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=o, num_splits=S)
         torch.cuda.synchronize()
         mod.mla_trace_read(buf)
         ctas = ((H + 63) // 64) * S * B

@@ -50,7 +50,7 @@ def profile_case(B: int, L: int, H: int, Tq: int, fm) -> None:
     sets, sl, _, _, _ = make_case(B, L, H, Tq)
     q, pool, bt, out = sets[0]
     timed(f"k3nn CUDA wgmma B={B} L={L} H={H} Tq={Tq}",
-          lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out, kernel="wgmma"))
+          lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE, out=out))
     if fm is not None:
         time_flashmla(f"FlashMLA legacy B={B} L={L} H={H} Tq={Tq}", fm, q, pool, bt, sl, Tq)
 
@@ -79,7 +79,7 @@ def main():
 
     if cdk.available() is None and torch.cuda.get_device_capability(dev) == (9, 0):
         timed("k3nn CUDA wgmma S=2", lambda: cdk.mla_decode_cuda(q[..., :R], q[..., R:], pool, bt, sl, SCALE,
-                                                                 num_splits=2, out=out, kernel="wgmma"))
+                                                                 num_splits=2, out=out))
     fm, why = flashmla()
     if fm is None:
         print(f"FlashMLA: {why}")

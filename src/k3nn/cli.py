@@ -63,17 +63,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _mla_decode_line() -> str:
     """Which MLA decode kernel ``auto`` takes here, and why."""
-    import torch
-
     from k3nn.kernels.mla import cuda_decode as cd
 
     why = cd.available()
     if why:
         return f"triton split-KV (the CUDA kernel does not run here: {why})"
-    kernel = cd.kernel_choice(device=torch.device("cuda", torch.cuda.current_device()))
-    if kernel != "wgmma":
-        return f"triton split-KV (cuda {kernel} under an explicit backend('cuda') only: slower than triton here)"
-    return (f"cuda {kernel} (built on first use), except triton split-KV for calls with Tq·H ≤ 64 and "
+    return ("cuda wgmma (built on first use), except triton split-KV for calls with Tq·H ≤ 64 and "
             f"B < {cd.MIN_ROW_CTAS}" + (" (one request)" if cd.MIN_ROW_CTAS == 2 else ""))
 
 

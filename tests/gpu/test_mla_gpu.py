@@ -1,5 +1,5 @@
 """MLA decode on the GPU: Triton bf16 at K3 dims vs the eager reference, CUDA-graph capture, DCP over NCCL; the
-CUDA kernel (opt-in) in its stage-1 variants (mma.sync with 16 and 64 query rows per CTA; warp-group MMA on sm_90)."""
+CUDA warp-group kernel (sm_90)."""
 
 import os
 import subprocess
@@ -97,31 +97,23 @@ def test_dcp_nccl_two_gpus(interleave):
     assert p.stdout.count("rel err") == 4  # 2 ranks × (replicated, sharded heads)
 
 
-# ---- CUDA kernel (k3nn.kernels.mla.cuda_decode: the wgmma kernel on sm_90; mma.sync under backend("cuda")) ----
+# ---- CUDA kernel (k3nn.kernels.mla.cuda_decode: the warp-group kernel, sm_90) ----
 
 def _poisoned(q_lat, dtype):
     return (torch.full(q_lat.shape, float("nan"), device="cuda", dtype=dtype),
             torch.full(q_lat.shape[:3], float("nan"), device="cuda"))
 
 
-@pytest.fixture(params=[("mma", 16), ("mma", 64), ("wgmma", 64)], ids=["rows16", "rows64", "wgmma"])
-def cuda_mla(monkeypatch, request):
-    """The registry's CUDA implementation pinned to one stage-1 kernel: mma.sync with 16 or 64 query rows per
-    CTA, or the warp-group kernel (sm_90 only)."""
-    import functools
-
+@pytest.fixture
+def cuda_mla(monkeypatch):
+    """The registry's CUDA implementation with auto's small-call rule off (sm_90 only)."""
     from k3nn.kernels.mla import cuda_decode
     from k3nn.kernels.registry import get_op
 
-    kernel, rows = request.param
-    if kernel != "mma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"the {kernel} kernel is built for sm_90 only")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUDA MLA decode kernel is built for sm_90 only")
     assert cuda_decode.available() is None, cuda_decode.available()
-    impl = get_op("mla_decode").impls["cuda"]
-    monkeypatch.setattr(impl, "fn", functools.partial(cuda_decode.mla_decode_cuda, kernel=kernel, rows=rows))
-    monkeypatch.setattr(impl, "supports", functools.partial(cuda_decode.supports, kernel=kernel, rows=rows))
-    monkeypatch.setattr(impl, "auto_skip", None)
-    monkeypatch.setattr(cuda_decode, "mla_decode_cuda", impl.fn)
+    monkeypatch.setattr(get_op("mla_decode").impls["cuda"], "auto_skip", None)
     return cuda_decode
 
 
@@ -169,28 +161,20 @@ def test_cuda_allocating_call_and_auto(cuda_mla):
     print(f"mla cuda build/load {cuda_mla.last_build_seconds:.1f} s")
 
 
-def test_cuda_rows_variants_agree_with_explicit_rows():
-    """rows= and kernel= pick the stage-1 kernel; the variants (mma.sync with 16 / 64 rows, wgmma on sm_90)
-    give the same result up to accumulation order (H=96: the 64-row grid has a half-empty last CTA; Tq=2: rows
-    of two positions share a CTA)."""
-    from k3nn.kernels.mla import cuda_decode
-
-    assert cuda_decode.available() is None, cuda_decode.available()
+def test_cuda_split_counts_agree(cuda_mla):
+    """The default split count, one split and six give the same result up to accumulation order (H=96: the second
+    row tile is half empty; Tq=2: rows of two positions share a CTA)."""
     q_lat, q_rope, pool, table, sl = case(9, [1500, 33, 700], 2, 96)
     outs = {}
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    variants = [("mma", 16), ("mma", 64)] + [("wgmma", 64)] * hopper
-    for kernel, rows in variants:
-        for splits in (None, 1, 6):
-            out = _poisoned(q_lat, torch.float32)
-            cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out, rows=rows,
-                                        kernel=kernel)
-            outs[kernel + str(rows), splits] = out
+    for splits in (None, 1, 6):
+        out = _poisoned(q_lat, torch.float32)
+        cuda_mla.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, num_splits=splits, out=out)
+        outs[splits] = out
     o_ref, lse_ref = mla_decode_reference(q_lat, q_rope, pool, table, sl, 0.0722, out_dtype=torch.float32)
-    for (rows, splits), (o, lse) in outs.items():
-        torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2, msg=lambda m, r=rows, s=splits: f"rows={r} S={s}: {m}")
+    for splits, (o, lse) in outs.items():
+        torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2, msg=lambda m, s=splits: f"S={s}: {m}")
         torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=2e-3)
-        torch.testing.assert_close(o, outs["mma16", splits][0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(o, outs[1][0], atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("bs", [16, 24, 128])
@@ -235,8 +219,7 @@ def test_wgmma_tma_and_cp_async_loaders_give_the_same_bits(bs):
     for kv, tab in ((pool, table), (pool24, table24)):
         for splits in (1, 5):
             out = _poisoned(q_lat, torch.float32)
-            cuda_decode.mla_decode_cuda(q_lat, q_rope, kv, tab, sl, 0.0722, num_splits=splits, out=out,
-                                        kernel="wgmma")
+            cuda_decode.mla_decode_cuda(q_lat, q_rope, kv, tab, sl, 0.0722, num_splits=splits, out=out)
             outs.append(out)
     for a, b in zip(outs[:2], outs[2:]):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -302,8 +285,8 @@ def test_wgmma_cluster_merge_matches_combine(lens, Tq, H, cluster, mult, explici
     for c in (1, cluster):
         out = _poisoned(q_lat, odt)
         cuda_decode.mla_decode_cuda(q_lat, q_rope, pool, table, sl, 0.0722, visible_lens=vis,
-                                    num_splits=cluster * mult, out=out, kernel="wgmma", cluster=c)
-        assert cuda_decode.LAST_CALL[2:] == (cluster * mult, c)
+                                    num_splits=cluster * mult, out=out, cluster=c)
+        assert cuda_decode.LAST_CALL == (cluster * mult, c)
         outs.append(out)
     (o1, l1), (oc, lc) = outs
     if out_f32:
@@ -331,7 +314,7 @@ def test_wgmma_cluster_default_plan_and_graph_replay(cluster):
     out = _poisoned(q_lat, q_lat.dtype)
     with backend("cuda"), tuning(mla_cluster=cluster):
         mla_decode(q_lat, q_rope, pool, table, sl, 0.0722, out=out)
-        S, C = cuda_decode.LAST_CALL[2:]
+        S, C = cuda_decode.LAST_CALL
         assert C == cluster and S % C == 0 and S // C <= waves, (S, C, waves)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

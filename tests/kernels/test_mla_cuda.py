@@ -1,6 +1,6 @@
 """CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability reasons, supports() reasons (the
 extension failing to build), auto_skip (auto's default: the wgmma kernel on sm_90 for batched calls only), the
-kernel choice (wgmma / mma) and the 16 / 64-row choice, the cluster size from the tuning object, the registry keeping auto on
+cluster size from the tuning object, the registry keeping auto on
 Triton/eager here, the split heuristics and the generated source (the slow tests compile it with nvcc for sm_90
 and sm_90a). The kernels themselves run in tests/gpu/test_mla_gpu.py."""
 
@@ -33,28 +33,21 @@ def test_unavailable_on_cpu_with_a_reason(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert "nvcc" in cd.available.__wrapped__()
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert "sm_80" in cd.available.__wrapped__()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "sm_90" in cd.available.__wrapped__()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert "sm_90 (H100 / H200) only" in cd.available.__wrapped__()
 
 
-def test_auto_skip_leaves_small_calls_and_other_gpus_to_triton(monkeypatch):
-    """Under auto: on sm_90 the CUDA kernel for batched calls only; off sm_90 never (mma.sync is slower than the
-    Triton kernel). An explicit backend("cuda") runs them all (auto_skip is not asked then)."""
-    class Props:
-        shared_memory_per_block_optin = 227 * 1024
-        major, minor = 9, 0
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+def test_auto_skip_leaves_small_calls_to_triton():
+    """Under auto: the CUDA kernel for batched calls only. An explicit backend("cuda") runs them all (auto_skip is
+    not asked then)."""
     small = _inputs(B=cd.MIN_ROW_CTAS - 1)
     assert "small batch" in cd.auto_skip(*small, 0.07)
     assert cd.auto_skip(*_inputs(B=cd.MIN_ROW_CTAS), 0.07) is None
     assert cd.auto_skip(*_inputs(B=1, H=96), 0.07) is None  # two 64-row blocks per request: the kernel too
     assert cd.auto_skip(*_inputs(B=1, Tq=2, H=64), 0.07) is None
-    Props.major = 8
-    assert "mma.sync" in cd.auto_skip(*_inputs(B=64), 0.07)
-    monkeypatch.undo()
-    assert cd.auto_skip(*_inputs(), 0.07) is None  # not CUDA tensors: supports() gives the reason
+    assert cd.auto_skip(None, None) is None  # not a call for this kernel: supports() gives the reason
     assert get_op("mla_decode").impls["cuda"].auto_skip is not None
 
 
@@ -70,15 +63,22 @@ def test_supports_reasons_without_gpu():
     assert cd.supports(*_inputs(), 0.07) == "inputs are not CUDA tensors"
 
 
-def test_supports_reasons_on_fake_cuda(monkeypatch):
-    """The shape / dtype checks behind the device check (the device check is patched away)."""
+def _fake_gpu(monkeypatch, major=9, smem=227 * 1024):
     class Props:
-        shared_memory_per_block_optin = 227 * 1024
-        major, minor = 8, 0  # an A100: the mma.sync kernel
+        shared_memory_per_block_optin = smem
 
+    Props.major, Props.minor = major, 0
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(cd, "build", SimpleNamespace(cache_info=lambda: SimpleNamespace(currsize=1)))  # built
+    return Props
+
+
+def test_supports_reasons_on_fake_cuda(monkeypatch):
+    """The shape / dtype / device checks behind the device-type check (patched away)."""
+    Props = _fake_gpu(monkeypatch)
     assert cd.supports(*_inputs(), 0.07) is None
+    assert cd.supports(*_inputs(B=1), 0.07) is None  # what auto passes over, an explicit backend runs
     assert cd.supports(*_inputs(), 0.07, out_dtype=torch.float32) is None
     assert "fp16" in cd.supports(*_inputs(torch.float32), 0.07)
     assert "kv_lora_rank" in cd.supports(*_inputs(R=256), 0.07)
@@ -87,123 +87,75 @@ def test_supports_reasons_on_fake_cuda(monkeypatch):
     q_lat, q_rope, _, table, sl = _inputs()
     padded = torch.randn(6, 64, 580).bfloat16()[..., :576]  # row stride 580: not 16-byte aligned
     assert "16-byte" in cd.supports(q_lat, q_rope, padded, table, sl, 0.07)
-    assert cd.supports(*_inputs(), 0.07, rows=64) is None
-    Props.shared_memory_per_block_optin = 150 * 1024  # enough for 16 rows (102 KB), not for 64 (162 KB)
-    assert cd.supports(*_inputs(), 0.07) is None  # the default falls back to 16 rows
-    assert cd.rows_choice(None, torch.device("cuda", 0)) == 16 and cd.rows_choice() == 64
-    assert "64-row" in cd.supports(*_inputs(), 0.07, rows=64)
-    assert "rows must be 16 or 64" in cd.supports(*_inputs(), 0.07, rows=32)
-    Props.shared_memory_per_block_optin = 48 * 1024
-    assert "shared memory" in cd.supports(*_inputs(), 0.07)
+    assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
+    Props.shared_memory_per_block_optin = 200 * 1024
+    assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
+    Props.shared_memory_per_block_optin, Props.major = 227 * 1024, 8
+    assert "sm_90" in cd.supports(*_inputs(), 0.07)
 
 
-def test_kernel_choice_on_fake_cuda(monkeypatch):
-    """wgmma is the default on sm_90 and refused elsewhere; kernel= picks; its shared memory is checked; unknown
-    names are errors naming the argument."""
-    class Props:
-        shared_memory_per_block_optin = 227 * 1024
-        major, minor = 9, 0
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    dev = torch.device("cuda", 0)
-    assert cd.kernel_choice(device=dev) == "wgmma" and cd.kernel_choice() == "mma"
-    assert cd.kernel_choice("mma", dev) == "mma"
+def test_build_reasons_on_fake_cuda(monkeypatch):
+    """A call takes the kernel once the extension builds; a failed build, or a first call inside a CUDA-graph
+    capture, makes auto step aside with the reason."""
+    _fake_gpu(monkeypatch)
     q_lat, q_rope, pool, table, sl = _inputs()
     big = (q_lat[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), q_rope[:1].expand(cd.MIN_ROW_CTAS, -1, -1, -1), pool,
            table[:1].expand(cd.MIN_ROW_CTAS, -1), sl[:1].expand(cd.MIN_ROW_CTAS))
-    # a batched call takes the kernel once the extension builds; a failed build makes auto step aside
+    never_built = SimpleNamespace(cache_info=lambda: SimpleNamespace(currsize=0))
+    monkeypatch.setattr(cd, "build", never_built)
     monkeypatch.setattr(cd, "_BUILD_FAILED", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert "capture" in cd.supports(*big, 0.07)
-    assert "capture" in cd.supports(*_inputs(B=1, H=96), 0.07)  # two 64-row blocks per request: the kernel too
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def broken_build():
         raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_90a'")
-    broken_build.cache_info = lambda: SimpleNamespace(currsize=0)  # never built
+    broken_build.cache_info = never_built.cache_info
     monkeypatch.setattr(cd, "build", broken_build)
     assert "failed to build" in cd.supports(*big, 0.07) and "compute_90a" in cd.supports(*big, 0.07)
-    monkeypatch.setattr(cd, "build", SimpleNamespace(cache_info=lambda: SimpleNamespace(currsize=1)))  # built
-    assert cd.supports(*big, 0.07) is None
-    assert cd.supports(*_inputs(B=1), 0.07) is None  # what auto passes over, an explicit backend runs
-    assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
-    assert "kernel must be one of" in cd.supports(*_inputs(), 0.07, kernel="tcgen05")
-    with pytest.raises(ValueError, match="kernel"):
-        cd.kernel_choice("wmma", dev)
-    Props.shared_memory_per_block_optin = 200 * 1024
-    assert "wgmma kernel needs" in cd.supports(*_inputs(), 0.07)
-    assert cd.supports(*_inputs(), 0.07, kernel="mma") is None
-    Props.major = 8
-    with pytest.raises(ValueError, match="sm_90"):
-        cd.kernel_choice("wgmma", dev)
-    assert "sm_90" in cd.supports(*_inputs(), 0.07, kernel="wgmma")
-
-
-def test_rows_choice():
-    assert cd.rows_choice() == 64 and cd.DEFAULT_ROWS == 64  # faster than 16 rows at every H200 case (h200-s5-run1)
-    assert cd.rows_choice(64) == 64 and cd.rows_choice(16) == 16
-    for bad in (32, 0, "64"):
-        with pytest.raises(ValueError, match="rows must be 16 or 64"):
-            cd.rows_choice(bad)
-    with pytest.raises(ValueError, match="rows must be 16 or 64"):  # before any device work
-        cd.mla_decode_cuda(*_inputs(), 0.07, rows=32)
 
 
 def test_default_splits():
-    # B=64, H=64: 256 CTAs per split = one wave of 2 × 132 already
-    assert cd.default_num_splits(64, 64, 8192, 132) == 1
-    assert cd.default_num_splits(1, 64, 32768, 132) == 66
-    assert cd.default_num_splits(1, 64, 256, 132) == 2  # short table: at least 4 tiles per split
-    assert cd.default_num_splits(1, 1, 10 ** 6, 132) == cd.MAX_SPLITS
+    # one 64-row CTA per SM, at least 8 tiles of 64 keys per split: B=64 H=64 is 64 CTAs per split, two fill 132 SMs
+    assert cd.default_num_splits(1, 64, 32768, 132) == 64
+    assert cd.default_num_splits(64, 64, 8192, 132) == 2
+    assert cd.default_num_splits(64, 96, 8192, 132) == 1
+    assert cd.default_num_splits(1, 64, 1000, 132) == 2  # short table: at least 8 tiles per split
+    assert cd.default_num_splits(1, 64, 10 ** 7, 132, ctas_per_sm=2) == cd.MAX_SPLITS  # 264 CTAs would fit
+    assert cd.default_num_splits(1, 96, 10 ** 7, 132, ctas_per_sm=2) == 132
+    assert cd.default_num_splits(1, 1, 10 ** 7, 1000) == cd.MAX_SPLITS
     assert cd.default_num_splits(500, 96, 4096, 132) == 1
-    # 64 rows, one CTA per SM: B=64 H=64 is 64 CTAs per split, so two splits fill the 132 SMs
-    assert cd.default_num_splits(64, 64, 8192, 132, rows=64) == 2
-    assert cd.default_num_splits(64, 96, 8192, 132, rows=64) == 1
-    assert cd.default_num_splits(1, 64, 32768, 132, rows=64) == 132
-    assert cd.default_num_splits(1, 64, 256, 132, rows=64) == 2
-    assert cd.default_num_splits(1, 64, 32768, 132, 2, rows=64) == 256  # ctas_per_sm still overrides
-    # per kernel: the warp-group kernel keeps at least 8 tiles of 64 keys per split, mma.sync the plain rule
-    assert cd.kernel_num_splits("wgmma", 1, 64, 32768, 132) == 64
-    assert cd.kernel_num_splits("wgmma", 64, 64, 8192, 132) == 2
-    assert cd.kernel_num_splits("wgmma", 1, 64, 1000, 132) == 2
-    assert cd.kernel_num_splits("mma", 1, 64, 32768, 132, 16) == cd.default_num_splits(1, 64, 32768, 132)
-    assert cd.kernel_num_splits("mma", 1, 64, 32768, 132, 64) == cd.default_num_splits(1, 64, 32768, 132, rows=64)
+    # the generic rule: rows / key tile / tiles per split
+    assert cd.default_num_splits(1, 64, 32768, 132, rows=16, block_n=32, min_tiles=4) == 33
+    assert cd.default_num_splits(1, 64, 256, 132, rows=16, block_n=32, min_tiles=4) == 2
 
 
 def test_generated_source_has_the_entry_points():
     cu = cd.kernel_source()
-    for name in ("mla_split_kernel", "mla_split64_kernel", "mla_combine_kernel", "mla_decode_dispatch(",
-                 "struct MlaParams", "launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream)",
+    for name in ("mla_combine_kernel", "mla_decode_dispatch(", "struct MlaParams",
+                 "launch_t<__nv_bfloat16, __nv_bfloat16>(p, stream)",
                  "mla_wgmma_kernel", "bar.arrive %0, 256", "cp.async.bulk.tensor.3d", "mbarrier.try_wait.parity",
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "fence.proxy.async.shared::cta",
-                 "if (rows == ROWS64)", "bar.sync %0, 64", "SMEM_BYTES64 = Q_BYTES64",
-                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16",
-                 "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
-                 "SMEM_BYTES = Q_BYTES", "griddepcontrol.launch_dependents", "griddepcontrol.wait",
+                 "cp.async.cg.shared.global", "griddepcontrol.launch_dependents", "griddepcontrol.wait",
                  "cudaLaunchAttributeProgrammaticStreamSerialization", "wg_store_rows(", "#ifdef K3MLA_TRACE",
                  "barrier.cluster.arrive.release.aligned", "mapa.shared::cluster.u32", "ld.shared::cluster.v4.f32",
                  "cudaLaunchAttributeClusterDimension", "cudaOccupancyMaxActiveClusters", "wg_cluster_merge<TO>("):
         assert name in cu, name
+    for gone in ("mla_split_kernel", "mla_split64_kernel", "mma.sync.aligned", "ldmatrix"):
+        assert gone not in cu, gone
     assert "torch" not in cu and "__PARAMS__" not in cu  # the .cu compiles without torch headers
     assert braces_balanced(cu) and braces_balanced(cd._CPP_SOURCE)
     for decl in filter(None, (d.strip() for d in cd._DECL.split(";"))):
         assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cd._CPP_SOURCE), decl
-    # the Python mirror of the shared-memory size matches the CUDA constants
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+)", cu))
-    assert int(consts["ROWS"]) == cd.ROWS and "BN = 32" in cu and cd.BLOCK_N == 32
-    assert int(consts["ROWS64"]) == 64 and "NWARP64 = 8" in cu and cd.ROWS_VARIANTS == (16, 64)
-    assert cd.SMEM_BYTES < 114 * 1024  # two CTAs per SM on sm_90 (227 KB)
-    assert cd.SMEM_BYTES_BY_ROWS[64] <= 227 * 1024  # one 64-row CTA per SM
-    assert "int64_t rows" in cd._DECL and "(int)rows" in cd._CPP_SOURCE
-    assert "int64_t kernel" in cd._DECL and "(int)kernel" in cd._CPP_SOURCE
     assert "int64_t cluster" in cd._DECL and "p.cluster = (int)cluster" in cd._CPP_SOURCE
+    assert "int64_t rows" not in cd._DECL and "int64_t kernel" not in cd._DECL
     assert int(consts["WG_MAX_CLUSTER"]) == max(cd.CLUSTERS)
 
 
 def test_wgmma_plan_and_cluster_choice(monkeypatch):
-    plain = cd.kernel_num_splits
+    plain = lambda kernel, *a: cd.default_num_splits(*a)  # noqa: E731
     # default: the plain split rule, and the splits of a row tile as one resident cluster where they are 2 to 8
     assert cd.wgmma_plan(1, 64, 32768, 132) == (plain("wgmma", 1, 64, 32768, 132), 1)
     assert cd.wgmma_plan(64, 64, 8192, 132) == (2, 2)  # 64 clusters of 2: no combine kernel
@@ -279,20 +231,3 @@ def test_traced_wgmma_kernel_compiles_for_sm90a(tmp_path):
     assert "are serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernel_source_compiles_for_sm90(tmp_path):
-    """The torch-free .cu through nvcc (no GPU needed): both stage-1 variants, no errors, no register spills,
-    shared-memory sizes equal to the Python mirrors."""
-    log, spills = nvcc_sm90(tmp_path, cd.kernel_source()
-                            + f"static_assert(k3mla::SMEM_BYTES == {cd.SMEM_BYTES}, \"16-row smem\");\n"
-                            f"static_assert(k3mla::SMEM_BYTES64 == {cd.SMEM_BYTES_BY_ROWS[64]}, \"64-row smem\");\n",
-                            "mla")
-    assert not spills, spills
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
-    assert regs and max(regs) <= 255
-    entries = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert sum("mla_split_kernel" in e for e in entries) == 4, entries  # {bf16, fp16} x {input dtype, fp32} out
-    assert sum("mla_split64_kernel" in e for e in entries) == 4, entries

@@ -70,7 +70,7 @@ def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16, be="au
                              f"lse {lse_err:.2e}")
     plan, call = triton_decode.LAST_PLAN, cuda_decode.LAST_CALL
     if call is not None:
-        cfg = f"cuda {call[0]} rows={call[1]} splits={call[2]}" + (f" cluster={call[3]}" if call[3] > 1 else "")
+        cfg = f"cuda wgmma rows=64 splits={call[0]}" + (f" cluster={call[1]}" if call[1] > 1 else "")
     else:
         cfg = f"triton plan {plan.short()} {tuple(plan)}" if plan is not None else "eager"
 

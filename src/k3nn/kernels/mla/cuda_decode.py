@@ -4,42 +4,19 @@ built on first use, never at import).
 Same contract as :func:`k3nn.ops.mla_decode` (see :mod:`.reference`), for the K3 dims: latent r = 512, rope
 dr = 64 (one 576-wide cache row per token), bf16 or fp16 inputs, fp32 accumulation.
 
-Stage 1, grid ``[ceil(Tq·H / 16), splits, B]``, 128 threads (4 warps) per CTA. A CTA takes 16 query rows of one
-request (rows are ``(t, h)`` pairs; all share every key row — MQA) and one contiguous slice of the request's
-keys (``ceil(ceil(seq_len / splits) / 32) · 32`` keys per split). Its Q tile ``[16, 576]`` sits in shared
-memory; key tiles of 32 tokens come in through the block table with ``cp.async`` into two buffers (the next
-tile loads while this one is used; rows past the slice are zero-filled, never read). Per tile:
-
-* scores ``S[16, 32] = Q·Kᵀ`` with ``mma.sync.m16n8k16`` (bf16/fp16 → fp32): each warp takes 144 of the 576
-  columns, the four partial tiles are summed through shared memory;
-* online softmax in fp32 and base 2 (log2 e folded into the scale), masked per row by its visible length;
-  one row per 8 threads, each keeping a partial row sum;
-* ``O[16, 512] += P·V`` with P rounded to the input dtype: each warp owns 128 output columns (16 ``m16n8``
-  accumulators in registers), all warps read P from shared memory; the value is the first 512 columns of the
-  same key tile.
-
-A second instantiation of stage 1 takes 64 query rows per CTA (grid ``[ceil(Tq·H / 64), splits, B]``, 256
-threads = 8 warps), so at H = 64 each key tile is read once per split instead of four times. Warp ``w`` owns
-the 16-row slab ``w % 4`` and output columns ``256·(w / 4)`` … (16 × 256 fp32 accumulators, 128 registers).
-The two warps of a slab each compute the 32-key score tile over half of the 576-deep dot, swap the partial
-fragments through shared memory (a 64-thread named barrier) and add them, so both hold the whole score tile in
-registers; each runs the (identical) online softmax for its two fragment rows and feeds P from the score
-registers straight into the A fragments of ``P·V`` (no P tile in shared memory). Key tiles: 32 tokens, two
-``cp.async`` buffers, one block barrier per tile; shared memory 166 KB (one CTA per SM, 229 registers, no
-spills on sm_90). ``rows=16`` (:func:`rows_choice`) selects the first variant.
-On the H200 (``bench/results/logs/h200-s5-run1-2026-11-30.log``) these mma.sync kernels moved 1.66 / 0.88 /
-0.58 TB/s (64 rows) and 0.91 / 0.46 / 0.43 (16 rows) at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64.
-
-On sm_90 the default stage 1 is the warp-group kernel (``kernel="wgmma"``, :func:`kernel_choice`; built for
-sm_90a): 64 query rows, two specialized warp groups, Q and two 64-key tiles in shared memory in the 128-byte
-swizzled layout that ``wgmma`` descriptors and TMA boxes share. Group 0 computes the scores of a whole tile
-(``wgmma m64n64k16``), the online softmax (lazy rescale) and P, then ``O[:, :256] += P·V`` with P from its
-registers; group 1 loads the key tiles (TMA into an mbarrier per buffer, or ``cp.async`` where pages are not
-multiples of 16 rows) and computes ``O[:, 256:] += P·V`` from a shared P tile under group
-0's next scores (see ``WGMMA_SOURCE``). On the H200 (``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran
-B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30 TB/s) against 231 / 418 µs for the Triton kernel's default
-plan, 269 against 417 µs with 2-token windows, and B=1 L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3
-— so ``auto`` leaves a single request of one 64-row block to Triton (:data:`MIN_ROW_CTAS`).
+Stage 1 is the warp-group kernel (built for sm_90a): 64 query rows of one request (rows are ``(t, h)`` pairs; all
+share every key row — MQA) and one contiguous slice of its keys per CTA, grid ``[ceil(Tq·H / 64), splits, B]``, two
+specialized warp groups, Q and two 64-key tiles in shared memory in the 128-byte swizzled layout that ``wgmma``
+descriptors and TMA boxes share. Group 0 computes the scores of a whole tile (``wgmma m64n64k16``), the online
+softmax (fp32, base 2, lazy rescale) and P, then ``O[:, :256] += P·V`` with P from its registers; group 1 loads the
+key tiles (TMA into an mbarrier per buffer, or ``cp.async`` where pages are not multiples of 16 rows) and computes
+``O[:, 256:] += P·V`` from a shared P tile under group 0's next scores (see ``WGMMA_SOURCE``). On the H200
+(``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30
+TB/s) against 231 / 418 µs for the Triton kernel's default plan, 269 against 417 µs with 2-token windows, and B=1
+L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3 — so ``auto`` leaves a single request of one 64-row block
+to Triton (:data:`MIN_ROW_CTAS`). (Two ``mma.sync`` stage-1 kernels for sm_80+, 16 and 64 query rows per CTA, moved
+1.66 / 0.88 / 0.58 TB/s at best at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64, h200-s5-run1, slower than the Triton
+kernel; they are gone.)
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
@@ -56,16 +33,14 @@ splits) took 165 / 164 µs against 196 / 191, B=30 (four) 87 against 96, B=15 (e
 than one cluster, merging in clusters changed nothing at B=1 L=32K (32.3–33.6 µs against 32.1–32.5 for 64–132 splits,
 run 1), so the default leaves those to the combine kernel.
 
-The split count and cluster size depend only on ``B``, ``Tq·H``, the block table's width, the variant and the
-device (about one wave of CTAs: two per SM with 16 rows, one with 64; the clusters the device keeps resident, asked
-once per size), never on lengths read from the device, and the
+The split count and cluster size depend only on ``B``, ``Tq·H``, the block table's width and the device (about one
+wave of CTAs, one per SM; the clusters the device keeps resident, asked once per size), never on lengths read from
+the device, and the
 launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
-Availability: CUDA, nvcc (``CUDA_HOME`` or on PATH) and sm_80+; the warp-group kernel needs sm_90. ``auto``
-takes the warp-group kernel on an sm_90 GPU, except for calls of one 64-row block per request (Tq·H ≤ 64) and
-fewer than :data:`MIN_ROW_CTAS` requests, which go to the Triton kernel (:func:`auto_skip`); elsewhere the
-mma.sync kernel runs under an explicit ``k3nn.backend("cuda")`` only (it matches the reference but is slower than
-the Triton kernel). An explicit ``k3nn.backend("cuda")`` runs every call it supports here.
+Availability: an sm_90 GPU (H100 / H200) and nvcc (``CUDA_HOME`` or on PATH). ``auto`` takes the kernel except for
+calls of one 64-row block per request (Tq·H ≤ 64) and fewer than :data:`MIN_ROW_CTAS` requests, which go to the
+Triton kernel (:func:`auto_skip`); an explicit ``k3nn.backend("cuda")`` runs every call it supports.
 """
 
 from __future__ import annotations
@@ -82,61 +57,39 @@ from ..cuda_ext import sm_count as _sm_count
 from ..cuda_ext import smem_per_block as _smem_limit
 
 __all__ = [
-    "BLOCK_N",
     "CLUSTERS",
-    "DEFAULT_ROWS",
     "MAX_SPLITS",
-    "ROWS",
-    "ROWS_VARIANTS",
-    "SMEM_BYTES",
-    "SMEM_BYTES_BY_ROWS",
+    "SMEM_BYTES_WGMMA",
+    "WG_BLOCK_N",
     "auto_skip",
     "available",
     "build",
     "cluster_choice",
     "default_num_splits",
-    "kernel_num_splits",
-    "kernel_choice",
     "kernel_source",
     "max_clusters",
     "mla_decode_cuda",
-    "rows_choice",
     "supports",
     "wgmma_plan",
 ]
 
 R, DR = 512, 64  # the only dims compiled
-ROWS, BLOCK_N = 16, 32  # query rows and keys per CTA tile
 MAX_SPLITS = 256
-_QLD = R + DR + 8  # shared-memory row stride (elements) of the Q and KV tiles
-_SLD, _PLD = BLOCK_N + 4, BLOCK_N + 8
-#: dynamic shared memory per CTA (mirrors the offsets in the CUDA source)
-SMEM_BYTES = ROWS * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 4 * ROWS * _SLD * 4 + ROWS * _PLD * 2 + 3 * ROWS * 4
-#: the 64-row variant: Q [64, 576], two key tiles, one float4 per lane and n8 score tile for 8 warps, row limits
-SMEM_BYTES_64 = 64 * _QLD * 2 + 2 * BLOCK_N * _QLD * 2 + 8 * (BLOCK_N // 8) * 32 * 16 + 64 * 4
-SMEM_BYTES_BY_ROWS = {16: SMEM_BYTES, 64: SMEM_BYTES_64}
-ROWS_VARIANTS = (16, 64)  # query rows per stage-1 CTA
-#: rows per CTA of the mma.sync kernel without ``rows=``: 64 beat 16 at every H200 case
-#: (``bench/results/logs/h200-s5-run1-2026-11-30.log``)
-DEFAULT_ROWS = 64
 #: under ``auto``, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
 #: on the Triton kernel. Official bench, H=64, tuned Triton against wgmma (h200-s11-run6): B=1 L=32K 29.6 against
 #: 31.9 µs; B=2 L=32K 45.9 / 41.7, B=4 L=32K 74.2 / 59.9, B=8 L=8K 43.4 / 42.2, B=15 L=8K 68.2 / 50.7 (8 splits as one
 #: cluster), B=30 L=8K 120.4 / 90.2 (4 as one cluster). With two blocks per request the wgmma kernel is faster at
 #: B=1 too (38.7 against 42.3 µs at H=96, h200-s8-run8).
 MIN_ROW_CTAS = 2
-KERNELS = ("wgmma", "mma")  # stage-1 kernels: warp-group MMA (sm_90) and mma.sync (sm_80+)
 CLUSTERS = tuple(range(1, 9))  # CTAs per cluster of the wgmma kernel's cluster merge (1: none; 8: the portable limit)
 #: key tiles per split at least, with the cluster merge (its partials cost less: smaller splits pay off)
 CLUSTER_MIN_TILES = 4
 #: by default, a row tile's splits may shrink to this fraction of the plain rule's to fit one resident cluster
 CLUSTER_SHRINK = 0.85
-_KERNEL_CODES = {"mma": 0, "wgmma": 1}
 WG_BLOCK_N = 64  # keys per tile of the wgmma kernel (one page)
 #: shared memory of the wgmma kernels: alignment slack, Q and two key tiles as 128-byte swizzle atoms, P, row
 #: stats, two mbarriers
 SMEM_BYTES_WGMMA = 1024 + 3 * 9 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 16
-_CTAS_PER_SM = {16: 2, 64: 1}  # resident stage-1 CTAs per SM on sm_90 (shared memory / registers)
 
 _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -196,21 +149,7 @@ __device__ unsigned long long k3mla_trace[K3MLA_TRACE_CTAS][K3MLA_STAMPS];
 #endif
 
 constexpr int R = 512, DR = 64, D = R + DR;
-constexpr int ROWS = 16, BN = 32, NWARP = 4, NT = 32 * NWARP;
-constexpr int QLD = D + 8;     // Q / KV row stride in shared memory: 1168 B, ldmatrix rows hit distinct banks
-constexpr int SLD = BN + 4;    // fp32 partial scores
-constexpr int PLD = BN + 8;    // probabilities (80 B rows)
-constexpr int KW = D / NWARP;  // score depth per warp (144)
-constexpr int CW = R / NWARP;  // output columns per warp (128)
-constexpr int CHUNKS = D / 8;  // 16-byte chunks per cache row (72)
-constexpr int Q_BYTES = ROWS * QLD * 2;
-constexpr int KV_BYTES = 2 * BN * QLD * 2;
-constexpr int SP_BYTES = NWARP * ROWS * SLD * 4;
-constexpr int P_BYTES = ROWS * PLD * 2;
-constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES + SP_BYTES + P_BYTES + 3 * ROWS * 4;
 constexpr float LN2 = 0.6931471805599453f;
-static_assert(BN * 4 == NT, "one thread per quarter cache row in the tile loader");
-static_assert(CHUNKS % 4 == 0 && KW % 16 == 0 && CW % 16 == 0, "tile shape");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -220,35 +159,15 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 template <typename T> struct Ty;
 template <> struct Ty<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
 template <> struct Ty<__half> {
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -306,438 +225,6 @@ __device__ __forceinline__ void store_lse(const MlaParams& p, int b, int part, i
 __device__ __forceinline__ float row_lse(float l, float mrun) { return l > 0.f ? (mrun + log2f(l)) * LN2 : -INFINITY; }
 __device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int split, int m, float l, float mrun) {
   store_lse(p, b, split, m, row_lse(l, mrun));
-}
-
-// Epilogue of the 64-row kernels: this thread's rows r_lo / r_hi (l: whole row sums, m: running max in base 2)
-// and its 32 column pairs 256·half + 8 j + 2 tq, read as acc(j, e) with e = 2 hh, 2 hh + 1 (hh = 0: row r_lo);
-// lse from the half-0 lane of each row group. One split: o and lse; else fp32 partials (rows that saw a key only)
-// and the split's lse.
-template <typename TO, typename Acc>
-__device__ __forceinline__ void store_rows64(const MlaParams& p, int b, int split, int m0, int r_lo, int r_hi,
-                                             float l_lo, float l_hi, float m_lo, float m_hi, int half, int tq,
-                                             Acc acc) {
-  const bool final_ = p.splits == 1;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = hh ? r_hi : r_lo, m = m0 + r;
-    if (m >= p.M) continue;
-    const float l = hh ? l_hi : l_lo, mrun = hh ? m_hi : m_lo;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (half == 0 && tq == 0) store_row_lse(p, b, split, m, l, mrun);
-    if (final_) {
-      const int t = m / p.H, h = m - t * p.H;
-      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = half * 256 + j * 8 + 2 * tq;
-        store_out(orow + col, acc(j, 2 * hh) * inv);
-        store_out(orow + col + 1, acc(j, 2 * hh + 1) * inv);
-      }
-    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
-      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = half * 256 + j * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(prow + col) = make_float2(acc(j, 2 * hh) * inv, acc(j, 2 * hh + 1) * inv);
-      }
-    }
-  }
-}
-
-// Async copy of this thread's share of cache row `pos` (LANES threads per row, thread `sub` taking 16-byte chunks
-// sub, sub + LANES, ...) into shared memory at `dst`; a row at or past `end` is zero-filled, its address never read.
-template <int LANES, int CH>
-__device__ __forceinline__ void issue_row(const MlaParams& p, const uint16_t* kv, const int* bt_row, int pos, int end,
-                                          int sub, uint32_t dst) {
-  const uint16_t* src = kv;  // valid address even when nothing is read
-  int bytes = 0;
-  if (pos < end) {
-    const int blk = bt_row[pos / p.page];
-    src = kv + (long long)blk * p.s_kvb + (long long)(pos % p.page) * p.s_kvr;
-    bytes = 16;
-  }
-  dst += sub * 16;
-  src += sub * 8;
-#pragma unroll
-  for (int i = 0; i < CH / LANES; ++i) cp_async16(dst + i * 16 * LANES, src + i * 8 * LANES, bytes);
-}
-
-// Stage 1: one CTA = 16 query rows of request blockIdx.z × key split blockIdx.y.
-template <typename T, typename TO>
-__global__ void __launch_bounds__(NT, 2) mla_split_kernel(const MlaParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* kvs = reinterpret_cast<uint16_t*>(smem + Q_BYTES);
-  float* sps = reinterpret_cast<float*>(smem + Q_BYTES + KV_BYTES);
-  uint16_t* ps = reinterpret_cast<uint16_t*>(smem + Q_BYTES + KV_BYTES + SP_BYTES);
-  float* alpha_s = reinterpret_cast<float*>(smem + Q_BYTES + KV_BYTES + SP_BYTES + P_BYTES);
-  float* inv_s = alpha_s + ROWS;
-  int* lim_s = reinterpret_cast<int*>(inv_s + ROWS);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;  // mma fragment row group / column pair
-  const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
-  const int seq = p.seq[b];
-
-  if (tid < ROWS) lim_s[tid] = row_limit(p, m0 + tid, b, seq);
-  {  // Q tile [16, 576] = [q_lat | q_rope], zero rows past M
-    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
-    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
-    for (int i = tid; i < ROWS * D; i += NT) {
-      const int r = i / D, c = i - r * D, m = m0 + r;
-      uint16_t v = 0;
-      if (m < p.M) {
-        const int t = m / p.H, h = m - t * p.H;
-        v = c < R ? ql[b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + c]
-                  : qr[b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + (c - R)];
-      }
-      qs[r * QLD + c] = v;
-    }
-  }
-  __syncthreads();
-
-  int maxlim = 0;
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) maxlim = max(maxlim, lim_s[r]);
-  const KeyRange kr = key_range(p, split, seq, maxlim, BN);
-  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
-
-  // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 4, ...); rows past `end` zero-filled.
-  const int ld_row = tid >> 2, ld_sub = tid & 3;
-  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
-  const int* bt_row = p.bt + (long long)b * p.s_btb;
-  auto issue = [&](int tile, int buf) {
-    issue_row<4, CHUNKS>(p, kv, bt_row, start + tile * BN + ld_row, end, ld_sub,
-                          smem_u32(kvs + (buf * BN + ld_row) * QLD));
-  };
-
-  float acc[CW / 8][4];
-#pragma unroll
-  for (int j = 0; j < CW / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  // softmax state: row sm_row (8 threads per row), columns sm_col .. sm_col + 3 of the tile
-  const int sm_row = tid >> 3, sm_col = (tid & 7) * 4;
-  const int sm_lim = min(lim_s[sm_row], end);
-  float m_run = -1.0e30f, l_part = 0.f;
-
-  if (ntiles > 0) issue(0, 0);
-  cp_async_commit();
-  for (int it = 0; it < ntiles; ++it) {
-    const int buf = it & 1;
-    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait1();
-    __syncthreads();
-    const uint16_t* kt = kvs + buf * BN * QLD;
-
-    {  // partial scores over this warp's 144 columns: 4 n8 tiles of 32 keys
-      float sacc[BN / 8][4];
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KW / 16; ++ks) {
-        const int k0 = warp * KW + ks * 16;
-        uint32_t a[4];
-        ldsm_x4(a, smem_u32(qs + (lane & 15) * QLD + k0 + (lane >> 4) * 8));
-#pragma unroll
-        for (int np = 0; np < BN / 16; ++np) {
-          uint32_t bb[4];
-          ldsm_x4(bb, smem_u32(kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * QLD + k0 + ((lane >> 3) & 1) * 8));
-          Ty<T>::mma(sacc[2 * np], a, bb[0], bb[1]);
-          Ty<T>::mma(sacc[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-      float* spw = sps + warp * ROWS * SLD;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        *reinterpret_cast<float2*>(spw + g * SLD + j * 8 + 2 * tq) = make_float2(sacc[j][0], sacc[j][1]);
-        *reinterpret_cast<float2*>(spw + (g + 8) * SLD + j * 8 + 2 * tq) = make_float2(sacc[j][2], sacc[j][3]);
-      }
-    }
-    __syncthreads();
-
-    {  // online softmax (base 2) of row sm_row, columns sm_col .. + 3
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int w = 0; w < NWARP; ++w) {
-        const float4 v = *reinterpret_cast<const float4*>(sps + (w * ROWS + sm_row) * SLD + sm_col);
-        s[0] += v.x; s[1] += v.y; s[2] += v.z; s[3] += v.w;
-      }
-      const int n0 = start + it * BN + sm_col;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[e] = n0 + e < sm_lim ? s[e] * p.scale_log2 : -INFINITY;
-        mx = fmaxf(mx, s[e]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      const float m_new = fmaxf(m_run, mx);  // finite: m_run starts at -1e30
-      const float alpha = exp2f(m_run - m_new);
-      float pe[4], psum = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pe[e] = exp2f(s[e] - m_new);  // 0 for masked keys
-        psum += pe[e];
-      }
-      l_part = l_part * alpha + psum;
-      m_run = m_new;
-      *reinterpret_cast<uint2*>(ps + sm_row * PLD + sm_col) =
-          make_uint2(Ty<T>::pack(pe[0], pe[1]), Ty<T>::pack(pe[2], pe[3]));
-      if ((tid & 7) == 0) alpha_s[sm_row] = alpha;
-    }
-    __syncthreads();
-
-    {  // O[:, warp's 128 columns] = alpha · O + P · V
-      const float a_lo = alpha_s[g], a_hi = alpha_s[g + 8];
-#pragma unroll
-      for (int j = 0; j < CW / 8; ++j) {
-        acc[j][0] *= a_lo; acc[j][1] *= a_lo; acc[j][2] *= a_hi; acc[j][3] *= a_hi;
-      }
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) {
-        uint32_t a[4];
-        ldsm_x4(a, smem_u32(ps + (lane & 15) * PLD + ks * 16 + (lane >> 4) * 8));
-#pragma unroll
-        for (int np = 0; np < CW / 16; ++np) {
-          uint32_t bb[4];
-          ldsm_x4_t(bb, smem_u32(kt + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + warp * CW + np * 16
-                                 + (lane >> 4) * 8));
-          Ty<T>::mma(acc[2 * np], a, bb[0], bb[1]);
-          Ty<T>::mma(acc[2 * np + 1], a, bb[2], bb[3]);
-        }
-      }
-    }
-    __syncthreads();  // the buffer is refilled by the next iteration's loader; P / partials rewritten
-  }
-
-  // row totals, lse, 1 / l
-  float l = l_part;
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  l += __shfl_xor_sync(0xffffffffu, l, 4);
-  const bool final_ = p.splits == 1;
-  if ((tid & 7) == 0) {
-    inv_s[sm_row] = l > 0.f ? 1.f / l : 0.f;
-    const int m = m0 + sm_row;
-    if (m < p.M) store_row_lse(p, b, split, m, l, m_run);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + half * 8, m = m0 + r;
-    if (m >= p.M) continue;
-    const float inv = inv_s[r];
-    if (final_) {
-      const int t = m / p.H, h = m - t * p.H;
-      TO* orow = static_cast<TO*>(p.out) + b * p.s_ob + t * p.s_ot + h * p.s_oh;
-#pragma unroll
-      for (int j = 0; j < CW / 8; ++j) {
-        const int col = warp * CW + j * 8 + 2 * tq;
-        store_out(orow + col, acc[j][2 * half] * inv);
-        store_out(orow + col + 1, acc[j][2 * half + 1] * inv);
-      }
-    } else if (inv > 0.f) {  // partials of rows without keys are never read by the merge
-      float* prow = p.o_part + (((long long)b * p.M + m) * p.splits + split) * R;
-#pragma unroll
-      for (int j = 0; j < CW / 8; ++j) {
-        const int col = warp * CW + j * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(prow + col) = make_float2(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
-      }
-    }
-  }
-}
-
-// ---- 64-row variant: 8 warps; warp w owns the 16-row slab w % 4 and output columns 256·(w / 4) … ----
-// The two warps of a slab each take half of the 576-deep score dot over all 32 keys of the tile, swap their
-// partial fragments through shared memory (pair barrier) and then both hold the whole score tile in
-// registers: the softmax runs twice (bitwise the same: fp32 addition commutes) and P goes from the score
-// accumulators straight into the A fragments of P·V, never through shared memory.
-constexpr int ROWS64 = 64, NWARP64 = 8, NT64 = 32 * NWARP64;
-constexpr int KW64 = D / 2;  // score depth per warp (288)
-constexpr int CW64 = R / 2;  // output columns per warp (256)
-constexpr int Q_BYTES64 = ROWS64 * QLD * 2;
-constexpr int KV_BYTES64 = 2 * BN * QLD * 2;
-constexpr int SX_BYTES64 = NWARP64 * (BN / 8) * 32 * 16;  // one float4 per lane and n8 score tile
-constexpr int SMEM_BYTES64 = Q_BYTES64 + KV_BYTES64 + SX_BYTES64 + ROWS64 * 4;
-static_assert(BN * 8 == NT64 && CHUNKS % 8 == 0, "one thread per eighth cache row in the tile loader");
-static_assert(KW64 % 16 == 0 && CW64 % 16 == 0 && BN % 16 == 0, "tile shape");
-
-__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
-
-// Stage 1, 64-row variant: one CTA = 64 query rows of request blockIdx.z × key split blockIdx.y.
-template <typename T, typename TO>
-__global__ void __launch_bounds__(NT64, 1) mla_split64_kernel(const MlaParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* kvs = reinterpret_cast<uint16_t*>(smem + Q_BYTES64);
-  float4* sx = reinterpret_cast<float4*>(smem + Q_BYTES64 + KV_BYTES64);
-  int* lim_s = reinterpret_cast<int*>(smem + Q_BYTES64 + KV_BYTES64 + SX_BYTES64);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slab = warp & 3, half = warp >> 2;  // rows 16·slab …, output columns 256·half …
-  const int g = lane >> 2, tq = lane & 3;       // mma fragment row group / column pair
-  const int m0 = blockIdx.x * ROWS64, split = blockIdx.y, b = blockIdx.z;
-  const int seq = p.seq[b];
-
-  const KeyRange kr = rows64_key_range(p, b, m0, split, seq, lim_s, tid, BN);
-  const int start = kr.start, end = kr.end, ntiles = kr.ntiles;
-
-  // Tile loader: thread -> (cache row ld_row, chunks ld_sub, ld_sub + 8, ...); rows past `end` zero-filled.
-  const int ld_row = tid >> 3, ld_sub = tid & 7;
-  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
-  const int* bt_row = p.bt + (long long)b * p.s_btb;
-  auto issue = [&](int tile, int buf) {
-    issue_row<8, CHUNKS>(p, kv, bt_row, start + tile * BN + ld_row, end, ld_sub,
-                          smem_u32(kvs + (buf * BN + ld_row) * QLD));
-  };
-  if (ntiles > 0) issue(0, 0);  // the first key tile loads while the Q tile is read
-  cp_async_commit();
-
-  {  // Q tile [64, 576] = [q_lat | q_rope], zero rows past M; 16-byte loads when every row is 16-byte aligned
-    const uint16_t* ql = static_cast<const uint16_t*>(p.q_lat);
-    const uint16_t* qr = static_cast<const uint16_t*>(p.q_rope);
-    const bool vec = ((reinterpret_cast<uintptr_t>(ql) | reinterpret_cast<uintptr_t>(qr)) & 15) == 0 &&
-                     ((p.s_qlb | p.s_qlt | p.s_qlh | p.s_qrb | p.s_qrt | p.s_qrh) & 7) == 0;
-    if (vec) {
-      for (int i = tid; i < ROWS64 * CHUNKS; i += NT64) {
-        const int r = i / CHUNKS, c = (i - r * CHUNKS) * 8, m = m0 + r;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (m < p.M) {
-          const int t = m / p.H, h = m - t * p.H;
-          const uint16_t* src = c < R ? ql + b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + c
-                                      : qr + b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + (c - R);
-          v = *reinterpret_cast<const uint4*>(src);
-        }
-        *reinterpret_cast<uint4*>(qs + r * QLD + c) = v;
-      }
-    } else {
-      for (int i = tid; i < ROWS64 * D; i += NT64) {
-        const int r = i / D, c = i - r * D, m = m0 + r;
-        uint16_t v = 0;
-        if (m < p.M) {
-          const int t = m / p.H, h = m - t * p.H;
-          v = c < R ? ql[b * p.s_qlb + t * p.s_qlt + h * p.s_qlh + c]
-                    : qr[b * p.s_qrb + t * p.s_qrt + h * p.s_qrh + (c - R)];
-        }
-        qs[r * QLD + c] = v;
-      }
-    }
-  }
-
-  const int r_lo = slab * 16 + g, r_hi = r_lo + 8;  // this thread's two rows (fragment rows g, g + 8)
-  const int lim_lo = min(lim_s[r_lo], end), lim_hi = min(lim_s[r_hi], end);
-  float acc[CW64 / 8][4];
-#pragma unroll
-  for (int j = 0; j < CW64 / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  float m_lo = -1.0e30f, m_hi = -1.0e30f, l_lo = 0.f, l_hi = 0.f;  // running max (base 2), partial row sums
-  const uint32_t q_addr = smem_u32(qs + (slab * 16 + (lane & 15)) * QLD + half * KW64 + (lane >> 4) * 8);
-  float4* sx_mine = sx + warp * (BN / 8) * 32 + lane;
-  const float4* sx_pair = sx + (warp ^ 4) * (BN / 8) * 32 + lane;
-
-  for (int it = 0; it < ntiles; ++it) {
-    const int buf = it & 1;
-    cp_async_wait0();
-    __syncthreads();  // tile `it` (and the Q tile) visible; every warp is done with tile it - 1 and its buffer
-    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
-    cp_async_commit();
-    const uint16_t* kt = kvs + buf * BN * QLD;
-
-    // partial scores S[16, 32] over this warp's 288 columns of the dot
-    float s[BN / 8][4];
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const uint32_t k_addr =
-        smem_u32(kt + ((lane & 7) + ((lane >> 4) << 3)) * QLD + half * KW64 + ((lane >> 3) & 1) * 8);
-#pragma unroll
-    for (int ks = 0; ks < KW64 / 16; ++ks) {
-      uint32_t a[4];
-      ldsm_x4(a, q_addr + ks * 32);
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bb[4];
-        ldsm_x4(bb, k_addr + (np * 16 * QLD + ks * 16) * 2);
-        Ty<T>::mma(s[2 * np], a, bb[0], bb[1]);
-        Ty<T>::mma(s[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
-    // swap partials with the other warp of the slab (same lane, same fragment layout) and add
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) sx_mine[j * 32] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
-    pair_sync(1 + slab);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const float4 o = sx_pair[j * 32];
-      s[j][0] += o.x; s[j][1] += o.y; s[j][2] += o.z; s[j][3] += o.w;
-    }
-
-    // online softmax (base 2) of rows r_lo / r_hi; keys n0 + 8 j + e; the 4 lanes of a row group share a row
-    const int n0 = start + it * BN + 2 * tq;
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int n = n0 + j * 8 + e;
-        s[j][e] = n < lim_lo ? s[j][e] * p.scale_log2 : -INFINITY;
-        s[j][2 + e] = n < lim_hi ? s[j][2 + e] * p.scale_log2 : -INFINITY;
-        mx_lo = fmaxf(mx_lo, s[j][e]);
-        mx_hi = fmaxf(mx_hi, s[j][2 + e]);
-      }
-    }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: m starts at -1e30
-    const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);
-    m_lo = mn_lo;
-    m_hi = mn_hi;
-    float ps_lo = 0.f, ps_hi = 0.f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[j][e] = exp2f(s[j][e] - mn_lo);  // 0 for masked keys
-        s[j][2 + e] = exp2f(s[j][2 + e] - mn_hi);
-        ps_lo += s[j][e];
-        ps_hi += s[j][2 + e];
-      }
-    }
-    l_lo = l_lo * al_lo + ps_lo;
-    l_hi = l_hi * al_hi + ps_hi;
-
-    // O[16 rows, this warp's 256 columns] = alpha · O + P · V; the m16n8 score fragments of keys 16 ks … are
-    // the m16k16 A fragment of P (rounded to the input dtype)
-#pragma unroll
-    for (int j = 0; j < CW64 / 8; ++j) {
-      acc[j][0] *= al_lo; acc[j][1] *= al_lo; acc[j][2] *= al_hi; acc[j][3] *= al_hi;
-    }
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) {
-      const uint32_t a[4] = {Ty<T>::pack(s[2 * ks][0], s[2 * ks][1]), Ty<T>::pack(s[2 * ks][2], s[2 * ks][3]),
-                             Ty<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                             Ty<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-      const uint32_t v_addr = smem_u32(kt + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + half * CW64
-                                       + (lane >> 4) * 8);
-#pragma unroll
-      for (int np = 0; np < CW64 / 16; ++np) {
-        uint32_t bb[4];
-        ldsm_x4_t(bb, v_addr + np * 32);
-        Ty<T>::mma(acc[2 * np], a, bb[0], bb[1]);
-        Ty<T>::mma(acc[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
-  }
-
-  // row totals over the 4 lanes of a row group, lse, 1 / l
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  store_rows64<TO>(p, b, split, m0, r_lo, r_hi, l_lo, l_hi, m_lo, m_hi, half, tq,
-                   [&](int j, int e) { return acc[j][e]; });
 }
 
 // Stage 2: exact LSE merge of the p.parts partials ("splits" below: one per split, or per cluster of splits after a
@@ -827,30 +314,18 @@ __WGMMA_KERNEL__
 __RAISE_SMEM__
 
 template <typename T, typename TO>
-cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stream) {
-  static bool raised16[64] = {}, raised64[64] = {}, raised_wg[64] = {};
+cudaError_t launch_t(const MlaParams& p, cudaStream_t stream) {
+  static bool raised_wg[64] = {};
   cudaError_t err;
-  if (kernel != 0) {
-    auto kern = mla_wgmma_kernel<T, TO>;
-    err = raise_smem(kern, WG_SMEM, raised_wg);
+  auto kern = mla_wgmma_kernel<T, TO>;
+  err = raise_smem(kern, WG_SMEM, raised_wg);
+  if (err != cudaSuccess) return err;
+  const dim3 grid1((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B);
+  if (p.cluster > 1) {
+    err = launch_cluster(kern, grid1, dim3(WG_NT), WG_SMEM, p.cluster, stream, p);
     if (err != cudaSuccess) return err;
-    const dim3 grid((p.M + WG_ROWS - 1) / WG_ROWS, p.splits, p.B);
-    if (p.cluster > 1) {
-      err = launch_cluster(kern, grid, dim3(WG_NT), WG_SMEM, p.cluster, stream, p);
-      if (err != cudaSuccess) return err;
-    } else {
-      kern<<<grid, WG_NT, WG_SMEM, stream>>>(p);
-    }
-  } else if (rows == ROWS64) {
-    auto kern = mla_split64_kernel<T, TO>;
-    err = raise_smem(kern, SMEM_BYTES64, raised64);
-    if (err != cudaSuccess) return err;
-    kern<<<dim3((p.M + ROWS64 - 1) / ROWS64, p.splits, p.B), NT64, SMEM_BYTES64, stream>>>(p);
   } else {
-    auto kern = mla_split_kernel<T, TO>;
-    err = raise_smem(kern, SMEM_BYTES, raised16);
-    if (err != cudaSuccess) return err;
-    kern<<<dim3((p.M + ROWS - 1) / ROWS, p.splits, p.B), NT, SMEM_BYTES, stream>>>(p);
+    kern<<<grid1, WG_NT, WG_SMEM, stream>>>(p);
   }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.parts == 1) return err;
@@ -859,24 +334,19 @@ cudaError_t launch_t(const MlaParams& p, int rows, int kernel, cudaStream_t stre
   // After the warp-group kernel (sm_90) the combine is a programmatic dependent: its CTAs launch while stage 1 runs
   // (onto SMs stage 1 leaves free) and wait in pdl_wait. Graph totals, same run (h200-s10-run16): B=1 L=32K H=96
   // 33.9 / 33.8 → 33.8 / 33.6 µs, H=64 34.2 / 34.3 → 32.8 / 34.0, B=64 L=8K H=64 196.6 / 193.2 → 196.0 / 189.6.
-  if (kernel != 0) return launch_pdl(mla_combine_kernel<TO>, grid, block, 0, stream, p);
-  mla_combine_kernel<TO><<<grid, block, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(mla_combine_kernel<TO>, grid, block, 0, stream, p);
 }
 
-// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); rows: 16 or 64 per CTA of the
-// mma.sync kernels; kernel: 0 mma.sync, 1 the 64-row warp-group kernel (sm_90a builds only)
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
-                                cudaStream_t stream) {
-  if (rows != ROWS && rows != ROWS64) return cudaErrorInvalidValue;
+// in_dt: 0 bf16, 1 fp16; out_dt: 0 bf16, 1 fp16, 2 fp32 (the input dtype or fp32); the 64-row warp-group kernel
+// (sm_90a builds only)
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, cudaStream_t stream) {
   if (p.splits < 1 || p.splits > MERGE_MAX_SPLITS) return cudaErrorInvalidValue;
-  if (kernel < 0 || kernel > 1) return cudaErrorInvalidValue;
   if (p.cluster < 1 || p.splits % p.cluster || p.parts * p.cluster != p.splits) return cudaErrorInvalidValue;
-  if (p.cluster > 1 && (kernel != 1 || p.cluster > WG_MAX_CLUSTER)) return cudaErrorInvalidValue;
-  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, rows, kernel, stream);
-  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, rows, kernel, stream);
-  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, rows, kernel, stream);
-  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, rows, kernel, stream);
+  if (p.cluster > WG_MAX_CLUSTER) return cudaErrorInvalidValue;
+  if (in_dt == 0 && out_dt == 0) return launch_t<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  if (in_dt == 0 && out_dt == 2) return launch_t<__nv_bfloat16, float>(p, stream);
+  if (in_dt == 1 && out_dt == 1) return launch_t<__half, __half>(p, stream);
+  if (in_dt == 1 && out_dt == 2) return launch_t<__half, float>(p, stream);
   return cudaErrorNotSupported;
 }
 
@@ -1567,8 +1037,7 @@ _CPP_SOURCE = r"""
 #include <cstring>
 namespace k3mla {
 __PARAMS__
-cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, int rows, int kernel,
-                                cudaStream_t stream);
+cudaError_t mla_decode_dispatch(const MlaParams& p, int in_dt, int out_dt, cudaStream_t stream);
 int wgmma_max_clusters(int cluster, int in_dt);
 }
 
@@ -1609,13 +1078,11 @@ static bool k3mla_encode_pool_map(void* out, const torch::Tensor& kv, int box_ro
 void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt,
                        torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse,
                        std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part,
-                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows,
-                       int64_t kernel, int64_t cluster) {
+                       double scale_log2, int64_t splits, int64_t in_dt, int64_t out_dt, int64_t cluster) {
   TORCH_CHECK(q_lat.is_cuda() && q_lat.stride(3) == 1 && q_rope.stride(3) == 1 && kv.stride(2) == 1,
               "mla_decode_launch: inputs must be CUDA tensors with a contiguous last dim");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && seq.scalar_type() == torch::kInt, "mla_decode_launch: int32 indices");
   TORCH_CHECK(lse.scalar_type() == torch::kFloat, "mla_decode_launch: lse must be fp32");
-  TORCH_CHECK(rows == 16 || rows == 64, "mla_decode_launch: rows must be 16 or 64, got ", rows);
   const c10::cuda::CUDAGuard guard(q_lat.device());
   k3mla::MlaParams p;
   p.q_lat = q_lat.data_ptr();
@@ -1655,11 +1122,11 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
   p.cluster = (int)cluster;
   p.parts = (int)(splits / cluster);
   p.tma_rows = 0;
-  if (kernel == 1 && p.page % 16 == 0) {
+  if (p.page % 16 == 0) {
     p.tma_rows = p.page % 64 == 0 ? 64 : 16;
     if (!k3mla_encode_pool_map(&p.tmap, kv, p.tma_rows)) p.tma_rows = 0;  // no tensor map: the cp.async loader
   }
-  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt, (int)rows, (int)kernel,
+  const cudaError_t err = k3mla::mla_decode_dispatch(p, (int)in_dt, (int)out_dt,
                                                      c10::cuda::getCurrentCUDAStream(q_lat.device().index()));
   TORCH_CHECK(err == cudaSuccess, "mla_decode_launch: ", cudaGetErrorString(err));
 }
@@ -1668,7 +1135,7 @@ void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor 
 _DECL = ("void mla_decode_launch(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv, torch::Tensor bt, "
          "torch::Tensor seq, std::optional<torch::Tensor> vis, torch::Tensor out, torch::Tensor lse, "
          "std::optional<torch::Tensor> o_part, std::optional<torch::Tensor> lse_part, double scale_log2, "
-         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t rows, int64_t kernel, int64_t cluster);\n"
+         "int64_t splits, int64_t in_dt, int64_t out_dt, int64_t cluster);\n"
          "int64_t mla_max_clusters(int64_t device, int64_t cluster, int64_t in_dt);")
 
 CUDA_SOURCE = (CUDA_SOURCE.replace("__PARAMS__", PARAMS_SOURCE).replace("__RAISE_SMEM__", RAISE_SMEM_SOURCE)
@@ -1685,22 +1152,20 @@ def kernel_source() -> str:
 @functools.lru_cache(maxsize=1)
 def available() -> str | None:
     """None when the kernel can be built and run on this machine, else the reason."""
-    return toolchain_reason((8, 0), "cp.async, ldmatrix, mma.sync m16n8k16")
-
-
-def _hopper(device: torch.device | None) -> bool:
-    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    why = toolchain_reason((9, 0), "wgmma, TMA, thread-block clusters")
+    if why:
+        return why
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the warp-group (wgmma) kernel is built for sm_90 (H100 / H200) only"
+    return None
 
 
 def auto_skip(q_lat, q_rope=None, *args, **kwargs) -> str | None:
-    """The registry's ``auto_skip``: why ``auto`` takes the Triton kernel for a call this one could run. Off sm_90
-    (only the mma.sync kernel runs there, slower than the Triton one) and, on sm_90, for a single request of one
-    64-row block (Tq·H ≤ 64, fewer than :data:`MIN_ROW_CTAS` requests). ``k3nn.backend("cuda")`` runs them here."""
-    if not isinstance(q_lat, torch.Tensor) or q_lat.dim() != 4 or q_lat.device.type != "cuda":
+    """The registry's ``auto_skip``: why ``auto`` takes the Triton kernel for a call this one could run: a single
+    request of one 64-row block (Tq·H ≤ 64, fewer than :data:`MIN_ROW_CTAS` requests). ``k3nn.backend("cuda")``
+    runs it here anyway."""
+    if not isinstance(q_lat, torch.Tensor) or q_lat.dim() != 4:
         return None  # not a call for this kernel at all: supports() says why
-    if not _hopper(q_lat.device):
-        return ("off sm_90 only the mma.sync kernel runs, which matches the reference but is slower than the Triton "
-                "kernel (k3nn.backend('cuda') runs it)")
     B, M = q_lat.shape[0], q_lat.shape[1] * q_lat.shape[2]
     if M <= 64 and B < MIN_ROW_CTAS:
         return (f"small batch (B = {B} < {MIN_ROW_CTAS} with Tq·H = {M} ≤ 64): the Triton split-KV kernel is faster "
@@ -1711,12 +1176,12 @@ def auto_skip(q_lat, q_rope=None, *args, **kwargs) -> str | None:
 #: seconds the last :func:`build` spent compiling or loading (0 once the module is loaded in this process)
 last_build_seconds = 0.0
 #: (kernel, query rows per CTA, splits) of the latest :func:`mla_decode_cuda` call
-LAST_CALL: tuple[str, int, int, int] | None = None  # kernel, rows, splits, cluster of the last call
+LAST_CALL: tuple[int, int] | None = None  # splits, cluster of the last call
 
 
 def _arch_flags() -> tuple[str, ...]:
     """Targets of the build: sm_90a on a Hopper GPU (the warp-group kernel needs the arch-specific features);
-    elsewhere torch's choice (the wgmma kernel then compiles to a trap and is never picked)."""
+    elsewhere torch's choice (the kernel then compiles to a trap; :func:`available` refuses such a GPU)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         return ("-gencode=arch=compute_90a,code=sm_90a",)
     return ()
@@ -1751,56 +1216,17 @@ def _build_reason() -> str | None:
 _BUILD_FAILED: list[str] = []
 
 
-def kernel_choice(kernel: str | None = None, device: torch.device | None = None) -> str:
-    """Stage-1 kernel: ``"wgmma"`` (64 query rows, warp-group MMA from swizzled shared memory; sm_90 only) or
-    ``"mma"`` (``mma.sync``, 16 or 64 rows, see :func:`rows_choice`). ``kernel`` when given, else ``"wgmma"`` on
-    an sm_90 ``device`` and ``"mma"`` elsewhere. Raises ``ValueError`` for other names, and for ``"wgmma"`` on a
-    device that is not sm_90."""
-    name = kernel
-    hopper = _hopper(device)
-    if not name:
-        return "wgmma" if hopper else "mma"
-    if name not in KERNELS:
-        raise ValueError(f"mla_decode_cuda: kernel must be one of {KERNELS}, got {name!r}")
-    if name != "mma" and device is not None and not hopper:
-        raise ValueError(f"the {name} MLA decode kernel needs an sm_90 GPU (H100 / H200)")
-    return name
-
-
-def rows_choice(rows: int | None = None, device: torch.device | None = None) -> int:
-    """Query rows per stage-1 CTA of the mma.sync kernel: ``rows`` when given, else :data:`DEFAULT_ROWS`, or 16
-    where ``device`` cannot give a CTA the 64-row kernel's shared memory. Raises ``ValueError`` for anything but
-    16 or 64."""
-    if rows is not None:
-        if rows not in ROWS_VARIANTS:
-            raise ValueError(f"mla_decode_cuda: rows must be 16 or 64, got {rows!r}")
-        return int(rows)
-    if device is not None and SMEM_BYTES_BY_ROWS[DEFAULT_ROWS] > _smem_limit(device):
-        return 16
-    return DEFAULT_ROWS
-
-
-def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int | None = None,
-                       rows: int = ROWS, block_n: int = BLOCK_N, min_tiles: int = 4) -> int:
-    """Splits per request for the ``rows``-row variant: about one wave of stage-1 CTAs (``ctas_per_sm``
-    resident per SM; default 2 for 16 rows, 1 for 64), at least four ``block_n``-key tiles per split of the
-    longest possible request (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`.
-    Depends on shapes only (graph-safe)."""
-    if ctas_per_sm is None:
-        ctas_per_sm = _CTAS_PER_SM[rows]
+def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_sm: int = 1, rows: int = 64,
+                       block_n: int = WG_BLOCK_N, min_tiles: int = 8) -> int:
+    """Splits per request: about one wave of stage-1 CTAs (``ctas_per_sm`` resident per SM; one CTA of ``rows``
+    query rows per row tile), at least ``min_tiles`` ``block_n``-key tiles per split of the longest possible request
+    (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`. Depends on shapes only
+    (graph-safe). At least 8 tiles per split: more split partials cost more than the wave they fill (B=1 L=32K H=64
+    ran in 36.6 µs with 64 splits against 41.5 with 128, h200-s8-run2)."""
     per = B * math.ceil(M / rows)
     by_wave = (ctas_per_sm * sm_count) // per
     by_len = math.ceil(max(1, max_tokens) / (min_tiles * block_n))
     return max(1, min(MAX_SPLITS, by_wave, by_len))
-
-
-def kernel_num_splits(kernel: str, B: int, M: int, max_tokens: int, sm_count: int, rows: int = 64) -> int:
-    """:func:`default_num_splits` for a stage-1 kernel: the warp-group kernel takes 64-key tiles, at least 8 per split
-    (more split partials cost more than the wave they fill: B=1 L=32K H=64 ran in 36.6 µs with 64 splits against
-    41.5 with 128, h200-s8-run2)."""
-    if kernel == "mma":
-        return default_num_splits(B, M, max_tokens, sm_count, rows=rows)
-    return default_num_splits(B, M, max_tokens, sm_count, rows=64, block_n=WG_BLOCK_N, min_tiles=8)
 
 
 def cluster_choice(cluster: int | None = None) -> int | None:
@@ -1825,7 +1251,7 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
     """``(splits, cluster)`` of a wgmma call; ``resident(c)``: how many clusters of ``c`` CTAs run at once (default
     ``sm_count // c``).
 
-    * ``cluster`` None (the default): ``num_splits`` or :func:`kernel_num_splits`, and the splits of a row tile as
+    * ``cluster`` None (the default): ``num_splits`` or :func:`default_num_splits`, and the splits of a row tile as
       one cluster where they are 2 to 8 and every row tile's cluster is resident at once; the cluster merge then
       writes o and lse and no combine kernel runs (B=64 L=8K H=64, two splits: 161.5 against 189.5 µs,
       h200-s11-run1). Without ``num_splits``, where the clusters of the rule's splits do not all fit, one split
@@ -1840,7 +1266,7 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
         if num_splits:
             S = max(1, min(MAX_SPLITS, int(num_splits)))
             return S, S if 2 <= S <= max(CLUSTERS) and tiles <= resident(S) else 1
-        S = kernel_num_splits("wgmma", B, M, max_tokens, sm_count)
+        S = default_num_splits(B, M, max_tokens, sm_count)
         for s in range(min(S, max(CLUSTERS)), max(2, math.ceil(CLUSTER_SHRINK * S)) - 1, -1):
             if tiles <= resident(s):
                 return s, s
@@ -1854,15 +1280,13 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
         S = min(MAX_SPLITS, by_wave, by_len) // cluster * cluster
         if S >= cluster:
             return S, cluster
-    return kernel_num_splits("wgmma", B, M, max_tokens, sm_count), 1
+    return default_num_splits(B, M, max_tokens, sm_count), 1
 
 
 def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_lens=None, num_splits=None,
-             out_dtype=None, out=None, rows=None, kernel=None) -> str | None:
+             out_dtype=None, out=None) -> str | None:
     """None when :func:`mla_decode_cuda` takes this call, else the reason (inputs already checked by
-    ``check_mla_decode_inputs``; ``rows`` as in :func:`rows_choice` and ``kernel`` as in :func:`kernel_choice`,
-    whose errors are the reason when they are asked for something they do not offer). Which calls ``auto`` leaves
-    to the Triton kernel: :func:`auto_skip`."""
+    ``check_mla_decode_inputs``). Which calls ``auto`` leaves to the Triton kernel: :func:`auto_skip`."""
     if not isinstance(q_lat, torch.Tensor) or q_lat.device.type != "cuda":
         return "inputs are not CUDA tensors"
     if q_lat.dtype not in _IN_CODES:
@@ -1882,20 +1306,12 @@ def supports(q_lat, q_rope, kv_pool, block_table, seq_lens, scale=None, visible_
         return f"batch {q_lat.shape[0]} > 65535 (grid z)"
     if block_table.shape[1] * kv_pool.shape[1] >= 2 ** 31:
         return "block table covers more than 2^31 tokens"
-    try:
-        kern = kernel_choice(kernel, q_lat.device)
-        nrows = rows_choice(rows, q_lat.device)
-    except ValueError as e:
-        return str(e)
+    if torch.cuda.get_device_capability(q_lat.device) != (9, 0):
+        return "the warp-group (wgmma) kernel needs an sm_90 GPU (H100 / H200)"
     lim = _smem_limit(q_lat.device)
-    if kern != "mma":
-        if SMEM_BYTES_WGMMA > lim:
-            return f"the {kern} kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
-        return _build_reason()
-    need = SMEM_BYTES_BY_ROWS[nrows]
-    if need > lim:
-        return f"the {nrows}-row kernel needs {need} bytes of shared memory per CTA (limit {lim})"
-    return None
+    if SMEM_BYTES_WGMMA > lim:
+        return f"the wgmma kernel needs {SMEM_BYTES_WGMMA} bytes of shared memory per CTA (limit {lim})"
+    return _build_reason()
 
 
 def _rows16(t: torch.Tensor) -> torch.Tensor:
@@ -1906,22 +1322,15 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 
 def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visible_lens=None, num_splits=None,
-                    out_dtype=None, out=None, rows=None, kernel=None, cluster=None):
+                    out_dtype=None, out=None, cluster=None):
     """``k3nn.ops.mla_decode`` on the CUDA kernel (inputs as checked by ``check_mla_decode_inputs`` and
-    :func:`supports`). ``kernel``: ``"wgmma"`` or ``"mma"`` (None: :func:`kernel_choice`); ``rows``: 16 or 64
-    query rows per stage-1 CTA of the ``mma`` kernel (None: :data:`DEFAULT_ROWS` where it fits; the wgmma kernel
-    always takes 64); ``cluster``: as in :func:`cluster_choice`. Returns ``(o [B, Tq, H, 512], lse [B, Tq, H] fp32)``."""
-    kern = kernel_choice(kernel, q_lat.device)
-    wgmma = kern != "mma"
-    nrows = 64 if wgmma else rows_choice(rows, q_lat.device)
+    :func:`supports`). ``cluster``: as in :func:`cluster_choice`. Returns ``(o [B, Tq, H, 512], lse [B, Tq, H]
+    fp32)``."""
     B, Tq, H, r = q_lat.shape
     M = Tq * H
     dev = q_lat.device
-    if wgmma:
-        q_lat, q_rope = _rows16(q_lat), _rows16(q_rope)
-    else:
-        q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
-        q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    C = cluster_choice(cluster)
+    q_lat, q_rope = _rows16(q_lat), _rows16(q_rope)
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(-1) == 1 else \
         block_table.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
@@ -1932,20 +1341,13 @@ def mla_decode_cuda(q_lat, q_rope, kv_pool, block_table, seq_lens, scale, visibl
     else:
         o, lse = out
     max_tokens, sms, dix = bt.shape[1] * kv_pool.shape[1], _sm_count(dev.index or 0), dev.index or 0
-    C = 1
-    if wgmma:
-        S, C = wgmma_plan(B, M, max_tokens, sms, cluster_choice(cluster), num_splits,
-                          lambda c: max_clusters(dix, c, _IN_CODES[q_lat.dtype]))
-    else:
-        S = int(num_splits) if num_splits else kernel_num_splits(kern, B, M, max_tokens, sms, nrows)
-        S = max(1, min(MAX_SPLITS, S))
+    S, C = wgmma_plan(B, M, max_tokens, sms, C, num_splits, lambda c: max_clusters(dix, c, _IN_CODES[q_lat.dtype]))
     o_part = lse_part = None
     if S // C > 1:
         o_part = torch.empty(B, M, S // C, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, M, S // C, dtype=torch.float32, device=dev)
     global LAST_CALL
-    LAST_CALL = (kern, nrows, S, C)
+    LAST_CALL = (S, C)
     build().mla_decode_launch(q_lat, q_rope, kv_pool, bt, sl, vis, o, lse, o_part, lse_part,
-                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], nrows,
-                              _KERNEL_CODES[kern], C)
+                              float(scale) * _LOG2E, S, _IN_CODES[q_lat.dtype], _OUT_CODES[o.dtype], C)
     return o, lse
