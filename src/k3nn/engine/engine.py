@@ -1029,7 +1029,13 @@ class Engine:
              "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
              "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
              "computed_prompt_tokens": self.computed_prompt_tokens,
-             "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0}
+             "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0,
+             "preemptions": self.num_preemptions, "recomputed_tokens": self.recomputed_tokens}
+        if self.drafter is not None:
+            m.update(spec_rounds=self.spec_rounds, spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
+                     spec_acceptance_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0,
+                     spec_acceptance_length=((self.spec_accepted + self.spec_rounds) / self.spec_rounds
+                                             if self.spec_rounds else 0.0))
         if self.prefix is not None:
             st = self.prefix.stats()
             m.update(cache_hit_rate=st["token_hit_rate"], cache_hits=st["hits"], cache_queries=st["queries"])
