@@ -399,9 +399,10 @@ def recorded_bf16_ms(T: int, layers: int, experts: int) -> tuple[float | None, s
 
 
 def backends_here(dev: str) -> list[str]:
+    """The default first (it carries the verdict), then Triton alone, then eager (the control)."""
     if dev == "cuda":
-        return ["eager", "triton", "auto"]
-    return ["eager", "triton"] if triton_interpreting() else ["eager"]
+        return ["auto", "triton", "eager"]
+    return ["triton", "eager"] if triton_interpreting() else ["eager"]
 
 
 def main(argv=None):
@@ -419,11 +420,15 @@ def main(argv=None):
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone checks")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--out-dir", default=None, help="results folder (default $K3NN_RESULTS_DIR or bench/results)")
+    ap.add_argument("--budget", type=float, default=225.0,
+                    help="seconds: later settings and stages are skipped (and listed) once the run passes this")
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.T, args.decode = min(args.T, 40), min(args.decode, 2)
     names = args.backends.split(",") if args.backends else backends_here(dev)
+    left = lambda: args.budget - (time.perf_counter() - _T0)  # noqa: E731
+    skipped: list[str] = []
     cfg = slice_config(args.smoke, args.layers, args.experts, args.vocab)
     meta = device_meta() if dev == "cuda" else {"gpu": "none", "torch": torch.__version__}
     meta.update(model=f"kimi_linear L{cfg.num_hidden_layers} E{cfg.num_experts} top{cfg.num_experts_per_token}"
@@ -454,6 +459,9 @@ def main(argv=None):
             for on in (False, True):
                 for name in names:
                     case = f"model fp32 {name} tf32={'on' if on else 'off'}"
+                    if left() < 20:
+                        skipped.append(case)
+                        continue
                     row = dict(case=case, backend=name, tf32=on)
                     m32.backend = name
                     rec.rows, rec.active = [], True
@@ -475,11 +483,11 @@ def main(argv=None):
                     row["ops"], row["first_op_over_tol"] = op_summary(rec.rows, args.op_tol)
                     row["ops_max"] = max([r["err"] for r in rec.rows] or [0.0])
                     del pre, dec
-                    if not args.no_modules and (not on or name == names[-1]):
+                    if not args.no_modules and (not on or name == names[0]) and left() > 30:
                         with tf32(on):
                             row["modules"], row["first_module_over_tol"] = module_isolation(
                                 m32, m64, ids, rec, args.op_tol)
-                    if not on and name == names[-1]:
+                    if not on and name == names[0]:
                         ok = row["prefill_rel"] <= CONTRACT and row.get("decode_rel", 0.0) <= CONTRACT
                         clean = (row["clean_prefix_rel"] or 0.0) <= CONTRACT
                         verdict = (f"{'PASS' if ok else ('PASS on the clean prefix' if clean else 'FAIL')}: "
@@ -501,12 +509,9 @@ def main(argv=None):
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    if not args.no_kernels:
-        say("kernels alone (random fp32 inputs, Kimi dims) vs fp64 eager:")
-        rows += kernel_checks(cfg, dev, min(args.T, 1024), torch.Generator(device=dev).manual_seed(2), names)
-        path = write_results(SUITE, rows, meta, out_dir=args.out_dir, path=path)
-
-    if dev == "cuda" and not args.no_timing:
+    if dev == "cuda" and not args.no_timing and left() < 40:
+        skipped.append("timing")
+    elif dev == "cuda" and not args.no_timing:
         T = args.T
         rec_ms, rec_file = recorded_bf16_ms(T, cfg.num_hidden_layers, cfg.num_experts)
         mb = build_model(cfg, dev, torch.bfloat16, seed=0)  # the benchmarks' bf16 model (weights drawn the same way)
@@ -524,6 +529,15 @@ def main(argv=None):
             say(f"TTFT fp32 TF32 {'on' if on else 'off'}: {t:.2f} ms ({t / tb:.2f}x bf16)")
         path = write_results(SUITE, rows, meta, out_dir=args.out_dir, path=path)
 
+    if not args.no_kernels and left() < 30:
+        skipped.append("kernels alone")
+    elif not args.no_kernels:
+        say("kernels alone (random fp32 inputs, Kimi dims) vs fp64 eager:")
+        rows += kernel_checks(cfg, dev, min(args.T, 1024), torch.Generator(device=dev).manual_seed(2), names)
+        path = write_results(SUITE, rows, meta, out_dir=args.out_dir, path=path)
+
+    meta["skipped_for_time"] = skipped
+    meta["seconds"] = round(time.perf_counter() - _T0, 1)
     path = write_results(SUITE, rows, meta, out_dir=args.out_dir, path=path)
     print("case | prefill_rel | clean_prefix_rel | decode_rel | ops_max | first_op_over_tol | k3nn_ms")
     for r in rows:
@@ -533,6 +547,8 @@ def main(argv=None):
               + (f" | rel {r['rel']:.2e}" if "rel" in r else ""))
     if verdict:
         print(verdict)
+    if skipped:
+        print(f"skipped (over --budget {args.budget:g} s): {', '.join(skipped)}")
     say(f"wrote {path}")
     return rows
 
