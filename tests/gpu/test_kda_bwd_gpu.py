@@ -1,6 +1,7 @@
 """Triton backward of the chunked KDA on the GPU: bf16 / fp32 gradients against eager autograd at T = 4096,
 H = 4, K = V = 128, varlen, and a timing print of the Triton backward against the PyTorch-autograd backward
-(``K3NN_KDA_BWD=torch``). Run: ``K3NN_TEST_GPU=1 K3NN_KDA_TUNE=0 pytest -m gpu tests/gpu/test_kda_bwd_gpu.py -s``."""
+(autograd through the chunked PyTorch form). Run: ``K3NN_TEST_GPU=1 pytest -m gpu tests/gpu/test_kda_bwd_gpu.py -s``
+(the kernels take their first config: ``KernelTuning.autotune`` is off for this file)."""
 
 import pytest
 import torch
@@ -13,8 +14,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _triton_backward(monkeypatch):
-    monkeypatch.setenv("K3NN_KDA_BWD", "triton")  # the default, pinned against a stray environment
+def _first_configs():
+    from k3nn.kernels.registry import tuning
+
+    with tuning(autotune=False):  # correctness here; tuning belongs to the benchmarks
+        yield
 
 
 DEV = "cuda"
@@ -121,8 +125,11 @@ def _time(fn, reps=5):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_bwd_timing_print(dtype, monkeypatch):
-    """Forward + backward of kda_chunk (triton backend), Triton backward against K3NN_KDA_BWD=torch."""
+def test_bwd_timing_print(dtype):
+    """Forward + backward of kda_chunk (triton backend), Triton backward against autograd through the chunked
+    PyTorch form (the Triton forward's other backward)."""
+    from k3nn.kernels.kda.chunk_torch import kda_chunk_triton
+
     xs, do, dht = make(1, 4096, 4, 128, 128, 3, dtype)
     ins = [t.detach().clone().requires_grad_() for t in xs]
 
@@ -135,10 +142,13 @@ def test_bwd_timing_print(dtype, monkeypatch):
         with torch.no_grad(), k3nn.backend("triton"):
             ops.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True)
 
+    def step_torch():
+        o, ht = kda_chunk_triton(*ins[:5], initial_state=ins[5], output_final_state=True)
+        torch.autograd.grad([o, ht], ins, [do, dht])
+
     t_fwd = _time(fwd)
     t_tri = _time(step)
-    monkeypatch.setenv("K3NN_KDA_BWD", "torch")
-    t_torch = _time(step, reps=2)
+    t_torch = _time(step_torch, reps=2)
     print(f"\nkda_chunk {dtype} B=1 T=4096 H=4 K=V=128: forward {t_fwd:.2f} ms; forward+backward: "
           f"Triton bwd {t_tri:.2f} ms, torch-autograd bwd {t_torch:.2f} ms ({t_torch / t_tri:.1f}x)")
     assert t_tri > 0 and t_torch > 0

@@ -141,16 +141,16 @@ def test_fused_decode_cuda_graph():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gate,scale_g", [("lower_bound", 1.0), ("softplus", 1.0), ("softplus", 30.0)])
-def test_intra_splitg_matches_fused(dtype, gate, scale_g):
-    # K3NN_KDA_INTRA=splitg (the default) against the fused kernel: every intra output (softplus × 30 reaches
-    # the pairwise path)
+def test_intra_stage_matches_reference(dtype, gate, scale_g):
+    # the intra-chunk stage against its fp64 eager form: every output (softplus × 30 reaches the pairwise path)
     from k3nn.kernels.kda import triton_chunk as tc
+    from k3nn.kernels.kda.reference import kda_intra_reference
 
     q, k, v, g, beta, _ = make(1, 333, 4, 128, 128, 5, dtype, gate)
     g = (g * scale_g).contiguous()
     (NC, cs, cl, *_), _, _ = tc.build_chunk_plan(1, 333, None, [], DEV)
-    ref = tc._intra_launch(q, k, v, g, beta, 128 ** -0.5, NC, cs, cl, mode="fused", return_x=True)
-    got = tc._intra_launch(q, k, v, g, beta, 128 ** -0.5, NC, cs, cl, mode="splitg", return_x=True)
+    ref = kda_intra_reference(q, k, v, g, beta, 128 ** -0.5, cs, cl)
+    got = tc._intra_launch(q, k, v, g, beta, 128 ** -0.5, NC, cs, cl, return_x=True)
     r64 = torch.arange(64, device=DEV)
     low = (r64[None, :] // 16) <= (r64[:, None] // 16)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
@@ -162,8 +162,7 @@ def test_intra_splitg_matches_fused(dtype, gate, scale_g):
 
 
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
-def test_chunk_fwd_splitg_vs_reference(monkeypatch, gate):
-    monkeypatch.setenv("K3NN_KDA_INTRA", "splitg")
+def test_chunk_fwd_vs_reference(gate):
     q, k, v, g, beta, h0 = make(2, 333, 4, 128, 128, 0, torch.bfloat16, gate)
     cps = [[0, 64, 100, 333], [200, 17]]
     with k3nn.backend("triton"):

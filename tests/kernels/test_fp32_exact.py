@@ -20,7 +20,7 @@ from k3nn.kernels.registry import backend
 
 KERNELS = Path(__file__).resolve().parents[2] / "src" / "k3nn" / "kernels"
 #: modules whose every ``tl.dot`` must name its input precision (DOT_PREC, or pinned "ieee")
-DOT_PREC_MODULES = ("kda/triton_chunk.py", "kda/triton_intra_g.py", "kda/triton_intra_split.py",
+DOT_PREC_MODULES = ("kda/triton_chunk.py", "kda/triton_intra_g.py", "kda/triton_common.py",
                     "kda/triton_chunk_bwd.py")
 
 
@@ -94,9 +94,8 @@ def test_every_kda_dot_names_its_precision(rel):
 
 
 @pytest.mark.parametrize("module,names", [
-    ("k3nn.kernels.kda.triton_chunk", ("_kda_intra", "_kda_recur", "_kda_recur_f32")),
-    ("k3nn.kernels.kda.triton_intra_g", ("_g_scores", "_g_scores_rows", "_g_wu")),
-    ("k3nn.kernels.kda.triton_intra_split", ("_split_scores", "_split_wu")),
+    ("k3nn.kernels.kda.triton_chunk", ("_kda_recur", "_kda_recur_f32")),
+    ("k3nn.kernels.kda.triton_intra_g", ("_g_scores_rows", "_g_wu")),
     ("k3nn.kernels.kda.triton_chunk_bwd", ("_kda_bwd_states", "_kda_bwd_dh", "_kda_bwd_chunk")),
 ])
 def test_kernels_take_dot_prec_and_tune_per_precision(module, names):
@@ -134,15 +133,12 @@ def _kda_inputs(dtype, T=20, H=1, D=16, seed=0):
     return q, k, v, -torch.rand(1, T, H, D, generator=g) * 0.3, torch.rand(1, T, H, generator=g)
 
 
-@pytest.mark.parametrize("mode", ["splitg", "fused"])
 @pytest.mark.parametrize("on", [False, True])
-def test_kda_chunk_launches_with_the_flag(monkeypatch, mode, on):
+def test_kda_chunk_launches_with_the_flag(monkeypatch, on):
     from k3nn.kernels.kda import triton_chunk as tc
     from k3nn.kernels.kda import triton_intra_g as tg
 
-    spy = _Spy(monkeypatch, [("intra", tc._kda_intra), ("recur", tc._kda_recur_f32), ("scores", tg._g_scores_rows),
-                             ("wu", tg._g_wu)])
-    monkeypatch.setenv("K3NN_KDA_INTRA", mode)
+    spy = _Spy(monkeypatch, [("recur", tc._kda_recur_f32), ("scores", tg._g_scores_rows), ("wu", tg._g_wu)])
     q, k, v, g, beta = _kda_inputs(torch.float32)
     with allow_tf32(on), backend("triton"):
         o, _ = ops.kda_chunk(q, k, v, g, beta)
@@ -151,7 +147,7 @@ def test_kda_chunk_launches_with_the_flag(monkeypatch, mode, on):
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
     want = "tf32" if on else "ieee"
     names = {n for n, _, _ in spy.seen}
-    assert names == ({"intra", "recur"} if mode == "fused" else {"scores", "wu", "recur"})
+    assert names == {"scores", "wu", "recur"}
     assert all(key == "DOT_PREC" and val == want for _, key, val in spy.seen), spy.seen
 
 
@@ -198,8 +194,50 @@ def _compile_sm90(module, name, constexprs, warps, stages):
     ("k3nn.kernels.kda.triton_intra_g", "_g_wu_kernel", {"K": 128, "V": 128, "BD": 64, "QK": True}, 4, 1),
     ("k3nn.kernels.kda.triton_chunk", "_kda_recur_kernel",
      {"K": 128, "V": 128, "BK": 128, "BV": 32, "HAS_INIT": True, "STORE_FINAL": True, "HAS_CKPT": False}, 4, 1),
-    ("k3nn.kernels.kda.triton_chunk", "_kda_intra", {"K": 128, "V": 128, "BKB": 32, "BVB": 32, "SPAN": 80.0}, 4, 1),
 ])
 def test_fp32_ieee_kernels_compile_for_sm90(module, name, constexprs, warps, stages):
     """The IEEE variants with fp32 operands (new with the exact mode) compile for Hopper (first tuning configs)."""
     _compile_sm90(module, name, {**constexprs, "DOT_PREC": "ieee"}, warps, stages)
+
+
+def _bench_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "fp32_exact.py"
+    spec = importlib.util.spec_from_file_location("fp32_exact_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_script_helpers():
+    b = _bench_script()
+    x = torch.randn(3, 4)
+    y = b.to64((x, [torch.arange(3)], {"d": torch.float32}, 2.0))
+    assert y[0].dtype == torch.float64 and y[0].data_ptr() != x.data_ptr()
+    assert y[1][0].dtype == torch.int64 and y[2]["d"] == torch.float64 and y[3] == 2.0
+    assert b.err(x, x.double()) == 0.0
+    assert b.err(x * (1 + 1e-3), x.double()) == pytest.approx(1e-3, rel=1e-3)
+    assert b.err(torch.tensor([float("-inf"), 1.0]), torch.tensor([float("-inf"), 1.0])) == 0.0
+    assert b.err(torch.tensor([0.0, 1.0]), torch.tensor([float("-inf"), 1.0])) == float("inf")
+    assert b.worst((x, None), (x.double(), None)) == 0.0
+    ref = [{1: torch.tensor([[0, 1], [2, 3], [1, 2]])}, {1: torch.tensor([[0, 1]])}]
+    got = [{1: torch.tensor([[0, 1], [2, 4], [1, 3]])}, {1: torch.tensor([[0, 2]])}]
+    per, first = b.flips(got, ref)
+    assert per == {"L1": 2, "decode_steps": 1} and first == 1
+    summ, first_op = b.op_summary([dict(layer="L0", op="kda_chunk", phase="prefill", err=1e-7),
+                                   dict(layer="L3", op="mla_attention", phase="prefill", err=3e-4),
+                                   dict(layer="L1", op="moe_experts", phase="decode0", err=2e-3)], 1e-5)
+    assert first_op.startswith("L3.mla_attention (prefill)")
+    assert summ["L1.moe_experts.decode"] == 2e-3
+
+
+@pytest.mark.slow
+def test_bench_script_smoke_runs_on_cpu(tmp_path):
+    rows = _bench_script().main(["--smoke", "--no-kernels", "--decode", "1", "--backends", "eager",
+                                 "--out-dir", str(tmp_path)])
+    by_case = {r["case"]: r for r in rows}
+    row = by_case["model fp32 eager tf32=off"]
+    assert row["prefill_rel"] < 1e-5 and row["ops_max"] < 1e-5 and row["first_op_over_tol"] is None
+    assert row["first_module_over_tol"] is None and row["verdict"].startswith("PASS")
+    assert list(tmp_path.glob("fp32-exact-*.json"))

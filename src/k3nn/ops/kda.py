@@ -25,7 +25,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
               checkpoint_positions=None):
     """Chunked KDA forward and backward (eager: autograd through the chunked PyTorch form; triton: Triton
-    kernels both ways, or with ``K3NN_KDA_BWD=torch`` autograd through the PyTorch form for the backward).
+    kernels both ways).
 
     Args:
         q, k: ``[B, T, H, K]`` (already L2-normalised); v: ``[B, T, H, V]``.
@@ -44,7 +44,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, checkpoint_positions=checkpoint_positions)
     impl = resolve("kda_chunk", (q, k, v, g, beta), kw)
-    if impl.backend == "triton":  # Triton forward; Triton backward unless K3NN_KDA_BWD=torch
+    if impl.backend == "triton":  # Triton forward and Triton backward
         from ..kernels.kda.triton_chunk_bwd import kda_chunk_triton_autograd
 
         return kda_chunk_triton_autograd(q, k, v, g, beta, **kw)

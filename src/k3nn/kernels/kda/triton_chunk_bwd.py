@@ -11,7 +11,8 @@ start, the forward (:mod:`.triton_chunk`) computes::
 What is saved: only the inputs. The backward recomputes everything else (as fla does), which keeps the
 training memory at the inputs' size instead of one fp32 ``[K, V]`` state per chunk and head:
 
-1. ``_kda_intra`` (the forward's own kernel) again: qg, kg, w, u, Aqk, e^{G_last} and X (its fp32 scratch).
+1. The forward's intra-chunk stage again (:func:`.triton_chunk.intra_fill`): qg, kg, w, u, Aqk, e^{G_last} and X
+   (its fp32 scratch).
 2. ``_kda_bwd_states`` (grid: sequences × heads × V blocks): the forward recurrence once more, storing the
    state at every chunk start ``h`` and the pseudo-values ``v'`` (fp32).
 3. ``_kda_bwd_dh`` (same grid, chunks in reverse): with ``dh⁺`` the gradient of the state after the chunk,
@@ -43,13 +44,13 @@ compiles. On fp32 operands the bf16 backward runs exactly the code the fp32 back
 loads' element type. Internal buffers are fp32; outputs take the inputs' dtypes.
 
 Selection: under the ``triton`` backend, ``kda_chunk`` with any input requiring grad uses this backward
-(:class:`KDAChunkTritonFunction`). ``K3NN_KDA_BWD=torch`` selects the previous one instead: autograd through
-the chunked PyTorch form (:class:`k3nn.kernels.kda.chunk_torch.KDAChunkFunction`), for comparison.
+(:class:`KDAChunkTritonFunction`). On the H200 (bench/results/logs/h200-s3-run4-2026-11-30.log) it matches fp32
+eager autograd to 1.8e-3 (fp32 inputs, TF32 dots) and 2.9e-3 (bf16) rms, 9e-3 for the gate, and forward + backward
+at B=1 T=4096 H=4 K=V=128 takes 1.46 ms against 205 ms with autograd through the chunked PyTorch form
+(:class:`k3nn.kernels.kda.chunk_torch.KDAChunkFunction`, which ``kda_recurrent``'s Triton backend keeps).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -57,30 +58,17 @@ import triton.language as tl
 
 from ..precision import dot_precision
 from ..registry import triton_interpreting
-from .triton_chunk import _SPAN, _tune, build_chunk_plan, intra_fill, kda_chunk_triton_fwd
+from .triton_chunk import build_chunk_plan, intra_fill, kda_chunk_triton_fwd
+from .triton_common import _SPAN, PRUNE
 
-__all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd", "backward_mode"]
-
-BWD_MODES = ("triton", "torch")
-
-
-def backward_mode() -> str:
-    """``K3NN_KDA_BWD``: ``triton`` (default: the kernels here) or ``torch`` (autograd through the PyTorch
-    chunked form). On the H200 (bench/results/logs/h200-s3-run4-2026-11-30.log) the Triton backward matches
-    fp32 eager autograd to 1.8e-3 (fp32 inputs, TF32 dots) and 2.9e-3 (bf16) rms, 9e-3 for the gate, and
-    forward + backward at B=1 T=4096 H=4 K=V=128 takes 1.46 ms against 205 ms through the PyTorch form."""
-    m = os.environ.get("K3NN_KDA_BWD", "triton").strip().lower() or "triton"
-    if m not in BWD_MODES:
-        raise ValueError(f"K3NN_KDA_BWD must be one of {', '.join(BWD_MODES)}, got {m!r}")
-    return m
-
+__all__ = ["KDAChunkTritonFunction", "kda_chunk_triton_bwd", "kda_chunk_triton_autograd"]
 
 def _state_configs():
     if triton_interpreting():
         return [triton.Config({"BV": 32}, num_warps=4)]
     # BV 16 first: the sequential chunk loop gets more programs, and the [K, BV] state spills least
     cfgs = [triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in ((16, 4), (32, 4), (64, 8))]
-    return cfgs if _tune() else cfgs[:1]
+    return cfgs
 
 
 def _chunk_configs():
@@ -89,7 +77,7 @@ def _chunk_configs():
     # first: the one that spills least on sm_90 (ptxas: 255 registers, 56 B of stack at K = V = 128)
     cfgs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=1)
             for bk, bv, w in ((32, 32, 8), (64, 32, 8), (32, 32, 4))]
-    return cfgs if _tune() else cfgs[:1]
+    return cfgs
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -398,9 +386,12 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
     tl.store(dbeta + tok * H + pid_h, tl.load(pb + r64).to(dbeta.dtype.element_ty), mask=live)
 
 
-_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"])(_kda_bwd_states_kernel)
-_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"])(_kda_bwd_dh_kernel)
-_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V", "DOT_PREC"])(_kda_bwd_chunk_kernel)
+_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
+                                  prune_configs_by=PRUNE)(_kda_bwd_states_kernel)
+_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
+                              prune_configs_by=PRUNE)(_kda_bwd_dh_kernel)
+_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V", "DOT_PREC"],
+                                 prune_configs_by=PRUNE)(_kda_bwd_chunk_kernel)
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -454,7 +445,7 @@ def kda_chunk_triton_bwd(do, dht, q, k, v, g, beta, scale=None, initial_state=No
     A = _buf(NC, H, 64, 64, dtype=dt, device=dev)
     egl = _buf(NC, H, K, device=dev)
     X = _buf(NC, H, 64, 64, device=dev)
-    intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X)  # K3NN_KDA_INTRA's pipeline
+    intra_fill(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X)  # the forward's intra stage
 
     # 2. states at chunk starts and pseudo-values v'
     hs = _buf(NC, H, K, V, device=dev)
@@ -511,13 +502,13 @@ class KDAChunkTritonFunction(torch.autograd.Function):
 
 def kda_chunk_triton_autograd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                               cu_seqlens=None, checkpoint_positions=None):
-    """The Triton ``kda_chunk`` with its backward chosen by ``K3NN_KDA_BWD`` (see :func:`backward_mode`).
+    """The Triton ``kda_chunk`` with the Triton backward (:class:`KDAChunkTritonFunction`).
     Without grad this is the plain Triton forward."""
     from .chunk_torch import kda_chunk_triton
 
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    if not grad or backward_mode() == "torch":
+    if not grad:
         return kda_chunk_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                 checkpoint_positions=checkpoint_positions)

@@ -1,54 +1,49 @@
-"""Split intra-chunk pipeline fed by a precomputed chunk-local cumulative decay (``K3NN_KDA_INTRA=splitg``).
+"""The intra-chunk stage of the Triton chunked KDA forward (and of the backward's recompute), fed by a precomputed
+chunk-local cumulative decay.
 
-Produces exactly what ``_kda_intra`` (:mod:`.triton_chunk`) produces: qg, kg, w, u, Aqk, e^{G_last} and
-X = (I + L)⁻¹ in the fp32 scratch (same layouts and dtypes), in four launches:
+Produces qg, kg, w, u, Aqk, e^{G_last} and X = (I + L)⁻¹ in the fp32 scratch (see :mod:`.triton_chunk`; eager
+form: :func:`k3nn.kernels.kda.reference.kda_intra_reference`), in four launches:
 
 1. ``_g_cumsum`` (grid: chunks × heads × key tiles of BK): ``G[c, h, r, :] = Σ_{s ≤ r} g[s]`` over the rows of
    chunk c (the chunk plan's ``c_start`` / ``c_len``: chunks restart at every sequence start and at every
    checkpoint cut), into a temporary fp32 buffer ``G: [NC, H, 64, K]`` (per-chunk rows, like qg). Rows past
-   the chunk's length hold G_last (g counts as 0 there), so the consumers need no row masks on G. Same
-   operations as the fused kernel (strip cumsums plus chained strip sums). Also writes ``e^{G_last}``.
-2. ``_g_scores`` (grid: chunks·10 × heads): one program per 16×16 block pair (i ≥ j), walking the key
-   channels in tiles of BK; it loads only strips i and j of q / k / G and one row of G:
+   the chunk's length hold G_last (g counts as 0 there), so the consumers need no row masks on G (strip
+   cumsums plus chained strip sums). Also writes ``e^{G_last}``.
+2. ``_g_scores_rows`` (grid: chunks·4 × heads): one program per row strip i computes the 16×16 blocks
+   (i, 0) … (i, i), walking the key channels in tiles of BK, loading strip i's q / k / G once per key tile and
+   forming its row factor once:
 
    * off-diagonal (i > j), anchor ``a = G[16i − 1]`` (the row before strip i): ``(x_i e^{G_i − a}) ·
      (k_j e^{a − G_j})ᵀ``. G decreases within a chunk (g ≤ 0), so for a row r of strip i and a column c of
      strip j, ``G_r ≤ a ≤ G_c``: both factors ≤ 1, operands in the input dtype (tensor cores for bf16/fp16;
-     TF32 for fp32), as the fused kernel.
-   * diagonal (i == j): the fused kernel's treatment with ``pre = G[16i − 1]`` (0 for the first strip) and
-     ``r = G[16i + 15]``: column factor ``e^{r − G} ≤ 1``, row factor ``e^{G − pre} · e^{min(pre − r, SPAN)}``
-     (capped), recomputed pairwise with ``e^{min(G_a − G_b, 0)} ≤ 1`` when the strip's decay exceeds SPAN
-     nats. Every factor finite for any gate ≤ 0.
+     TF32 for fp32).
+   * diagonal (i == j), with ``pre = G[16i − 1]`` (0 for the first strip) and ``r = G[16i + 15]``: column
+     factor ``e^{r − G} ≤ 1``, row factor ``e^{G − pre} · e^{min(pre − r, SPAN)}`` (capped), recomputed
+     pairwise with ``e^{min(G_a − G_b, 0)} ≤ 1`` when the strip's decay exceeds SPAN nats. Every factor finite
+     for any gate ≤ 0.
 
    Writes the Aqk block (scaled, causal) to A and ``L = β ⊙ Akk`` (strictly lower) to the scratch; the
-   diagonal programs also write the zero upper blocks of A (as ``_split_scores``).
-   By default (``K3NN_KDA_SPLITG_SCORES=rows``, :func:`scores_stage`) ``_g_scores_rows`` runs instead (grid:
-   chunks·4 × heads): one program per row strip i computes blocks (i, 0) … (i, i) with the same operations,
-   loading strip i's q / k / G once per key tile and forming its row factor ``e^{G_i − a}`` once — about half
-   the loads of the pairs kernel (``pairs`` selects it).
-3. ``_split_solve`` (:mod:`.triton_intra_split`, unchanged): X = (I + L)⁻¹ in place in the scratch.
+   diagonal programs also write the zero upper blocks of A. (One program per block pair instead: forward
+   2.2–2.4% slower on the H200, bench/results/logs/h200-s5-run5-2026-11-30.log; gone.)
+3. ``_split_solve`` (:mod:`.triton_intra_split`): X = (I + L)⁻¹ in place in the scratch.
 4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``,
    ``kg = k ⊙ e^{G_last − G}``, ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight
-   from G (no strip rebuild).
-   ``K3NN_KDA_SPLITG_QK=cumsum`` moves qg and kg into the cumsum kernel instead (:func:`qk_stage`).
+   from G (no strip rebuild). (qg and kg written by the cumsum kernel instead: 2.24 against 2.16 ms; the
+   kernels keep the ``QK`` switch, always set this way.)
 
-Numerics equal the fused kernel's up to fp32 rounding (qg, kg and z take one exponential of G instead of a
-product of two; the scores take differences of chunk-level G, as the fused kernel does). The score and w/u
+qg, kg and z take one exponential of G; the scores take differences of chunk-level G. The score and w/u
 products take ``DOT_PREC`` (:func:`k3nn.kernels.precision.dot_precision`: IEEE for fp32 inputs while torch does not
 allow TF32), passed by ``_run``.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_chunk import _SPAN, _interp, _ld, _st, _tune
+from .triton_common import _SPAN, PRUNE, _interp, _ld, _st
 from .triton_intra_split import (
-    _block_pair,
     _bst,
     _ld_rows,
     _pairwise_diag,
@@ -59,14 +54,14 @@ from .triton_intra_split import (
     _xcol,
 )
 
-__all__ = ["g_buffer", "g_kernels", "intra_g_launch", "qk_stage", "scores_stage"]
+__all__ = ["g_buffer", "g_kernels", "intra_g_launch"]
 
 
 def _cumsum_configs():
     if _interp():
         return [triton.Config({"BK": 16}, num_warps=4)]
     cfgs = [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 4), (32, 2), (128, 4))]
-    return cfgs if _tune() else cfgs[:1]
+    return cfgs
 
 
 def _score_configs():
@@ -74,14 +69,14 @@ def _score_configs():
         return [triton.Config({"BK": 16}, num_warps=4)]
     cfgs = [triton.Config({"BK": bk}, num_warps=w, num_stages=s)
             for bk, w, s in ((32, 2, 2), (64, 2, 2), (64, 4, 2), (32, 4, 2), (128, 4, 1))]
-    return cfgs if _tune() else cfgs[:1]
+    return cfgs
 
 
 def _wu_configs():
     if _interp():
         return [triton.Config({"BD": 16}, num_warps=4)]
     cfgs = [triton.Config({"BD": bd}, num_warps=w, num_stages=1) for bd, w in ((64, 4), (128, 8), (64, 8), (128, 4))]
-    return cfgs if _tune() else cfgs[:1]
+    return cfgs
 
 
 @triton.jit
@@ -144,7 +139,7 @@ def _g_row(Gc, row, rd, mk, K: tl.constexpr):
 @triton.jit
 def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
                  DOT_PREC: tl.constexpr):
-    """Diagonal block (i, i) over key tile kb: the fused kernel's treatment with ``pre = G[16i − 1]`` (0 for
+    """Diagonal block (i, i) over key tile kb, with ``pre = G[16i − 1]`` (0 for
     the first strip) and ``r = G[16i + 15]`` (capped row factor, pairwise beyond SPAN nats). Returns the block's
     (Akk, Aqk) contributions and, for the off-diagonal blocks of the same row strip, ``pre``, the row factor
     ``e^{G_i − pre}`` and the strip's q and k (fp32)."""
@@ -166,41 +161,6 @@ def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: t
 
 
 @triton.jit
-def _g_scores_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
-                     K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid_h = tl.program_id(1)
-    pid_c, i, j = _block_pair(tl.program_id(0))
-    bos, L, ob, ri, b_i, Ap, Lp = _strip_setup(chunk_start, chunk_len, beta, A_out, L_out, pid_c, pid_h, i, H)
-    cd = q.dtype.element_ty
-    accA = tl.zeros([16, 16], dtype=tl.float32)
-    accQ = tl.zeros([16, 16], dtype=tl.float32)
-    Gc = G + ob * 64 * K
-    arow = tl.maximum(i * 16 - 1, 0)  # the row before strip i (the anchor)
-    if i == j:
-        for kb in range(0, K, BK):
-            dA, dQ, _, _, _, _ = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN, DOT_PREC)
-            accA += dA
-            accQ += dQ
-        _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
-    else:
-        for kb in range(0, K, BK):
-            rd = kb + tl.arange(0, BK)
-            mk = rd < K
-            a = _g_row(Gc, arow, rd, mk, K)[None, :]
-            G_i = _g_strip(Gc, i * 16, rd, mk, K)
-            G_j = _g_strip(Gc, j * 16, rd, mk, K)
-            q_i = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-            k_i = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-            k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
-            ea = tl.exp(G_i - a)  # ≤ 1: rows at or after the anchor
-            colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before it
-            accA += tl.dot((k_i * ea).to(cd), colT, input_precision=DOT_PREC)
-            accQ += tl.dot((q_i * ea).to(cd), colT, input_precision=DOT_PREC)
-        _bst(Lp, ri, j * 16, accA * b_i[:, None])
-        _bst(Ap, ri, j * 16, accQ * scale)
-
-
-@triton.jit
 def _g_offdiag(k, Gc, bos, L, pid_h, H, j: tl.constexpr, kb, rd, mk, a, ki_e, qi_e, accA, accQ,
                K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
     """Block (i, j), j < i, of one key tile added to its accumulators: ``(x_i e^{G_i − a}) · (k_j e^{a − G_j})ᵀ``
@@ -215,11 +175,9 @@ def _g_offdiag(k, Gc, bos, L, pid_h, H, j: tl.constexpr, kb, rd, mk, a, ki_e, qi
 @triton.jit
 def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
                           K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Row-strip variant of ``_g_scores_kernel`` (``K3NN_KDA_SPLITG_SCORES=rows``): one program per chunk, head
-    and row strip i computes blocks (i, 0) … (i, i) — strip i's q, k and G are loaded once per key tile instead
-    of once per block, and its row factor ``e^{G_i − a}`` (a = G[16i − 1], which is also the diagonal block's
-    ``pre``) is computed once for the diagonal and every off-diagonal block. Same operations per block as the
-    pairs kernel, so the same values."""
+    """Score blocks by row strip: one program per chunk, head and row strip i computes blocks (i, 0) … (i, i) —
+    strip i's q, k and G are loaded once per key tile, and its row factor ``e^{G_i − a}`` (a = G[16i − 1], which is
+    also the diagonal block's ``pre``) is computed once for the diagonal and every off-diagonal block."""
     pid_h = tl.program_id(1)
     pid_c = tl.program_id(0) // 4
     i = 3 - tl.program_id(0) % 4  # the longest rows first
@@ -329,15 +287,16 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
                  mask=(rd < V)[None, :] & (r64 < 64)[:, None])
 
 
-_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"])(_g_cumsum_kernel)
-_g_scores = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"])(_g_scores_kernel)
-_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"])(_g_scores_rows_kernel)
-_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK", "DOT_PREC"])(_g_wu_kernel)
+_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"], prune_configs_by=PRUNE)(_g_cumsum_kernel)
+_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"], prune_configs_by=PRUNE)(
+    _g_scores_rows_kernel)
+_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK", "DOT_PREC"], prune_configs_by=PRUNE)(
+    _g_wu_kernel)
 
 
 def g_kernels():
     """The four autotuned kernels, in launch order (benchmarks list and time their configs)."""
-    return _g_cumsum, _g_scores, _split_solve, _g_wu
+    return _g_cumsum, _g_scores_rows, _split_solve, _g_wu
 
 
 def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
@@ -345,51 +304,27 @@ def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
     return torch.empty(NC, H, 64, K, dtype=torch.float32, device=device)
 
 
-def scores_stage() -> str:
-    """``K3NN_KDA_SPLITG_SCORES``: ``rows`` (default: one program per row strip, its blocks (i, 0) … (i, i)
-    sharing strip i's loads and row factor) or ``pairs`` (one program per 16×16 block pair). Same values up to
-    dot accumulation order. H200, B=1 H=96 bf16 (bench/results/logs/h200-s5-run5-2026-11-30.log): score kernel
-    0.922 vs 0.983 ms at T=8K, whole forward 2.2–2.4% faster at T=8K, 32K and 64K."""
-    m = os.environ.get("K3NN_KDA_SPLITG_SCORES", "rows").strip().lower() or "rows"
-    if m not in ("pairs", "rows"):
-        raise ValueError(f"K3NN_KDA_SPLITG_SCORES must be 'pairs' or 'rows', got {m!r}")
-    return m
-
-
-def qk_stage() -> str:
-    """``K3NN_KDA_SPLITG_QK``: which kernel of the splitg pipeline writes qg and kg, ``wu`` (default: the w/u
-    kernel, which loads k and G anyway) or ``cumsum`` (the cumsum kernel, which holds G already; the w/u kernel
-    then loads neither q nor G_last and stores half as much). Same values either way."""
-    m = os.environ.get("K3NN_KDA_SPLITG_QK", "wu").strip().lower() or "wu"
-    if m not in ("wu", "cumsum"):
-        raise ValueError(f"K3NN_KDA_SPLITG_QK must be 'wu' or 'cumsum', got {m!r}")
-    return m
-
-
 def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A, egl, X, configs=None,
-                   stages=(0, 1, 2, 3), G=None, qk=None, scores=None):
-    """Fill the fused kernel's outputs (qg, kg, w, u, A, egl and X in the fp32 scratch) with the four kernels
-    (cumsum, scores, solve, w/u). ``configs``: an optional 4-tuple of ``triton.Config`` (None entries:
-    autotuned); ``stages``: which of the four kernels to launch; ``G``: the [NC, H, 64, K] fp32 buffer to use
-    (allocated here when None; benchmarks pass one so that single stages can be timed); ``qk``: which kernel
-    writes qg / kg (default: :func:`qk_stage`); ``scores``: ``pairs`` or ``rows`` (default: :func:`scores_stage`)."""
+                   stages=(0, 1, 2, 3), G=None):
+    """Fill qg, kg, w, u, A, egl and X (in the fp32 scratch) with the four kernels (cumsum, scores, solve, w/u).
+    ``configs``: an optional 4-tuple of ``triton.Config`` (None entries: autotuned); ``stages``: which of the four
+    kernels to launch; ``G``: the [NC, H, 64, K] fp32 buffer to use (allocated here when None; benchmarks pass one
+    so that single stages can be timed)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     configs = tuple(configs) if configs else (None, None, None, None)
-    early = (qk or qk_stage()) == "cumsum"
     if G is None:
         G = g_buffer(NC, H, K, q.device)
     if 0 in stages:
         grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))
-        _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": early},
+        _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": False},
              configs[0], q.dtype)
     if 1 in stages:
-        rows = (scores or scores_stage()) == "rows"
-        _run(_g_scores_rows if rows else _g_scores, (NC * (4 if rows else 10), H),
-             (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN}, configs[1], q.dtype)
+        _run(_g_scores_rows, (NC * 4, H), (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN},
+             configs[1], q.dtype)
     if 2 in stages:
         _run(_split_solve, (NC, H), (X, H), {}, configs[2], q.dtype)
     if 3 in stages:
         grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
         _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
-             {"K": K, "V": V, "QK": not early}, configs[3], q.dtype)
+             {"K": K, "V": V, "QK": True}, configs[3], q.dtype)
