@@ -42,11 +42,12 @@ from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
+from ..cache.transfer import expire_leases
 from ..generation import GenerationConfig
-from ..logits import LogitsPipeline
 from ..spec.generate import SpecOptions
 from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
-from .request import Request, RequestOutput, RequestStatus, SamplingParams, _int
+from .request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int
+from .sampling import RequestSampler
 from .speculative import DraftRow, KDAReplay, as_engine_drafter
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
@@ -54,6 +55,11 @@ __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 log = logging.getLogger(__name__)
 
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
+
+
+def _padded(drafts: list[int], n: int) -> list[int]:
+    """A row's drafts padded to the window width of the batch (the pad columns' scores are never read)."""
+    return drafts + [0] * (n - len(drafts))
 
 
 class EngineStalledError(RuntimeError):
@@ -118,12 +124,13 @@ class Engine:
     ``stream()`` steps until every request finished; ``generate(prompts)`` → outputs in order; ``metrics()``.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, **overrides):
+    def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, tokenizer=None, **overrides):
         cfg = config or EngineConfig()
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
         cfg.validate()
         self.model, self.config, self.mcfg = model, cfg, model.config
+        self.tokenizer = tokenizer  # decode(ids) -> str: stop strings and RequestOutput.text
         dtype, device = model.dtype, model.device
         if cfg.num_pages is not None:
             num_pages, num_snaps = cfg.num_pages, cfg.num_snapshots or 1
@@ -150,6 +157,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, list[str]] = {}  # an n > 1 request's id → its samples' ids
         self.row_owner: list[Request | None] = [None] * cfg.max_num_seqs
         self._ids = itertools.count()
         self.num_steps = self.num_forwards = self.rows_moved = 0
@@ -169,10 +177,36 @@ class Engine:
 
         Everything is checked here (TypeError for a wrong type, ValueError / CacheFullError for a value out of
         range, each naming the argument); on error nothing is queued."""
-        req = self._make_request(prompt, params, request_id, boundaries, prefill_only, sampling,
-                                 num_spec=num_speculative_tokens)
-        self._enqueue(req)
-        return req.request_id
+        reqs = self._make_requests(prompt, params, request_id, boundaries, prefill_only, sampling,
+                                   num_spec=num_speculative_tokens)
+        for r in reqs:
+            self._enqueue(r)
+        return reqs[0].parent or reqs[0].request_id
+
+    def _make_requests(self, prompt, params, request_id, boundaries, prefill_only, sampling,
+                       taken: frozenset[str] = frozenset(), num_spec: int | None = None) -> list[Request]:
+        """The request, or an ``n > 1`` request's n samples (ids ``"<id>/<i>"``, parameters
+        :meth:`SamplingParams.child`), validated and unregistered."""
+        if params is not None and sampling:
+            raise TypeError("give a SamplingParams or sampling keyword arguments, not both")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params or SamplingParams(**sampling)
+        params.validate(self.tokenizer)
+        if params.n == 1:
+            return [self._make_request(prompt, params, request_id, boundaries, prefill_only, {}, taken, num_spec)]
+        if prefill_only:
+            raise ValueError("prefill_only requests take n=1 (one state to export)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests or rid in self.parents or rid in taken:
+            raise ValueError(f"request id {rid!r} is already in use")
+        reqs = []
+        for i in range(params.n):
+            r = self._make_request(prompt, params.child(i), f"{rid}/{i}", boundaries, False, {},
+                                   taken | {x.request_id for x in reqs}, num_spec)
+            r.parent = rid
+            reqs.append(r)
+        return reqs
 
     def _make_request(self, prompt, params, request_id, boundaries, prefill_only, sampling,
                       taken: frozenset[str] = frozenset(), num_spec: int | None = None) -> Request:
@@ -197,7 +231,7 @@ class Engine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests or rid in taken:
+        if rid in self.requests or rid in self.parents or rid in taken:
             raise ValueError(f"request id {rid!r} is already in use")
         need = self.pools.pages_for(self._cache_tokens(len(prompt), params, prefill_only))
         if need > self.pools.allocator.num_blocks:
@@ -208,9 +242,14 @@ class Engine:
         req.num_spec = self.default_num_spec if num_spec is None else num_spec
         req.eos_ids = self._eos_ids(params)
         req.generator = self._generator(params)
+        req.sampler = self._sampler(req)
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
         return req
+
+    def _sampler(self, req: Request) -> RequestSampler:
+        return RequestSampler(req.params, req.prompt, vocab_size=self.mcfg.vocab_size, eos_ids=req.eos_ids,
+                              device=self.pools.device, generator=req.generator, tokenizer=self.tokenizer)
 
     def _token_ids(self, prompt) -> list[int]:
         """Prompt token ids as a list of ints in [0, vocab_size): no floats, bools or strings."""
@@ -253,6 +292,8 @@ class Engine:
 
     def _enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if req.parent is not None:
+            self.parents.setdefault(req.parent, []).append(req.request_id)
         self.waiting.append(req)
         self.prompt_tokens += len(req.prompt)
         if self.start_time is None:
@@ -273,7 +314,10 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting, running or prefilled request and free its row and pages; returns whether it was live.
-        A request that already ended (finished, aborted, failed) is left as it is."""
+        A request that already ended (finished, aborted, failed) is left as it is. The id of an ``n > 1``
+        request aborts all its samples."""
+        if request_id in self.parents:
+            return any([self.abort(c) for c in self.parents[request_id]])
         req = self._get(request_id)
         if req.status in _DONE:
             return False
@@ -462,6 +506,7 @@ class Engine:
                       num_computed=num_computed)
         req.generator = self._generator(params)
         req.eos_ids = self._eos_ids(params)
+        req.sampler = self._sampler(req)
         req.num_spec = 0  # the shipped pages carry no drafter context: an adopted request decodes plainly
         if self.prefix is not None:
             req.keys = self.prefix.hashes(prompt)
@@ -592,11 +637,6 @@ class Engine:
             self.row_owner[new] = q
 
     # -- execution ---------------------------------------------------------------------------------------------
-    def _eos(self, req: Request) -> list[int]:
-        if req.eos_ids is None:
-            req.eos_ids = self._eos_ids(req.params)
-        return req.eos_ids
-
     def _eos_ids(self, params: SamplingParams) -> list[int]:
         """The request's eos ids; unset: generate()'s resolution at the time the request is added (the model's
         ``generation_config`` when it has one, else the model config's ``eos_token_id``)."""
@@ -608,31 +648,25 @@ class Engine:
               else GenerationConfig.from_model_config(self.mcfg))
         return gc.eos_ids
 
-    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[int | Exception]:
-        """Each request's next token through its own :class:`~k3nn.logits.LogitsPipeline` (the processors of
-        ``generate()``; greedy rows: argmax), or the error that fails that request alone (NaN logits, a
-        sampler error)."""
+    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[tuple | Exception]:
+        """Each request's next token (and its log-probabilities when asked) through its own
+        :class:`~k3nn.engine.sampling.RequestSampler` (the logits processors of ``generate()``; plain greedy
+        rows: one batched argmax), or the error that fails that request alone (NaN logits, a sampler error)."""
         greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()  # one sync
-        out: list[int | Exception] = []
+        out: list[tuple | Exception] = []
         for b, r in enumerate(reqs):
             if nan[b]:
                 out.append(FloatingPointError("the logits contain NaN"))
                 continue
             try:
-                out.append(int(greedy[b]) if not r.params.do_sample else self._sample_one(r, logits[b:b + 1]))
+                if r.sampler.plain_greedy:
+                    out.append(([int(greedy[b])], None))
+                else:
+                    tok, lp = r.sampler.choose(logits[b], r.output)
+                    out.append(([tok], None if lp is None else [lp]))
             except Exception as e:
                 out.append(e)
         return out
-
-    def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
-        pipe = self._pipeline(r)
-        return int(pipe.choose(pipe(None, logits.float()), r.generator)[0])
-
-    def _pipeline(self, r: Request) -> LogitsPipeline:
-        if r.logits_pipeline is None:
-            p = r.params
-            r.logits_pipeline = LogitsPipeline.for_sampling(p.do_sample, p.temperature, p.top_k, p.top_p)
-        return r.logits_pipeline
 
     def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
                  snapshots: Sequence[Sequence[tuple[int, int]]] | None = None):
@@ -702,9 +736,9 @@ class Engine:
                 if prop.probs is not None and r.drafts:
                     r.draft_probs = prop.probs[k, :lim[k]]
 
-    def _verify(self, reqs: Sequence[Request], hidden: torch.Tensor) -> dict[int, list[int] | Exception]:
+    def _verify(self, reqs: Sequence[Request], hidden: torch.Tensor) -> dict[int, tuple | Exception]:
         """Accept the drafts of the verify rows of one forward: batch row → emitted tokens (accepted drafts +
-        the target's token) or the error that fails that request. Greedy: leading matches of the processed
+        the target's token, their log-probabilities or None) or the error that fails that request. Greedy: leading matches of the processed
         scores' argmax; sampling: lossless rejection sampling with the request's generator; with
         ``spec.synthetic_acceptance_length`` a fixed count (benchmarks; not the target's output)."""
         rows = [b for b, r in enumerate(reqs) if r.drafts]
@@ -714,9 +748,10 @@ class Engine:
         idx = torch.tensor(rows, device=hidden.device)
         with torch.inference_mode():
             wl = self.model.lm_head(hidden.index_select(0, idx)[:, :Tw]).float()  # [Bv, Tw, V]
-        scores = torch.stack([self._pipeline(reqs[b])(None, wl[k]) for k, b in enumerate(rows)])
+        scores = torch.stack([reqs[b].sampler.window_scores(wl[k], reqs[b].output, _padded(reqs[b].drafts, Tw - 1))
+                              for k, b in enumerate(rows)])
         amax = torch.cat([scores.argmax(-1), (~torch.isfinite(wl).all(-1)).long()], 1).tolist()  # one sync
-        out: dict[int, list[int] | Exception] = {}
+        out: dict[int, tuple | Exception] = {}
         L = self.spec_options.synthetic_acceptance_length
         for k, b in enumerate(rows):
             r = reqs[b]
@@ -731,7 +766,7 @@ class Engine:
                 if L is not None:
                     m = min(n, max(0, int(L) - 1))
                     nxt = (tgt[m] if not r.params.do_sample else
-                           int(self._pipeline(r).choose(scores[k, m:m + 1], r.generator)[0]))
+                           int(r.sampler.pipeline.choose(scores[k, m:m + 1], r.generator)[0]))
                 elif r.params.do_sample:
                     d = torch.tensor([r.drafts], device=wl.device)
                     q = None if r.draft_probs is None else r.draft_probs[None]
@@ -742,7 +777,9 @@ class Engine:
                     while m < n and r.drafts[m] == tgt[m]:
                         m += 1
                     nxt = tgt[m]
-                out[b] = list(r.drafts[:m]) + [int(nxt)]
+                toks = list(r.drafts[:m]) + [int(nxt)]
+                lps = r.sampler.logprobs_of(wl[k, :m + 1], toks) if r.params.logprobs is not None else None
+                out[b] = (toks, lps)
             except Exception as e:  # noqa: BLE001 - fails this request alone
                 out[b] = e
         return out
@@ -776,6 +813,7 @@ class Engine:
         that request alone; an error in a forward fails the requests of that forward. A failed request ends
         FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and snapshots are freed,
         and its :class:`RequestOutput` comes back from this step; the engine keeps serving the others."""
+        expire_leases(self)
         decodes, prefills = self.schedule()
         self.num_steps += 1
         outputs, self._failed_outputs = self._failed_outputs, []
@@ -786,7 +824,7 @@ class Engine:
         self._layout([decodes, [r for r, _ in prefills]])
         decodes.sort(key=lambda q: q.row)
         prefills.sort(key=lambda x: x[0].row)
-        produced: list[tuple[Request, list[int]]] = []
+        produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
         rows = [(r, 1 + len(r.drafts)) for r in decodes] + list(prefills)
         if prefills and max(n for _, n in prefills) > self.config.mixed_forward_max_tokens and decodes:
             batches = [rows[:len(decodes)], rows[len(decodes):]]  # decodes first, then the (long) prefills
@@ -830,7 +868,7 @@ class Engine:
                 if isinstance(res, Exception):
                     fail(r, res, "verification")
                     continue
-                m = len(res) - 1
+                m = len(res[0]) - 1
                 r.num_computed -= n - m  # keep the pending token + the accepted drafts
                 keep[b] = m + 1
                 r.spec_rounds += 1
@@ -838,7 +876,7 @@ class Engine:
                 r.spec_accepted += m
                 self.spec_rounds, self.spec_drafted, self.spec_accepted = (
                     self.spec_rounds + 1, self.spec_drafted + n, self.spec_accepted + m)
-                produced.append((r, res))
+                produced.append((r, *res))
             if verified:
                 try:
                     self.replay.commit(cache, keep)
@@ -853,7 +891,7 @@ class Engine:
                     if isinstance(t, Exception):
                         fail(reqs[b], t, "sampling")
                     else:
-                        produced.append((reqs[b], [t]))
+                        produced.append((reqs[b], *t))
             for r, sn in zip(reqs, absolute):
                 if r.status == RequestStatus.FAILED:
                     self.pools.snapshots.free([s for _, s in sn])
@@ -864,11 +902,11 @@ class Engine:
                 except Exception as e:
                     fail(r, e, "cache commit")
         now = time.perf_counter()
-        for r, toks in produced:
+        for r, toks, lps in produced:
             if r.status == RequestStatus.FAILED:
                 continue
             try:
-                outputs.append(self._append_tokens(r, toks, now))
+                outputs.append(self._append_tokens(r, toks, lps, now))
             except Exception as e:
                 fail(r, e, "stop check")
         for r in list(self.running):
@@ -878,28 +916,27 @@ class Engine:
                     r.first_token_time = now
         return outputs
 
-    def _append_tokens(self, r: Request, toks: Sequence[int], now: float) -> RequestOutput:
-        """Add the step's tokens (one, or a verify window's emissions) in order; finish the request on eos /
-        length (the tokens after that are dropped)."""
+    def _append_tokens(self, r: Request, toks: Sequence[int], lps: list[TokenLogprobs] | None,
+                       now: float) -> RequestOutput:
+        """Add the step's tokens (one, or a verify window's emissions) and check the stop conditions (eos, stop
+        ids and strings, length — :meth:`RequestSampler.check_stop`); tokens after the one that ended the request
+        are dropped."""
         if r.first_token_time is None:
             r.first_token_time = now
-        new: list[int] = []
-        finished, reason = False, None
-        for t in toks:
-            r.output.append(int(t))
-            new.append(int(t))
-            self.generated_tokens += 1
-            if int(t) in self._eos(r):
-                finished, reason = True, "stop"
-            elif len(r.output) >= r.params.max_new_tokens:
-                finished, reason = True, "length"
-            if finished:
-                break
+        r.output.extend(int(t) for t in toks)
+        finished, reason, trim = r.sampler.check_stop(r.output)
+        new = [int(t) for t in toks]
+        if trim:
+            del r.output[-trim:]
+            new = new[:len(new) - trim]
+            lps = None if lps is None else lps[:len(new)]
+        self.generated_tokens += len(new)
         if finished:
             r.finish_reason = reason
             self._retain_finished(r)
             self._release(r, RequestStatus.FINISHED, reason)
-        return RequestOutput(r.request_id, new, finished, reason, list(r.output) if finished else None)
+        return RequestOutput(r.request_id, new, finished, reason, list(r.output) if finished else None,
+                             stop_reason=r.sampler.stop_reason, logprobs=lps, text=r.sampler.text)
 
     def _commit_prefix(self, reqs: Sequence[Request], snapshots: Sequence[Sequence[tuple[int, int]]]) -> None:
         """After the forward: index the requests' new full prompt pages, then attach the written snapshots."""
@@ -972,18 +1009,20 @@ class Engine:
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
                  progress: bool = False, **sampling) -> list[list[int]]:
-        """Run a batch of prompts to completion; returns the generated ids per prompt, in order.
+        """Run a batch of prompts to completion; returns the generated ids per prompt, in order (with
+        ``n > 1``: a list of the n samples' ids per prompt).
 
         Every prompt is checked before any is queued (an invalid one raises and queues none). If some requests
         fail inside a step the others still run to completion, then :class:`RequestFailedError` names the failed
         ones; on any other error (a stall, an interrupt) this call's unfinished requests are aborted."""
         prompts = list(prompts)
-        reqs: list[Request] = []
+        groups: list[list[Request]] = []
         for i, p in enumerate(prompts):
             try:
-                reqs.append(self._make_request(p, params, None, (), False, sampling))
+                groups.append(self._make_requests(p, params, None, (), False, sampling))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from e
+        reqs = [r for g in groups for r in g]
         for r in reqs:
             self._enqueue(r)
         ids = [r.request_id for r in reqs]
@@ -1006,7 +1045,7 @@ class Engine:
         failed = {r.request_id: r.error for r in reqs if r.status == RequestStatus.FAILED}
         if failed:
             raise RequestFailedError(failed)
-        return [r.output for r in reqs]
+        return [g[0].output if g[0].parent is None else [r.output for r in g] for g in groups]
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

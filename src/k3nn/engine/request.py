@@ -184,6 +184,7 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     num_preemptions: int = 0
+    parent: str | None = None  # the id of the n > 1 request this is one sample of
 
     @property
     def num_prompt_tokens(self) -> int:
