@@ -1,7 +1,9 @@
 """In-process continuous batching over the paged hybrid cache (:class:`Engine`)."""
 
 from .engine import Engine, EngineConfig, EngineStalledError, RequestFailedError
-from .request import Request, RequestOutput, RequestStatus, SamplingParams
+from .request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
+from .sampling import RequestSampler
+from .speculative import DraftRow, EngineDrafter
 
-__all__ = ["Engine", "EngineConfig", "EngineStalledError", "Request", "RequestFailedError", "RequestOutput",
-           "RequestStatus", "SamplingParams"]
+__all__ = ["DraftRow", "Engine", "EngineConfig", "EngineDrafter", "EngineStalledError", "Request", "RequestFailedError",
+           "RequestOutput", "RequestSampler", "RequestStatus", "SamplingParams", "TokenLogprobs"]

@@ -222,7 +222,7 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams(**sampling)
-        params.validate()
+        params.validate(self.tokenizer)
         if not isinstance(prefill_only, bool):
             raise TypeError(f"prefill_only must be a bool, got {type(prefill_only).__name__}")
         if isinstance(boundaries, (str, bytes, torch.Tensor)) or not isinstance(boundaries, Sequence):
@@ -475,7 +475,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params.validate(self.tokenizer)
         prompt = self._token_ids(prompt)
         num_computed = _int("num_computed", num_computed)
         if not 0 <= num_computed < len(prompt):
