@@ -24,7 +24,7 @@ Then the kernels alone at Kimi dims (``ops.mla_attention``, ``ops.mla_decode``, 
 exact mode existed) and fp32 TF32 off (the exact mode's cost), next to the newest ``bench/results/prefill-*.json``
 bf16 row at the same length. Writes ``fp32-exact-<stamp>.json`` to ``$K3NN_RESULTS_DIR``.
 
-    python bench/gpu/fp32_exact.py [--T 2048] [--decode 4] [--reps 5]
+    python bench/gpu/fp32_exact.py [--T 2048] [--decode 4] [--reps 5] [--budget 225] [--no-tune]
     python bench/gpu/fp32_exact.py --smoke   # tiny dims, any device (CPU: eager, plus Triton if interpreted)
 """
 
@@ -48,7 +48,7 @@ from k3nn.bench.common import device_meta, rel_err, write_results  # noqa: E402
 from k3nn.bench.models import build_model  # noqa: E402
 from k3nn.config import KimiK3Config  # noqa: E402
 from k3nn.kernels.precision import dot_precision, tf32_allowed  # noqa: E402
-from k3nn.kernels.registry import backend, triton_interpreting  # noqa: E402
+from k3nn.kernels.registry import backend, triton_interpreting, tuning  # noqa: E402
 
 SUITE = "fp32-exact"
 CONTRACT = 1e-4  # fp32 logits vs fp64 with TF32 off (relative, ‖Δ‖/‖ref‖)
@@ -420,9 +420,16 @@ def main(argv=None):
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone checks")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--out-dir", default=None, help="results folder (default $K3NN_RESULTS_DIR or bench/results)")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="first tuning config only (KernelTuning(autotune=False)): less compile time, slower kernels")
     ap.add_argument("--budget", type=float, default=225.0,
                     help="seconds: later settings and stages are skipped (and listed) once the run passes this")
     args = ap.parse_args(argv)
+    with tuning(autotune=not args.no_tune):
+        return _run(args)
+
+
+def _run(args):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.T, args.decode = min(args.T, 40), min(args.decode, 2)
@@ -431,6 +438,7 @@ def main(argv=None):
     skipped: list[str] = []
     cfg = slice_config(args.smoke, args.layers, args.experts, args.vocab)
     meta = device_meta() if dev == "cuda" else {"gpu": "none", "torch": torch.__version__}
+    meta["autotune"] = not args.no_tune
     meta.update(model=f"kimi_linear L{cfg.num_hidden_layers} E{cfg.num_experts} top{cfg.num_experts_per_token}"
                 + (" smoke" if args.smoke else ""), T=args.T, decode_steps=args.decode, contract_rel=CONTRACT,
                 op_tol=args.op_tol, backends=names)

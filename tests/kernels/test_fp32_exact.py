@@ -183,8 +183,8 @@ def _compile_sm90(module, name, constexprs, warps, stages):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_triton_compile_sm90 import _compile
 
-    _compile(module, name, {"chunk_start": "*i32", "chunk_len": "*i32", "seq_lo": "*i32", "seq_hi": "*i32",
-                            "export_slot": "*i32", "scale": "fp32", "H": "i32"}, constexprs, default="*fp32", warps=warps,
+    ints = {"chunk_start": "*i32", "chunk_len": "*i32", "seq_lo": "*i32", "seq_hi": "*i32", "export_slot": "*i32"}
+    _compile(module, name, {**ints, "scale": "fp32", "H": "i32"}, constexprs, default="*fp32", warps=warps,
              stages=stages)
 
 
