@@ -11,7 +11,8 @@ import time
 
 __all__ = ["main"]
 
-SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "prefix", "budget", "e2e", "prefill")
+SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "engine-spec", "prefix", "budget", "e2e",
+          "prefill")
 
 
 def _torch_dtype(name: str):

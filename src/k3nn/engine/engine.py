@@ -154,6 +154,7 @@ class Engine:
         self.replay = KDAReplay(model, self.pools)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.num_preemptions = self.recomputed_tokens = 0
+        self.warmup_s = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
         self.requests: dict[str, Request] = {}
@@ -1047,6 +1048,41 @@ class Engine:
             raise RequestFailedError(failed)
         return [g[0].output if g[0].parent is None else [r.output for r in g] for g in groups]
 
+    def warmup(self, prompt_len: int = 96, batch_sizes: Sequence[int] | None = None) -> float:
+        """Run the step shapes serving will meet before the first request: for every batch size (default
+        1 … ``max_num_seqs``) a prefill of ``prompt_len``-token prompts, then decode rows — verify windows of every
+        draft length with a drafter — so kernel compilation and autotuning happen here, not in the first users'
+        requests. The engine is left as it was (no requests, an empty prefix index, zeroed statistics). Returns
+        the seconds spent (also in ``metrics()["warmup_s"]``)."""
+        if self.requests or self.waiting or self.running:
+            raise RuntimeError("warmup() runs on an idle engine (before any request is added)")
+        t0 = time.perf_counter()
+        sizes = list(batch_sizes) if batch_sizes is not None else list(range(1, self.config.max_num_seqs + 1))
+        g = torch.Generator().manual_seed(0)
+        gamma = self.default_num_spec if self.drafter is not None else 0
+        for b in sizes:
+            prompts = [torch.randint(0, self.mcfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            for n_spec in sorted({0, gamma} | set(range(1, gamma + 1, max(1, gamma // 3)))):
+                if n_spec and self.drafter is None:
+                    continue
+                ids = [self.add_request(p, max_new_tokens=n_spec + 3, ignore_eos=True,
+                                        num_speculative_tokens=n_spec if self.drafter is not None else None)
+                       for p in prompts]
+                list(self.stream())
+                for rid in ids:
+                    del self.requests[rid]
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.num_steps = self.num_forwards = self.rows_moved = 0
+        self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
+        self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
+        self.num_preemptions = self.recomputed_tokens = 0
+        self.start_time = None
+        if self.pools.device.type == "cuda":
+            torch.cuda.synchronize(self.pools.device)
+        self.warmup_s = time.perf_counter() - t0
+        return self.warmup_s
+
     # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         done = [r for r in self.requests.values() if r.first_token_time is not None]
@@ -1069,7 +1105,8 @@ class Engine:
              "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
              "computed_prompt_tokens": self.computed_prompt_tokens,
              "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0,
-             "preemptions": self.num_preemptions, "recomputed_tokens": self.recomputed_tokens}
+             "preemptions": self.num_preemptions, "recomputed_tokens": self.recomputed_tokens,
+             "warmup_s": self.warmup_s}
         if self.drafter is not None:
             m.update(spec_rounds=self.spec_rounds, spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
                      spec_acceptance_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0,
