@@ -45,7 +45,7 @@ def test_engine_workload_with_speculation_preemption_and_aborts_matches_generate
     prompts = [base[:int(torch.randint(20, 200, (1,), generator=g))] +
                torch.randint(0, cfg.vocab_size, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
                for _ in range(40)]
-    eng = Engine(model, EngineConfig(max_num_seqs=6, num_pages=14, num_snapshots=4, max_num_batched_tokens=160),
+    eng = Engine(model, EngineConfig(max_num_seqs=6, num_pages=8, num_snapshots=4, max_num_batched_tokens=160),
                  drafter=drafter)
     ids = [eng.add_request(p, max_new_tokens=24, num_speculative_tokens=4 * (i % 2)) for i, p in enumerate(prompts)]
     aborted = set(ids[3::9])
@@ -56,10 +56,10 @@ def test_engine_workload_with_speculation_preemption_and_aborts_matches_generate
         if steps == 5:
             for i in aborted:
                 eng.abort(i)
-    m = eng.metrics()
-    assert m["spec_rounds"] > 0 and m["preemptions"] > 0
     for i, p in zip(ids, prompts):
         if i in aborted and eng.requests[i].finish_reason == "abort":
             continue
         ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, cuda_graph=False)[0, len(p):]
         assert eng.requests[i].output == ref.tolist(), i
+    m = eng.metrics()
+    assert m["spec_rounds"] > 0 and m["preemptions"] > 0
