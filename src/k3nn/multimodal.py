@@ -33,7 +33,26 @@ from .vision.tower import MoonViT, check_image_inputs, num_image_tokens
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KimiK3ForConditionalGeneration"]
+__all__ = ["KimiK3ForConditionalGeneration", "image_content_keys"]
+
+
+def image_content_keys(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[bytes]:
+    """One sha256 digest per image: its patch rows of ``pixel_values`` (bytes, dtype and shape) and its (t, h, w)
+    grid, the prefix cache's key of the image's content. Costs a host copy of a device tensor and one pass of
+    sha256 over the pixels (~1-2 GB/s per core: a few ms for a 1024² image in fp32)."""
+    import hashlib
+
+    px = pixel_values.detach().to("cpu").contiguous()
+    out, off = [], 0
+    for t, h, w in image_grid_thw.tolist():
+        n = t * h * w
+        part = px[off:off + n]
+        off += n
+        d = hashlib.sha256()
+        d.update(f"{part.dtype}|{tuple(part.shape)}|{(t, h, w)}|".encode())
+        d.update(part.reshape(-1).view(torch.uint8).numpy())
+        out.append(d.digest())
+    return out
 
 
 class _PromptEmbedsLM(GenerationMixin):
@@ -136,15 +155,19 @@ class KimiK3ForConditionalGeneration(nn.Module):
         f = self.image_features(pixel_values, image_grid_thw)
         return list(f.split(num_image_tokens(image_grid_thw, self.config.vision_config.merge_kernel_size)))
 
-    def _place(self, ids, h, token_id, feats, sizes, what: str, names: str):
-        mask = ids == token_id
-        n_tok = int(mask.sum())
+    @staticmethod
+    def _check_token_count(n_tok: int, token_id: int, sizes: list[int], what: str, names: str,
+                           ids_name: str = "input_ids") -> None:
         if n_tok != sum(sizes):
             more = "more" if len(sizes) and n_tok < sum(sizes) else "fewer"
             raise ValueError(
-                f"input_ids has {n_tok} {what} tokens (token id {token_id}) but {names} give {len(sizes)} "
+                f"{ids_name} has {n_tok} {what} tokens (token id {token_id}) but {names} give {len(sizes)} "
                 f"{what}s of {sizes} tokens = {sum(sizes)} ({more} {what}s than {what} tokens): the processor writes "
                 f"(h/kh)·(w/kw) tokens for each")
+
+    def _place(self, ids, h, token_id, feats, sizes, what: str, names: str):
+        mask = ids == token_id
+        self._check_token_count(int(mask.sum()), token_id, sizes, what, names)
         bounds = {0, *accumulate(sizes)}
         for row, end in enumerate(accumulate(mask.sum(1).tolist())):
             if end not in bounds:
@@ -183,6 +206,33 @@ class KimiK3ForConditionalGeneration(nn.Module):
             sizes = num_image_tokens(grid, cfg.vision_config.merge_kernel_size)
             h = self._place(input_ids, h, tid, feats, sizes, what, names)
         return h
+
+    def image_token_positions(self, prompt, pixel_values: torch.Tensor | None = None,
+                              image_grid_thw: torch.Tensor | None = None, *, prompt_name: str = "prompt"
+                              ) -> list[list[int]]:
+        """One prompt's token ids (a list) + its images → the positions of each image's tokens, in image order
+        (the order :meth:`embed_inputs` fills them). Checks what :meth:`embed_inputs` checks, without running the
+        tower: images on a model without a vision tower, ``image_grid_thw`` against ``pixel_values``, as many
+        image tokens as the images take (each error names the argument); video tokens are refused (no
+        ``pixel_values_videos`` here)."""
+        cfg = self.config
+        ids = [int(t) for t in prompt]
+        if cfg.video_token_id is not None and cfg.video_token_id in ids:
+            raise ValueError(f"{prompt_name} has video tokens (token id {cfg.video_token_id}): video clips "
+                             f"(pixel_values_videos) are not supported here")
+        pos = [i for i, t in enumerate(ids) if t == cfg.image_token_id]
+        names = "pixel_values / image_grid_thw"
+        if pixel_values is None and image_grid_thw is None:
+            self._check_token_count(len(pos), cfg.image_token_id, [], "image", names, prompt_name)
+            return []
+        if pixel_values is not None:
+            self._check_vision("pixel_values", pixel_values)
+        else:
+            self._check_vision("image_grid_thw", image_grid_thw)
+        check_image_inputs(pixel_values, image_grid_thw, cfg.vision_config)
+        sizes = num_image_tokens(image_grid_thw, cfg.vision_config.merge_kernel_size)
+        self._check_token_count(len(pos), cfg.image_token_id, sizes, "image", names, prompt_name)
+        return [pos[a:b] for a, b in zip([0, *accumulate(sizes)], accumulate(sizes))]
 
     # -- forward ---------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None):

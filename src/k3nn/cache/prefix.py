@@ -4,7 +4,8 @@ Rules (reference/hybrid_cache.md §0, §7.2):
 
 * The match unit equals the latent page (64 tokens), so every indexed page is full and immutable; requests
   share it by reference count and never write into it.
-* Block k's key is ``H(key_{k-1} ‖ tokens[64k : 64k+64])`` (blake2b), so one key names the whole prefix.
+* Block k's key is ``H(key_{k-1} ‖ tokens[64k : 64k+64] ‖ extra_k)`` (blake2b), so one key names the whole prefix;
+  ``extra_k`` is empty for text and holds the content hashes of the images with tokens in block k.
 * A hit at length L needs every page of [0, L) **and** a KDA snapshot at exactly L. L ≤ N−1: the last prompt
   token is always recomputed (its logits start generation; KDA updates are not idempotent).
 * The snapshot is copied into the request's private running row before the request extends it
@@ -19,25 +20,44 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .paged import HybridPools
 from .prefix_entry import PrefixEntry
 from .retention import CostModel, EvictionPolicy, make_eviction
 
-__all__ = ["PrefixCache", "PrefixEntry", "PrefixMatch", "block_hashes"]
+__all__ = ["PrefixCache", "PrefixEntry", "PrefixMatch", "block_hashes", "extra_block_keys"]
 
 
 def block_hashes(tokens: Sequence[int], unit: int = 64, salt: bytes = b"", prev: bytes | None = None,
-                 start_block: int = 0) -> list[bytes]:
+                 start_block: int = 0, extra_keys: Mapping[int, bytes] | None = None) -> list[bytes]:
     """Chained keys of the full ``unit``-token blocks of ``tokens`` from block ``start_block`` on (``prev`` =
-    key of the block before it)."""
+    key of the block before it).
+
+    ``extra_keys``: block index → bytes mixed into that block's key besides its token ids (the content hashes
+    of the images whose tokens lie in the block: :func:`extra_block_keys`), so equal token ids with different
+    image content give different keys. Blocks without an entry hash as they do without ``extra_keys``: text
+    keys are unchanged, and the blocks before a prompt's first image are shared with text prompts."""
     out, h = [], prev if prev is not None else hashlib.blake2b(salt, digest_size=16).digest()
     for k in range(start_block, len(tokens) // unit):
         blk = b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens[k * unit:(k + 1) * unit])
-        h = hashlib.blake2b(h + blk, digest_size=16).digest()
+        extra = extra_keys.get(k, b"") if extra_keys else b""  # blk has a fixed length: no ambiguity
+        h = hashlib.blake2b(h + blk + extra, digest_size=16).digest()
         out.append(h)
     return out
+
+
+def extra_block_keys(spans: Sequence[tuple[Sequence[int], bytes]], unit: int = 64) -> dict[int, bytes]:
+    """``spans``: (token positions, content key) per image, in prompt order → the ``extra_keys`` of
+    :func:`block_hashes`: for every ``unit``-token block holding any of an image's positions, the keys of those
+    images, concatenated in prompt order."""
+    per_block: dict[int, list[bytes]] = {}
+    for positions, key in spans:
+        if not isinstance(key, (bytes, bytearray)) or not key:
+            raise ValueError(f"extra_block_keys: each content key must be non-empty bytes, got {key!r}")
+        for k in sorted({int(p) // unit for p in positions}):
+            per_block.setdefault(k, []).append(bytes(key))
+    return {k: b"".join(v) for k, v in per_block.items()}
 
 
 @dataclass
@@ -59,8 +79,9 @@ class PrefixCache:
         self.evicted_pages = self.evicted_snapshots = 0
 
     # -- lookup --------------------------------------------------------------------------------------------
-    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        return block_hashes(tokens, self.unit, self.salt)
+    def hashes(self, tokens: Sequence[int], extra_keys: Mapping[int, bytes] | None = None) -> list[bytes]:
+        """The chained block keys of ``tokens`` under this index (``extra_keys``: see :func:`block_hashes`)."""
+        return block_hashes(tokens, self.unit, self.salt, extra_keys=extra_keys)
 
     def tick(self) -> int:
         self.clock += 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -40,13 +41,13 @@ import torch
 
 from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
-from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
+from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_keys
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
 from ..cache.transfer import expire_leases
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
-from .request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int
+from .request import ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int
 from .sampling import RequestSampler
 from .speculative import DraftRow, KDAReplay, as_engine_drafter
 
@@ -122,6 +123,13 @@ class Engine:
 
     ``add_request(prompt_ids, ...)`` → id; ``step()`` → list of :class:`RequestOutput` (new tokens per request);
     ``stream()`` steps until every request finished; ``generate(prompts)`` → outputs in order; ``metrics()``.
+
+    Built on a :class:`k3nn.KimiK3ForConditionalGeneration`, the engine runs its text model (``self.model``; the
+    wrapper is ``self.multimodal``) and ``add_request`` also takes ``pixel_values`` / ``image_grid_thw``: the
+    vision tower runs once per request, in the first forward that feeds one of its image tokens (not at all when
+    the prefix cache already covers every image token), and every forward feeding image positions gets
+    ``inputs_embeds`` with the image features at those positions. Prefix keys mix in a sha256 of each image's
+    pixels and grid for every 64-token block holding its tokens (same image ⇒ hit, different image ⇒ miss).
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, tokenizer=None, **overrides):
@@ -129,6 +137,11 @@ class Engine:
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
         cfg.validate()
+        from ..multimodal import KimiK3ForConditionalGeneration
+
+        self.multimodal = None  # the KimiK3ForConditionalGeneration whose text model this engine runs
+        if isinstance(model, KimiK3ForConditionalGeneration):
+            self.multimodal, model = model, model.language_model
         self.model, self.config, self.mcfg = model, cfg, model.config
         self.tokenizer = tokenizer  # decode(ids) -> str: stop strings and RequestOutput.text
         dtype, device = model.dtype, model.device
@@ -170,22 +183,29 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams | None = None, *,
                     request_id: str | None = None, boundaries: Sequence[int] = (), prefill_only: bool = False,
-                    num_speculative_tokens: int | None = None, **sampling) -> str:
+                    num_speculative_tokens: int | None = None, pixel_values: torch.Tensor | None = None,
+                    image_grid_thw: torch.Tensor | None = None, **sampling) -> str:
         """Queue a prompt (token ids). ``boundaries``: prompt positions worth a KDA snapshot (turn ends);
         ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`;
         ``num_speculative_tokens``: drafts per verify window for this request (0: plain decoding; None: the
-        engine's default; needs a drafter).
+        engine's default; needs a drafter). ``pixel_values`` [L, C, p, p] / ``image_grid_thw`` [N, 3]: the
+        prompt's images as transformers' Kimi K2.5 processor makes them (an engine built on a
+        :class:`k3nn.KimiK3ForConditionalGeneration`); their tokens fill the prompt's image tokens in order.
+        Their content hashes are taken here; the vision tower runs in the first forward feeding an image token.
 
         Everything is checked here (TypeError for a wrong type, ValueError / CacheFullError for a value out of
         range, each naming the argument); on error nothing is queued."""
         reqs = self._make_requests(prompt, params, request_id, boundaries, prefill_only, sampling,
-                                   num_spec=num_speculative_tokens)
+                                   num_spec=num_speculative_tokens, pixel_values=pixel_values,
+                                   image_grid_thw=image_grid_thw)
         for r in reqs:
             self._enqueue(r)
         return reqs[0].parent or reqs[0].request_id
 
     def _make_requests(self, prompt, params, request_id, boundaries, prefill_only, sampling,
-                       taken: frozenset[str] = frozenset(), num_spec: int | None = None) -> list[Request]:
+                       taken: frozenset[str] = frozenset(), num_spec: int | None = None, *,
+                       pixel_values: torch.Tensor | None = None,
+                       image_grid_thw: torch.Tensor | None = None) -> list[Request]:
         """The request, or an ``n > 1`` request's n samples (ids ``"<id>/<i>"``, parameters
         :meth:`SamplingParams.child`), validated and unregistered."""
         if params is not None and sampling:
@@ -194,8 +214,10 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams(**sampling)
         params.validate(self.tokenizer)
+        images = self._image_inputs(prompt, pixel_values, image_grid_thw)  # shared by an n > 1 request's samples
         if params.n == 1:
-            return [self._make_request(prompt, params, request_id, boundaries, prefill_only, {}, taken, num_spec)]
+            return [self._make_request(prompt, params, request_id, boundaries, prefill_only, {}, taken, num_spec,
+                                       images)]
         if prefill_only:
             raise ValueError("prefill_only requests take n=1 (one state to export)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -204,13 +226,14 @@ class Engine:
         reqs = []
         for i in range(params.n):
             r = self._make_request(prompt, params.child(i), f"{rid}/{i}", boundaries, False, {},
-                                   taken | {x.request_id for x in reqs}, num_spec)
+                                   taken | {x.request_id for x in reqs}, num_spec, images)
             r.parent = rid
             reqs.append(r)
         return reqs
 
     def _make_request(self, prompt, params, request_id, boundaries, prefill_only, sampling,
-                      taken: frozenset[str] = frozenset(), num_spec: int | None = None) -> Request:
+                      taken: frozenset[str] = frozenset(), num_spec: int | None = None,
+                      images: ImageInputs | None = None) -> Request:
         """A validated, unregistered :class:`Request` (no engine state changes except the id counter)."""
         if num_spec is not None:
             num_spec = _int("num_speculative_tokens", num_spec, lo=0)
@@ -244,9 +267,79 @@ class Engine:
         req.eos_ids = self._eos_ids(params)
         req.generator = self._generator(params)
         req.sampler = self._sampler(req)
+        self._attach_images(req, images)
         if self.prefix is not None:
-            req.keys = self.prefix.hashes(prompt)
+            req.keys = self._block_keys(req, prompt)
         return req
+
+    # -- images ------------------------------------------------------------------------------------------------
+    def _image_inputs(self, prompt, pixel_values, image_grid_thw) -> ImageInputs | None:
+        """A prompt's images, checked against it (ValueError naming the argument: images for a text-only model,
+        ``image_grid_thw`` disagreeing with ``pixel_values``, image tokens without images or more / fewer images
+        than the image tokens take), with one content hash per image; None for a text prompt."""
+        if self.multimodal is None:
+            if pixel_values is not None or image_grid_thw is not None:
+                name = "pixel_values" if pixel_values is not None else "image_grid_thw"
+                raise ValueError(f"{name}: this engine serves a text-only {type(self.model).__name__}, which takes "
+                                 f"no images; build the Engine on a k3nn.KimiK3ForConditionalGeneration")
+            return None
+        from ..multimodal import image_content_keys
+
+        spans = self.multimodal.image_token_positions(self._token_ids(prompt), pixel_values, image_grid_thw)
+        if not spans:
+            return None
+        px = pixel_values.detach().clone()  # the hash below names these pixels: later edits by the caller can't leak in
+        grid = image_grid_thw.detach().to("cpu", copy=True)
+        return ImageInputs(px, grid, [p for sp in spans for p in sp], [len(sp) for sp in spans],
+                           image_content_keys(px, grid))
+
+    def _attach_images(self, req: Request, images: ImageInputs | None) -> None:
+        req.images = images
+        if images is None:
+            req.image_keys = None
+            return
+        spans, off = [], 0
+        for n, key in zip(images.sizes, images.content_keys):
+            spans.append((images.positions[off:off + n], key))
+            off += n
+        req.image_keys = extra_block_keys(spans, self.pools.block_size)
+
+    def _block_keys(self, req: Request, tokens: Sequence[int], keys: Sequence[bytes] = ()) -> list[bytes]:
+        """The chained prefix keys of the full blocks of ``tokens`` (the prompt, or prompt + output), continuing
+        ``keys`` (those of the first ``len(keys)`` blocks): token ids and the content hashes of the request's images.
+        Every place that keys a request's blocks goes through here, so the keys agree."""
+        keys = list(keys)
+        return keys + block_hashes(tokens, self.pools.block_size, self.prefix.salt, keys[-1] if keys else None,
+                                   len(keys), req.image_keys)
+
+    def _image_features(self, images: ImageInputs) -> torch.Tensor:
+        """The projected features of a request's images [Σ n_i, d], running the vision tower the first time."""
+        if images.features is None:
+            images.features = self.multimodal.image_features(images.pixel_values, images.image_grid_thw)
+            images.pixel_values = None
+        return images.features
+
+    def _image_embeds(self, reqs: Sequence[Request], num_new: Sequence[int], ids: torch.Tensor) -> torch.Tensor | None:
+        """``inputs_embeds`` [B, T, d] for a forward in which some row feeds image tokens: the text embeddings of
+        ``ids`` with each such position's row replaced by its image feature (a prefill chunk may begin or end inside
+        an image's tokens: row b's column c is prompt position ``num_computed + c``); None when no row does."""
+        rows = []
+        for b, (r, n) in enumerate(zip(reqs, num_new)):
+            im = r.images
+            if im is None:
+                continue
+            lo = r.num_computed
+            i0, i1 = bisect_left(im.positions, lo), bisect_left(im.positions, lo + n)
+            if i1 > i0:
+                rows.append((b, im, lo, i0, i1))
+        if not rows:
+            return None
+        h = self.model.model.embed_tokens(ids)
+        for b, im, lo, i0, i1 in rows:
+            feats = self._image_features(im)
+            cols = torch.tensor(im.positions[i0:i1], device=h.device) - lo
+            h[b, cols] = feats[i0:i1].to(h.dtype)
+        return h
 
     def _sampler(self, req: Request) -> RequestSampler:
         return RequestSampler(req.params, req.prompt, vocab_size=self.mcfg.vocab_size, eos_ids=req.eos_ids,
@@ -335,6 +428,7 @@ class Engine:
         self._release(req, RequestStatus.FINISHED, "exported")
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        req.images = None  # pixels / features (an n > 1 request's samples share them)
         if req.decode_snap is not None:
             self.pools.snapshots.free([req.decode_snap[1]])
             req.decode_snap = None
@@ -384,8 +478,7 @@ class Engine:
         N = len(tokens)
         keys = req.keys
         if resumed and self.prefix is not None:
-            keys = req.keys + block_hashes(tokens, self.pools.block_size, self.prefix.salt,
-                                           req.keys[-1] if req.keys else None, len(req.keys))
+            keys = self._block_keys(req, tokens, req.keys)
         m = self.prefix.match(tokens, keys, record=False) if self.prefix is not None else PrefixMatch()
         total = self.pools.pages_for(max(N - 1, 1) if req.prefill_only else N)
         need = max(total - len(m.pages), 0)
@@ -469,15 +562,19 @@ class Engine:
 
     def adopt(self, prompt: Sequence[int], num_computed: int, pages: Sequence[torch.Tensor],
               recurrent: Sequence[torch.Tensor], conv: Sequence[torch.Tensor], params: SamplingParams | None = None,
-              request_id: str | None = None) -> str:
+              request_id: str | None = None, *, pixel_values: torch.Tensor | None = None,
+              image_grid_thw: torch.Tensor | None = None) -> str:
         """Start a request from a transferred state: ``num_computed`` prompt tokens are already done (their latent
         pages ``pages`` [n_pages, 64, D] per MLA layer, KDA state per KDA layer). The next step recomputes the
-        rest of the prompt (normally its last token, as a decode row) and generates."""
+        rest of the prompt (normally its last token, as a decode row) and generates. A prompt with image tokens
+        needs its ``pixel_values`` / ``image_grid_thw`` (its prefix keys hash them; the tower runs only if an image
+        token is among the tokens left to compute)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.tokenizer)
         prompt = self._token_ids(prompt)
+        images = self._image_inputs(prompt, pixel_values, image_grid_thw)
         num_computed = _int("num_computed", num_computed)
         if not 0 <= num_computed < len(prompt):
             raise ValueError(f"adopt: num_computed must be in [0, {len(prompt)}), got {num_computed}")
@@ -509,8 +606,9 @@ class Engine:
         req.eos_ids = self._eos_ids(params)
         req.sampler = self._sampler(req)
         req.num_spec = 0  # the shipped pages carry no drafter context: an adopted request decodes plainly
+        self._attach_images(req, images)
         if self.prefix is not None:
-            req.keys = self.prefix.hashes(prompt)
+            req.keys = self._block_keys(req, prompt)
         self.row_owner[row] = req
         self.requests[rid] = req
         self.running.append(req)
@@ -683,7 +781,9 @@ class Engine:
         self.replay.begin(cache, [b for b, r in enumerate(reqs) if r.drafts])
         taps = self.drafter.target_layers if self.drafter is not None else None
         with torch.inference_mode():
-            out = self.model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1,
+            embeds = self._image_embeds(reqs, num_new, ids) if self.multimodal is not None else None
+            out = self.model(ids if embeds is None else None, cache=cache, inputs_embeds=embeds,
+                             checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1,
                              output_hidden_layers=taps)
             if cache.T == 1 or all(n == cache.T for n in num_new):
                 logits = out.logits[:, -1]
@@ -978,8 +1078,7 @@ class Engine:
             return
         U = self.pools.block_size
         fed = r.all_tokens()[:r.num_computed]
-        keys = list(r.keys)
-        keys += block_hashes(fed, U, self.prefix.salt, keys[-1] if keys else None, len(keys))
+        keys = self._block_keys(r, fed, r.keys)
         full = min(len(keys), r.num_computed // U, len(r.blocks))
         if full > r.indexed_blocks:
             self.prefix.insert(keys, r.blocks, full)
@@ -1062,6 +1161,9 @@ class Engine:
         gamma = self.default_num_spec if self.drafter is not None else 0
         for b in sizes:
             prompts = [torch.randint(0, self.mcfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            if self.multimodal is not None:  # text prompts: no image / video placeholders
+                ph = {self.multimodal.config.image_token_id, self.multimodal.config.video_token_id}
+                prompts = [[0 if t in ph else t for t in p] for p in prompts]
             for n_spec in sorted({0, gamma} | set(range(1, gamma + 1, max(1, gamma // 3)))):
                 if n_spec and self.drafter is None:
                     continue

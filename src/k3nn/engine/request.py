@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "TokenLogprobs", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "Request", "RequestOutput", "RequestStatus"]
 
 
 @dataclass
@@ -150,6 +150,27 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class ImageInputs:
+    """A prompt's images as the Engine holds them (shared by an ``n > 1`` request's samples).
+
+    ``positions``: the prompt positions of the image tokens, ascending (image order: image i owns the next
+    ``sizes[i]`` of them); ``content_keys``: one sha256 per image (pixels + grid), mixed into the prefix keys of
+    every block holding its tokens; ``features`` [Σ sizes, d]: the projected vision features (on the model's
+    device), computed once, by the first forward that feeds an image token — ``pixel_values`` is dropped then."""
+
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor
+    positions: list[int]
+    sizes: list[int]
+    content_keys: list[bytes]
+    features: torch.Tensor | None = None
+
+    @property
+    def num_images(self) -> int:
+        return len(self.sizes)
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt: list[int]
@@ -185,6 +206,8 @@ class Request:
     spec_accepted: int = 0
     num_preemptions: int = 0
     parent: str | None = None  # the id of the n > 1 request this is one sample of
+    images: ImageInputs | None = None  # the prompt's images (dropped when the request ends)
+    image_keys: dict[int, bytes] | None = None  # block index → image content keys in that block (prefix keys)
 
     @property
     def num_prompt_tokens(self) -> int:
