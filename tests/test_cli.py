@@ -44,13 +44,14 @@ def test_info_runs(capsys):
         assert "MLA paged decode under auto: triton split-KV (the CUDA kernel does not run here" in out
 
 
-def test_info_names_the_mxfp4_gemv(capsys, monkeypatch):
-    monkeypatch.setenv("K3NN_MOE_GEMV", "triton")
+def test_info_names_the_mxfp4_gemv(capsys):
+    from k3nn.kernels.registry import tuning
+
+    with tuning(moe_gemv="triton"):
+        _, out, _ = run(capsys, "info")
+    assert "MXFP4 decode GEMV inside the triton MoE backend: triton (KernelTuning.moe_gemv='triton')" in out
     _, out, _ = run(capsys, "info")
-    assert "MXFP4 decode GEMV inside the triton MoE backend: triton (K3NN_MOE_GEMV=triton)" in out
-    monkeypatch.setenv("K3NN_MOE_GEMV", "bogus")
-    _, out, _ = run(capsys, "info")
-    assert "K3NN_MOE_GEMV must be one of" in out
+    assert "MXFP4 decode GEMV inside the triton MoE backend: " in out and "KernelTuning.moe_gemv='auto'" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -13,7 +13,7 @@ MXFP4 weights. For 1, 4 and 16 tokens:
 
 Variants: ``old`` = the grouped tensor-core GEMMs (tl.dot_scaled, autotuned), ``gemv*`` = triton_mx_gemv with
 (BLOCK_N, BLOCK_K, VEC, warps, prefetch, decode, split_a) and rows per program ``bm``; ``word``: DECODE=2 (32-bit
-word decode); ``cuda r16 ks2 u2 pf`` = cuda_mx_gemv (K3NN_MOE_GEMV=cuda) with 16·RT rows per CTA, KS warps
+word decode); ``cuda r16 ks2 u2 pf`` = cuda_mx_gemv (KernelTuning.moe_gemv="cuda") with 16·RT rows per CTA, KS warps
 splitting K, U 128-k groups per load batch, PF prefetch, DEC 1 = e4m3 decode (``--cuda`` replaces the default
 set; all CUDA configs are built once, in one module, before timing: the nvcc time is printed). Each CUDA config
 runs as an A/B of the alignment block size (``cuda_block_m`` rules: ``one-block`` = 8 rows, the default;

@@ -74,20 +74,20 @@ def _mla_decode_line() -> str:
 
 
 def _mx_gemv_line() -> str:
-    """Which MXFP4 expert GEMV the fused MoE takes at decode sizes here (K3NN_MOE_GEMV), and why."""
+    """Which MXFP4 expert GEMV the fused MoE takes at decode sizes here (KernelTuning.moe_gemv), and why."""
     from k3nn.kernels.moe import cuda_mx_gemv as cm
     from k3nn.kernels.moe import triton_fused as tf
+    from k3nn.kernels.registry import current_tuning
 
-    try:
-        impl = tf.gemv_impl()
-    except ValueError as e:
-        return str(e)
+    impl = tf.gemv_impl()
     if impl == "triton":
-        return "triton (K3NN_MOE_GEMV=triton)"
+        return "triton (KernelTuning.moe_gemv='triton')"
     why = cm.available()
     if why is None and tf._cuda_gemv_possible():
-        return f"cuda, built on first use (K3NN_MOE_GEMV={impl}; up to {tf.CUDA_GEMV_MAX_PAIRS} token-expert pairs)"
-    return f"triton (K3NN_MOE_GEMV={impl}; the CUDA GEMV cannot run here: {why or 'needs sm_89+ for its e4m3 decode'})"
+        return (f"cuda, built on first use (KernelTuning.moe_gemv={impl!r}; up to "
+                f"{current_tuning().moe_cuda_gemv_pairs} token-expert pairs)")
+    return (f"triton (KernelTuning.moe_gemv={impl!r}; the CUDA GEMV cannot run here: "
+            f"{why or 'needs sm_89+ for its e4m3 decode'})")
 
 
 # ------------------------------------------------------------------------------------------------ generate

@@ -1,9 +1,5 @@
 """Fused MoE on the GPU: bf16 and MXFP4 vs the eager reference, no host sync, MoE layer parity."""
 
-import os
-
-os.environ.setdefault("K3NN_MOE_TUNE", "0")  # one tile config: correctness here, tuning in the benchmark
-
 import pytest
 import torch
 from hypothesis import given, note, settings, strategies as st
@@ -12,11 +8,18 @@ from k3nn import ops
 from k3nn.config import KimiK3Config
 from k3nn.kernels.moe.reference import moe_experts_reference
 from k3nn.kernels.moe.triton_fused import fused_expert_outputs, moe_finalize_triton
-from k3nn.kernels.registry import backend
+from k3nn.kernels.registry import backend, tuning
 from k3nn.layers.moe import MoE, route
 from k3nn.quant import mxfp4_quantize
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _one_tile_config():
+    """One tile config per MoE Triton kernel: correctness here, tuning in the benchmark."""
+    with tuning(autotune=False):
+        yield
 
 
 def _rel(a, b):
@@ -104,7 +107,7 @@ def test_latent_moe_layer_triton_vs_eager(mx):
     assert _rel(out, ref) < 2e-2
 
 
-# --- CUDA MXFP4 GEMV (kernels/moe/cuda_mx_gemv.py, K3NN_MOE_GEMV=cuda) --------------------------------------
+# --- CUDA MXFP4 GEMV (kernels/moe/cuda_mx_gemv.py, KernelTuning.moe_gemv="cuda") ---------------------------
 
 from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
@@ -199,12 +202,16 @@ def test_cuda_gemv_activation_rows_with_inf_nan_and_huge_or_tiny_values():
 
 
 def test_cuda_gemv_dispatch_and_cuda_graph(monkeypatch):
-    """K3NN_MOE_GEMV=cuda routes fused_expert_outputs to the CUDA GEMV (alignment inside the graph too); a
-    captured graph replays the same numbers as eager calls; fp32 activations fall back to the Triton GEMV."""
+    """KernelTuning.moe_gemv="cuda" routes fused_expert_outputs to the CUDA GEMV (alignment inside the graph too);
+    a captured graph replays the same numbers as eager calls; fp32 activations fall back to the Triton GEMV."""
     _cuda_cfgs()
+    with tuning(moe_gemv="cuda"):
+        _cuda_gemv_dispatch_and_cuda_graph(monkeypatch)
+
+
+def _cuda_gemv_dispatch_and_cuda_graph(monkeypatch):
     import k3nn.kernels.moe.cuda_mx_gemv as mod
 
-    monkeypatch.setenv("K3NN_MOE_GEMV", "cuda")
     x, (w1, w3, w2), ids, _ = _problem(4, 256, 128, 16, 4, 11, True)
     calls = []
     orig = mod.mx_gemv_experts_cuda

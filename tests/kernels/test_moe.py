@@ -319,12 +319,9 @@ def test_mx_gemv_word_decode_needs_vec4():
 
 
 def test_mx_gemv_dispatch_at_decode_sizes(monkeypatch):
-    """With GEMV_MAX_PAIRS set (opt-in), no mx_mode + few pairs → the GEMV; an explicit grouped-GEMM mode keeps
+    """At most KernelTuning.moe_gemv_pairs pairs and no mx_mode → the GEMV; an explicit grouped-GEMM mode keeps
     the old path (same numbers)."""
-    import k3nn.kernels.moe.triton_fused as tf
     import k3nn.kernels.moe.triton_mx_gemv as gm
-
-    monkeypatch.setattr(tf, "GEMV_MAX_PAIRS", 64)
 
     x, w1, w3, w2, ids, _ = _problem(2, 64, 32, 6, 3, seed=9, mx=True)
     calls = []

@@ -1,5 +1,5 @@
 """CUDA MXFP4 expert GEMV (kernels/moe/cuda_mx_gemv.py) on a CPU machine: availability reasons, the
-K3NN_MOE_GEMV knob, config checks and the shape of the generated source. The kernels themselves run in
+KernelTuning.moe_gemv / moe_cuda_pdl fields, config checks and the shape of the generated source. The kernels themselves run in
 tests/gpu/test_moe_gpu.py."""
 
 import re
@@ -11,6 +11,7 @@ from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.moe.cuda_mx_gemv as cm
 import k3nn.kernels.moe.triton_fused as tf
+from k3nn.kernels.registry import KernelTuning, tuning
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.quant import mxfp4_quantize
 
@@ -31,53 +32,73 @@ def test_supports_reasons_without_gpu():
     assert cm.supports(torch.randn(1, 64), w, w, w) == "inputs are not CUDA tensors"
 
 
-@pytest.mark.parametrize("value", ["cuda-ish", "tri ton", "1"])
-def test_bad_knob_value_names_the_variable(monkeypatch, value):
-    monkeypatch.setenv("K3NN_MOE_GEMV", value)
-    with pytest.raises(ValueError, match="K3NN_MOE_GEMV"):
-        tf.gemv_impl()
-    with pytest.raises(ValueError, match="K3NN_MOE_GEMV"):
-        tf.block_m_for(4, 8, True)
+@pytest.mark.parametrize("value", ["cuda-ish", "tri ton", "1", "Triton"])
+def test_bad_gemv_value_names_the_field(value):
+    with pytest.raises(ValueError, match="moe_gemv"):
+        KernelTuning(moe_gemv=value)
+    with pytest.raises(ValueError, match="moe_gemv"), tuning(moe_gemv=value):
+        pass
 
 
-@pytest.mark.parametrize("value,want", [(None, "auto"), ("", "auto"), ("Triton", "triton"), ("cuda", "cuda"),
-                                        ("AUTO", "auto")])
-def test_knob_values(monkeypatch, value, want):
-    if value is None:
-        monkeypatch.delenv("K3NN_MOE_GEMV", raising=False)
-    else:
-        monkeypatch.setenv("K3NN_MOE_GEMV", value)
-    assert tf.gemv_impl() == want
+@pytest.mark.parametrize("value", ["auto", "triton", "cuda"])
+def test_gemv_values(value):
+    assert tf.gemv_impl() == "auto"
+    with tuning(moe_gemv=value):
+        assert tf.gemv_impl() == value
+    assert tf.gemv_impl() == "auto"
+
+
+def test_triton_gemv_never_takes_the_cuda_block_size():
+    with tuning(moe_gemv="triton"):
+        assert not tf._cuda_gemv_possible()
+        assert tf.block_m_for(3, 8, True, "gemv") == 1
+
+
+def test_gemv_pair_limits_follow_the_tuning():
+    """moe_gemv_pairs bounds the Triton GEMV (0: never) where the CUDA GEMV cannot run; bad limits are refused."""
+    if tf._cuda_gemv_possible():
+        pytest.skip("the CUDA GEMV runs here: moe_cuda_gemv_pairs is the limit")
+    for limit in (0, 5, 64):
+        with tuning(moe_gemv_pairs=limit):
+            assert tf.use_gemv(1, True) is (limit > 0) and not tf.use_gemv(limit + 1, True)
+            assert tf.use_gemv(max(limit, 1), True) is (limit > 0)
+            assert tf.use_gemv(limit + 1, True, "gemv")  # an explicit mx_mode="gemv" ignores the limit
+    with tuning(moe_cuda_gemv_pairs=0):  # the CUDA limit does not apply without the CUDA GEMV
+        assert tf.use_gemv(64, True)
+    for bad in (-1, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="moe_gemv_pairs"):
+            KernelTuning(moe_gemv_pairs=bad)
+        with pytest.raises(ValueError, match="moe_cuda_gemv_pairs"):
+            KernelTuning(moe_cuda_gemv_pairs=bad)
 
 
 def test_auto_without_gpu_is_silent_triton(monkeypatch, caplog):
     """The default (auto) where the CUDA GEMV cannot run: the Triton GEMV and its 64-pair limit, no warning."""
-    monkeypatch.delenv("K3NN_MOE_GEMV", raising=False)
     monkeypatch.setattr(tf, "_CUDA_GEMV_WARNED", set())
     assert tf.block_m_for(3, 8, True, "gemv") == 1
-    assert tf.use_gemv(tf.GEMV_MAX_PAIRS, True) and not tf.use_gemv(tf.GEMV_MAX_PAIRS + 1, True)
+    limit = KernelTuning().moe_gemv_pairs
+    assert limit == 64 and tf.use_gemv(limit, True) and not tf.use_gemv(limit + 1, True)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, generator=g)
     w1, w3 = (mxfp4_quantize(torch.randn(4, 32, 64, generator=g) / 8) for _ in range(2))
     w2 = mxfp4_quantize(torch.randn(4, 64, 32, generator=g) / 6)
     with caplog.at_level("WARNING"):
         tf.fused_expert_outputs(x, w1, w3, w2, torch.tensor([[1, 3]]), "situ", 4.0, 25.0, mx_mode="gemv")
-    assert not any("K3NN_MOE_GEMV" in r.message for r in caplog.records)
+    assert not any("moe_gemv" in r.message for r in caplog.records)
 
 
 def test_cuda_request_without_gpu_warns_and_keeps_triton(monkeypatch, caplog):
-    """K3NN_MOE_GEMV=cuda where the kernel cannot run: one warning, the Triton GEMV, same numbers."""
-    monkeypatch.setenv("K3NN_MOE_GEMV", "cuda")
+    """moe_gemv="cuda" where the kernel cannot run: one warning, the Triton GEMV, same numbers."""
     monkeypatch.setattr(tf, "_CUDA_GEMV_WARNED", set())
-    assert tf.block_m_for(3, 8, True, "gemv") == 1  # Triton's block size: the CUDA one needs the kernel
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, generator=g)
     w1, w3 = (mxfp4_quantize(torch.randn(4, 32, 64, generator=g) / 8) for _ in range(2))
     w2 = mxfp4_quantize(torch.randn(4, 64, 32, generator=g) / 6)
     ids = torch.tensor([[1, 3]])
-    with caplog.at_level("WARNING"):
+    with tuning(moe_gemv="cuda"), caplog.at_level("WARNING"):
+        assert tf.block_m_for(3, 8, True, "gemv") == 1  # Triton's block size: the CUDA one needs the kernel
         y = tf.fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, mx_mode="gemv")
-    assert any("K3NN_MOE_GEMV=cuda" in r.message for r in caplog.records)
+    assert sum("moe_gemv='cuda'" in r.message for r in caplog.records) == 1
     ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
     assert ((y - ref).norm() / ref.norm()).item() < 1e-4
 
@@ -106,12 +127,15 @@ def test_config_checks_and_block_m():
     assert 2 * (cm.smem_bytes(cm.CudaGemvConfig(4, 2, 2, True, 1), 8, 3584, True) + 1024) <= 228 * 1024
 
 
-def test_pdl_knob(monkeypatch):
-    monkeypatch.setenv("K3NN_MOE_CUDA_PDL", "0")
-    assert cm.pdl_enabled("cpu") is False
-    monkeypatch.setenv("K3NN_MOE_CUDA_PDL", "yes")
-    with pytest.raises(ValueError, match="K3NN_MOE_CUDA_PDL"):
-        cm.pdl_enabled("cpu")
+def test_pdl_field(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert cm.pdl_enabled("cpu") is True
+    with tuning(moe_cuda_pdl=False):
+        assert cm.pdl_enabled("cpu") is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))
+    assert cm.pdl_enabled("cpu") is False  # sm_90+ only
+    with pytest.raises(TypeError, match="moe_cuda_pdl"):
+        KernelTuning(moe_cuda_pdl=1)
 
 
 def test_generated_source_has_the_entry_points():

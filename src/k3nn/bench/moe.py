@@ -10,7 +10,7 @@ Shapes: K3 routed experts in latent width (3584 → 3072 → 3584, SiTU-GLU β 4
 * ``moe-mxfp4`` rows — MXFP4 expert weights decoded in-kernel at 1–16 tokens, timed in a CUDA graph:
   ``k3nn_ms`` = the two expert GEMMs (alignment precomputed), bandwidth = bytes of the experts actually
   touched (packed + scales) / that time; ``layer_ms`` = the whole layer (route, align, GEMMs, finalize).
-  ``--mx-modes``: ``auto`` (the dispatcher: the CUDA-core GEMV of triton_mx_gemv at ≤ GEMV_MAX_PAIRS pairs),
+  ``--mx-modes``: ``auto`` (the dispatcher: the decode GEMV at ≤ ``KernelTuning.moe_gemv_pairs`` pairs),
   ``gemv``, or a grouped-GEMM decode (``scaled``, ``split``, ``join``).
 """
 

@@ -79,9 +79,10 @@ class KernelTuning:
     """Kernel parameters below the choice of backend; every field's default is what the kernels do untuned.
 
     Fields:
-        autotune: Triton kernels with several candidate configs (the KDA chunk forward and backward) and the
-            Triton MLA decode plan time their candidates on the first call per shape. False: the first config /
-            the heuristic plan, no timing (quick GPU tests). A shape keeps the choice made on its first call.
+        autotune: Triton kernels with several candidate configs (the KDA chunk forward and backward, the MoE
+            grouped GEMMs) and the Triton MLA decode plan time their candidates on the first call per shape.
+            False: the first config / the heuristic plan, no timing (quick GPU tests). A shape keeps the choice
+            made on its first call.
         kda_decode_head_min: B·H from which the Triton fused KDA decode takes its ``head`` kernel (one program
             per request-head); smaller calls take ``split`` (column blocks of a head in parallel). 1 sends every
             call to ``head``, a huge value every call to ``split``.
@@ -93,6 +94,14 @@ class KernelTuning:
         decode_kernels: the small fused kernels of the latency-specialized decode path (router, GLU, norms,
             gate; :mod:`k3nn.decode.kernels`): ``"eager"`` their PyTorch forms, ``"auto"`` Triton on CUDA
             tensors, ``"triton"`` always (CPU tensors under ``TRITON_INTERPRET=1``).
+        moe_gemv: the MXFP4 expert GEMV of the fused MoE at decode sizes: ``"auto"`` the CUDA kernel where it
+            builds and takes the inputs, else the Triton one; ``"cuda"`` the same but one warning when the CUDA
+            kernel cannot run; ``"triton"`` the Triton one always.
+        moe_gemv_pairs: MXFP4 experts with at most this many (token, slot) pairs take the Triton weight-streaming
+            GEMV instead of the grouped GEMMs (0: never).
+        moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never).
+        moe_cuda_pdl: the CUDA GEMV launches its down kernel as a programmatic dependent of the up kernel
+            (sm_90+ only; False: plain stream order).
     """
 
     autotune: bool = True
@@ -100,6 +109,10 @@ class KernelTuning:
     mla_decode_tile: tuple[int, ...] | None = None
     mla_cluster: int | None = None
     decode_kernels: str = "eager"
+    moe_gemv: str = "auto"
+    moe_gemv_pairs: int = 64
+    moe_cuda_gemv_pairs: int = 256
+    moe_cuda_pdl: bool = True
 
     def __post_init__(self):
         if not isinstance(self.autotune, bool):
@@ -119,6 +132,14 @@ class KernelTuning:
         if self.decode_kernels not in ("eager", "auto", "triton"):
             raise ValueError(f"KernelTuning.decode_kernels must be 'eager', 'auto' or 'triton', "
                              f"got {self.decode_kernels!r}")
+        if self.moe_gemv not in ("auto", "cuda", "triton"):
+            raise ValueError(f"KernelTuning.moe_gemv must be 'auto', 'cuda' or 'triton', got {self.moe_gemv!r}")
+        for name in ("moe_gemv_pairs", "moe_cuda_gemv_pairs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"KernelTuning.{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.moe_cuda_pdl, bool):
+            raise TypeError(f"KernelTuning.moe_cuda_pdl must be a bool, got {self.moe_cuda_pdl!r}")
 
 
 _tuning: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("k3nn_tuning", default=KernelTuning())

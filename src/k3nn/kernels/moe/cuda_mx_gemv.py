@@ -1,7 +1,7 @@
 """MXFP4 expert GEMV in CUDA for decode-sized MoE batches (``torch.utils.cpp_extension``, built on first use,
 never at import). Same contract as :func:`.triton_mx_gemv.mx_gemv_experts`; the default decode GEMV where
-it builds (``K3NN_MOE_GEMV=auto``; ``cuda`` insists, ``triton`` opts out); checked against the eager reference by
-``tests/gpu/test_moe_gpu.py`` on the H200.
+it builds (``KernelTuning.moe_gemv="auto"``; ``"cuda"`` insists, ``"triton"`` opts out); checked against the
+eager reference by ``tests/gpu/test_moe_gpu.py`` on the H200.
 
 Weights: packed u8 [E, N, K/2] (two E2M1 per byte, low nibble = even k), E8M0 scales u8 [E, N, K/32]; x, h, y
 bf16 or fp16. One CTA computes 16·RT output rows of one expert for the valid rows of one alignment block
@@ -29,7 +29,7 @@ Per CTA::
     scale      after the group's 8 mmas (per matrix and token pair): one fp32 FMA per accumulator with its block's
                2^(s−127); a shuffle adds the lane pair's other two blocks
     epilogue   K slices summed in shared memory, · 2^e per token (NaN when the row holds Inf/NaN), GLU
-               (SiLU/SiTU, ``triton_fused._act``) → h in sorted-row order; down: y scattered to flat pair ids
+               (SiLU/SiTU, ``triton_common._act``) → h in sorted-row order; down: y scattered to flat pair ids
 
 The fp16 activation rounding is exact for bf16 inputs (8 significant bits) and for fp16 inputs, apart from values
 below 2^-14 · 2^-(BIAS+1) of the row's max (subnormal in fp16). Products are exact in fp32, each block's sum
@@ -41,7 +41,7 @@ Launch shape ``CudaGemvConfig(row_tiles, k_split, unroll, prefetch, decode)``; `
 module, the kernels in a torch-free ``.cu`` (nvcc) and the binding in a ``.cpp`` (host compiler) so the two
 compile in parallel. Launches are CUDA-graph capturable: no host syncs, no allocation except the ``h`` buffer.
 
-Programmatic dependent launch (sm_90+, ``K3NN_MOE_CUDA_PDL``, default 1): every up CTA executes
+Programmatic dependent launch (sm_90+, ``KernelTuning.moe_cuda_pdl``, default True): every up CTA executes
 ``griddepcontrol.launch_dependents`` first, and the down kernel goes through ``cudaLaunchKernelEx`` with
 programmatic stream serialization, so its CTAs start as up CTAs retire, issue their first weight loads and stage
 their scales, and only then ``griddepcontrol.wait`` (returns once the whole up grid has completed and its h
@@ -65,6 +65,7 @@ import torch
 from ...quant.mxfp4 import MXFP4Weight
 from ..cuda_ext import smem_per_block as _smem_limit
 from ..cuda_ext import PDL_SOURCE, toolchain_reason
+from ..registry import current_tuning
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
            "pdl_enabled", "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
@@ -798,12 +799,9 @@ def _launch(mod_cfg, cfg, glu, a, w, w3, out, al, top_k, num_pairs, a_by_token, 
 
 
 def pdl_enabled(dev) -> bool:
-    """Whether the down GEMV is launched as a programmatic dependent of the up GEMV: ``K3NN_MOE_CUDA_PDL``
-    (read at each call; default 1, 0 turns it off) on sm_90+."""
-    v = os.environ.get("K3NN_MOE_CUDA_PDL", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"K3NN_MOE_CUDA_PDL must be 0 or 1, got {v!r}")
-    return v == "1" and torch.cuda.get_device_capability(dev) >= (9, 0)
+    """Whether the down GEMV is launched as a programmatic dependent of the up GEMV:
+    ``KernelTuning.moe_cuda_pdl`` (read at each call; default True) on sm_90+."""
+    return current_tuning().moe_cuda_pdl and torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
 def _module_for(cfg: CudaGemvConfig, configs, dtypes):

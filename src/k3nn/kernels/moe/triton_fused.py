@@ -11,7 +11,7 @@ Pipeline (all on device, no host sync)::
 MXFP4 weights (packed u8 [E, N, K/2], E8M0 scale u8 [E, N, K/32]) are decoded in-kernel (Hopper has no FP4
 MMA). Default for bf16/fp16 activations: ``tl.dot_scaled`` (the compiler's E2M1 upcast; note its E8M0 byte 0
 decodes as 0 instead of 2^-127, i.e. weights below 1e-37 flush to zero). fp32 activations, or
-``K3NN_MOE_MX=split``: a hand-written decode (nibbles → E2M1 bits → fp32 × 2^(s−127), exact for every scale)
+``mx_mode="split"``: a hand-written decode (nibbles → E2M1 bits → fp32 × 2^(s−127), exact for every scale)
 feeding two dots per tile (even / odd k). Static SASS count on sm_90 (loop body, per packed weight byte):
 ≈12–14 instructions for ``scaled``, ≈40 for ``split`` — the decode is issue-bound below the HBM rate.
 Routing weights are applied late (after W2), as K3's SiTU contract requires.
@@ -26,35 +26,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tl_math import tanh as _tanh
-
 from ...quant.mxfp4 import MXFP4Weight
+from ..registry import autotune_prune, current_tuning
 from .align import MoEAlignment, align_for
+from .triton_common import _act, _e2m1_to_f32
 
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m", "block_m_for",
            "use_gemv"]
 
 log = logging.getLogger(__name__)
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-#: autotune over several tile configs on a GPU (K3NN_MOE_TUNE=0: the first config only, e.g. for quick tests)
-_TUNE = os.environ.get("K3NN_MOE_TUNE", "1") != "0"
 #: MXFP4 decode: "scaled" = tl.dot_scaled (the compiler's E2M1 upcast; fp16/bf16 activations), "split" =
-#: even/odd-k halves decoded by hand (two dots per tile), "join" = nibbles interleaved in registers
+#: even/odd-k halves decoded by hand (two dots per tile), "join" = nibbles interleaved in registers; the
+#: ``mx_mode`` argument of :func:`fused_expert_outputs` picks one for a call
 MX_MODES = {"join": 0, "split": 1, "scaled": 2}
-MX_DEFAULT = os.environ.get("K3NN_MOE_MX", "scaled")
-#: MXFP4 with at most this many (token, slot) pairs and no explicit ``mx_mode``: the CUDA-core weight-streaming
-#: GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs. H200, K3 shapes, top-16, word-decode GEMV:
-#: 1.78x the grouped kernel at 1 token and 1.48x at 4 (64 pairs); at 16 tokens (256 pairs) the grouped kernel is
-#: faster. (The end-to-end first-step logits of k3_slice differ from eager by 0.1-0.6 in bf16 with or without the
-#: GEMV: MoE routing flips on near-tied router scores, bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.)
-#: K3NN_MOE_GEMV_PAIRS=0 turns it off.
-GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_GEMV_PAIRS", "64"))
-#: the same limit for the CUDA GEMV (cuda_mx_gemv): H200, K3 shapes, top-16, 16 tokens (256 pairs): 1010 µs
-#: against 1752 µs for the grouped kernel and 2562 µs for the Triton GEMV (bench/results/logs/h200-s4-run3-*)
-CUDA_GEMV_MAX_PAIRS = int(os.environ.get("K3NN_MOE_CUDA_GEMV_PAIRS", "256"))
-#: implementations of that GEMV, picked by K3NN_MOE_GEMV (read at each call): "auto" (the default: the CUDA GEMV
-#: where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or "cuda"
-#: (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
+MX_DEFAULT = "scaled"
+#: MXFP4 with at most ``KernelTuning.moe_gemv_pairs`` (token, slot) pairs (default 64) and no explicit
+#: ``mx_mode``: the CUDA-core weight-streaming GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs.
+#: H200, K3 shapes, top-16, word-decode GEMV: 1.78x the grouped kernel at 1 token and 1.48x at 4 (64 pairs); at
+#: 16 tokens (256 pairs) the grouped kernel is faster. (The end-to-end first-step logits of k3_slice differ from
+#: eager by 0.1-0.6 in bf16 with or without the GEMV: MoE routing flips on near-tied router scores,
+#: bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.) 0 turns it off.
+#: ``KernelTuning.moe_cuda_gemv_pairs`` (default 256): the same limit for the CUDA GEMV (cuda_mx_gemv): H200, K3
+#: shapes, top-16, 16 tokens (256 pairs): 1010 µs against 1752 µs for the grouped kernel and 2562 µs for the
+#: Triton GEMV (bench/results/logs/h200-s4-run3-*).
+#: ``KernelTuning.moe_gemv`` (read at each call) picks the implementation of that GEMV: "auto" (the default: the
+#: CUDA GEMV where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or
+#: "cuda" (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
 #: misaligned weights — one warning and the Triton GEMV). H200 (bench/results/logs/h200-s5-run3-2026-11-30.log,
 #: K3 experts, top-16): the CUDA GEMV moves the touched experts' weights at 60.7% / 61.6% / 63.0% of copy bandwidth
 #: at 1 / 4 / 16 tokens with 896 experts (60.9% / 61.6% / 57.0% with 128), the Triton one at 42% / 38% / 18%.
@@ -62,11 +60,8 @@ GEMV_IMPLS = ("auto", "triton", "cuda")
 
 
 def gemv_impl() -> str:
-    """The MXFP4 decode GEMV implementation requested by ``K3NN_MOE_GEMV`` (default "auto")."""
-    v = os.environ.get("K3NN_MOE_GEMV", "").strip().lower() or "auto"
-    if v not in GEMV_IMPLS:
-        raise ValueError(f"K3NN_MOE_GEMV must be one of {', '.join(GEMV_IMPLS)}, got {v!r}")
-    return v
+    """The MXFP4 decode GEMV implementation in force: ``KernelTuning.moe_gemv`` (default "auto")."""
+    return current_tuning().moe_gemv
 
 
 _CUDA_GEMV_WARNED: set[str] = set()
@@ -91,8 +86,8 @@ def _use_cuda_gemv(x, w1, w3, w2, num_pairs: int, num_experts: int) -> bool:
     why = cm.available() or cm.supports(x, w1, w3, w2, block_m=cm.cuda_block_m(num_pairs, num_experts))
     if why and impl == "cuda" and why not in _CUDA_GEMV_WARNED:
         _CUDA_GEMV_WARNED.add(why)
-        log.warning("fused MoE: K3NN_MOE_GEMV=cuda but the CUDA GEMV cannot run here (%s); using the Triton GEMV",
-                    why)
+        log.warning("fused MoE: KernelTuning.moe_gemv='cuda' but the CUDA GEMV cannot run here (%s); using the "
+                    "Triton GEMV", why)
     return why is None
 
 
@@ -121,19 +116,8 @@ _CONFIGS = {  # (BLOCK_N, BLOCK_K, warps, stages), per (kind, kernel); checked f
 def _configs(kind: str, which: str):
     if _INTERP:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    cfgs = _CONFIGS[(kind, which)] if _TUNE else _CONFIGS[(kind, which)][:1]
+    cfgs = _CONFIGS[(kind, which)]  # KernelTuning.autotune=False: the first only (autotune_prune)
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in cfgs]
-
-
-@triton.jit
-def _act(g, u, ACT: tl.constexpr, beta, linear_beta, CAP_UP: tl.constexpr):
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    if ACT == 0:  # SiLU-GLU
-        return g * sig * u
-    a = beta * _tanh(g / beta) * sig  # SiTU-GLU
-    if CAP_UP:
-        u = linear_beta * _tanh(u / linear_beta)
-    return a * u
 
 
 @triton.jit
@@ -194,13 +178,6 @@ def _mx_packed_tiles(w_ptr, s_ptr, e, offs_n, k0, N, K, stride_we, stride_wn, st
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    mag = code & 7
-    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
-    return (bits | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -214,7 +191,8 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 def _make_up(kind):
-    @triton.autotune(configs=_configs(kind, "up"), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
+    @triton.autotune(configs=_configs(kind, "up"), prune_configs_by={"early_config_prune": autotune_prune},
+                     key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
     @triton.jit
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                 NUM_BLOCKS, N, K, top_k, num_pairs,
@@ -276,7 +254,8 @@ def _make_up(kind):
 
 
 def _make_down(kind):
-    @triton.autotune(configs=_configs(kind, "down"), key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
+    @triton.autotune(configs=_configs(kind, "down"), prune_configs_by={"early_config_prune": autotune_prune},
+                     key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
     @triton.jit
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
@@ -387,7 +366,8 @@ def use_gemv(num_pairs: int, mxfp4: bool, mx_mode: str | None = None) -> bool:
         return False
     if mx_mode == "gemv":
         return True
-    limit = CUDA_GEMV_MAX_PAIRS if _cuda_gemv_possible() else GEMV_MAX_PAIRS
+    t = current_tuning()
+    limit = t.moe_cuda_gemv_pairs if _cuda_gemv_possible() else t.moe_gemv_pairs
     return mx_mode is None and num_pairs <= limit
 
 
@@ -416,7 +396,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
                          mx_mode: str | None = None, gemv_cfg=None) -> torch.Tensor:
     """Per-slot expert outputs, unweighted: [N, k, D] with ``y[n, j] = E_{ids[n,j]}(x[n])`` in x.dtype.
 
-    MXFP4 weights at decode sizes (``mx_mode="gemv"``, or no ``mx_mode`` and ≤ ``GEMV_MAX_PAIRS`` pairs) go to
+    MXFP4 weights at decode sizes (``mx_mode="gemv"``, or no ``mx_mode`` and ≤ ``KernelTuning.moe_gemv_pairs`` pairs) go to
     the weight-streaming GEMV (``triton_mx_gemv``); ``gemv_cfg``: its (up, down) ``GemvConfig`` pair."""
     N, D = x.shape
     k = topk_ids.shape[1]
@@ -432,7 +412,7 @@ def fused_expert_outputs(x: torch.Tensor, w1, w3, w2, topk_ids: torch.Tensor, ac
         from .triton_mx_gemv import gemv_block_m, mx_gemv_experts
 
         cu, cd = gemv_cfg if gemv_cfg is not None else (None, None)
-        if _use_cuda_gemv(x, w1, w3, w2, P, E):  # K3NN_MOE_GEMV=auto|cuda; build/launch errors propagate
+        if _use_cuda_gemv(x, w1, w3, w2, P, E):  # moe_gemv auto|cuda; build/launch errors propagate
             from .cuda_mx_gemv import CudaGemvConfig, cuda_block_m, mx_gemv_experts_cuda
 
             gbm = cuda_block_m(P, E)

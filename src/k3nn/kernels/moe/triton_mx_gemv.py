@@ -17,7 +17,7 @@ Data flow per K step (one weight matrix; the up kernel does w1 and w3 together a
                                           s > 240: · 2^14 · 2^(s-127) (two exact steps, no overflow)
 
 and after the loop one cross-thread sum over SG. The epilogue applies the GLU activation (up: SiLU/SiTU,
-``triton_fused._act``) and stores h in the sorted row order, or (down) scatters y to flat pair ids — the
+``triton_common._act``) and stores h in the sorted row order, or (down) scatters y to flat pair ids — the
 same buffers and contract as the grouped-GEMM kernels, which stay in use for prefill.
 
 Scales decode exactly for every byte: 0 → 2^-127, 255 → NaN. ``DECODE=1`` uses the arithmetic E2M1 decode
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fused import _act, _e2m1_to_f32
+from .triton_common import _act, _e2m1_to_f32
 
 __all__ = ["GemvConfig", "mx_gemv_experts", "mx_gemv_linear", "gemv_block_m", "DEFAULT_CONFIG"]
 
@@ -77,7 +77,7 @@ class GemvConfig(tuple):
 #: (8, 512, 16, 2) with the 32-bit word decode and split activations: the fastest of twelve schedules on the H200
 #: at K3 shapes and 1–4 tokens (bench/gpu/moe_mx.py, bench/results/logs/h200-s3-run3-2026-11-30.log: 42.7% of copy
 #: bandwidth at one token and 37.9% at four, against 24-25% for the grouped tl.dot_scaled kernel; 16 tokens stay on
-#: the grouped kernel, see ``GEMV_MAX_PAIRS``). The interpreter gets wider, shorter tiles (fewer programs).
+#: the grouped kernel, see ``KernelTuning.moe_gemv_pairs``). The interpreter gets wider, shorter tiles (fewer programs).
 DEFAULT_CONFIG = (GemvConfig(64, 64, 16, 4) if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
                   else GemvConfig(8, 512, 16, 2, True, 2, True))
 
