@@ -10,8 +10,8 @@
    events, inputs far larger than L2) and the decode shapes T = 1, 64 (CUDA graph, inputs rotated past L2)
    for S = 9, 5, 2 and each schedule: us, TB/s for (S + 1)·T·d·2 bytes (every source read once, h written
    once), fraction of copy bandwidth, and the compiled kernel's registers / spills. The last lines name the
-   fastest schedule per (T, S): the default (triton_mix._mix_config / attnres_mix_triton) should be set from
-   them, or tried end to end first with K3NN_ATTNRES_MIX=<name>.
+   fastest schedule per (T, S): the default (triton_mix._mix_config / DEFAULT_SCHEDULES) should be set from
+   them. Candidate schedules are keyword knobs of attnres_mix_triton: add them to VARIANTS to time them.
    Compilation dominates (about 1-3 s per schedule and S); --budget stops starting new timings after that
    many seconds (default 400).
 """
@@ -43,8 +43,6 @@ DEV = "cuda"
 
 # name -> keyword overrides of attnres_mix_triton ({} = the default schedule); see triton_mix.MIX_SCHEDULES.
 VARIANTS = dict(tm.MIX_SCHEDULES)
-DECODE_VARIANTS = ["default", "row-16w-pf2-l2all", "row-8w-pf1-l2all", "stream-16w-pf2-l2x8",
-                   "stream-16w-pf1-l2x6-lazy", "stream-32w-pf2-l2x6-lazy"]
 
 
 def say(*a) -> None:
@@ -150,7 +148,7 @@ def time_mix(meta: dict, rows: list[dict], tokens: list[int], names: list[str] |
     g = torch.Generator(device=DEV).manual_seed(1)
     qw, nw = weights(D, None, g)
     copy = meta.get("copy_tbps") or float("nan")
-    plan = [(T, S, names or (list(VARIANTS) if T > 64 else DECODE_VARIANTS)) for T in tokens for S in (9, 5, 2)]
+    plan = [(T, S, names or list(VARIANTS)) for T in tokens for S in (9, 5, 2)]
     for T, S, todo in plan:
         if over_budget():
             say(f"budget: skipping T={T} S={S}")

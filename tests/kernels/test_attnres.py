@@ -144,9 +144,9 @@ def test_mix_stream_kernel_matches_row_kernel(S, d, n, grid, prefetch, warps, fl
     close(out, attnres_mix_reference(src, qw, nw, 1e-5), dtype)
 
 
-def test_mix_named_schedules_agree(monkeypatch):
-    """Every entry of MIX_SCHEDULES (what bench/gpu/attnres.py times) gives the default's bits; K3NN_ATTNRES_MIX
-    swaps the default schedule; unknown names and knobs are refused."""
+def test_mix_named_schedules_agree():
+    """Every entry of MIX_SCHEDULES (what bench/gpu/attnres.py times) gives the default's bits, and so does the
+    op through the registry; unknown names and knobs are refused."""
     for S, d, n in ((5, 72, 5), (2, 33, 4)):
         src = make((n, d), torch.bfloat16, 20 + S, S)
         qw, nw = weights(d, 20 + S)
@@ -154,14 +154,8 @@ def test_mix_named_schedules_agree(monkeypatch):
         for name in triton_mix.MIX_SCHEDULES:
             out = triton_mix.attnres_mix_triton(src, qw, nw, schedule=name, num_warps=2)
             assert torch.equal(out, ref), (S, name)
-        monkeypatch.setenv("K3NN_ATTNRES_MIX", "stream-16w-pf2-l2x4-lazy")
         with backend("triton"):
             assert torch.equal(ops.attnres_mix(src, qw, nw), ref)
-        monkeypatch.delenv("K3NN_ATTNRES_MIX")
-    monkeypatch.setenv("K3NN_ATTNRES_MIX", "no-such-schedule")
-    with pytest.raises(ValueError, match="K3NN_ATTNRES_MIX"):
-        triton_mix.attnres_mix_triton(src, qw, nw)
-    monkeypatch.delenv("K3NN_ATTNRES_MIX")
     with pytest.raises(TypeError, match="lazy"):
         triton_mix.attnres_mix_triton(src, qw, nw, lazy=True)  # a stream-kernel knob on the row kernel
     with pytest.raises(KeyError):
@@ -316,14 +310,14 @@ def test_stack_queries_feeds_phase1():
         stack_queries(mods)
 
 
-def test_measured_default_schedules_apply_at_prefill_sizes(monkeypatch):
-    """Prefill-sized mixes take the stream schedules measured on the H200; decode sizes keep the row kernel."""
+def test_measured_default_schedules_apply_at_prefill_sizes():
+    """Prefill-sized mixes take the stream schedules measured on the H200; decode sizes keep the row kernel;
+    MIX_SCHEDULES holds exactly the schedules the default takes."""
     from k3nn.kernels.attnres import triton_mix as tm
 
-    monkeypatch.delenv("K3NN_ATTNRES_MIX", raising=False)
     for S, name in ((2, "stream-8w-pf1-l2x4-2cta"), (5, "stream-16w-pf2-l2x4-sec"), (9, "stream-16w-pf2-l2x4-lazy")):
         cfg = tm._mix_schedule(8192, S, {}, 8192)
         assert cfg["stream"] and all(cfg[k] == v for k, v in tm.MIX_SCHEDULES[name].items()), (S, cfg)
         assert not tm._mix_schedule(8192, S, {}, tm.STREAM_MIN_ROWS - 1)["stream"]
-    monkeypatch.setenv("K3NN_ATTNRES_MIX", "default")
-    assert not tm._mix_schedule(8192, 9, {}, 8192)["stream"]
+    assert not tm._mix_schedule(8192, 65, {}, 8192)["stream"]  # past the last entry: the row kernel
+    assert set(tm.MIX_SCHEDULES) == {"default"} | {name for _, name in tm.DEFAULT_SCHEDULES}

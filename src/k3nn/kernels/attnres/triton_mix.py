@@ -13,7 +13,7 @@ in that order), the row sums Σv·q and Σv² (optionally as one joined reductio
 ``ctas`` programs per SM, each mixing rows p, p + G, ... with its load ring and its L2 prefetch window running
 across row boundaries. The L2 prefetch (``l2_ahead``, GPU only: inline PTX, off under the interpreter) asks for
 source rows ahead of the register ring, so the bytes in flight from DRAM no longer cost registers. Named
-schedules: :data:`MIX_SCHEDULES`; ``K3NN_ATTNRES_MIX=<name>`` swaps the default.
+schedules (the measured defaults): :data:`MIX_SCHEDULES`; ``schedule=`` or keyword knobs pick others per call.
 
 Modes (constexpr): ``attnres_mix`` (normalise and store h), phase 1 (Q queries, store the unnormalised
 state o, m, l; the Q programs of a token are adjacent so its source rows are served from L2 after the
@@ -416,40 +416,18 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 # Named mix schedules: keyword overrides of :func:`attnres_mix_triton` ({} = the measured default,
-# :func:`_mix_config`). bench/gpu/attnres.py times every one; ``K3NN_ATTNRES_MIX=<name>`` makes one the default
-# of :func:`attnres_mix_triton` (every S; explicit keywords still win). "row-*": one program per token row
-# (_attnres_kernel); "stream-*": persistent programs over rows (_mix_stream_kernel), ``ctas`` of them per SM.
-# l2 = sources requested into L2 ahead of the register ring (l2_ahead items; kind 1: per 32-byte sector,
-# 2: per 128-byte line, 3: one bulk request per row).
+# :func:`_mix_config`), the ones the default takes (DEFAULT_SCHEDULES); bench/gpu/attnres.py times every one.
+# "stream-*": persistent programs over rows (_mix_stream_kernel), ``ctas`` of them per SM, every source requested
+# into L2 ``l2_ahead`` items ahead of the register ring (l2_kind 1: per 32-byte sector, 2: per 128-byte line, 3:
+# one bulk request per row). Any other schedule is a set of keyword knobs of attnres_mix_triton.
 _ORD = dict(join=True, ordered=True, fence=2)  # the pinned ring with the accumulate tied (see _mix_config)
 MIX_SCHEDULES: dict[str, dict] = {
     "default": {},
-    # one program per row, no L2 prefetch (the measured schedules before the stream kernel)
-    "row-16w-pf3": dict(num_warps=16, prefetch=3, **_ORD),
-    "row-16w-allfirst": dict(num_warps=16, prefetch=8, join=True, ordered=False, fence=1),
-    "row-8w-pf1": dict(num_warps=8, prefetch=1, **_ORD),
-    # one program per row, every source of the row requested into L2 when the program starts
-    "row-16w-pf2-l2all": dict(num_warps=16, prefetch=2, l2_ahead=32, l2_kind=3, **_ORD),
-    "row-8w-pf1-l2all": dict(num_warps=8, prefetch=1, l2_ahead=32, l2_kind=3, **_ORD),
-    "row-4w-pf1-l2all": dict(num_warps=4, prefetch=1, l2_ahead=32, l2_kind=3, **_ORD),
-    # persistent programs (one per SM unless ctas): the ring and the L2 window cross row boundaries
-    "stream-16w-pf3": dict(stream=True, num_warps=16, prefetch=3, **_ORD),
-    "stream-16w-pf2-l2x4": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, **_ORD),
-    "stream-16w-pf2-l2x8": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=8, l2_kind=3, **_ORD),
-    "stream-16w-pf1-l2x6": dict(stream=True, num_warps=16, prefetch=1, l2_ahead=6, l2_kind=3, **_ORD),
     "stream-16w-pf2-l2x4-sec": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=1, **_ORD),
-    "stream-16w-pf2-l2x4-line": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=2, **_ORD),
-    "stream-16w-pf2-l2x4-st": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, store_evict=True,
-                                   **_ORD),
     "stream-16w-pf2-l2x4-lazy": dict(stream=True, num_warps=16, prefetch=2, l2_ahead=4, l2_kind=3, lazy=True,
-                                     **_ORD),
-    "stream-16w-pf1-l2x6-lazy": dict(stream=True, num_warps=16, prefetch=1, l2_ahead=6, l2_kind=3, lazy=True,
                                      **_ORD),
     "stream-8w-pf1-l2x4-2cta": dict(stream=True, ctas=2, num_warps=8, prefetch=1, l2_ahead=4, l2_kind=3,
                                     maxnreg=128, lazy=True, **_ORD),
-    "stream-32w-pf2-l2x4": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=4, l2_kind=3, **_ORD),
-    "stream-32w-pf2-l2x6-lazy": dict(stream=True, num_warps=32, prefetch=2, l2_ahead=6, l2_kind=3, lazy=True,
-                                     **_ORD),
 }
 # The default per source count at prefill sizes (at least STREAM_MIN_ROWS rows): (max S, schedule name)
 # pairs, first match wins. Measured on the H200 at T=8192, d=7168 (bench/results/logs/h200-s3-run3-2026-11-30.log):
@@ -464,15 +442,11 @@ _STREAM_KEYS = _ROW_KEYS + ("ctas", "grid", "store_evict", "num_stages", "lazy")
 
 
 def _mix_schedule(block_d: int, n_sources: int, overrides: dict, n_rows: int | None = None) -> dict:
-    """The schedule of one mix call: the default (or the K3NN_ATTNRES_MIX named one), then ``overrides``."""
-    name = os.environ.get("K3NN_ATTNRES_MIX", "").strip()
-    if not name and (n_rows is None or n_rows >= STREAM_MIN_ROWS):
+    """The schedule of one mix call: the measured default for this size, then ``overrides``."""
+    name = "default"
+    if n_rows is None or n_rows >= STREAM_MIN_ROWS:
         name = next((nm for max_s, nm in DEFAULT_SCHEDULES if n_sources <= max_s), "default")
-    named = {}
-    if name and name != "default":
-        if name not in MIX_SCHEDULES:
-            raise ValueError(f"K3NN_ATTNRES_MIX={name!r}: not one of {', '.join(MIX_SCHEDULES)}")
-        named = MIX_SCHEDULES[name]
+    named = MIX_SCHEDULES[name]
     cfg = {**_mix_config(block_d, n_sources), "stream": False}
     # a named or explicit stream schedule starts from nothing but its own keys (fence as on the GPU)
     for layer in (named, overrides):
