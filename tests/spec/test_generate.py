@@ -427,3 +427,26 @@ def test_eager_backend_runs_the_graph_round_uncaptured(monkeypatch):
     st = drafter.last_stats
     assert torch.equal(out, ref)
     assert st.mode == "static" and "not capturable" in st.fallback and not any(st.graphs.values()), st
+
+
+@pytest.mark.parametrize("accept", [(0, GAMMA), (1, 3)])
+def test_batched_rounds_reclaim_the_holes_of_rejected_drafts(target, accept):
+    """Rows that keep fewer window tokens than the longest row leave masked holes; the eager loop packs them away
+    (the cache holds prompt + answer + one window + a fixed slack, not (γ + 1)× the answer) and the tokens stay
+    those of plain greedy decoding."""
+    from k3nn.spec.generate import HOLE_SLACK
+
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 255, (2, 5), generator=g)
+    n_new = 160
+    ref = target.generate(prompt, max_new_tokens=n_new)
+    made = []
+    orig = target.new_cache
+    target.new_cache = lambda B, L: made.append(L) or orig(B, L)
+    try:
+        out, d = _spec(target, prompt, ref[:, 5:], accept, n_new=n_new, cuda_graph=False)
+    finally:
+        del target.new_cache
+    assert torch.equal(out, ref)
+    assert d.last_stats.compactions > 0
+    assert made == [5 + n_new + GAMMA + 2 + HOLE_SLACK]

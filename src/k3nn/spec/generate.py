@@ -75,6 +75,7 @@ class SpecStats:
     mode: str = "eager"  # round execution path: "eager" | "static" | "graph"
     graphs: dict = field(default_factory=dict)  # graph mode: step name → captured (True) / not (False)
     fallback: str | None = None  # why a capture failed or the graph path was not taken (None: no fallback)
+    compactions: int = 0  # times the eager loop packed away the holes of rejected drafts
 
     @property
     def acceptance_length(self) -> float:
@@ -93,7 +94,8 @@ class SpecStats:
                 "acceptance_length": round(self.acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4),
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance],
-                "mode": self.mode, "graphs": dict(self.graphs), "fallback": self.fallback}
+                "mode": self.mode, "graphs": dict(self.graphs), "fallback": self.fallback,
+                "compactions": self.compactions}
 
 
 def _leading_confident(conf: torch.Tensor | None, threshold: float, n: int, B: int, device) -> torch.Tensor:
@@ -155,9 +157,10 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
         return _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts, stats,
                                 gen, eos, pad, pipe, graphs=mode == "graph")
     taps = list(drafter.target_layers)
-    # rejected window entries stay as masked holes in rows that kept fewer tokens than the longest row:
-    # the shared write position advances by the longest kept prefix per round (≤ γ + 1, ≤ Σ rows' emissions)
-    cap = T0 + min(B, gamma + 1) * n_new + gamma + 2
+    # the shared write position advances by the longest kept prefix per round: rows that kept fewer tokens
+    # leave masked holes, which _reclaim_holes packs away whenever the next window would not fit (the cache
+    # holds the prompt, the answer, one window and HOLE_SLACK columns, whatever the acceptance pattern)
+    cap = T0 + n_new + gamma + 2 + HOLE_SLACK
     cache = model.new_cache(B, cap)
     dstate = drafter.new_state(B, cap)
     out = torch.full((B, n_new + 1), pad, dtype=torch.long, device=dev)  # + a spare column for masked writes
@@ -202,6 +205,9 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
                 drafts, q = pending.new_zeros(B, 0), None
             window = torch.cat([pending[:, None], drafts], 1)
             T = n + 1
+            if cache.seen_tokens + T > cap:
+                _reclaim_holes(cache, dstate)
+                stats.compactions += 1
             rb.begin()
             start = cache.seen_tokens
             res = model(window, cache=cache, output_hidden_layers=taps,
@@ -213,9 +219,12 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             active = ~finished
             keep = torch.where(active, m + 1, torch.ones_like(m))  # finished rows: keep only the pending token
             rb.commit(keep)
+            # ... and not even that in the MLA columns: a finished row's pending column becomes a hole too
+            cache.key_mask[:, start] &= active
+            cache.valid_counts -= (~active).long()
             j = torch.arange(T, device=dev)
-            drafter.extend(dstate, res.hidden_states, anchor_pos[:, None] + j, j[None, :] < keep[:, None],
-                           start=start)
+            drafter.extend(dstate, res.hidden_states, anchor_pos[:, None] + j,
+                           (j[None, :] < keep[:, None]) & active[:, None], start=start)
             # statistics over unfinished rows (device counters: no host sync per round)
             act = active.long()
             rounds += 1
@@ -240,6 +249,39 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     stats.emitted = int(n_out.sum()) - B
     stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
     return _finish(input_ids, out, n_new, eos, streamer, streamed)
+
+
+HOLE_SLACK = 64  # spare cache columns of the eager loop: holes are packed away when they fill these
+
+
+@torch.no_grad()
+def _reclaim_holes(cache, dstate) -> None:
+    """Pack every row's kept entries to the front of the contiguous cache (order kept), in the MLA latents, the
+    key mask and the drafter's context alike (both have the same columns), and rewind the shared write position
+    to the longest row. Rope positions are per row (``valid_counts``), so nothing else moves; KDA state is per
+    row and has no columns."""
+    from ..cache.hybrid import MLAState
+    from ..layers.dspark import DraftState
+
+    L = cache.seen_tokens
+    keep = cache.key_mask[:, :L]
+    count = keep.sum(1)
+    Ln = int(count.max())
+    idx = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :Ln]  # kept columns first, in order
+    tensors = [t for st in cache.layers if isinstance(st, MLAState) for t in (st.latent, st.rope)]
+    if isinstance(dstate, DraftState):
+        tensors += list(dstate.k) + list(dstate.v)
+    for t in tensors:
+        g = idx.view(*idx.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
+        t[:, :Ln] = t[:, :L].gather(1, g)
+    packed = torch.arange(Ln, device=keep.device)[None, :] < count[:, None]
+    masks = [cache.key_mask] + ([dstate.key_mask] if isinstance(dstate, DraftState) else [])
+    for m in masks:
+        m[:, :L] = False
+        m[:, :Ln] = packed
+    cache.seen_tokens = Ln
+    if isinstance(dstate, DraftState):
+        dstate.length = Ln
 
 
 def _finish(input_ids, out, n_new, eos, streamer, streamed) -> torch.Tensor:
