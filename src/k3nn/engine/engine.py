@@ -3,22 +3,31 @@
 One :meth:`Engine.step`:
 
 1. **Schedule** (token budget per step): every request with one token left to feed (decodes, and prompts
-   whose last token is all that is left) gets 1 token first; the prefill budget is what remains —
-   ``adaptive``: ``max_num_batched_tokens − reserve_per_seq · (running decodes)`` (so a lone request is not
-   cut into several forwards); ``fixed``: ``max_num_batched_tokens − reserve_per_seq · max_num_seqs``
-   (a reservation for the largest batch, the pre-adaptive vLLM behaviour). Partial prefills continue first
-   (FCFS), then waiting requests are admitted while rows, pages and budget last. A split chunk ends on a
-   64-token boundary.
+   whose last token is all that is left) gets its decode tokens first — 1, or with a drafter a verify window of
+   1 + n drafts — and the pages they need (oldest first; when the pool runs out the newest running request is
+   **preempted**: its prompt + output pages are indexed for reuse, its row and pages freed, and it is re-queued
+   at the front to be recomputed from prompt + output with the same generator: identical output). The prefill
+   budget is what remains — ``adaptive``: ``max_num_batched_tokens − max(reserve_per_seq · decodes, decode
+   tokens)`` (so a lone request is not cut into several forwards); ``fixed``: ``max_num_batched_tokens −
+   reserve_per_seq · max_num_seqs`` (a reservation for the largest batch, the pre-adaptive vLLM behaviour).
+   Partial prefills continue first (FCFS), then waiting requests are admitted while rows, pages and budget last;
+   one that does not fit the free pages yet does not block smaller ones behind it (none are admitted in a step
+   that preempted). A split chunk ends on a 64-token boundary.
 2. **Admit**: prefix lookup (pages + KDA snapshot at L ≤ N−1), copy the snapshot into the request's running row
-   (copy-on-write), share the pages, allocate the rest of the prompt + max_new_tokens up front (so a running
-   request never runs out: nothing running is ever evicted), plan snapshot positions (retention policy).
-3. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
+   (copy-on-write), share the pages, allocate the pages of the rest of what it feeds before its first sample
+   (keeping ``watermark`` of the pool free for the running requests to grow into), plan snapshot positions
+   (retention policy).
+3. **Draft** (with a drafter): the decode rows' drafts (greedy rows batched, sampling rows each from its own
+   generator; :mod:`k3nn.engine.speculative`).
+4. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
    layers then read/write contiguous slices. Rows move only when the membership changes (arrivals,
    completions), not per layer or per forward.
-4. **Run** one mixed forward ``[D + P, T]`` when the prefill chunks are short (≤ ``mixed_forward_max_tokens``),
-   else two (decodes ``[D, 1]``, then prefills ``[P, T]``); rows are right-padded and the KDA state of a short
-   row, like every planned snapshot, is exported inside the same pass. Sample, then **commit**: index the new full pages and
-   snapshots (visible to lookups from the next step on), finish requests, free their rows and pages.
+5. **Run** one mixed forward ``[D + P, T]`` when the prefill chunks are short (≤ ``mixed_forward_max_tokens``),
+   else two (decodes and verify windows, then prefills ``[P, T]``); rows are right-padded and the KDA state of a
+   short row, like every planned snapshot, is exported inside the same pass. **Verify** the windows (accept,
+   rewind, replay the KDA state of partly rejected rows), sample the rest through each request's
+   :class:`~k3nn.engine.sampling.RequestSampler`, then **commit**: index the new full pages and snapshots
+   (visible to lookups from the next step on), check stop conditions, finish requests, free their rows and pages.
 
 Failures: :meth:`Engine.add_request` checks every argument (nothing is queued on error); inside a step, an error
 that belongs to one request (admission, snapshot plan, sampling — NaN logits included —, stop check, commit) ends
