@@ -332,3 +332,19 @@ def test_mx_gemv_dispatch_at_decode_sizes(monkeypatch):
     y2 = fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0, mx_mode="split")
     assert calls == [1]
     _close(y, y2)
+
+
+def test_grouped_gemms_autotune_through_the_tuning():
+    """Every grouped-GEMM kernel prunes its tile configs through KernelTuning.autotune (no environment switch):
+    all candidates by default, the first one with autotune off."""
+    import k3nn.kernels.moe.triton_fused as tf
+    from k3nn.kernels.registry import autotune_prune, tuning
+
+    for kernels in (tf._UP, tf._DOWN):
+        assert set(kernels) == {"small", "mid", "large"}
+        for fn in kernels.values():
+            assert fn.early_config_prune is autotune_prune
+            assert fn.early_config_prune(fn.configs, {}) == fn.configs
+            with tuning(autotune=False):
+                assert fn.early_config_prune(fn.configs, {}) == fn.configs[:1]
+    assert all(len(c) == 3 for c in tf._CONFIGS.values())  # the GPU candidates (the interpreter builds one)
