@@ -108,3 +108,11 @@ def test_ignore_eos_and_min_tokens(model):
     list(e.stream())
     out = e.requests[c].output
     assert out[:2] == ref[:2] and out[2] != eos and eos not in out[:4]  # eos blocked for the first 4 tokens
+
+
+def test_n_samples_share_the_prompt_through_the_prefix_cache(model):
+    p = rand_ids(150, 84)
+    e = _engine(model, max_num_seqs=8)
+    outs = e.generate([p], n=4, max_new_tokens=5, do_sample=True, seed=3)[0]
+    assert e.metrics()["cache_hits"] >= 3 and e.metrics()["computed_prompt_tokens"] < 2 * len(p)
+    assert outs == [_engine(model).generate([p], max_new_tokens=5, do_sample=True, seed=3 + i)[0] for i in range(4)]

@@ -663,6 +663,14 @@ class Engine:
                 n = end - req.num_computed
         return n
 
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """``req`` is a sample of an n > 1 request whose sibling is still prefilling the shared prompt (with
+        prefix caching, waiting for it turns the prompt into a hit)."""
+        if self.prefix is None or req.parent is None or req.output or req.num_prompt_tokens <= self.pools.block_size:
+            return False
+        return any(q.parent == req.parent and q.status == RequestStatus.RUNNING and q.remaining > 1
+                   for q in self.running)
+
     def _draft_len(self, req: Request) -> int:
         """Drafts this decode row may verify: its ``num_speculative_tokens``, at most one less than the tokens it
         may still emit (the target's own token always follows the accepted drafts)."""
@@ -695,6 +703,9 @@ class Engine:
         i = 0
         while i < len(self.waiting) and budget > 0 and self.num_preemptions == preempted:
             req = self.waiting[i]
+            if self._sibling_prefilling(req):
+                i += 1  # a sibling sample is computing the same prompt: wait one step and share its pages
+                continue
             try:
                 admitted = self._admit(req)
             except Exception as e:  # this request's admission (prefix match, retention plan): fail it alone
