@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from engine_helpers import reference
 from k3nn import KimiK3, KimiK3Config
-from k3nn.cache.transfer import (RequestState, acknowledge, config_fingerprint, expire_leases, export_request_state,
+from k3nn.engine.transfer import (RequestState, acknowledge, config_fingerprint, expire_leases, export_request_state,
                                  import_request_state, leases, recv_request_state, send_request_state)
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from engine_helpers import model, rand_ids, reference  # noqa: F401  (model is a fixture)
 from k3nn.cache.hybrid import CacheFullError
 from k3nn.cache.prefix import block_hashes
-from k3nn.cache.transfer import RequestState, export_request_state, import_request_state, state_digest
+from k3nn.engine.transfer import RequestState, export_request_state, import_request_state, state_digest
 from k3nn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 
 PROMPT = rand_ids(150, 5)  # 149 computed tokens: 3 pages, the last one partial

@@ -5,9 +5,7 @@ from .paged import HybridPools, PagedHybridCache, enable_state_capture
 from .prefix import PrefixCache, PrefixMatch
 from .retention import Interval, LRU, Marconi, MarconiEviction, PromptBoundaries, ReplayBoundary
 from .states import StatePool
-from .transfer import export_request_state, import_request_state, recv_request_state, send_request_state
 
 __all__ = ["CacheFullError", "HybridCache", "KDAState", "MLAState",
            "HybridPools", "PagedHybridCache", "enable_state_capture", "PrefixCache", "PrefixMatch", "StatePool",
-           "Interval", "LRU", "Marconi", "MarconiEviction", "PromptBoundaries", "ReplayBoundary",
-           "export_request_state", "import_request_state", "send_request_state", "recv_request_state"]
+           "Interval", "LRU", "Marconi", "MarconiEviction", "PromptBoundaries", "ReplayBoundary"]

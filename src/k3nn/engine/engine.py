@@ -52,7 +52,7 @@ from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_keys
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
-from ..cache.transfer import expire_leases
+from .transfer import expire_leases
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
@@ -195,7 +195,7 @@ class Engine:
                     num_speculative_tokens: int | None = None, pixel_values: torch.Tensor | None = None,
                     image_grid_thw: torch.Tensor | None = None, **sampling) -> str:
         """Queue a prompt (token ids). ``boundaries``: prompt positions worth a KDA snapshot (turn ends);
-        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.cache.transfer.export_request_state`;
+        ``prefill_only``: compute N−1 tokens and hold the state for :func:`k3nn.engine.transfer.export_request_state`;
         ``num_speculative_tokens``: drafts per verify window for this request (0: plain decoding; None: the
         engine's default; needs a drafter). ``pixel_values`` [L, C, p, p] / ``image_grid_thw`` [N, 3]: the
         prompt's images as transformers' Kimi K2.5 processor makes them (an engine built on a
