@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import k3nn.cache.transfer as transfer
-from k3nn.cache.transfer import state_digest
+import k3nn.engine.transfer as transfer
+from k3nn.engine.transfer import state_digest
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
 

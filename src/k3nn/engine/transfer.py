@@ -58,10 +58,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .prefix import block_hashes
+from ..cache.prefix import block_hashes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, SamplingParams
+    from .engine import Engine
+    from .request import SamplingParams
 
 __all__ = ["RequestState", "Lease", "export_request_state", "import_request_state", "expire_leases", "leases",
            "state_digest", "send_request_state", "recv_request_state", "acknowledge", "config_fingerprint",
@@ -132,7 +133,7 @@ class Lease:
 
     def _held(self) -> bool:
         """The engine still holds the exported request (prefilled, the same request object)."""
-        from ..engine.request import RequestStatus
+        from .request import RequestStatus
 
         engine = self.engine
         req = engine.requests.get(self.request_id) if engine is not None else None
@@ -284,7 +285,7 @@ def export_request_state(engine: "Engine", request_id: str,
     status is ``prefilled``); the request stays pinned until ``state.lease.release()`` or until the lease
     expires (``lease_timeout_s`` seconds from now; None: never). One live lease per request: export again
     only after it ended."""
-    from ..engine.request import RequestStatus
+    from .request import RequestStatus
 
     timeout = _timeout(lease_timeout_s)
     req = engine.requests.get(request_id)
