@@ -50,7 +50,7 @@ def prompt_with(n, runs, seed):
 
 
 def ref(mm, prompt, px, grid, n):
-    key = (tuple(prompt), None if px is None else px.sum().item(), None if grid is None else tuple(grid.flatten().tolist()), n)
+    key = (tuple(prompt), None if px is None else tuple(image_content_keys(px, grid)), n)
     if key not in _REFS:
         out = mm.generate(torch.tensor([prompt]), px, grid, max_new_tokens=n, eos_token_id=[])
         _REFS[key] = out[0, len(prompt):].tolist()
@@ -79,26 +79,26 @@ def run(e, prompt, px=None, grid=None, n=4, **kw):
     return e.requests[rid]
 
 
+ONE = (prompt_with(40, [(20, 16)], 1), *image(8, 8, 1))  # one image of 16 tokens
+TWO = (prompt_with(36, [(3, 6), (20, 8)], 2), *images(image(4, 6, 2), image(8, 4, 3)))  # two: 6 + 8 tokens
+TEXT = (prompt_with(30, [], 7), None, None)
+LAST = (prompt_with(12, [(8, 4)], 10), *image(4, 4, 4))  # the prompt ends in the image's tokens
+
+
 def test_one_image_and_two_images_of_different_sizes(mm):
     e = engine(mm)
-    px, grid = image(8, 8, 1)  # 16 tokens
-    p1 = prompt_with(40, [(20, 16)], 1)
-    assert run(e, p1, px, grid).output == ref(mm, p1, px, grid, 4)
-    two = images(image(4, 6, 2), image(8, 4, 3))  # 6 + 8 tokens
-    p2 = prompt_with(36, [(3, 6), (20, 8)], 2)
-    assert run(e, p2, *two).output == ref(mm, p2, *two, 4)
+    for p, px, grid in (ONE, TWO):
+        assert run(e, p, px, grid, n=3).output == ref(mm, p, px, grid, 3)
     assert e.metrics()["finished"] == 2
 
 
 def test_mixed_batch_of_text_and_image_requests(mm):
     e = engine(mm)
-    a, b = image(4, 4, 4), images(image(4, 8, 5), image(8, 4, 6))
-    reqs = [(prompt_with(30, [], 7), None, None), (prompt_with(24, [(5, 4)], 8), *a),
-            (prompt_with(50, [(2, 8), (30, 8)], 9), *b), (prompt_with(12, [(11, 4)], 10), *a)]  # ends in an image
-    ids = [e.add_request(p, max_new_tokens=5, ignore_eos=True, pixel_values=px, image_grid_thw=g) for p, px, g in reqs]
+    reqs = [TEXT, ONE, TWO, LAST]
+    ids = [e.add_request(p, max_new_tokens=3, ignore_eos=True, pixel_values=px, image_grid_thw=g) for p, px, g in reqs]
     list(e.stream())
     assert any(len(f) > 1 for f in e.log)  # batched forwards
-    assert [e.requests[i].output for i in ids] == [ref(mm, p, px, g, 5) for p, px, g in reqs]
+    assert [e.requests[i].output for i in ids] == [ref(mm, p, px, g, 3) for p, px, g in reqs]
 
 
 def test_an_image_split_across_prefill_chunks(mm):
@@ -114,17 +114,17 @@ def test_an_image_split_across_prefill_chunks(mm):
 def test_same_image_hits_and_a_different_image_with_the_same_ids_misses(mm):
     e = engine(mm)
     a, b = image(8, 8, 12), image(8, 8, 13)
-    p = prompt_with(80, [(40, 16)], 12)  # the image lies in block 0; the replay snapshot sits at 64
-    first = run(e, p, *a)
-    assert first.hit_len == 0 and first.output == ref(mm, p, *a, 4)
+    p = prompt_with(70, [(48, 16)], 12)  # the image lies in block 0; the replay snapshot sits at 64
+    first = run(e, p, *a, n=3)
+    assert first.hit_len == 0 and first.output == ref(mm, p, *a, 3)
     hits, calls = e.metrics()["cache_hits"], mm.tower_calls
-    again = run(e, p, a[0].clone(), a[1].clone())  # equal content, other tensors
+    again = run(e, p, a[0].clone(), a[1].clone(), n=3)  # equal content, other tensors
     assert again.hit_len == 64 and e.metrics()["cache_hits"] == hits + 1
     assert again.output == first.output
     assert mm.tower_calls == calls  # every image token was in the cached prefix: the tower did not run
-    other = run(e, p, *b)
+    other = run(e, p, *b, n=3)
     assert other.hit_len == 0 and other.kv_len == 0 and e.metrics()["cache_hits"] == hits + 1
-    assert other.output == ref(mm, p, *b, 4) != first.output
+    assert other.output == ref(mm, p, *b, 3) != first.output
     e.prefix.check_invariants()
 
 
@@ -133,9 +133,10 @@ def test_blocks_before_the_image_are_shared_with_the_same_text(mm):
     e = engine(mm)
     a, b = image(4, 8, 14), image(4, 8, 15)
     p = prompt_with(140, [(70, 8)], 14)
-    run(e, p, *a, n=2)
-    r = run(e, p, *b, n=2)
-    assert r.kv_len == 64 and r.hit_len == 0 and r.output == ref(mm, p, *b, 2)
+    run(e, p, *a, n=1)
+    r = run(e, p, *b, n=1)
+    assert r.kv_len == 64 and r.hit_len == 0
+    assert r.output == run(engine(mm, enable_prefix_caching=False), p, *b, n=1).output
     text_keys = e.prefix.hashes(p)
     assert r.keys[0] == text_keys[0] and r.keys[1] != text_keys[1]
 
@@ -145,13 +146,14 @@ def test_retained_answer_of_an_image_prompt_is_keyed_on_the_image(mm):
     next turn with the same image resumes past the answer, with another image it starts over."""
     e = engine(mm)
     a, b = image(4, 4, 16), image(4, 4, 17)
-    p = prompt_with(120, [(10, 4)], 16)
-    first = run(e, p, *a, n=10)  # feeds 129 tokens: the state at 128 is kept
+    p = prompt_with(125, [(10, 4)], 16)
+    first = run(e, p, *a, n=5)  # feeds 129 tokens: the state at 128 is kept
     turn = p + first.output + [5, 6, 7]
     same = run(e, turn, *a, n=2)
-    assert same.hit_len == 128 and same.output == ref(mm, turn, *a, 2)
+    off = engine(mm, enable_prefix_caching=False)
+    assert same.hit_len == 128 and same.output == run(off, turn, *a, n=2).output
     other = run(e, turn, *b, n=2)
-    assert other.hit_len == 0 and other.output == ref(mm, turn, *b, 2)
+    assert other.hit_len == 0 and other.output == run(off, turn, *b, n=2).output
 
 
 class Oracle:
@@ -177,9 +179,9 @@ class Oracle:
 
 
 def test_drafter_with_image_requests(mm):
-    px, grid = image(4, 8, 18)
-    p = prompt_with(30, [(10, 8)], 18)
-    want = ref(mm, p, px, grid, 8)
+    """Verify windows after an image prompt (the drafter sees token ids and the target's hidden states)."""
+    p, px, grid = ONE
+    want = run(engine(mm), p, px, grid, n=8).output  # the engine without drafts (== generate(): tests above)
     e = engine(mm, Oracle({tuple(p): want}), num_speculative_tokens=3)
     r = run(e, p, px, grid, n=8)
     assert r.output == want and r.spec_rounds > 0 and r.spec_accepted > 0
@@ -247,3 +249,23 @@ def test_images_on_text_only_models_are_refused():
     assert e2.generate([q], max_new_tokens=2, ignore_eos=True)[0] == \
         wrapper.generate(torch.tensor([q]), max_new_tokens=2, eos_token_id=[])[0, 10:].tolist()
     assert not e.requests and len(e2.requests) == 1
+
+
+def test_samples_share_one_tower_run_and_preemption_resumes_with_the_images(mm):
+    p, px, grid = ONE
+    e = engine(mm)
+    want = ref(mm, p, px, grid, 3)
+    calls = mm.tower_calls
+    rid = e.add_request(p, max_new_tokens=3, ignore_eos=True, n=2, pixel_values=px, image_grid_thw=grid)
+    list(e.stream())
+    assert [e.requests[f"{rid}/{i}"].output for i in range(2)] == [want] * 2
+    assert mm.tower_calls == calls + 1
+    # a 3-page pool: the second request is preempted when both grow past 64 tokens, then recomputes prompt + output
+    reqs = [(ONE[0] + prompt_with(20, [], 20), ONE[1], ONE[2]), (TWO[0] + prompt_with(22, [], 21), TWO[1], TWO[2])]
+    want = [run(engine(mm), q, a, g, n=8).output for q, a, g in reqs]
+    small = engine(mm, num_pages=3, max_num_seqs=2)
+    ids = [small.add_request(q, max_new_tokens=8, ignore_eos=True, pixel_values=a, image_grid_thw=g)
+           for q, a, g in reqs]
+    list(small.stream())
+    assert small.metrics()["preemptions"] > 0
+    assert [small.requests[i].output for i in ids] == want
