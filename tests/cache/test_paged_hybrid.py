@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import CacheFullError
-from k3nn.cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
+from k3nn.cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
 from k3nn.cache.states import StatePool, latent_bytes_per_token, state_bytes_per_slot
 
 CFG = KimiK3Config.tiny()
@@ -14,9 +14,7 @@ CFG = KimiK3Config.tiny()
 
 @pytest.fixture(scope="module")
 def model():
-    m = KimiK3(CFG, dtype=torch.float64, seed=0).eval()
-    enable_state_capture(m)
-    return m
+    return KimiK3(CFG, dtype=torch.float64, seed=0).eval()
 
 
 def ids_of(n, seed):
@@ -139,9 +137,8 @@ def test_prefill_equals_prefill_then_decodes(model):
         torch.testing.assert_close(pools.running.conv[j][1], pools.running.conv[j][0], rtol=1e-9, atol=1e-12)
 
 
-def test_missing_capture_hook_is_an_error():
-    m = KimiK3(CFG, dtype=torch.float64, seed=0).eval()  # no enable_state_capture
+def test_planned_checkpoints_need_checkpoint_positions(model):
     pools = HybridPools(CFG, num_pages=2, max_running=1, num_snapshots=1, dtype=torch.float64)
     cache = PagedHybridCache(pools, 0, [pools.allocator.allocate(1)], [0], [10], [[(5, 0)]])
-    with pytest.raises(RuntimeError, match="enable_state_capture"), torch.no_grad():
-        m(ids_of(10, 0)[None], cache=cache, checkpoint_positions=cache.checkpoint_positions)
+    with pytest.raises(RuntimeError, match="checkpoint_positions"), torch.no_grad():
+        model(ids_of(10, 0)[None], cache=cache)

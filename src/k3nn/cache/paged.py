@@ -19,8 +19,8 @@ chunk are exported the same way (``checkpoint_positions``), never by a second fo
     cache = PagedHybridCache(pools, rows=..., ...)
     out = model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions)
 
-The conv part of a checkpoint (the W-1 pre-conv inputs before it) is captured by a forward pre-hook on the KDA
-layers; :func:`enable_state_capture` installs it (idempotent; :class:`k3nn.engine.Engine` does it for you).
+The conv part of a checkpoint (the W-1 pre-conv inputs before it) is taken from the layer's input, which the KDA
+layer shows its state (:meth:`PagedKDAState.observe_input`) before it runs.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from .hybrid import CacheFullError, HybridCache
 from .pages import BLOCK_SIZE, BlockAllocator, gather_latents, slot_mapping, write_latents
 from .states import StatePool, latent_bytes_per_token, mla_layer_ids, state_bytes_per_slot
 
-__all__ = ["HybridPools", "PagedHybridCache", "PagedKDAState", "PagedMLAState", "enable_state_capture",
-           "pool_sizes_for_budget"]
+__all__ = ["HybridPools", "PagedHybridCache", "PagedKDAState", "PagedMLAState", "pool_sizes_for_budget"]
 
 
 def pool_sizes_for_budget(config: KimiK3Config, memory_bytes: int, max_running: int, state_fraction: float = 0.25,
@@ -102,36 +101,6 @@ class HybridPools:
             p.index_copy_(0, idx, d.to(p.device, p.dtype))
 
 
-# -- conv-state capture for checkpoints ------------------------------------------------------------------------
-def _capture_hook(module, args, kwargs):
-    state = args[1] if len(args) > 1 else kwargs.get("state")
-    if isinstance(state, PagedKDAState) and (state.owner.ckpt_pairs or state.owner.record_inputs):
-        x = args[0] if args else kwargs["x"]
-        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-        if mask is not None:  # the layer zeroes padded inputs before projecting; do the same
-            x = x * mask[..., None].to(x.dtype)
-        if state.owner.ckpt_pairs:
-            state.capture_conv(module, x)
-        if state.owner.record_inputs:
-            state.window_x = x  # the engine's speculative replay folds the accepted part of it in
-    return None
-
-
-def enable_state_capture(model: torch.nn.Module) -> int:
-    """Install (once) the pre-forward hook that lets :class:`PagedHybridCache` export the conv part of KDA
-    checkpoints. Returns the number of KDA layers hooked."""
-    from ..layers.kda import KimiDeltaAttention
-
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, KimiDeltaAttention):
-            if not getattr(mod, "_k3nn_state_capture", False):
-                mod.register_forward_pre_hook(_capture_hook, with_kwargs=True)
-                mod._k3nn_state_capture = True
-            n += 1
-    return n
-
-
 class PagedKDAState:
     """One KDA layer's view: ``recurrent``/``conv`` are slices of the running pool (updated in place)."""
 
@@ -144,6 +113,14 @@ class PagedKDAState:
         self.checkpoints: torch.Tensor | None = None
         self._conv_ckpt: torch.Tensor | None = None
         self.window_x: torch.Tensor | None = None  # this layer's input [B, T, d] when the owner records inputs
+
+    def observe_input(self, module, x: torch.Tensor) -> None:
+        """The KDA layer's (masked) input, shown by the layer before it runs: the conv part of the planned
+        checkpoints is taken from it, and the engine's speculative replay keeps it when asked (``record_inputs``)."""
+        if self.owner.ckpt_pairs:
+            self.capture_conv(module, x)
+        if self.owner.record_inputs:
+            self.window_x = x
 
     def capture_conv(self, module, x: torch.Tensor) -> None:
         """Pre-conv inputs before every requested checkpoint: [M, W-1, 3·H·D] (M = number of checkpoints)."""
@@ -165,8 +142,7 @@ class PagedKDAState:
             return
         if checkpoints is None or checkpoints.shape[0] != len(o.ckpt_pairs) or self._conv_ckpt is None:
             raise RuntimeError("PagedHybridCache: the forward did not export the planned KDA checkpoints; pass "
-                               "checkpoint_positions=cache.checkpoint_positions and call "
-                               "k3nn.cache.paged.enable_state_capture(model) once")
+                               "checkpoint_positions=cache.checkpoint_positions")
         snap = o.pools.snapshots
         for k, (b, _p, kind, dst) in enumerate(o.ckpt_targets):
             if kind == "row":  # a right-padded row: its state is the checkpoint at its own length

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..cache.hybrid import CacheFullError
-from ..cache.paged import HybridPools, PagedHybridCache, enable_state_capture, pool_sizes_for_budget
+from ..cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_keys
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
 from .transfer import expire_leases
@@ -164,7 +164,6 @@ class Engine:
         self.retention = make_retention(cfg.retention)
         if cfg.budget == "fixed" and cfg.max_num_batched_tokens - cfg.reserve_per_seq * cfg.max_num_seqs < 1:
             raise ValueError("budget='fixed': max_num_batched_tokens must exceed reserve_per_seq · max_num_seqs")
-        enable_state_capture(model)
         self.drafter = None
         self.spec_options = cfg.spec or SpecOptions()
         self.default_num_spec = 0

@@ -107,9 +107,14 @@ class KimiDeltaAttention(nn.Module):
                 checkpoint_positions=None):
         """x [B, T, d]; state: :class:`k3nn.cache.KDAState` view for these B rows (updated in place) or None;
         attention_mask [B, T] (1 = token, 0 = padding: padded inputs are zeroed so they leave no trace when
-        the state starts at zero, as with left padding)."""
+        the state starts at zero, as with left padding). A state with ``observe_input(layer, x)`` is shown the
+        layer's (masked) input first: the engine's paged state exports conv checkpoints from it, speculative
+        rollback records verify windows with it."""
         if attention_mask is not None:
             x = x * attention_mask[..., None].to(x.dtype)
+        observe = getattr(state, "observe_input", None)
+        if observe is not None:
+            observe(self, x)
         B, T, _ = x.shape
         if state is not None and 0 < T <= self.fused_decode_max_tokens and checkpoint_positions is None:
             return self._fused_decode(x, state)

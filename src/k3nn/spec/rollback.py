@@ -47,8 +47,8 @@ class SpecKDAState(KDAState):
 
     Outside a window it behaves like :class:`KDAState`. Inside one, the layer sees scratch copies of the
     committed recurrent / conv state (so in-place decode kernels cannot touch the committed state), ``update``
-    stashes the window's final state (and exported checkpoints), and the layer's input is recorded by a forward
-    pre-hook (see :class:`WindowRollback`)."""
+    stashes the window's final state (and exported checkpoints), and the layer's input is recorded when the layer
+    shows it (:meth:`observe_input`)."""
 
     def __init__(self, base: KDAState):
         super().__init__(base.recurrent, base.conv, base.checkpoints)
@@ -75,27 +75,21 @@ class SpecKDAState(KDAState):
             return super().update(recurrent, conv, checkpoints)
         self.window_final, self.window_conv, self.window_ckpts = recurrent, conv, checkpoints
 
+    def observe_input(self, module, x: torch.Tensor) -> None:
+        """The KDA layer's (masked) input, shown by the layer before it runs: kept while a window is open."""
+        if self.in_window:
+            self.window_x = x
+
     def end_window(self) -> None:
         self.in_window = False
         self.recurrent, self.conv = self.committed_recurrent, self.committed_conv
         self.window_x = self.window_final = self.window_conv = self.window_ckpts = None
 
 
-def _record_input(module: KimiDeltaAttention, args, kwargs):
-    state = args[1] if len(args) > 1 else kwargs.get("state")
-    if isinstance(state, SpecKDAState) and state.in_window:
-        x = args[0] if args else kwargs["x"]
-        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-        if mask is not None:
-            x = x * mask[..., None].to(x.dtype)
-        state.window_x = x
-    return None
-
-
 class WindowRollback:
     """Installs window-aware KDA state on ``cache`` for ``model`` and commits / rolls back verify windows.
 
-    Use as a context manager (removes its hooks on exit)::
+    Use as a context manager::
 
         with WindowRollback(model, cache, "replay") as rb:
             rb.begin()
@@ -115,14 +109,11 @@ class WindowRollback:
                     st = SpecKDAState(st)
                     cache.layers[i] = st
                 self.kda.append((layers[i].self_attn, st))
-        self._hooks = [mod.register_forward_pre_hook(_record_input, with_kwargs=True) for mod, _ in self.kda]
         self.start = 0
         self.width = 0
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Nothing to undo (the window-aware states stay on the cache and behave as plain ones outside a window)."""
 
     def __enter__(self) -> "WindowRollback":
         return self
