@@ -228,6 +228,8 @@ def test_bad_image_inputs_name_the_argument_and_queue_nothing(mm):
         e.generate([p], max_new_tokens=2)
     with pytest.raises(ValueError, match="video tokens"):
         e.add_request([3, CFG.video_token_id, 4], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prefill_only requests with images"):
+        e.add_request(p, max_new_tokens=2, prefill_only=True, pixel_values=px, image_grid_thw=grid)
     assert not e.waiting and not e.requests
 
 

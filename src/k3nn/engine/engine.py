@@ -223,6 +223,10 @@ class Engine:
         params = params or SamplingParams(**sampling)
         params.validate(self.tokenizer)
         images = self._image_inputs(prompt, pixel_values, image_grid_thw)  # shared by an n > 1 request's samples
+        if images is not None and prefill_only:
+            raise ValueError("prefill_only requests with images are not supported: a P/D manifest keys its pages on "
+                             "token ids only, so the decode side could not tell two images apart; run the request "
+                             "on one engine (without prefill_only)")
         if params.n == 1:
             return [self._make_request(prompt, params, request_id, boundaries, prefill_only, {}, taken, num_spec,
                                        images)]
