@@ -52,7 +52,6 @@ from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_keys
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
-from .transfer import expire_leases
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
@@ -180,6 +179,7 @@ class Engine:
         self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}  # an n > 1 request's id → its samples' ids
+        self.leases: dict = {}  # request id → its live P/D lease (k3nn.engine.transfer.Lease)
         self.row_owner: list[Request | None] = [None] * cfg.max_num_seqs
         self._ids = itertools.count()
         self.num_steps = self.num_forwards = self.rows_moved = 0
@@ -431,6 +431,21 @@ class Engine:
             self.waiting.remove(req)
         self._release(req, RequestStatus.ABORTED, "abort")
         return True
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Free the exported requests whose P/D lease ran out (``time.monotonic()`` clock); leases whose request
+        ended some other way are dropped. Every :meth:`step` calls it first. Returns the ids it freed."""
+        if not self.leases:
+            return []
+        now = time.monotonic() if now is None else now
+        freed = []
+        for rid, lease in list(self.leases.items()):
+            if not lease._held():
+                lease._end("gone")
+            elif lease.expires_at is not None and now >= lease.expires_at:
+                if lease._end("expired"):
+                    freed.append(rid)
+        return freed
 
     def release(self, request_id: str) -> None:
         """Free a PREFILLED (exported) request's row and pages."""
@@ -937,7 +952,7 @@ class Engine:
         that request alone; an error in a forward fails the requests of that forward. A failed request ends
         FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and snapshots are freed,
         and its :class:`RequestOutput` comes back from this step; the engine keeps serving the others."""
-        expire_leases(self)
+        self.expire_leases()
         decodes, prefills = self.schedule()
         self.num_steps += 1
         outputs, self._failed_outputs = self._failed_outputs, []

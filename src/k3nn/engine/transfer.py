@@ -61,7 +61,6 @@ import torch
 from ..cache.prefix import block_hashes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
     from .request import SamplingParams
 
 __all__ = ["RequestState", "Lease", "export_request_state", "import_request_state", "expire_leases", "leases",
@@ -83,7 +82,6 @@ def config_fingerprint(config) -> str:
 
 
 # -- leases ---------------------------------------------------------------------------------------------------
-_LEASES: "weakref.WeakKeyDictionary[Engine, dict[str, Lease]]" = weakref.WeakKeyDictionary()
 
 
 def _timeout(timeout_s: Any, name: str = "lease_timeout_s") -> float | None:
@@ -108,7 +106,7 @@ class Lease:
     def __init__(self, engine: "Engine", request_id: str, timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S,
                  now: float | None = None):
         timeout = _timeout(timeout_s, "timeout_s")
-        live = _LEASES.setdefault(engine, {})
+        live = engine.leases
         old = live.get(request_id)
         if old is not None and old._held():
             raise ValueError(f"request {request_id!r} is already exported under a live lease (expires_at "
@@ -145,7 +143,7 @@ class Lease:
         if held:
             engine.release(self.request_id)  # raises before the lease is marked ended
         self.released, self.end_reason = True, reason if held else "gone"
-        live = _LEASES.get(engine) if engine is not None else None
+        live = engine.leases if engine is not None else None
         if live is not None and live.get(self.request_id) is self:
             del live[self.request_id]
         return held
@@ -195,26 +193,15 @@ class Lease:
 
 def leases(engine: "Engine") -> dict[str, Lease]:
     """The live leases of ``engine`` (request id → lease; a copy)."""
-    return dict(_LEASES.get(engine, {}))
+    return dict(engine.leases)
 
 
 def expire_leases(engine: "Engine", now: float | None = None) -> list[str]:
     """Release every lease of ``engine`` whose deadline is ≤ ``now`` (``time.monotonic()`` when None); returns
     the request ids it freed. Leases whose request ended some other way (aborted, failed) are dropped
     silently. Meant to be called once per ``Engine.step()``: O(1) when the engine has no leases, else O(live
-    leases)."""
-    live = _LEASES.get(engine)
-    if not live:
-        return []
-    now = time.monotonic() if now is None else now
-    freed = []
-    for rid, lease in list(live.items()):
-        if not lease._held():
-            lease._end("gone")
-        elif lease.expires_at is not None and now >= lease.expires_at:
-            if lease._end("expired"):
-                freed.append(rid)
-    return freed
+    leases). The same as ``engine.expire_leases(now)``, which the engine calls itself."""
+    return engine.expire_leases(now)
 
 
 # -- manifest ---------------------------------------------------------------------------------------------------
@@ -294,7 +281,7 @@ def export_request_state(engine: "Engine", request_id: str,
     if req.status != RequestStatus.PREFILLED:
         raise ValueError(f"request {request_id!r} is {req.status.value}; export needs a prefill_only request that "
                          f"has finished its prefill (status 'prefilled')")
-    old = _LEASES.get(engine, {}).get(request_id)
+    old = engine.leases.get(request_id)
     if old is not None and old._held():  # checked again by Lease(): fail before copying anything
         raise ValueError(f"request {request_id!r} is already exported under a live lease (expires_at "
                          f"{old.expires_at}); release it or reuse that state")
