@@ -454,8 +454,8 @@ class Engine:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not prefilled")
         self._release(req, RequestStatus.FINISHED, "exported")
 
-    def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
-        req.images = None  # pixels / features (an n > 1 request's samples share them)
+    def _free_resources(self, req: Request) -> None:
+        """Give back ``req``'s private decode snapshot, running row and page references; off the running list."""
         if req.decode_snap is not None:
             self.pools.snapshots.free([req.decode_snap[1]])
             req.decode_snap = None
@@ -467,6 +467,10 @@ class Engine:
             req.blocks = []
         if req in self.running:
             self.running.remove(req)
+
+    def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        req.images = None  # pixels / features (an n > 1 request's samples share them)
+        self._free_resources(req)
         req.status, req.finish_reason = status, req.finish_reason or reason
         req.finish_time = time.perf_counter()
 
@@ -570,16 +574,7 @@ class Engine:
         row, pages and snapshots, and queue it at the front; it resumes from prompt + output with the same
         generator (identical output)."""
         self._retain_finished(req)
-        if req.decode_snap is not None:
-            self.pools.snapshots.free([req.decode_snap[1]])
-            req.decode_snap = None
-        if req.row is not None:
-            self.row_owner[req.row] = None
-            req.row = None
-        if req.blocks:
-            self.pools.allocator.free(req.blocks)
-            req.blocks = []
-        self.running.remove(req)
+        self._free_resources(req)
         req.status = RequestStatus.WAITING
         req.num_computed = req.indexed_blocks = 0
         req.plan, req.drafts, req.draft_probs = [], [], None
