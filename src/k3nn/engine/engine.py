@@ -54,7 +54,7 @@ from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_k
 from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
-from ..spec.verify import greedy_accept, rejection_accept, synthetic_accept
+from ..spec.verify import rejection_accept
 from .request import ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int
 from .sampling import RequestSampler
 from .speculative import DraftRow, KDAReplay, as_engine_drafter
