@@ -98,6 +98,21 @@ def main() -> None:
     print(f"engine: {m['generated_tokens']} tokens, {m['throughput_tok_s']:.0f} tokens/s, "
           f"prefix-cache hit rate {m.get('cache_hit_rate', 0):.2f}")
 
+    # 7. the engine with the drafter, sampling parameters and streaming ----------------------------------------
+    from k3nn.engine import SamplingParams
+
+    engine = Engine(model, max_num_seqs=4, num_pages=64, drafter=drafter, tokenizer=tok)
+    print(f"engine warmup: {engine.warmup(prompt_len=16, batch_sizes=[1, 2]):.1f} s")
+    engine.add_request(tok.encode("def f(x):"), SamplingParams(max_new_tokens=24, do_sample=True, temperature=0.7,
+                                                                stop=["\n\n"], repetition_penalty=1.1, logprobs=2,
+                                                                n=2, seed=0), num_speculative_tokens=4)
+    for o in engine.stream():
+        if o.finished:
+            print(o.request_id, o.finish_reason, repr(o.text))
+    m = engine.metrics()
+    print(f"engine with drafts: acceptance length {m['spec_acceptance_length']:.2f}, "
+          f"{m['preemptions']} preemptions")
+
 
 if __name__ == "__main__":
     main()
