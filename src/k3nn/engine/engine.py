@@ -228,7 +228,7 @@ class Engine:
                              "token ids only, so the decode side could not tell two images apart; run the request "
                              "on one engine (without prefill_only)")
         if params.n == 1:
-            return [self._make_request(prompt, params, request_id, boundaries, prefill_only, {}, taken, num_spec,
+            return [self._make_request(prompt, params, request_id, boundaries, prefill_only, taken, num_spec,
                                        images)]
         if prefill_only:
             raise ValueError("prefill_only requests take n=1 (one state to export)")
@@ -237,28 +237,23 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         reqs = []
         for i in range(params.n):
-            r = self._make_request(prompt, params.child(i), f"{rid}/{i}", boundaries, False, {},
+            r = self._make_request(prompt, params.child(i), f"{rid}/{i}", boundaries, False,
                                    taken | {x.request_id for x in reqs}, num_spec, images)
             r.parent = rid
             reqs.append(r)
         return reqs
 
-    def _make_request(self, prompt, params, request_id, boundaries, prefill_only, sampling,
+    def _make_request(self, prompt, params: SamplingParams, request_id, boundaries, prefill_only,
                       taken: frozenset[str] = frozenset(), num_spec: int | None = None,
                       images: ImageInputs | None = None) -> Request:
-        """A validated, unregistered :class:`Request` (no engine state changes except the id counter)."""
+        """A validated, unregistered :class:`Request` for parameters :meth:`_make_requests` resolved and validated
+        (no engine state changes except the id counter)."""
         if num_spec is not None:
             num_spec = _int("num_speculative_tokens", num_spec, lo=0)
             if num_spec > 0 and self.drafter is None:
                 raise ValueError("num_speculative_tokens > 0 needs an engine with a drafter (Engine(model, "
                                  "drafter=...))")
         prompt = self._token_ids(prompt)
-        if params is not None and sampling:
-            raise TypeError("give a SamplingParams or sampling keyword arguments, not both")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params = params or SamplingParams(**sampling)
-        params.validate(self.tokenizer)
         if not isinstance(prefill_only, bool):
             raise TypeError(f"prefill_only must be a bool, got {type(prefill_only).__name__}")
         if isinstance(boundaries, (str, bytes, torch.Tensor)) or not isinstance(boundaries, Sequence):
