@@ -61,7 +61,7 @@ STEPS=(
   "moe-gpu-tests|200|$PYTEST tests/gpu/test_moe_gpu.py"
   "mla-gpu-tests|150|$PYTEST tests/gpu/test_mla_gpu.py"
   "spec-gpu-tests|120|$PYTEST tests/gpu/test_spec_gpu.py"
-  "engine-gpu-tests|90|$PYTEST tests/gpu/test_engine_gpu.py"
+  "engine-gpu-tests|200|$PYTEST tests/gpu/test_engine_gpu.py"
   # two GPUs (nvidia-h200-x2): NCCL runs of DCP, EP and TP
   "nccl-probe|60|env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT $PY -m torch.distributed.run --nproc-per-node 2 bench/gpu/nccl_probe.py"
   "dcp-nccl-test|150|$PYTEST tests/gpu/test_mla_gpu.py -k dcp_nccl"
