@@ -1,18 +1,23 @@
-"""What the CUDA-extension kernels (built on first use with ``torch.utils.cpp_extension.load_inline``) need from
-the machine, checked in one place."""
+"""What the CUDA-extension kernels (built on first use with ``torch.utils.cpp_extension.load_inline``) share: their
+sources read from the package (``csrc/`` folders next to the kernels, shared pieces in ``kernels/csrc/``), the
+build, and what they need from the machine, checked in one place."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.resources
 import inspect
 import os
+import posixpath
+import re
 import shutil
 import time
 
 import torch
 
-__all__ = ["RAISE_SMEM_SOURCE", "load_inline_module", "sm_count", "smem_per_block", "toolchain_reason"]
+__all__ = ["PDL_SOURCE", "RAISE_SMEM_SOURCE", "load_inline_module", "read_source", "sm_count", "smem_per_block",
+           "toolchain_reason"]
 
 
 def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "") -> str | None:
@@ -32,60 +37,52 @@ def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "
     return None
 
 
-#: C++ for the CUDA sources: ``raise_smem(kernel, bytes, raised)`` opts a kernel in to ``bytes`` of dynamic shared
-#: memory, once per device (``raised`` is the caller's per-device flag array)
-RAISE_SMEM_SOURCE = r"""template <typename K>
-cudaError_t raise_smem(K kern, int bytes, bool (&raised)[64]) {  // opt-in shared memory limit, once per device
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !raised[dev]) {
-    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = true;
-  }
-  return cudaSuccess;
-}
-"""
+_INCLUDE = re.compile(r'^#include "([^"]+)"(?:\n|\Z)', re.MULTILINE)
+_GENERATED = re.compile(r"^// @generated (\w+)\b.*$", re.MULTILINE)
 
 
-#: CUDA for the kernels: programmatic dependent launch. ``pdl_trigger()`` lets the next kernel in the stream (when
-#: it is launched with programmatic stream serialization) start launching; ``pdl_wait()`` returns once the previous
-#: grid has completed and its writes are visible. Both are no-ops below sm_90 and in launches without the attribute.
-#: ``launch_pdl(kernel, grid, block, smem, stream, args...)`` launches with that attribute (sm_90+ only);
-#: ``launch_config(grid, block, smem, stream, &attribute)`` is the one-attribute configuration it builds.
-PDL_SOURCE = r"""// A launch configuration with one attribute (`at` outlives the launch or query)
-inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                        cudaLaunchAttribute* at) {
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = grid;
-  lc.blockDim = block;
-  lc.dynamicSmemBytes = smem;
-  lc.stream = stream;
-  lc.attrs = at;
-  lc.numAttrs = 1;
-  return lc;
-}
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
-  cudaLaunchAttribute at;
-  at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at.val.programmaticStreamSerializationAllowed = 1;
-  const cudaLaunchConfig_t lc = launch_config(grid, block, smem, stream, &at);
-  return cudaLaunchKernelEx(&lc, kern, static_cast<Args&&>(args)...);
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-"""
+def read_source(path: str, **generated: str) -> str:
+    """The text of the C++ / CUDA source file ``path`` (relative to the ``k3nn.kernels`` package, read with
+    ``importlib.resources``) as one self-contained translation unit: each ``#include "file"`` line (``file``
+    relative to the including file) is replaced by that file's text, recursively, and each ``// @generated NAME``
+    line by ``generated[NAME]`` (text made in Python). ``#include <...>`` lines stay. The result is what nvcc and
+    the host compiler see, so the build's source hash covers every line of it. Raises ``ValueError`` for an
+    ``@generated`` line without text, text without its line, or an include cycle."""
+    root = importlib.resources.files("k3nn.kernels")
+
+    def expand(rel: str, stack: tuple[str, ...]) -> str:
+        if rel in stack:
+            raise ValueError(f"read_source: include cycle {' -> '.join((*stack, rel))}")
+        text = root.joinpath(*rel.split("/")).read_text(encoding="utf-8")
+
+        def include(m: re.Match) -> str:
+            inc = posixpath.normpath(posixpath.join(posixpath.dirname(rel), m.group(1)))
+            if inc.startswith("../"):
+                raise ValueError(f"read_source: {rel} includes {m.group(1)!r}, outside k3nn/kernels")
+            return expand(inc, (*stack, rel))
+
+        return _INCLUDE.sub(include, text)
+
+    text = expand(posixpath.normpath(path), ())
+    names = _GENERATED.findall(text)
+    missing = sorted(set(names) - set(generated))
+    unused = sorted(set(generated) - set(names))
+    if missing or unused or len(names) != len(set(names)):
+        raise ValueError(f"read_source({path!r}): @generated lines {names}, generated text for {sorted(generated)}")
+    return _GENERATED.sub(lambda m: generated[m.group(1)], text)
+
+
+#: C++ for the CUDA sources (``csrc/raise_smem.cuh``): ``raise_smem(kernel, bytes, raised)`` opts a kernel in to
+#: ``bytes`` of dynamic shared memory, once per device (``raised`` is the caller's per-device flag array)
+RAISE_SMEM_SOURCE = read_source("csrc/raise_smem.cuh")
+
+#: CUDA for the kernels (``csrc/pdl.cuh``): programmatic dependent launch. ``pdl_trigger()`` lets the next kernel in
+#: the stream (when it is launched with programmatic stream serialization) start launching; ``pdl_wait()`` returns
+#: once the previous grid has completed and its writes are visible. Both are no-ops below sm_90 and in launches
+#: without the attribute. ``launch_pdl(kernel, grid, block, smem, stream, args...)`` launches with that attribute
+#: (sm_90+ only); ``launch_config(grid, block, smem, stream, &attribute)`` is the one-attribute configuration it
+#: builds.
+PDL_SOURCE = read_source("csrc/pdl.cuh")
 
 
 def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str],
