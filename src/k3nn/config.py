@@ -341,8 +341,8 @@ class KimiK3Config:
     @classmethod
     def k3_slice(cls, **overrides: Any) -> "KimiK3Config":
         """K3's real layer dims with 8 layers (KDA ×6, gated MLA at 3 and 7: K3's every-4th + last pattern) and
-        128 MXFP4 experts top-16; AttnRes block 4 so the slice has two blocks. ≈ 25 GB in bf16: fits one H200
-        (end-to-end decode benchmarks)."""
+        128 MXFP4 experts top-16; AttnRes block 4 so the slice has two blocks. About 31 GB of weights (15 GB bf16
+        dense, 16 GB MXFP4 experts), so it runs on one GPU: the end-to-end decode benchmarks use it."""
         base = dict(num_hidden_layers=8, mla_layers=[3, 7], num_experts=128, num_experts_per_token=16,
                     attn_res_block_size=4)
         base.update(overrides)

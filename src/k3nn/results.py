@@ -3,7 +3,7 @@
 Used by the benchmark suites (:mod:`k3nn.bench`) and by the library's own ``--bench`` entry points
 (``python -m k3nn.parallel.dcp`` / ``.ep``), so it sits below both.
 
-Result schema (PERF.md): ``{"meta": {gpu, torch, triton, commit, copy_tbps, bf16_tflops, ...}, "rows": [...]}``;
+Result schema (docs/perf.md): ``{"meta": {gpu, torch, triton, commit, copy_tbps, bf16_tflops, ...}, "rows": [...]}``;
 each row has ``case`` and ``k3nn_ms`` and, where they apply, ``anchor``, ``anchor_ms``, ``speedup``
 (= anchor_ms / k3nn_ms), ``tbps``, ``frac_copy_bw``, ``tflops``.
 """

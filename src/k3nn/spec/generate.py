@@ -145,7 +145,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
         mode = "eager"
     if mode == "graph" and eager_backend_on_cuda(model, dev):
         # the eager kernels sync with the host: a capture attempt would fail and leave the CUDA context
-        # unusable (cudaErrorStreamCaptureInvalidated, seen on the H200), so run the same round uncaptured
+        # unusable (cudaErrorStreamCaptureInvalidated), so run the same round uncaptured
         stats.fallback = "the eager backend is not capturable: graph-safe rounds run without CUDA graphs"
         mode = "static"
     setup = loop_setup(model, cfg, input_ids, streamer, n_new)

@@ -397,14 +397,14 @@ def _num_warps(block_d: int) -> int:
 
 
 def _mix_config(block_d: int, n_sources: int) -> dict:
-    """Default schedule (d = 7168 reasoning, register counts from ptxas for sm_90; see bench/gpu/attnres.py).
+    """Default row-kernel schedule (d = 7168 reasoning, register counts from ptxas for sm_90; bench/gpu/attnres.py
+    times the alternatives, docs/perf.md has the figures).
 
-    Up to 2 sources: 4 warps, one row of prefetch (H200: 78% of copy BW). From 3 sources on: 16 warps, a
-    pinned ring of 3 rows ahead (ORDERED) with the accumulate tied to the next reduction (FENCE = 2 on the GPU, the
-    one-instruction form; 1 under the interpreter). H200, T = 8192, d = 7168: 58.6% of copy BW at S = 9 and
-    59.5% at S = 5, against 52.7% / 51.7% before (bench/gpu/attnres.py); about
-    110 registers, no spills, four 14 KB rows in flight per SM. Unpinned, the compiler hoists every load and
-    sinks every accumulate (S rows live: 255 registers at 8 warps, spills at 16)."""
+    Up to 2 sources: 4 warps, one row of prefetch. From 3 sources on: 16 warps, a pinned ring of 3 rows ahead
+    (ORDERED) with the accumulate tied to the next reduction (FENCE = 2 on the GPU, the one-instruction form; 1
+    under the interpreter): about 110 registers, no spills, four 14 KB rows in flight per SM, faster than the
+    8-warp, 2-row-prefetch schedule it replaced. Unpinned, the compiler hoists every load and sinks every
+    accumulate (S rows live: 255 registers at 8 warps, spills at 16)."""
     if n_sources <= 2:
         return dict(num_warps=max(1, min(16, block_d // 2048)), prefetch=1, qv_reload=False, join=False)
     return dict(num_warps=max(1, min(16, block_d // 512)), prefetch=3, qv_reload=False, join=True, ordered=True,
@@ -430,9 +430,9 @@ MIX_SCHEDULES: dict[str, dict] = {
                                     maxnreg=128, lazy=True, **_ORD),
 }
 # The default per source count at prefill sizes (at least STREAM_MIN_ROWS rows): (max S, schedule name)
-# pairs, first match wins. Measured on the H200 at T=8192, d=7168 (bench/results/logs/h200-s3-run3-2026-11-30.log):
-# S=2 82.9% of copy bandwidth (row kernel 64.9%), S=5 75.5% (59.0%), S=9 79.4% (56.3%). Fewer rows keep the row
-# kernel's _mix_config (decode sizes were not swept with these schedules).
+# pairs, first match wins: the fastest persistent schedule per source count at T = 8192, d = 7168, each well
+# ahead of the row kernel (docs/perf.md). Fewer rows keep the row kernel's _mix_config (decode sizes were not
+# swept with these schedules).
 DEFAULT_SCHEDULES: list[tuple[int, str]] = [(2, "stream-8w-pf1-l2x4-2cta"), (5, "stream-16w-pf2-l2x4-sec"),
                                             (64, "stream-16w-pf2-l2x4-lazy")]
 STREAM_MIN_ROWS = 1024

@@ -17,10 +17,9 @@ Two stages per call:
    tokens from each sequence start *and* at every requested checkpoint position, so a checkpoint is just
    the state at a chunk start, stored by the same kernel (masked store; no second pass).
 
-On the H200 (B=1 T=8192 H=96, bounded gate, bf16) the intra stage takes 2.16 ms and the whole forward 2.72 ms
-(bench/results/logs/h200-s4-run6-2026-11-30.log); one fused program per chunk and head (3.05 / 3.62 ms), the same
-three stages rebuilding G from g in each (2.73 / 3.28 ms) and a row-strip design (3.54 ms) were slower and are
-gone. The backward recomputes this stage.
+This split into a precomputed decay, three intra kernels and one recurrence is the design because it was the
+fastest at K3 prefill shapes: one fused program per chunk and head, the same three stages rebuilding G from g
+in each, and a row-strip design were slower and are gone (docs/perf.md). The backward recomputes this stage.
 
 Inputs must satisfy ``g ≤ 0`` (a log decay; both Kimi gates do). bf16/fp16 inputs use tensor-core dots with
 operands in the input dtype: the off-diagonal intra blocks, ``X z`` / ``X (β v)`` (X rounded to the input

@@ -36,7 +36,7 @@ training memory at the inputs' size instead of one fp32 ``[K, V]`` state per chu
 
 Steps 2-4 compute in fp32 whatever the input dtype (TF32 dots on the GPU): the chunk quantities of step 1
 are stored in the input dtype and upcast on load. Steps 2-3 first took 16-bit operands, as the forward's
-recurrence does; on the H200 (Triton 3.6) bf16 then gave NaN gradients from some chunk on and, in a varlen
+recurrence does; on Hopper with Triton 3.6 bf16 then gave NaN gradients from some chunk on and, in a varlen
 run, an illegal memory access, while the same kernels on fp32 operands (the fp32 path, same configs) were
 correct. Those are the only dots of the backward that were 16-bit; their 16-bit ``B`` operands were
 ``BV = 16`` columns wide (32-byte rows: the first state config), a shape the forward (BV ≥ 32) never
@@ -44,10 +44,10 @@ compiles. On fp32 operands the bf16 backward runs exactly the code the fp32 back
 loads' element type. Internal buffers are fp32; outputs take the inputs' dtypes.
 
 Selection: under the ``triton`` backend, ``kda_chunk`` with any input requiring grad uses this backward
-(:class:`KDAChunkTritonFunction`). On the H200 (bench/results/logs/h200-s3-run4-2026-11-30.log) it matches fp32
-eager autograd to 1.8e-3 (fp32 inputs, TF32 dots) and 2.9e-3 (bf16) rms, 9e-3 for the gate, and forward + backward
-at B=1 T=4096 H=4 K=V=128 takes 1.46 ms against 205 ms with autograd through the chunked PyTorch form
-(:class:`k3nn.kernels.kda.chunk_torch.KDAChunkFunction`, which ``kda_recurrent``'s Triton backend keeps).
+(:class:`KDAChunkTritonFunction`). It matches fp32 eager autograd to the rounding of its TF32 / bf16 products
+and is two orders of magnitude faster than autograd through the chunked PyTorch form
+(:class:`k3nn.kernels.kda.chunk_torch.KDAChunkFunction`, which ``kda_recurrent``'s Triton backend keeps);
+docs/perf.md has the GPU figures.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _kda_bwd_states_kernel(w, u, kg, egl, seq_lo, seq_hi, h0, hs, vn, H,
     lo = tl.load(seq_lo + n)
     hi = tl.load(seq_hi + n)
     # fp32 operands whatever the input dtype (see the module docstring: the 16-bit dots of this loop, with
-    # BV = 16 columns, gave NaNs and faults on the H200 where the same code on fp32 operands is correct)
+    # BV = 16 columns, gave NaNs and faults on Hopper where the same code on fp32 operands is correct)
     for c in range(lo, hi):
         ob = (c * H + pid_h).to(tl.int64)
         tl.store(hs + (ob * K + rk[:, None]) * V + rv[None, :], h, mask=mkv)

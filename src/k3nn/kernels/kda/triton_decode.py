@@ -35,14 +35,11 @@ Plan (:func:`decode_plan`, shapes only, so calls can be captured in a CUDA graph
 together, batch first above 65535 requests (the grid's second axis). ``evict_first`` goes on the state loads
 and stores, on the loads only from B·H = :data:`EVICT_LOAD_ONLY_MIN`.
 
-On the H200 (bench/results/logs/h200-s6-run{1..5}-2026-11-30.log, T=1, % of the copy bandwidth measured in the
-same run): launching the heads of a request together took [D, 32] chunks from 72.5% to 77.7–78.2% at B=64 H=96
-and from 72.3% to 79.3–79.9% at B=256; [D, 64] chunks then reach 80.3% at B=64 H=96 (236 µs; fla's bare
-recurrence 74.7%), 83.2% at B=64 H=32 and 79.2% at B=8 H=96. Slower and removed: evict_first on the stores
-only (+1.3% at B=64 H=96, −2.5% at H=32), two chunks ahead, 96 registers (spills), wider tiles over 8 or 16
-warps, the programs of one head for every request launched together. Also tried and removed: several neighbouring heads per program, each one's first chunk loaded during the
-previous one's last chunk (−4%, h200-s6-run3); the T = 1 outputs gathered in registers for the RMSNorm instead
-of stored and reloaded (−10%, h200-s6-run5).
+The heads of a request are launched together (neighbouring programs then read one contiguous state block) and
+``head`` takes [D, 64] chunks because these were the fastest at the batched shapes; evict_first on the stores
+only, two chunks ahead, a 96-register cap, wider tiles over 8 or 16 warps, the programs of one head for every
+request launched together, several heads per program and T = 1 outputs gathered in registers for the RMSNorm
+were all slower and are gone (figures in docs/perf.md).
 """
 
 from __future__ import annotations
@@ -307,8 +304,8 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-#: ``head`` path register cap for [D, 32] chunks over 4 warps (its default tile before h200-s6-run5): 4 programs
-#: of 128 threads per SM instead of 3 (+1.3% at B=64 and B=256 H=96 on the H200, h200-s5-run3)
+#: ``head`` path register cap for [D, 32] chunks over 4 warps (its default tile before [D, 64]): 4 programs
+#: of 128 threads per SM instead of 3, a little faster (docs/perf.md)
 HEAD_MAXNREG = 128
 
 
@@ -318,15 +315,15 @@ def decode_plan(B: int, H: int, D: int) -> tuple[str, int, int]:
     ``head``), else ``split``; see the module docstring."""
     BD = max(16, triton.next_power_of_2(D))
     path = "head" if B * H >= current_tuning().kda_decode_head_min else "split"
-    if path == "head":  # [D, 64] chunks over 4 warps (h200-s6-run5: 80.3% of copy at B=64 H=96, [D, 32] 77.7%)
+    if path == "head":  # [D, 64] chunks over 4 warps: faster than [D, 32] at B=64 H=96 (docs/perf.md)
         bv, nw = 64, 4
     else:
         bv, nw = 32, 4
     return path, min(BD, bv), nw
 
 
-#: B·H from which the state loads alone carry ``evict_first`` (stores plain): at B=256 H=96 (3.2 GB of state)
-#: 81.1% of copy against 79.5% with both hints; at B=64 H=96 79.1% against 80.4% (h200-s6-run6)
+#: B·H from which the state loads alone carry ``evict_first`` (stores plain): faster than both hints at B=256
+#: H=96 (3.2 GB of state), slower at B=64 H=96 (docs/perf.md)
 EVICT_LOAD_ONLY_MIN = 16384
 
 

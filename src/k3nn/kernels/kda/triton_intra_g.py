@@ -23,12 +23,12 @@ form: :func:`k3nn.kernels.kda.reference.kda_intra_reference`), in four launches:
      for any gate ≤ 0.
 
    Writes the Aqk block (scaled, causal) to A and ``L = β ⊙ Akk`` (strictly lower) to the scratch; the
-   diagonal programs also write the zero upper blocks of A. (One program per block pair instead: forward
-   2.2–2.4% slower on the H200, bench/results/logs/h200-s5-run5-2026-11-30.log; gone.)
+   diagonal programs also write the zero upper blocks of A. (One program per block pair instead was slower;
+   gone, docs/perf.md.)
 3. ``_split_solve`` (:mod:`.triton_intra_split`): X = (I + L)⁻¹ in place in the scratch.
 4. ``_g_wu`` (grid: chunks × heads × feature tiles of BD): ``qg = scale · q ⊙ e^G``,
    ``kg = k ⊙ e^{G_last − G}``, ``w = X (β ⊙ k ⊙ e^G)`` and ``u = X (β ⊙ v)`` (X in the input dtype), straight
-   from G (no strip rebuild). (qg and kg written by the cumsum kernel instead: 2.24 against 2.16 ms; the
+   from G (no strip rebuild). (qg and kg written by the cumsum kernel instead was slower, docs/perf.md; the
    kernels keep the ``QK`` switch, always set this way.)
 
 qg, kg and z take one exponential of G; the scores take differences of chunk-level G. The score and w/u

@@ -11,7 +11,7 @@
   TF32).
 
 (The pipeline these pieces were first written for, three launches rebuilding the cumulative decay from g in
-each, took 2.73 ms against 2.16 for :mod:`.triton_intra_g` on the H200 and is gone.)
+each, was slower than :mod:`.triton_intra_g`'s precomputed decay and is gone; docs/perf.md.)
 """
 
 from __future__ import annotations

@@ -378,15 +378,13 @@ def make_plan(tile, splits: int) -> Plan:
     return Plan(*tuple(tile)[:9], splits=int(splits))
 
 
-# Tiles (Plan fields but the split count) the GPU tuner times. H200 runs before the 64-row rework
-# (bench/results/mla-decode-*): 32×64 lazy tiles over 4 warps (mma.sync, two programs per SM) reached 1.87 TB/s
-# at B=64 L=8K H=64; 64-row tiles over 8 warps reached 1.60 with two 64-key stages. Compiled for sm_90 with
-# Triton 3.6, a 64-row / 8-warp tile (i) computes the whole score tile in both warp groups unless ``opaque``
-# (the product feeds the value product, so the compiler puts all warps on the rows), and (ii) keeps only one
-# tile in flight with two stages and block ids read in the loop (the page lookup takes a pipeline stage) —
-# ``ahead`` gives 64×32 tiles with 4 stages four buffers (three tiles in flight, 220 KB of shared memory).
-# Whole key tiles through tensor descriptors (TMA) then took B=64 L=8K H=64 from 247 to 229 µs (2.68 TB/s) and
-# every other measured shape 3–19% further (bench/results/logs/h200-s6-run8-2026-11-30.log).
+# Tiles (Plan fields but the split count) the GPU tuner times. Compiled for sm_90 with Triton 3.6, a 64-row /
+# 8-warp tile (i) computes the whole score tile in both warp groups unless ``opaque`` (the product feeds the value
+# product, so the compiler puts all warps on the rows), and (ii) keeps only one tile in flight with two stages and
+# block ids read in the loop (the page lookup takes a pipeline stage) — ``ahead`` gives 64×32 tiles with 4 stages
+# four buffers (three tiles in flight, 220 KB of shared memory). Without those two, 64-row tiles were slower than
+# 32×64 lazy tiles over 4 warps (mma.sync, two programs per SM); with them, and with whole key tiles through
+# tensor descriptors (TMA), they are the fastest plans at 64 rows and more (docs/perf.md).
 _HOPPER_WIDE_TILE = (64, 64, 8, 2, False, 1, True, True, True)
 _GPU_TILES = [
     (32, 64, 4, 2, True),                           # the default below 64 rows
@@ -434,9 +432,8 @@ def wave_splits(B: int, rows: int, device: torch.device, block_h: int, split_v: 
 
 def _default_plan(B, M, dev):
     """The plan without tuning (``KernelTuning.autotune`` off, or first seen inside a graph capture). On Hopper, 64 or more
-    query rows take the 64-row split-score tile: the best plan in every >= 64-row case of the H200 sweep
-    (bench/results/logs/h200-s3-run3-2026-11-30.log; B=64 L=8K H=64 2.44 TB/s against 0.92 for the 32-row
-    tile at the same splits)."""
+    query rows take the 64-row split-score tile: the best plan in every >= 64-row case of the tile sweep, well
+    ahead of the 32-row tile (docs/perf.md)."""
     if dev.type != "cuda":
         return make_plan(_INTERP_TILE, 1)
     if M >= 64 and torch.cuda.get_device_capability(dev)[0] >= 9:

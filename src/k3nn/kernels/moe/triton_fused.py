@@ -43,19 +43,17 @@ MX_MODES = {"join": 0, "split": 1, "scaled": 2}
 MX_DEFAULT = "scaled"
 # MXFP4 with at most ``KernelTuning.moe_gemv_pairs`` (token, slot) pairs (default 64) and no explicit
 # ``mx_mode``: the CUDA-core weight-streaming GEMV (triton_mx_gemv.py) instead of the grouped tensor-core GEMMs.
-# H200, K3 shapes, top-16, word-decode GEMV: 1.78x the grouped kernel at 1 token and 1.48x at 4 (64 pairs); at
-# 16 tokens (256 pairs) the grouped kernel is faster. (The end-to-end first-step logits of k3_slice differ from
-# eager by 0.1-0.6 in bf16 with or without the GEMV: MoE routing flips on near-tied router scores,
+# At K3 shapes, top-16, the word-decode GEMV is faster than the grouped kernel up to 4 tokens (64 pairs); at 16
+# tokens (256 pairs) the grouped kernel is faster (docs/perf.md). (The end-to-end first-step logits of k3_slice
+# differ from eager by 0.1-0.6 in bf16 with or without the GEMV: MoE routing flips on near-tied router scores,
 # bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.) 0 turns it off.
-# ``KernelTuning.moe_cuda_gemv_pairs`` (default 256): the same limit for the CUDA GEMV (cuda_mx_gemv): H200, K3
-# shapes, top-16, 16 tokens (256 pairs): 1010 µs against 1752 µs for the grouped kernel and 2562 µs for the
-# Triton GEMV (bench/results/logs/h200-s4-run3-*).
+# ``KernelTuning.moe_cuda_gemv_pairs`` (default 256): the same limit for the CUDA GEMV (cuda_mx_gemv), which is
+# still faster than the grouped kernel and the Triton GEMV at 16 tokens (256 pairs; docs/perf.md).
 # ``KernelTuning.moe_gemv`` (read at each call) picks the implementation of that GEMV: "auto" (the default: the
 # CUDA GEMV where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or
 # "cuda" (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
-# misaligned weights — one warning and the Triton GEMV). H200 (bench/results/logs/h200-s5-run3-2026-11-30.log,
-# K3 experts, top-16): the CUDA GEMV moves the touched experts' weights at 60.7% / 61.6% / 63.0% of copy bandwidth
-# at 1 / 4 / 16 tokens with 896 experts (60.9% / 61.6% / 57.0% with 128), the Triton one at 42% / 38% / 18%.
+# misaligned weights — one warning and the Triton GEMV). "auto" prefers the CUDA GEMV because it streams the
+# touched experts' weights faster than the Triton one at every decode size (docs/perf.md).
 
 
 def gemv_impl() -> str:

@@ -74,10 +74,10 @@ class GemvConfig(tuple):
     split_a = property(lambda s: s[6])
 
 
-#: (8, 512, 16, 2) with the 32-bit word decode and split activations: the fastest of twelve schedules on the H200
-#: at K3 shapes and 1–4 tokens (bench/gpu/moe_mx.py, bench/results/logs/h200-s3-run3-2026-11-30.log: 42.7% of copy
-#: bandwidth at one token and 37.9% at four, against 24-25% for the grouped tl.dot_scaled kernel; 16 tokens stay on
-#: the grouped kernel, see ``KernelTuning.moe_gemv_pairs``). The interpreter gets wider, shorter tiles (fewer programs).
+#: (8, 512, 16, 2) with the 32-bit word decode and split activations: the fastest of the twelve schedules
+#: bench/gpu/moe_mx.py times at K3 shapes and 1–4 tokens, ahead of the grouped tl.dot_scaled kernel there; 16
+#: tokens stay on the grouped kernel, see ``KernelTuning.moe_gemv_pairs`` (figures in docs/perf.md). The
+#: interpreter gets wider, shorter tiles (fewer programs).
 DEFAULT_CONFIG = (GemvConfig(64, 64, 16, 4) if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
                   else GemvConfig(8, 512, 16, 2, True, 2, True))
 
