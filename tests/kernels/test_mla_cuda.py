@@ -1,11 +1,12 @@
 """CUDA MLA decode (kernels/mla/cuda_decode.py) on a CPU machine: availability reasons, supports() reasons (the
 extension failing to build), auto_skip (auto's default: the wgmma kernel on sm_90 for batched calls only), the
 cluster size from the tuning object, the registry keeping auto on
-Triton/eager here, the split heuristics and the generated source (the slow tests compile it with nvcc for sm_90
-and sm_90a). The kernels themselves run in tests/gpu/test_mla_gpu.py."""
+Triton/eager here, the split heuristics, the source (csrc/ files read by cuda_ext.read_source; the slow tests
+compile it with nvcc for sm_90a). The kernels themselves run in tests/gpu/test_mla_gpu.py."""
 
 import re
 import shutil
+from importlib.resources import files
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from conftest import braces_balanced, nvcc_sm90
 
 import k3nn.kernels.mla.cuda_decode as cd
+from k3nn.kernels import cuda_ext
 from k3nn.kernels.registry import get_op, resolve, tuning
 
 
@@ -152,6 +154,49 @@ def test_generated_source_has_the_entry_points():
     assert "int64_t cluster" in cd._DECL and "p.cluster = (int)cluster" in cd._CPP_SOURCE
     assert "int64_t rows" not in cd._DECL and "int64_t kernel" not in cd._DECL
     assert int(consts["WG_MAX_CLUSTER"]) == max(cd.CLUSTERS)
+
+
+def test_sources_are_package_files():
+    """The .cu / .cpp texts are the package's csrc/ files with their quoted includes and the generated wgmma
+    wrappers spliced in: no include or @generated line is left for the compilers, one MlaParams serves the kernel
+    and the binding, and the PDL / shared-memory helpers are kernels/csrc's."""
+    csrc = files("k3nn.kernels.mla").joinpath("csrc")
+    cu, cpp = cd.kernel_source(), cd._CPP_SOURCE
+    for text in (cu, cpp):
+        assert not re.search(r'^#include "', text, re.MULTILINE) and "@generated" not in text
+    raw = csrc.joinpath("mla_decode.cu").read_text()
+    for inc in ("mla_params.cuh", "mla_wgmma.cuh", "../../csrc/pdl.cuh", "../../csrc/raise_smem.cuh"):
+        assert f'#include "{inc}"' in raw, inc
+    params = csrc.joinpath("mla_params.cuh").read_text()
+    assert params in cu and params in cpp and cu.count("struct MlaParams {") == 1
+    assert cuda_ext.PDL_SOURCE in cu and cuda_ext.RAISE_SMEM_SOURCE in cu and cd._wgmma_ops() in cu
+    assert cd.CUDA_SOURCE == cuda_ext.read_source("mla/csrc/mla_decode.cu", wgmma_ops=cd._wgmma_ops())
+
+
+def test_read_source_expands_includes_and_generated_lines(tmp_path, monkeypatch):
+    """read_source: quoted includes relative to the including file, recursively (<...> includes stay), each
+    ``// @generated NAME`` line replaced by its text; a line without text, text without a line, an include cycle
+    and an include outside the kernels package are errors."""
+    (tmp_path / "op" / "csrc").mkdir(parents=True)
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "shared.cuh").write_text("int shared;\n")
+    (tmp_path / "op" / "csrc" / "part.cuh").write_text('#include "../../csrc/shared.cuh"\nint part;\n')
+    (tmp_path / "op" / "csrc" / "k.cu").write_text(
+        '#include <cstdint>\n#include "part.cuh"\n\n// @generated table: made in Python\nint k;\n')
+    (tmp_path / "op" / "csrc" / "loop.cuh").write_text('#include "loop.cuh"\n')
+    (tmp_path / "op" / "csrc" / "out.cuh").write_text('#include "../../../x.cuh"\n')
+    monkeypatch.setattr(cuda_ext.importlib.resources, "files", lambda package: tmp_path)
+    assert cuda_ext.read_source("op/csrc/k.cu", table="int t[2] = {1, 2};") == (
+        "#include <cstdint>\nint shared;\nint part;\n\nint t[2] = {1, 2};\nint k;\n")
+    assert cuda_ext.read_source("op/csrc/part.cuh") == "int shared;\nint part;\n"
+    with pytest.raises(ValueError, match="table"):
+        cuda_ext.read_source("op/csrc/k.cu")
+    with pytest.raises(ValueError, match="other"):
+        cuda_ext.read_source("op/csrc/k.cu", table="", other="")
+    with pytest.raises(ValueError, match="cycle"):
+        cuda_ext.read_source("op/csrc/loop.cuh")
+    with pytest.raises(ValueError, match="outside"):
+        cuda_ext.read_source("op/csrc/out.cuh")
 
 
 def test_wgmma_plan_and_cluster_choice(monkeypatch):

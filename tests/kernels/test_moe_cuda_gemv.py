@@ -147,6 +147,8 @@ def test_generated_source_has_the_entry_points():
                  "cudaLaunchAttributeProgrammaticStreamSerialization", "stream_rows<4, BMX"):
         assert name in cu, name
     assert "torch" not in cu  # the .cu compiles without torch headers
+    assert '#include "' not in cu and '#include "' not in cm._CPP_SOURCE  # csrc/ includes spliced in
+    assert cu.count("struct Args {") == 1 and "struct Args {" in cm._CPP_SOURCE
     assert f"kTable[{len(cfgs)}][2][3][2]" in cu
     assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, true>" in cu and "&launch<__half" not in cu
     assert braces_balanced(cu) and braces_balanced(cm._CPP_SOURCE)

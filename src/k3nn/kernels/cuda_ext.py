@@ -47,13 +47,17 @@ def read_source(path: str, **generated: str) -> str:
     relative to the including file) is replaced by that file's text, recursively, and each ``// @generated NAME``
     line by ``generated[NAME]`` (text made in Python). ``#include <...>`` lines stay. The result is what nvcc and
     the host compiler see, so the build's source hash covers every line of it. Raises ``ValueError`` for an
-    ``@generated`` line without text, text without its line, or an include cycle."""
+    ``@generated`` line without text (or twice), text without its line, an include cycle or an include outside
+    ``k3nn/kernels``."""
     root = importlib.resources.files("k3nn.kernels")
 
     def expand(rel: str, stack: tuple[str, ...]) -> str:
         if rel in stack:
             raise ValueError(f"read_source: include cycle {' -> '.join((*stack, rel))}")
-        text = root.joinpath(*rel.split("/")).read_text(encoding="utf-8")
+        node = root
+        for part in rel.split("/"):
+            node = node.joinpath(part)
+        text = node.read_text(encoding="utf-8")
 
         def include(m: re.Match) -> str:
             inc = posixpath.normpath(posixpath.join(posixpath.dirname(rel), m.group(1)))

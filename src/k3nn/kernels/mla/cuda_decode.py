@@ -1,5 +1,7 @@
 """CUDA absorbed MLA decode over the paged latent cache, split-KV (``torch.utils.cpp_extension.load_inline``,
-built on first use, never at import).
+built on first use, never at import). Sources: ``csrc/mla_decode.cu`` (stage 2, launches, dispatch; torch-free)
+with ``csrc/mla_wgmma.cuh`` (stage 1), ``csrc/mla_params.cuh`` and the shared ``kernels/csrc`` helpers, and the
+binding ``csrc/mla_decode.cpp``; :func:`kernel_source` is the whole ``.cu`` text the build compiles.
 
 Same contract as :func:`k3nn.ops.mla_decode` (see :mod:`.reference`), for the K3 dims: latent r = 512, rope
 dr = 64 (one 576-wide cache row per token), bf16 or fp16 inputs, fp32 accumulation.
@@ -10,13 +12,7 @@ specialized warp groups, Q and two 64-key tiles in shared memory in the 128-byte
 descriptors and TMA boxes share. Group 0 computes the scores of a whole tile (``wgmma m64n64k16``), the online
 softmax (fp32, base 2, lazy rescale) and P, then ``O[:, :256] += P·V`` with P from its registers; group 1 loads the
 key tiles (TMA into an mbarrier per buffer, or ``cp.async`` where pages are not multiples of 16 rows) and computes
-``O[:, 256:] += P·V`` from a shared P tile under group 0's next scores (see ``WGMMA_SOURCE``). On the H200
-(``bench/results/logs/h200-s8-run8-2026-11-30.log``) it ran B=64 L=8K H=64 / H=96 in 177 / 263 µs (3.42 / 2.30
-TB/s) against 231 / 418 µs for the Triton kernel's default plan, 269 against 417 µs with 2-token windows, and B=1
-L=32K H=64 / H=96 in 36.2 / 38.7 µs against 34.3 / 42.3 — so ``auto`` leaves a single request of one 64-row block
-to Triton (:data:`MIN_ROW_CTAS`). (Two ``mma.sync`` stage-1 kernels for sm_80+, 16 and 64 query rows per CTA, moved
-1.66 / 0.88 / 0.58 TB/s at best at B=64 L=8K H=64 / H=96 and B=1 L=32K H=64, h200-s5-run1, slower than the Triton
-kernel; they are gone.)
+``O[:, 256:] += P·V`` from a shared P tile under group 0's next scores (see ``csrc/mla_wgmma.cuh``).
 
 With one split stage 1 writes o and lse; otherwise it writes fp32 partials (o only for rows that saw a key) and
 stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them exactly
@@ -24,23 +20,21 @@ stage 2, grid ``[Tq·H, B, 4]`` (one warp per 128 columns of a row), merges them
 lse = −inf.
 
 Cluster merge (warp-group kernel, :func:`wgmma_plan`): ``C`` consecutive splits of a row tile run as one thread-block
-cluster (2 to 8 CTAs; ``cluster=`` or :attr:`KernelTuning.mla_cluster <k3nn.kernels.registry.KernelTuning>`). Each CTA stages its normalized rows and their lse in
-its shared memory; after a cluster barrier, each CTA of the cluster merges its ``ceil(64 / C)`` rows of all ``C``
-tiles through distributed shared memory (the same weights as stage 2) and writes one partial per cluster, or o and
-lse when the cluster holds every split. By default a call whose splits are 2 to 8 runs them as one cluster when every
-row tile's cluster is resident at once, so no combine kernel runs: on the H200 (``h200-s11-run2``) B=64 L=8K H=64 (two
-splits) took 165 / 164 µs against 196 / 191, B=30 (four) 87 against 96, B=15 (eight) 51 against 58. With more splits
-than one cluster, merging in clusters changed nothing at B=1 L=32K (32.3–33.6 µs against 32.1–32.5 for 64–132 splits,
-run 1), so the default leaves those to the combine kernel.
+cluster (2 to 8 CTAs; ``cluster=`` or :attr:`KernelTuning.mla_cluster <k3nn.kernels.registry.KernelTuning>`). Each
+CTA stages its normalized rows and their lse in its shared memory; after a cluster barrier, each CTA of the cluster
+merges its ``ceil(64 / C)`` rows of all ``C`` tiles through distributed shared memory (the same weights as stage 2)
+and writes one partial per cluster, or o and lse when the cluster holds every split. By default a call whose splits
+are 2 to 8 runs them as one cluster when every row tile's cluster is resident at once, so no combine kernel runs;
+more splits than one cluster holds go to the combine kernel (merging those in clusters first gained nothing).
 
 The split count and cluster size depend only on ``B``, ``Tq·H``, the block table's width and the device (about one
 wave of CTAs, one per SM; the clusters the device keeps resident, asked once per size), never on lengths read from
-the device, and the
-launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
+the device, and the launches allocate only through ``torch.empty``: calls can be captured in a CUDA graph.
 
 Availability: an sm_90 GPU (H100 / H200) and nvcc (``CUDA_HOME`` or on PATH). ``auto`` takes the kernel except for
 calls of one 64-row block per request (Tq·H ≤ 64) and fewer than :data:`MIN_ROW_CTAS` requests, which go to the
-Triton kernel (:func:`auto_skip`); an explicit ``k3nn.backend("cuda")`` runs every call it supports.
+Triton kernel, faster there (:func:`auto_skip`); an explicit ``k3nn.backend("cuda")`` runs every call it supports.
+Measurements: ``docs/perf.md``.
 """
 
 from __future__ import annotations
@@ -75,11 +69,9 @@ __all__ = [
 
 R, DR = 512, 64  # the only dims compiled
 MAX_SPLITS = 256
-#: under ``auto``, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay
-#: on the Triton kernel. Official bench, H=64, tuned Triton against wgmma (h200-s11-run6): B=1 L=32K 29.6 against
-#: 31.9 µs; B=2 L=32K 45.9 / 41.7, B=4 L=32K 74.2 / 59.9, B=8 L=8K 43.4 / 42.2, B=15 L=8K 68.2 / 50.7 (8 splits as one
-#: cluster), B=30 L=8K 120.4 / 90.2 (4 as one cluster). With two blocks per request the wgmma kernel is faster at
-#: B=1 too (38.7 against 42.3 µs at H=96, h200-s8-run8).
+#: under ``auto``, calls of one 64-row block per request (Tq·H ≤ 64) and fewer requests than this stay on the
+#: Triton kernel, which is faster for them (with two row blocks per request the wgmma kernel is faster even at
+#: B=1)
 MIN_ROW_CTAS = 2
 CLUSTERS = tuple(range(1, 9))  # CTAs per cluster of the wgmma kernel's cluster merge (1: none; 8: the portable limit)
 #: key tiles per split at least, with the cluster merge (its partials cost less: smaller splits pay off)
@@ -95,9 +87,11 @@ _IN_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _LOG2E = 1.4426950408889634
 
+
 def _wgmma_ops() -> str:
     """The wgmma wrappers (scores m64n64k16, K-major B; output m64n256k16, MN-major B, with A from shared memory or
-    from registers; bf16 and fp16 inputs): generated, as each names every accumulator register."""
+    from registers; bf16 and fp16 inputs): generated, as each names every accumulator register; they take the
+    ``// @generated wgmma_ops`` line of ``csrc/mla_wgmma.cuh``."""
     out = []
     for ty, ptx in (("bf16", "bf16"), ("f16", "f16")):
         k = 128
@@ -124,7 +118,6 @@ def _wgmma_ops() -> str:
                 f'               : "l"(da), "l"(db), "r"(1));\n'
                 f"}}")
     return "\n".join(out)
-
 
 
 #: the complete ``.cu`` text: ``csrc/mla_decode.cu`` with its includes and the generated wgmma wrappers
@@ -170,8 +163,8 @@ def auto_skip(q_lat, q_rope=None, *args, **kwargs) -> str | None:
 
 #: seconds the last :func:`build` spent compiling or loading (0 once the module is loaded in this process)
 last_build_seconds = 0.0
-#: (kernel, query rows per CTA, splits) of the latest :func:`mla_decode_cuda` call
-LAST_CALL: tuple[int, int] | None = None  # splits, cluster of the last call
+#: (splits, cluster) of the latest :func:`mla_decode_cuda` call
+LAST_CALL: tuple[int, int] | None = None
 
 
 def _arch_flags() -> tuple[str, ...]:
@@ -216,8 +209,7 @@ def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_
     """Splits per request: about one wave of stage-1 CTAs (``ctas_per_sm`` resident per SM; one CTA of ``rows``
     query rows per row tile), at least ``min_tiles`` ``block_n``-key tiles per split of the longest possible request
     (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`. Depends on shapes only
-    (graph-safe). At least 8 tiles per split: more split partials cost more than the wave they fill (B=1 L=32K H=64
-    ran in 36.6 µs with 64 splits against 41.5 with 128, h200-s8-run2)."""
+    (graph-safe). At least 8 tiles per split: more split partials cost more than the wave they fill."""
     per = B * math.ceil(M / rows)
     by_wave = (ctas_per_sm * sm_count) // per
     by_len = math.ceil(max(1, max_tokens) / (min_tiles * block_n))
@@ -248,10 +240,9 @@ def wgmma_plan(B: int, M: int, max_tokens: int, sm_count: int, cluster: int | No
 
     * ``cluster`` None (the default): ``num_splits`` or :func:`default_num_splits`, and the splits of a row tile as
       one cluster where they are 2 to 8 and every row tile's cluster is resident at once; the cluster merge then
-      writes o and lse and no combine kernel runs (B=64 L=8K H=64, two splits: 161.5 against 189.5 µs,
-      h200-s11-run1). Without ``num_splits``, where the clusters of the rule's splits do not all fit, one split
-      fewer (down to :data:`CLUSTER_SHRINK` of them) may: B=14 L=8K H=64 takes 8 splits as clusters of 8 rather
-      than 9 and a combine (51.3 against 56.3 µs, h200-s11-run5).
+      writes o and lse and no combine kernel runs. Without ``num_splits``, where the clusters of the rule's splits
+      do not all fit, one split fewer (down to :data:`CLUSTER_SHRINK` of them) may: B=14 L=8K H=64 on 132 SMs
+      takes 8 splits as clusters of 8 rather than 9 and a combine.
     * ``cluster`` c: with ``num_splits``, those splits and the largest cluster size up to c that divides them; else
       about one wave of resident clusters, at least :data:`CLUSTER_MIN_TILES` 64-key tiles per split, a multiple
       of c (none where that leaves fewer than c splits: the plain rule, no cluster)."""

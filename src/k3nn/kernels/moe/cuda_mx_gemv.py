@@ -38,8 +38,10 @@ is accumulated in fp32 by the tensor core and scaled in fp32.
 Launch shape ``CudaGemvConfig(row_tiles, k_split, unroll, prefetch, decode)``; ``mx_gemv_experts_cuda`` and
 ``mx_gemv_linear_cuda`` take one (default ``DEFAULT_CONFIG``). Every config used must be in the built set:
 :func:`build` compiles a set of configs (bf16/fp16, NT ∈ {1, 2, 4}, GLU on/off as template instances) into one
-module, the kernels in a torch-free ``.cu`` (nvcc) and the binding in a ``.cpp`` (host compiler) so the two
-compile in parallel. Launches are CUDA-graph capturable: no host syncs, no allocation except the ``h`` buffer.
+module, the kernels in a torch-free ``.cu`` (nvcc: ``csrc/mx_gemv.cu`` with ``csrc/mx_gemv_args.cuh`` and the
+shared ``kernels/csrc/pdl.cuh``, then the generated instance table) and the binding in a ``.cpp`` (host compiler:
+``csrc/mx_gemv.cpp``) so the two compile in parallel. Launches are CUDA-graph capturable: no host syncs, no
+allocation except the ``h`` buffer.
 
 Programmatic dependent launch (sm_90+, ``KernelTuning.moe_cuda_pdl``, default True): every up CTA executes
 ``griddepcontrol.launch_dependents`` first, and the down kernel goes through ``cudaLaunchKernelEx`` with
@@ -87,11 +89,9 @@ class CudaGemvConfig(NamedTuple):
                 f"{' e4m3' if self.decode else ''}")
 
 
-#: the best of eight launch shapes on the H200 at 1, 4 and 16 tokens (bench/gpu/moe_mx.py,
-#: bench/results/logs/h200-s5-run1-2026-11-30.log): 64 rows and two K slices per CTA, two groups per batch with
-#: prefetch, e4m3 decode — 57.1% / 61.6% / 45.7% of copy bandwidth (block_m 2 everywhere, no PDL) against
-#: 55.6% / 61.2% / 45.3% for 32 rows. Below sm_89 (no e4m3 convert) :func:`supports` declines decode 1 and the
-#: Triton GEMV runs.
+#: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
+#: measured at 1, 4 and 16 tokens (``docs/perf.md``). Below sm_89 (no e4m3 convert) :func:`supports` declines
+#: decode 1 and the Triton GEMV runs.
 DEFAULT_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=True, decode=1)
 
 _NTS = (1, 2, 4)  # n8 tiles of the mma = ceil(block_m / 2)
@@ -212,13 +212,10 @@ def cuda_block_m(num_pairs: int, num_experts: int, rule: str = "one-block") -> i
     """Alignment rows per CTA for the CUDA GEMV, from the launch sizes only (CUDA-graph capturable).
 
     ``one-block`` (the default): 8, so an expert with up to 8 pairs is ONE block and its weights are read once;
-    the kernel runs only the n8 tiles a block's valid rows need, so the padding costs no mma work. On the H200
-    (K3 experts, 128 of them, top-16; ``bench/results/logs/h200-s5-run2-2026-11-30.log``) it beat the smaller
-    blocks of ``poisson`` at 1 token (61.2% of copy bandwidth against 52.8% with block_m 2) and lost 2 points at
-    4 tokens (62.0% against 63.9% with 4). ``poisson``: the smallest of 2, 4, 8 that holds every touched
-    expert's pairs in one block unless the routing is far from uniform (E·P(Poisson(P/E) > block_m) ≤ 1/4).
-    ``mean``: the earlier rule, ≈ pairs per touched expert (2 at 16 tokens, where 3–6 pair experts then take
-    2–3 blocks and re-read their weights: 40.5% against 57.4%)."""
+    the kernel runs only the n8 tiles a block's valid rows need, so the padding costs no mma work. ``poisson``:
+    the smallest of 2, 4, 8 that holds every touched expert's pairs in one block unless the routing is far from
+    uniform (E·P(Poisson(P/E) > block_m) ≤ 1/4). ``mean``: the earlier rule, ≈ pairs per touched expert (2 at 16
+    tokens, where 3–6 pair experts then take 2–3 blocks and re-read their weights)."""
     if rule == "one-block":
         return 8
     if rule == "mean":
