@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("k3nn_bench_report", ROOT / "src" / "k3nn" / "bench" / "report.py")
+spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
 report = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = report  # dataclasses look the module up while the class body runs
 spec.loader.exec_module(report)

@@ -71,6 +71,28 @@ def test_bench_without_suite_prints_help(capsys):
     assert rc == 2 and "SUITE" in out
 
 
+def test_bench_help_lists_the_checkouts_suites(capsys):
+    import bench
+
+    rc, out, _ = run(capsys, "bench", "--help")
+    assert rc == 0 and "python -m bench.SUITE" in out
+    listed = out.split("suites:\n", 1)[1].splitlines()
+    assert [ln.split()[0] for ln in listed] == list(bench.SUITES)
+
+
+def test_bench_runs_the_suites_own_help(capsys):
+    rc, out, _ = run(capsys, "bench", "e2e", "--help")
+    assert rc == 0 and "usage: k3nn bench e2e" in out and "--batches" in out
+
+
+def test_bench_outside_a_checkout_says_where_the_suites_are(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "_checkout_root", lambda: tmp_path)  # an installed k3nn: no bench/ beside src/
+    rc, _, err = run(capsys, "bench", "e2e")
+    assert rc != 0 and "bench/ folder of the k3nn repository" in err and "pip install -e" in err
+    rc, out, _ = run(capsys, "bench", "--help")
+    assert rc == 0 and "No suites here" in out
+
+
 def test_generate_missing_dir_is_a_message(capsys):
     rc, _, err = run(capsys, "generate", "--model", "/nonexistent/k3nn/ckpt")
     assert rc == 2
@@ -104,7 +126,7 @@ def test_generate_bad_input_ids_is_one_line(capsys, ids, match):
 def test_perf_report_is_robust(tmp_path):
     import json
 
-    from k3nn.bench import report
+    from bench import report
 
     res = tmp_path / "bench" / "results"
     res.mkdir(parents=True)
@@ -143,7 +165,7 @@ def test_demo_without_the_demo_extra_says_what_to_install(capsys, monkeypatch, t
 
 
 def test_kda_prefill_cases_parse_and_reject():
-    from k3nn.bench.kda_prefill import _parse_case
+    from bench.kda_prefill import _parse_case
     assert _parse_case(" 65536:96:lower_bound") == (1, 65536, 96, "lower_bound")
     for bad in ("65536:96", "x:96:softplus", "4096:32:relu", "0:32:softplus"):
         with pytest.raises(SystemExit, match="--cases"):

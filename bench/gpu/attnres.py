@@ -1,12 +1,12 @@
 """AttnRes fused mix on the GPU: correctness of every entry point, then bandwidth of the kernel variants.
 
-    PYTHONPATH=src python3 bench/gpu/attnres.py [--budget 400] [--variants a,b,...] [--tokens 8192,64,1]
+    python3 -m bench.gpu.attnres [--budget 400] [--variants a,b,...] [--tokens 8192,64,1]
 
 1. bf16 correctness vs the eager references (k3nn.kernels.attnres.reference, k3nn.layers.attnres) for the
    mix, phase 1 and phase 2 at S = 1, 5, 9 and d = 7168 and an odd d (masked tail), and every named mix
    schedule (triton_mix.MIX_SCHEDULES) at S = 2 and 9, d = 7168 and 4099, plus a source 2 bytes off 16-byte
    alignment (the bulk L2 prefetch falls back to per-sector requests).
-2. Copy bandwidth measured in this process (k3nn.bench.common.device_meta), then the mix at T = 8192 (CUDA
+2. Copy bandwidth measured in this process (bench.common.device_meta), then the mix at T = 8192 (CUDA
    events, inputs far larger than L2) and the decode shapes T = 1, 64 (CUDA graph, inputs rotated past L2)
    for S = 9, 5, 2 and each schedule: us, TB/s for (S + 1)·T·d·2 bytes (every source read once, h written
    once), fraction of copy bandwidth, and the compiled kernel's registers / spills. The last lines name the
@@ -26,9 +26,10 @@ import time
 
 import torch
 
-from k3nn.bench.common import bench_ms, device_meta, graph_bench_ms, rel_err
 from k3nn.kernels.attnres import triton_mix as tm
 from k3nn.kernels.attnres.reference import (
+
+from bench.common import bench_ms, device_meta, graph_bench_ms, rel_err
     attnres_phase1_reference,
     attnres_phase2_reference,
 )

@@ -1,12 +1,12 @@
 """Kernel launches per layer of one latency-specialised decode step (issue 9), with a per-op table.
 
 On CUDA: the CUDA kernels (and memcpy / memset) of one non-graph step, counted by ``torch.profiler`` (as
-``k3nn.bench.e2e.count_launches``). On CPU (a proxy): the aten ops of one step that would launch a device
+``bench.e2e.count_launches``). On CPU (a proxy): the aten ops of one step that would launch a device
 kernel — leaf ops (no aten child) that are not views / metadata / allocation.
 
-    python bench/gpu/decode_launches.py                      # CPU proxy, k3_slice structure at tiny widths
-    python bench/gpu/decode_launches.py --config k3_slice    # on the H200 (bf16, random MXFP4 experts)
-    python bench/gpu/decode_launches.py --path standard      # the standard (graph-safe static) step instead
+    python -m bench.gpu.decode_launches                      # CPU proxy, k3_slice structure at tiny widths
+    python -m bench.gpu.decode_launches --config k3_slice    # on the H200 (bf16, random MXFP4 experts)
+    python -m bench.gpu.decode_launches --path standard      # the standard (graph-safe static) step instead
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
-import sys
 import types
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import HybridCache
@@ -190,7 +186,7 @@ def main(argv=None):
 def _run(args):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.config == "k3_slice":
-        from k3nn.bench.models import build_model
+        from bench.models import build_model
 
         model = build_model(KimiK3Config.k3_slice(), str(dev), torch.bfloat16)
     else:

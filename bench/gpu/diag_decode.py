@@ -6,7 +6,7 @@ error of each module output vs eager, the fraction of tokens whose top-k expert 
 per-row error (median / max) and argmax agreement. fp32 isolates kernel bugs from bf16 rounding; a bf16 run
 with the MXFP4 decode forced to the exact ``split`` mode isolates ``tl.dot_scaled``.
 
-    PYTHONPATH=src python3 bench/gpu/diag_decode.py [--config k3_slice] [--batches 1,64]
+    python3 -m bench.gpu.diag_decode [--config k3_slice] [--batches 1,64]
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import time
 
 import torch
 
-from k3nn.bench.e2e import clone_cache
-from k3nn.bench.models import build_model
 from k3nn.cache.hybrid import HybridCache
 from k3nn.config import KimiK3Config
 from k3nn.decode.runner import make_decode_runner
 from k3nn.layers.moe import Router
+
+from bench.e2e import clone_cache
+from bench.models import build_model
 
 
 def _moes(model):

@@ -4,7 +4,7 @@ speculative round mode: eager rounds (cuda_graph=False), the graph-safe static r
 ("static") and with captured graphs (True). Per mode: tokens equal to plain greedy (leading run), the
 acceptance length, the graphs captured; then one verify window's logits vs the plain decode steps' logits.
 
-    PYTHONPATH=src python3 bench/gpu/diag_spec.py [--configs tiny,small] [--dtypes float32,bfloat16]
+    python3 -m bench.gpu.diag_spec [--configs tiny,small] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import time
 import torch
 
 from k3nn import KimiK3, KimiK3Config
-from k3nn.bench.spec import ReferenceDrafter
 from k3nn.spec import SpecOptions
+
+from bench.spec import ReferenceDrafter
 
 GAMMA = 7
 

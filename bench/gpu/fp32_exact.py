@@ -24,8 +24,8 @@ Then the kernels alone at Kimi dims (``ops.mla_attention``, ``ops.mla_decode``, 
 exact mode existed) and fp32 TF32 off (the exact mode's cost), next to the newest ``bench/results/prefill-*.json``
 bf16 row at the same length. Writes ``fp32-exact-<stamp>.json`` to ``$K3NN_RESULTS_DIR``.
 
-    python bench/gpu/fp32_exact.py [--T 2048] [--decode 4] [--reps 5] [--budget 225] [--no-tune]
-    python bench/gpu/fp32_exact.py --smoke   # tiny dims, any device (CPU: eager, plus Triton if interpreted)
+    python -m bench.gpu.fp32_exact [--T 2048] [--decode 4] [--reps 5] [--budget 225] [--no-tune]
+    python -m bench.gpu.fp32_exact --smoke   # tiny dims, any device (CPU: eager, plus Triton if interpreted)
 """
 
 from __future__ import annotations
@@ -35,20 +35,18 @@ import contextlib
 import copy
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+from k3nn import ops as kops
+from k3nn.config import KimiK3Config
+from k3nn.kernels.precision import dot_precision, tf32_allowed
+from k3nn.kernels.registry import backend, triton_interpreting, tuning
 
-from k3nn import ops as kops  # noqa: E402
-from k3nn.bench.common import device_meta, rel_err, write_results  # noqa: E402
-from k3nn.bench.models import build_model  # noqa: E402
-from k3nn.config import KimiK3Config  # noqa: E402
-from k3nn.kernels.precision import dot_precision, tf32_allowed  # noqa: E402
-from k3nn.kernels.registry import backend, triton_interpreting, tuning  # noqa: E402
+from bench.common import device_meta, rel_err, write_results
+from bench.models import build_model
 
 SUITE = "fp32-exact"
 CONTRACT = 1e-4  # fp32 logits vs fp64 with TF32 off (relative, ‖Δ‖/‖ref‖)

@@ -1,12 +1,12 @@
 """GPU check + timing of the KDA prefill prologue kernels: ``ops.short_conv`` (causal conv + SiLU + L2 norm of q, k),
 ``ops.kda_gate`` and ``ops.gated_rmsnorm``, Triton against eager.
 
-    PYTHONPATH=src python3 bench/gpu/kda_prologue.py [--tokens 8192,32768] [--heads 32] [--head-dim 128] [--sweep]
+    python3 -m bench.gpu.kda_prologue [--tokens 8192,32768] [--heads 32] [--head-dim 128] [--sweep]
 
 1. Correctness, bf16 activations on CUDA: for each T, the Triton output of every op against eager (relative
    error printed; the final conv state must be bitwise equal), the short conv also over 4 packed sequences with
    history, and both gate kinds.
-2. Timing (CUDA events, k3nn.bench.common.bench_ms, inputs far larger than L2) of eager and Triton, plus the
+2. Timing (CUDA events, bench.common.bench_ms, inputs far larger than L2) of eager and Triton, plus the
    composition the layer ran before the fused op (``short_conv`` + two ``l2norm``) as "before". GB/s counts the
    bytes an op must move once: short conv 2·T·3C·2 (x read, y written), gate T·C·(2 + 4) (f bf16 in, g fp32
    out), gated RMSNorm 3·T·C·2 (x, gate in, y out); C = H·D.
@@ -23,8 +23,9 @@ import time
 import torch
 
 from k3nn import backend, ops
-from k3nn.bench.common import bench_ms, rel_err
 from k3nn.kernels.kda.prologue import l2norm, short_conv
+
+from bench.common import bench_ms, rel_err
 
 T0 = time.time()
 DEV = "cuda"

@@ -9,7 +9,7 @@ batch (uneven lengths, a 1-token request, shuffled pages, NaN in unused rows) ch
 TB/s counts the latent cache only (``B·L·576·2`` bytes), against the copy bandwidth measured in this process;
 caches rotate over enough copies to exceed L2.
 
-    PYTHONPATH=src python3 bench/gpu/mla_decode.py [--quick] [--budget 100] [--cuda-only] [--no-cuda] [--tiles a,b]
+    python3 -m bench.gpu.mla_decode [--quick] [--budget 100] [--cuda-only] [--no-cuda] [--tiles a,b]
 
 The CUDA kernel (``k3nn.kernels.mla.cuda_decode``) runs after the sweep at B=64 L=8K H=64/96 and B=1 L=32K
 H=64 next to the default Triton plan, with its nvcc build time, at its default split count and a few others;
@@ -29,9 +29,10 @@ import time
 
 import torch
 
-from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
 from k3nn.kernels.mla import triton_decode as td
 from k3nn.kernels.mla.reference import mla_decode_reference
+
+from bench.common import device_meta, graph_bench_ms, rel_err
 
 R, DR, BS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5

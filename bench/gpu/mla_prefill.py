@@ -3,23 +3,20 @@ every tile candidate of the Triton kernel against torch SDPA (each backend that 
 (qk 192 = nope 128 + rope 64, v 128), causal, one sequence; plus the chunked case (queries at an offset into a
 longer key range). Prints TFLOP/s of the causal product next to the bf16 matmul ceiling measured in the run.
 
-    python bench/gpu/mla_prefill.py [--lengths 8192,32768,131072] [--heads 32] [--quick]
+    python -m bench.gpu.mla_prefill [--lengths 8192,32768,131072] [--heads 32] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+from k3nn.kernels.mla.prefill import mla_attention_reference
+from k3nn.kernels.mla.triton_prefill import default_config, mla_attention_triton
 
-from k3nn.bench.common import bench_ms, device_meta, rel_err  # noqa: E402
-from k3nn.kernels.mla.prefill import mla_attention_reference  # noqa: E402
-from k3nn.kernels.mla.triton_prefill import default_config, mla_attention_triton  # noqa: E402
+from bench.common import bench_ms, device_meta, rel_err
 
 CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
            (64, 128, 4, 2), (128, 128, 8, 3), (64, 32, 4, 4)]

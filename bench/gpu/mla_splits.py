@@ -3,7 +3,7 @@ count, the whole call timed in a CUDA graph (inputs rotate over copies larger th
 (stage 1, the split combine) from the profiler, for the CUDA warp-group kernel and the Triton default tile. Every
 variant is first run into NaN-poisoned outputs and compared with the eager reference.
 
-    PYTHONPATH=src python3 bench/gpu/mla_splits.py [--cases 1,32768,64;1,32768,96] [--splits 32,64,128,132]
+    python3 -m bench.gpu.mla_splits [--cases 1,32768,64;1,32768,96] [--splits 32,64,128,132]
         [--clusters 1,2,4,8]
 
 With ``--clusters`` the warp-group kernel also runs with its splits merged in clusters of that many CTAs
@@ -16,18 +16,15 @@ dependent launch: its profiler time then includes its wait for stage 1 (compare 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from k3nn.kernels.mla import triton_decode as td
 
-from mla_decode import R, SCALE, graph_ms, launch, make_case, poisoned  # noqa: E402
-
-from k3nn.bench.common import rel_err  # noqa: E402
-from k3nn.kernels.mla import triton_decode as td  # noqa: E402
+from bench.common import rel_err
+from bench.gpu.mla_decode import R, SCALE, graph_ms, launch, make_case, poisoned
 
 
 def kernel_times(fn, calls: int = 8) -> dict[str, float]:

@@ -5,23 +5,20 @@ CTA started (CTA 0, and the median and max over CTAs) for the last call. The tim
 and ptxas may read it early: "g0 tile 0 full" came out before group 1's "tile 0 landed" (h200-s10-run6), so read
 group 0's first products from "g1 tile 0 landed" on.
 
-    PYTHONPATH=src python3 bench/gpu/mla_trace.py [--cases B,L,H,S;...]
+    python3 -m bench.gpu.mla_trace [--cases B,L,H,S;...]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from k3nn.kernels import cuda_ext
+from k3nn.kernels.mla import cuda_decode as cdk
 
-from mla_decode import R, SCALE, make_case  # noqa: E402
-
-from k3nn.kernels import cuda_ext  # noqa: E402
-from k3nn.kernels.mla import cuda_decode as cdk  # noqa: E402
+from bench.gpu.mla_decode import R, SCALE, make_case
 
 STAMPS = 24
 NAMES = {

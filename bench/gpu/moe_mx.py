@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """MXFP4 expert weight bandwidth at decode batch sizes (issue 5), one self-contained GPU check.
 
-    PYTHONPATH=src python3 bench/gpu/moe_mx.py [--cuda RT,KS,U,PF,DEC ...] [--triton all|default|none]
+    python3 -m bench.gpu.moe_mx [--cuda RT,KS,U,PF,DEC ...] [--triton all|default|none]
 
 K3 routed experts (3584 → 3072 gate+up → 3584, SiTU-GLU β 4/25), 128 experts, top-16, bf16 activations, random
 MXFP4 weights. For 1, 4 and 16 tokens:
@@ -30,21 +30,20 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 
 T_START = time.time()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 import torch
 
-from k3nn.bench.common import device_meta, graph_bench_ms, rel_err
 from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
 from k3nn.kernels.moe.triton_mx_gemv import GemvConfig, gemv_block_m, mx_gemv_experts
 from k3nn.quant.mxfp4 import MXFP4Weight
+
+from bench.common import device_meta, graph_bench_ms, rel_err
 
 print = functools.partial(print, flush=True)
 

@@ -1,6 +1,6 @@
 """Two-GPU NCCL probe: latency and bandwidth of the collectives DCP / TP / EP use, eager and in a CUDA graph.
 
-    python3 -m torch.distributed.run --nproc-per-node 2 bench/gpu/nccl_probe.py
+    python3 -m torch.distributed.run --nproc-per-node 2 -m bench.gpu.nccl_probe
 """
 
 from __future__ import annotations

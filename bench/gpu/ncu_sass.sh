@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# ncu_sass.sh KERNEL_REGEX DRIVER.py [ARGS...]: the third launch of the kernel under ncu's source page (SASS with
-# sampled warp stalls), reduced to its top lines by ncu_top_sass.py, then the per-reason stall averages of the
-# same launch (raw page). Used by the suite's *-sass steps.
+# ncu_sass.sh KERNEL_REGEX -m bench.gpu.DRIVER [ARGS...] (what python3 runs; from the repository root): the third
+# launch of the kernel under ncu's source page (SASS with sampled warp stalls), reduced to its top lines by
+# ncu_top_sass.py, then the per-reason stall averages of the same launch (raw page). Used by the suite's *-sass steps.
 set -u
 k=$1; shift
 ncu --clock-control none --kernel-name "regex:$k" --launch-skip 2 --launch-count 1 --section SourceCounters \

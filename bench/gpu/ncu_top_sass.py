@@ -3,7 +3,7 @@ the columns ncu gives, then the ``--top`` lines with the most samples (instructi
 of all samples), so a profile of a kernel fits in a short log.
 
     ncu --kernel-name regex:NAME --launch-skip 2 --launch-count 1 --section SourceCounters --section WarpStateStats \\
-        --page source --csv --print-source sass python3 DRIVER.py | python3 bench/gpu/ncu_top_sass.py --top 40
+        --page source --csv --print-source sass python3 DRIVER.py | python3 -m bench.gpu.ncu_top_sass --top 40
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Where a whole-model prefill spends its GPU time: the 4-layer Kimi-Linear slice (3 KDA + 1 MLA, 32 experts top-8)
 in bf16, one forward with a fresh cache at T tokens under torch.profiler, kernels sorted by total CUDA time.
 
-    python bench/gpu/prefill_profile.py [--T 32768] [--top 30] [--experts 32]
+    python -m bench.gpu.prefill_profile [--T 32768] [--top 30] [--experts 32]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-
-from k3nn import KimiK3, KimiK3Config  # noqa: E402
+from k3nn import KimiK3, KimiK3Config
 
 
 def main():

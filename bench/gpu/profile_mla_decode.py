@@ -5,7 +5,7 @@ legacy SM90 kernel when it imports — each three times (two warm-up calls, one 
 
     ncu --clock-control none --kernel-name regex:'_mla_decode_stage1|mla_wgmma_kernel|splitkv_mla' --launch-count 9 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --section SchedulerStats --section SourceCounters python3 bench/gpu/profile_mla_decode.py [PLAN ...]
+        --section SchedulerStats --section SourceCounters python3 -m bench.gpu.profile_mla_decode [PLAN ...]
 
 (suite step ``mla-decode-ncu``). ``--cases B,L,H,Tq;...`` instead profiles only the CUDA warp-group kernel at its
 default split count and FlashMLA on each case (suite step ``mla-wgmma-cases-ncu``). Without a profiler it prints
@@ -16,17 +16,14 @@ SASS lines they sit on (waits on the tensor-memory loads, on the products, on ba
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from k3nn.kernels.mla import triton_decode as td
 
-from mla_decode import R, SCALE, flashmla, launch, make_case  # noqa: E402
-
-from k3nn.bench.common import print_call_times as timed  # noqa: E402
-from k3nn.kernels.mla import triton_decode as td  # noqa: E402
+from bench.common import print_call_times as timed
+from bench.gpu.mla_decode import R, SCALE, flashmla, launch, make_case
 
 
 def parse_plan(text: str) -> td.Plan:

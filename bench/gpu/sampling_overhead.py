@@ -1,7 +1,7 @@
 """Per-token cost of the Engine's per-request sampling (k3nn.engine.sampling.RequestSampler) at Kimi's vocabulary.
 
-    PYTHONPATH=src python3 bench/gpu/sampling_overhead.py [--vocab 163840] [--tokens 200]
-    PYTHONPATH=src python3 bench/gpu/sampling_overhead.py --device cpu --vocab 4096 --tokens 20   # the CPU parts
+    python3 -m bench.gpu.sampling_overhead [--vocab 163840] [--tokens 200]
+    python3 -m bench.gpu.sampling_overhead --device cpu --vocab 4096 --tokens 20   # the CPU parts
 
 1. Checks: the device sampler's processed scores and verify window (penalties, min_tokens, warpers) equal the CPU
    sampler's; under ``torch.cuda.set_sync_debug_mode("error")`` they run without a host sync; greedy ``choose``

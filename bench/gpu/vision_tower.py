@@ -1,8 +1,8 @@
 """Vision tower benchmark: k3nn's MoonViT + projector against transformers' Kimi K2.5 vision tower + projector
 (``Kimi_K25VisionModel`` + ``Kimi_K25MultimodalProjection``) on the same weights, bf16, images/s.
 
-    PYTHONPATH=src python3 bench/gpu/vision_tower.py [--batch-448 32] [--batch-1024 8] [--reps 10]
-    PYTHONPATH=src python3 bench/gpu/vision_tower.py --tiny --device cpu        # the CPU parts, in seconds
+    python3 -m bench.gpu.vision_tower [--batch-448 32] [--batch-1024 8] [--reps 10]
+    python3 -m bench.gpu.vision_tower --tiny --device cpu        # the CPU parts, in seconds
 
 1. transformers' ``Kimi_K25ForConditionalGeneration`` at Kimi K2.5's vision dims (transformers' ``Kimi_K25VisionConfig``
    defaults: MoonViT, 27 layers of 1152, 16 heads of 72, MLP 4304, patch 14, merge 2×2, a 64×64 learned position
@@ -40,9 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-
-from k3nn.results import device_meta, write_results  # noqa: E402
+from k3nn.results import device_meta, write_results
 
 T0 = time.time()
 

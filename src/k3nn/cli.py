@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["main"]
-
-SUITES = ("kda-prefill", "kda-decode", "mla-decode", "moe", "attnres", "spec", "engine-spec", "prefix", "budget", "e2e",
-          "prefill")
-
 
 def _torch_dtype(name: str):
     import torch
@@ -173,26 +171,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- bench
+_NO_CHECKOUT = ("the benchmark suites live in the bench/ folder of the k3nn repository, not in the installed "
+                "package: clone the repository, install it editable from its root (bash scripts/setup.sh, or "
+                "pip install -e '.[bench]'), then run 'k3nn bench SUITE' or 'python -m bench.SUITE' there")
+
+
+def _checkout_root() -> Path:
+    """The repository root when this k3nn runs from a checkout (``<root>/src/k3nn``, as the editable install of
+    scripts/setup.sh or ``PYTHONPATH=src`` lays it out)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _bench_package():
+    """The checkout's ``bench`` package (``<root>/bench``), imported as ``bench``; None outside a checkout."""
+    init = _checkout_root() / "bench" / "__init__.py"
+    if not init.is_file():
+        return None
+    mod = sys.modules.get("bench")
+    if mod is not None:
+        if Path(mod.__file__ or "").resolve() != init:
+            raise SystemExit(f"k3nn bench: a different module named 'bench' is already imported ({mod.__file__})")
+        return mod
+    spec = importlib.util.spec_from_file_location("bench", init, submodule_search_locations=[str(init.parent)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _suites_help(pkg) -> str:
+    if pkg is None:
+        return f"No suites here: {_NO_CHECKOUT}."
+    w = max(map(len, pkg.SUITES))
+    return "suites:\n" + "\n".join(f"  {name:<{w}}  {what}" for name, what in pkg.SUITES.items())
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    pkg = _bench_package()
     if args.suite is None:
+        args.parser.epilog = _suites_help(pkg)
         args.parser.print_help()
         return 0 if args.help else 2
-    if args.help:
-        rest = ["--help"]
-    if args.suite not in SUITES:
-        raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(SUITES)}")
-    name = args.suite.replace("-", "_")
+    if pkg is None:
+        raise SystemExit(f"k3nn bench: {_NO_CHECKOUT}.")
+    if args.suite not in pkg.SUITES:
+        raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(pkg.SUITES)}")
+    name = f"bench.{args.suite.replace('-', '_')}"
     try:
-        mod = importlib.import_module(f"k3nn.bench.{name}")
+        mod = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name == f"k3nn.bench.{name}":
-            raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(SUITES)}") from None
+        if e.name == name:  # a listed suite without its module: a broken checkout, not a missing extra
+            raise
         raise SystemExit(f"suite {args.suite!r} needs {e.name!r}: pip install 'k3nn[bench]'") from None
-    import torch
-
-    if any(a in ("-h", "--help") for a in rest):  # the suite's own options
+    if args.help or any(a in ("-h", "--help") for a in rest):  # the suite's own options
         mod.main(["--help"])
         return 0
+    import torch
+
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit(f"k3nn bench {args.suite}: no CUDA device here. The suites time GPU kernels against their "
                          "anchors (CPU timings are not results); run on a GPU machine with k3nn installed "
@@ -261,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE=1)")
 
     b = sub.add_parser(
-        "bench", help=f"run a GPU benchmark suite ({', '.join(SUITES)}); extra args go to the suite",
-        description="Time k3nn's kernels against their anchors side by side on a CUDA GPU and write "
-                    "bench/results/<suite>-<date>.json (schema in PERF.md). Needs a GPU and the bench extra "
-                    "(pip install -e '.[bench]': fla-core, matplotlib). 'k3nn bench SUITE --help' lists a suite's "
-                    "options; 'python scripts/make_readme.py' turns committed results into the README table.",
-        add_help=False)
-    b.add_argument("suite", metavar="SUITE", nargs="?", help=f"one of: {', '.join(SUITES)}")
+        "bench", help="run a GPU benchmark suite of the repository's bench/ folder; extra args go to the suite",
+        description="Time k3nn's kernels against their anchors side by side on a CUDA GPU and write\n"
+                    "bench/results/<suite>-<date>.json (schema in PERF.md). The suites are the bench/ package of a\n"
+                    "k3nn checkout: 'k3nn bench SUITE ARGS' runs what 'python -m bench.SUITE ARGS' runs from its root.\n"
+                    "They need a GPU and the bench extra (pip install -e '.[bench]': fla-core, matplotlib).\n"
+                    "'k3nn bench SUITE --help' lists a suite's options; 'python scripts/make_readme.py' turns the\n"
+                    "committed results into the README table.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    b.add_argument("suite", metavar="SUITE", nargs="?", help="a suite name (listed below)")
     b.add_argument("--allow-cpu", action="store_true",
                    help="run without a GPU anyway: a smoke test of the code path, the timings mean nothing")
     b.add_argument("-h", "--help", action="store_true", help="this help, or with SUITE the suite's options")

@@ -1,6 +1,6 @@
 """The exact fp32 mode on the GPU: with TF32 off, fp32 logits of a small Kimi-Linear slice (4 layers: 3 KDA + 1 MLA,
 32 experts top-8) within 1e-4 of the fp64 eager model, per backend; the KDA chunk kernel alone IEEE with TF32 off
-and still TF32 (the fast path) with it on. The full-size run, with a per-op breakdown: bench/gpu/fp32_exact.py."""
+and still TF32 (the fast path) with it on. The full-size run, with a per-op breakdown: python -m bench.gpu.fp32_exact."""
 
 import contextlib
 import copy
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from k3nn import ops
-from k3nn.bench.models import build_model
 from k3nn.config import KimiK3Config
 from k3nn.kernels.registry import backend
+
+from bench.models import build_model
 
 pytestmark = pytest.mark.gpu
 

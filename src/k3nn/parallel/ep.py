@@ -104,24 +104,44 @@ def apply_expert_parallel(moe: torch.nn.Module, group=None) -> torch.nn.Module:
 
 # -- torchrun self-check -----------------------------------------------------------------------------------
 
-def _self_check(argv=None) -> int:
-    """``torchrun --nproc-per-node W -m k3nn.parallel.ep [--tokens N] [--experts E] [--bench]``: a latent MoE
-    (bf16 and MXFP4 experts, K3 expert dims scaled by ``--dim-scale``) run expert-parallel on every rank equals
-    the whole layer on one rank; with ``--bench`` also times one EP step against one rank holding every expert
-    (rank 0 writes moe-ep-*.json under $K3NN_RESULTS_DIR)."""
-    import argparse
-    import os
-
+def _check_layer(mxfp4: bool, experts: int, topk: int, dim_scale: int, tokens: int, device, dtype):
+    """The self-check's latent MoE (K3 expert dims divided by ``dim_scale``, seeded: the same full layer on every
+    rank) on ``device`` and its input, ``tokens`` rows per rank: (moe, x [world·tokens, D])."""
     from ..config import KimiK3Config
     from ..layers.moe import MoE
     from ..quant import mxfp4_quantize
+
+    s = dim_scale
+    cfg = KimiK3Config.tiny(moe_kind="latent", mxfp4_experts=mxfp4, num_experts=experts, num_experts_per_token=topk,
+                            hidden_size=7168 // s, routed_expert_hidden_size=3584 // s, moe_intermediate_size=3072 // s)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    if mxfp4:
+        g = torch.Generator(device=device).manual_seed(1)  # quantize where the ranks compute: K3 dims
+        for n in ("w1", "w3", "w2"):
+            shape = getattr(moe.experts, f"{n}_packed").shape
+            q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g, device=device) * 0.05)
+            getattr(moe.experts, f"{n}_packed").copy_(q.packed)
+            getattr(moe.experts, f"{n}_scale").copy_(q.scale)
+    moe = moe.to(device, dtype)  # floating tensors only: the packed MXFP4 codes and scales stay uint8
+    x = torch.randn(dist.get_world_size() * tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    return moe, x.to(device, dtype)
+
+
+def _self_check(argv=None) -> int:
+    """``torchrun --nproc-per-node W -m k3nn.parallel.ep [--tokens N] [--experts E]``: a latent MoE (bf16 and
+    MXFP4 experts, K3 expert dims scaled by ``--dim-scale``) run expert-parallel on every rank equals the whole
+    layer on one rank. (The repository's ``bench.ep`` times the same layers.)"""
+    import argparse
+    import os
 
     ap = argparse.ArgumentParser(prog="python -m k3nn.parallel.ep")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dim-scale", type=int, default=8, help="divide K3's expert dims (3584 -> 3072) by this")
-    ap.add_argument("--bench", action="store_true")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -130,71 +150,21 @@ def _self_check(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    s = args.dim_scale
-    rows, bad = [], 0
+    bad = 0
     try:
         for mx in (False, True):
-            cfg = KimiK3Config.tiny(moe_kind="latent", mxfp4_experts=mx, num_experts=args.experts,
-                                    num_experts_per_token=args.topk, hidden_size=7168 // s,
-                                    routed_expert_hidden_size=3584 // s, moe_intermediate_size=3072 // s)
-            torch.manual_seed(0)  # the same full layer on every rank
-            moe = MoE(cfg)
-            for p in moe.parameters():
-                torch.nn.init.normal_(p, std=0.05)
-            if mx:
-                g = torch.Generator(device=dev).manual_seed(1)  # quantize where the ranks compute: K3 dims
-                for n in ("w1", "w3", "w2"):
-                    shape = getattr(moe.experts, f"{n}_packed").shape
-                    q = mxfp4_quantize(torch.randn(*shape[:-1], shape[-1] * 2, generator=g, device=dev) * 0.05)
-                    getattr(moe.experts, f"{n}_packed").copy_(q.packed)
-                    getattr(moe.experts, f"{n}_scale").copy_(q.scale)
-            moe = moe.to(dev, dtype)  # floating tensors only: the packed MXFP4 codes and scales stay uint8
-            x = torch.randn(world * args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-            x = x.to(dev, dtype)
-            mine = x[rank * args.tokens:(rank + 1) * args.tokens]
+            moe, x = _check_layer(mx, args.experts, args.topk, args.dim_scale, args.tokens, dev, dtype)
             with torch.no_grad():
                 ref = moe(x)[rank * args.tokens:(rank + 1) * args.tokens].float()
-                one = None
-                if args.bench:
-                    one = _timed(lambda: moe(mine), cuda)
                 apply_expert_parallel(moe)
-                out = moe(mine).float()
-                ms = _timed(lambda: moe(mine), cuda, barrier=True) if args.bench else None
+                out = moe(x[rank * args.tokens:(rank + 1) * args.tokens]).float()
             err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-            bad += err > tol
+            bad += err > (2e-2 if dtype == torch.bfloat16 else 1e-5)
             print(f"[ep rank {rank}/{world} {'mxfp4' if mx else str(dtype)[6:]} E={args.experts} k={args.topk} "
-                  f"{dist.get_backend()}] rel err {err:.2e}" + (f"  ep {ms:.3f} ms vs one rank {one:.3f} ms"
-                                                                if ms else ""), flush=True)
-            if ms and rank == 0:
-                rows.append({"case": f"ep{world} latent {'mxfp4' if mx else 'bf16'} E={args.experts} k={args.topk} "
-                             f"N={args.tokens}/rank D={cfg.hidden_size}", "k3nn_ms": round(ms, 4),
-                             "anchor": "the same layer, every expert on one rank, same tokens", "anchor_ms": round(one, 4),
-                             "rel_err_vs_one_rank": float(f"{err:.3g}"), "timing": "host wall clock per step, 20 steps"})
-        if rows and os.environ.get("K3NN_RESULTS_DIR") and cuda:
-            from ..results import write_results
-
-            write_results("moe-ep", rows, {"world_size": world, "backend": dist.get_backend()})
+                  f"{dist.get_backend()}] rel err {err:.2e}", flush=True)
         return 1 if bad else 0
     finally:
         dist.destroy_process_group()
-
-
-def _timed(fn, cuda: bool, iters: int = 20, barrier: bool = False) -> float:
-    import time
-
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    if barrier:
-        dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 if __name__ == "__main__":

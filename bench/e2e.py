@@ -16,7 +16,7 @@ launches / layers; the latency-specialized rows carry the top kernels by device 
 
     k3nn bench e2e [--batches 1,8,64] [--steps 16] [--ctx 128] [--budget-s 400]
     k3nn bench e2e --allow-cpu --config tiny   (CPU smoke run: timings are not results)
-    torchrun --nproc-per-node 2 -m k3nn.bench.e2e --tp   (tensor parallel over 2 GPUs: e2e-tp-*.json)
+    torchrun --nproc-per-node 2 -m bench.e2e --tp   (tensor parallel over 2 GPUs: e2e-tp-*.json)
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import time
 
 import torch
 
-from ..cache.hybrid import HybridCache, KDAState
-from ..config import KimiK3Config
-from ..decode.runner import make_decode_runner
-from .common import print_table, rel_err, write_results
-from .models import build_model
+from k3nn.cache.hybrid import HybridCache, KDAState
+from k3nn.config import KimiK3Config
+from k3nn.decode.runner import make_decode_runner
+
+from bench.common import print_table, rel_err, write_results
+from bench.models import build_model
 
 SUITE = "e2e"
 MODES = {  # name: (backend, cuda_graph, decode_backend)
@@ -89,7 +90,7 @@ def count_launches(fn, dev) -> tuple[int, list[dict]]:
 
 
 def run_mode(model, base: HybridCache, first: torch.Tensor, mode: str, steps: int, warm: int = 3):
-    from ..kernels.registry import tuning
+    from k3nn.kernels.registry import tuning
 
     backend, graph, dec = MODES[mode]
     dev = base.device
@@ -176,7 +177,7 @@ def main(argv=None):
     cfg = getattr(KimiK3Config, args.config)()
     model = build_model(cfg, str(dev), dtype)  # same seed on every rank: the same full weights
     if args.tp:
-        from ..parallel.tp import apply_tensor_parallel
+        from k3nn.parallel.tp import apply_tensor_parallel
 
         apply_tensor_parallel(model)
     L = cfg.num_hidden_layers

@@ -10,7 +10,7 @@ Cases (all through :class:`k3nn.engine.Engine`, greedy, one request at a time, T
 * ``prefix_marconi``: no boundary given: request 1 leaves pages only, request 2 (second hit) exports the
   junction snapshot, request 3 is measured.
 
-``python -m k3nn.bench.prefix`` (GPU) or ``k3nn bench prefix``; ``--config tiny --device cpu`` is a smoke test.
+``python -m bench.prefix`` (GPU) or ``k3nn bench prefix``; ``--config tiny --device cpu`` is a smoke test.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig
-from .models import bench_model
+from k3nn.engine import Engine, EngineConfig
+
+from bench.models import bench_model
 
 __all__ = ["main", "measure_ttft"]
 
@@ -112,7 +113,7 @@ def main(argv=None) -> list[dict]:
 
     profile = {}
     if a.profile:  # where a TTFT goes: launches per request and the top kernels by device time
-        from .e2e import count_launches
+        from bench.e2e import count_launches
 
         snap_eng.prefix.clear()
         for label, e, p, kw in (("cold", cold_off, prefix + rand(N - P), {}),
@@ -138,7 +139,7 @@ def main(argv=None) -> list[dict]:
             "samples_ms": {"cold": cold, "cold_snap": cold_snap, "boundary": warm_ms, "marconi": mar_ms},
             "targets": "prefix TTFT speedup floor 4x, goal 8x (PERF.md)", **({"profile": profile} if profile else {})}
     if not a.no_write:
-        from .common import write_results
+        from bench.common import write_results
 
         path = write_results("prefix", rows, meta)
         print(f"wrote {path}")

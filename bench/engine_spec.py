@@ -29,11 +29,12 @@ import time
 
 import torch
 
-from ..config import KimiK3Config
-from ..engine import Engine, EngineConfig
-from ..layers.dspark import DSparkConfig, DSparkDrafter
-from ..spec import SpecOptions
-from .common import print_table, write_results
+from k3nn.config import KimiK3Config
+from k3nn.engine import Engine, EngineConfig
+from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+from k3nn.spec import SpecOptions
+
+from bench.common import print_table, write_results
 
 SUITE = "engine-spec"
 GAMMA = 7
@@ -46,18 +47,18 @@ def _sync(dev: torch.device) -> None:
 
 def _build(args, dev: torch.device, dtype: torch.dtype):
     if args.model:
-        from ..model import KimiK3
+        from k3nn.model import KimiK3
 
         model = KimiK3.from_pretrained(args.model, dtype=dtype, device=str(dev)).eval()
         drafter = DSparkDrafter.from_pretrained(args.drafter, model, device=dev, dtype=dtype).eval()
         return model, drafter
     cfg = getattr(KimiK3Config, args.config)()
     if dev.type == "cuda":
-        from .models import build_model
+        from bench.models import build_model
 
         model = build_model(cfg, str(dev), dtype)
     else:
-        from ..model import KimiK3
+        from k3nn.model import KimiK3
 
         model = KimiK3(cfg, dtype=dtype, seed=0).eval()
     dcfg = DSparkConfig.for_target(cfg, num_layers=1, num_heads=max(1, cfg.hidden_size // 128), block_size=GAMMA,

@@ -1,17 +1,18 @@
-"""Shared benchmark plumbing: timing, errors, tables; device ceilings and result files come from
-:mod:`k3nn.results` (re-exported here)."""
+"""Shared benchmark plumbing: timing, errors, tables. Device ceilings and result files come from
+:mod:`k3nn.results` (re-exported here, so a suite imports its helpers from one place)."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Callable
 
 import torch
 
-from ..results import bench_ms, device_meta, results_dir, write_results  # re-exported: library code writes results too
-from .models import bench_model  # re-exported: it lives in bench/models.py
+from k3nn.results import bench_ms, device_meta, results_dir, write_results
 
-__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "print_call_times", "write_results", "results_dir",
-           "rel_err", "bench_model"]
+__all__ = ["device_meta", "bench_ms", "graph_bench_ms", "wall_ms", "print_call_times", "write_results", "results_dir",
+           "rel_err", "print_table", "init_ranks"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -63,6 +64,37 @@ def graph_bench_ms(fn: Callable[..., Any], inner: int = 50, rep: int = 20, index
         times.append(a.elapsed_time(b) / inner)
     times.sort()
     return times[len(times) // 2]
+
+
+def wall_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3, barrier: bool = False, group=None) -> float:
+    """Host wall-clock milliseconds per call of ``fn`` over ``iters`` calls after ``warmup`` (the device synchronised
+    before and after; ``barrier``: the ranks of ``group`` start together), as a serving loop's step sees it."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if barrier:
+        torch.distributed.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def init_ranks() -> torch.device:
+    """Join the default process group under torchrun: NCCL on this rank's GPU (``LOCAL_RANK``), gloo on the CPU.
+    The NCCL communicator is created at once (``device_id``), so collectives can be captured in CUDA graphs."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    return dev
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:

@@ -9,7 +9,7 @@ speculative window, as with DSpark):
 * ``adaptive``: only the sequences actually decoding are reserved for (8192 at concurrency 1).
 
 Reported per concurrency: mean TTFT (add → first token), the forwards a request needed before its first
-token, and mean TPOT. ``python -m k3nn.bench.budget``; ``--config tiny --device cpu`` is a smoke test.
+token, and mean TPOT. ``python -m bench.budget``; ``--config tiny --device cpu`` is a smoke test.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig
-from .models import bench_model
+from k3nn.engine import Engine, EngineConfig
+
+from bench.models import bench_model
 
 __all__ = ["main", "run_batch"]
 
@@ -93,7 +94,7 @@ def main(argv=None) -> list[dict]:
             "reserve_per_seq": a.reserve, "new_tokens": a.new_tokens, "reps": a.reps,
             "targets": "adaptive TTFT better than fixed, goal -50% (PERF.md)"}
     if not a.no_write:
-        from .common import write_results
+        from bench.common import write_results
 
         print(f"wrote {write_results('budget', rows, meta)}")
     for r in rows:

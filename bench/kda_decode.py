@@ -14,9 +14,10 @@ import argparse
 
 import torch
 
-from .. import backend, ops
-from ..kernels.kda.triton_decode import decode_plan
-from .common import graph_bench_ms, print_table, rel_err, write_results
+from k3nn import backend, ops
+from k3nn.kernels.kda.triton_decode import decode_plan
+
+from bench.common import graph_bench_ms, print_table, rel_err, write_results
 
 SUITE = "kda-decode"
 

@@ -22,13 +22,14 @@ import signal
 
 import torch
 
-from ..kernels.moe.reference import moe_experts_reference
-from ..kernels.moe.align import moe_align
-from ..kernels.moe.triton_fused import block_m_for, fused_expert_outputs, moe_finalize_triton
-from ..layers.mlp import situ_glu
-from ..layers.moe import route
-from ..quant.mxfp4 import MXFP4Weight, mxfp4_quantize
-from .common import bench_ms, graph_bench_ms, print_table, rel_err, write_results
+from k3nn.kernels.moe.align import moe_align
+from k3nn.kernels.moe.reference import moe_experts_reference
+from k3nn.kernels.moe.triton_fused import block_m_for, fused_expert_outputs, moe_finalize_triton
+from k3nn.layers.mlp import situ_glu
+from k3nn.layers.moe import route
+from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_quantize
+
+from bench.common import bench_ms, graph_bench_ms, print_table, rel_err, write_results
 
 D_LAT, INTER, TOPK = 3584, 3072, 16
 BETA, LIN_BETA = 4.0, 25.0
@@ -97,7 +98,7 @@ def main(argv=None):
                                                "inter": INTER})
             print_table(rows, ["case", "k3nn_ms", "anchor_ms", "speedup", "tflops", "tbps", "frac_copy_bw"])
             print(f"wrote {path}")
-    from ..kernels.moe import triton_fused as tf
+    from k3nn.kernels.moe import triton_fused as tf
     for name, kern in [*(("up-" + k, v) for k, v in tf._UP.items()), *(("down-" + k, v) for k, v in tf._DOWN.items())]:
         for key, cfg in getattr(kern, "cache", {}).items():
             print("tuned", name, key, cfg)

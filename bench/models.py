@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..config import KimiK3Config
+    from k3nn.config import KimiK3Config
 
 __all__ = ["build_model", "bench_model"]
 
@@ -17,10 +17,10 @@ __all__ = ["build_model", "bench_model"]
 def build_model(cfg: KimiK3Config, device: str, dtype: torch.dtype, seed: int = 0):
     """Random weights generated on the device (the CPU init of KimiK3 would take minutes at K3 widths):
     normal(0, initializer_range) projections, random MXFP4 codes with scale 2^-8, fla gate init."""
-    from ..model import KimiK3
-    from ..layers.kda import KimiDeltaAttention
-    from ..layers.moe import Experts, Router
-    from ..layers.norm import GatedRMSNorm, RMSNorm
+    from k3nn.model import KimiK3
+    from k3nn.layers.kda import KimiDeltaAttention
+    from k3nn.layers.moe import Experts, Router
+    from k3nn.layers.norm import GatedRMSNorm, RMSNorm
 
     model = KimiK3(cfg, device="meta")
     model.to(dtype)
@@ -60,8 +60,8 @@ def bench_model(preset: str, device: str | torch.device, dtype_name: str | None 
     """A seeded ``KimiK3Config.<preset>()`` model on ``device`` (bf16 on CUDA, fp32 on CPU unless ``dtype_name``);
     ``tiny``/``small`` initialised on the CPU generator then moved, larger presets (``k3_slice``) drawn on the
     device. Returns (config, model)."""
-    from ..config import KimiK3Config
-    from ..model import KimiK3
+    from k3nn.config import KimiK3Config
+    from k3nn.model import KimiK3
 
     device = torch.device(device)
     dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)

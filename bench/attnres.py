@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .common import bench_ms, device_meta, graph_bench_ms, print_table, rel_err, write_results
+from bench.common import bench_ms, device_meta, graph_bench_ms, print_table, rel_err, write_results
 
 ROTATE_BYTES = 256 << 20  # > 5× the H200's L2
 DEV = "cuda"
@@ -39,8 +39,8 @@ def _n_sets(bytes_per_call: int, cap: int = 1000) -> int:
 
 def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict], rows: list[dict],
               with_eager: bool = True, names: list[str] | None = None) -> None:
-    from ..kernels.attnres.triton_mix import attnres_mix_triton
-    from ..layers.attnres import attnres_mix_reference
+    from k3nn.kernels.attnres.triton_mix import attnres_mix_triton
+    from k3nn.layers.attnres import attnres_mix_reference
 
     dev, dt = DEV, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -72,9 +72,9 @@ def bench_mix(d: int, tokens: list[int], sources: list[int], variants: list[dict
 
 def bench_block(d: int, tokens: list[int], stored: int, rows: list[dict], state_dtypes) -> None:
     """Block of 12 layers = 24 queries over ``stored`` blocks + the intra-block partial."""
-    from ..kernels.attnres.reference import rmsnorm_reference
-    from ..kernels.attnres.triton_mix import attnres_mix_triton, attnres_phase1_triton, attnres_phase2_triton
-    from ..layers.attnres import attnres_mix_reference
+    from k3nn.kernels.attnres.reference import rmsnorm_reference
+    from k3nn.kernels.attnres.triton_mix import attnres_mix_triton, attnres_phase1_triton, attnres_phase2_triton
+    from k3nn.layers.attnres import attnres_mix_reference
 
     dev, dt, Q = DEV, torch.bfloat16, 24
     g = torch.Generator(device=dev).manual_seed(1)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         for T, S in ((8192, 9), (8192, 5), (64, 9)):
             bench_mix(args.d, [T], [S], variants, rows, with_eager=False)
     if args.schedules:
-        from ..kernels.attnres.triton_mix import MIX_SCHEDULES
+        from k3nn.kernels.attnres.triton_mix import MIX_SCHEDULES
 
         names = [n for n in args.schedules.split(",") if n]
         for T, S in ((8192, 9), (8192, 5), (8192, 2), (64, 9)):

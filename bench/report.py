@@ -9,8 +9,8 @@ date (``mla-decode-2026-11-30-004507.json`` → ``mla-decode``); the newest file
 Writes the markdown table between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` in README.md
 (appending a section when the markers are absent) and a PNG of the speedups (needs matplotlib).
 
-    python -m k3nn.bench.report                  # or: python scripts/make_readme.py
-    python -m k3nn.bench.report --check          # exit 1 if README.md is out of date
+    python -m bench.report                  # or: python scripts/make_readme.py
+    python -m bench.report --check          # exit 1 if README.md is out of date
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def plot_results(results: list[Result], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3nn.bench.report",
+    p = argparse.ArgumentParser(prog="python -m bench.report",
                                 description="Regenerate README.md's performance table and docs/perf.png from "
                                             "bench/results/*.json.")
     p.add_argument("--root", type=Path, default=Path("."), help="repository root")

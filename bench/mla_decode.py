@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .common import device_meta, graph_bench_ms, print_table, rel_err, write_results
+from bench.common import device_meta, graph_bench_ms, print_table, rel_err, write_results
 
 R, DR, BS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
@@ -41,10 +41,10 @@ def _torch_absorbed(q, kv, Tq, H):
 
 
 def run_case(B, L, H, Tq, splits, fm, gen, dev="cuda", dt=torch.bfloat16, be="auto"):
-    from ..kernels.mla import cuda_decode, triton_decode
-    from ..kernels.mla.reference import mla_decode_reference
-    from ..kernels.registry import backend
-    from ..ops import mla_decode
+    from k3nn.kernels.mla import cuda_decode, triton_decode
+    from k3nn.kernels.mla.reference import mla_decode_reference
+    from k3nn.kernels.registry import backend
+    from k3nn.ops import mla_decode
 
     nblk = L // BS
     cache_bytes = B * L * (R + DR) * dt.itemsize

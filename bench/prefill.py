@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .common import device_meta, print_table, rel_err, write_results
+from bench.common import device_meta, print_table, rel_err, write_results
 
 SUITE = "prefill"  # the k3_slice preset writes "prefill-k3" (its own README table)
 
@@ -49,7 +49,7 @@ def build_pair(layers: int, experts: int, vocab: int, seed: int = 0):
     """(transformers model, k3nn model) on CUDA in bf16 with the same weights."""
     from transformers import KimiLinearForCausalLM
 
-    from ..model import KimiK3
+    from k3nn.model import KimiK3
 
     torch.manual_seed(seed)
     with torch.device("cuda"):
@@ -102,7 +102,7 @@ def _free():
 
 def attention_row(T: int, H: int, meta: dict) -> dict:
     """``ops.mla_attention`` alone at T (causal, one sequence, Kimi dims) in TFLOP/s of the causal product."""
-    from .. import ops
+    from k3nn import ops
 
     g = torch.Generator(device="cuda").manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
@@ -132,7 +132,7 @@ def main(argv=None):
     meta = device_meta()
     rows: list[dict] = []
     if args.preset == "k3_slice":
-        from .models import bench_model
+        from bench.models import bench_model
 
         cfg, k3 = bench_model("k3_slice", "cuda")
         hf = None
@@ -174,7 +174,7 @@ def main(argv=None):
         # bf16 logits of both against transformers' fp32 copy of the model: MoE routing flips under bf16 rounding, so
         # each side's distance to the fp32 model is the fair comparison
         ids = ids_of(2048)
-        from ..kernels.registry import backend
+        from k3nn.kernels.registry import backend
 
         with torch.no_grad():
             k3_bf16, hf_bf16 = k3(ids).logits, hf(ids).logits

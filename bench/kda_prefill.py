@@ -16,9 +16,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import backend, ops
-from ..kernels.kda.reference import kda_recurrent_reference
-from .common import bench_ms, device_meta, print_table, rel_err, write_results
+from k3nn import backend, ops
+from k3nn.kernels.kda.reference import kda_recurrent_reference
+
+from bench.common import bench_ms, device_meta, print_table, rel_err, write_results
 
 SUITE = "kda-prefill"
 

@@ -28,10 +28,11 @@ import time
 
 import torch
 
-from ..config import KimiK3Config
-from ..layers.dspark import DraftProposal, DSparkConfig, DSparkDrafter
-from ..spec import SpecOptions, rollback_memory_bytes
-from .common import print_table, write_results
+from k3nn.config import KimiK3Config
+from k3nn.layers.dspark import DraftProposal, DSparkConfig, DSparkDrafter
+from k3nn.spec import SpecOptions, rollback_memory_bytes
+
+from bench.common import print_table, write_results
 
 SUITE = "spec"
 GAMMA = 7
@@ -77,11 +78,11 @@ def _time(fn, dev, reps):
 def _build(name: str, dev: torch.device, dtype: torch.dtype):
     cfg = getattr(KimiK3Config, name)()
     if dev.type == "cuda" or name != "tiny":
-        from .models import build_model
+        from bench.models import build_model
 
         model = build_model(cfg, str(dev), dtype)
     else:
-        from ..model import KimiK3
+        from k3nn.model import KimiK3
 
         model = KimiK3(cfg, dtype=dtype, seed=0).eval()
     dcfg = DSparkConfig.for_target(cfg, num_layers=1, num_heads=max(1, cfg.hidden_size // 128),
