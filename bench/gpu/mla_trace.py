@@ -1,9 +1,10 @@
 """Where a CTA of the CUDA warp-group MLA decode spends its life: builds the kernel with ``K3MLA_TRACE`` (the global
 timer stamped at fixed points by the first thread of each warp group, see ``K3MLA_STAMP`` in
 ``k3nn.kernels.mla.cuda_decode``), runs each case a few times and prints, per stamp, the time since the grid's first
-CTA started (CTA 0, and the median and max over CTAs) for the last call. The timer ticks every 0.256 µs on the H200,
-and ptxas may read it early: "g0 tile 0 full" came out before group 1's "tile 0 landed" (h200-s10-run6), so read
-group 0's first products from "g1 tile 0 landed" on.
+CTA started (CTA 0, and the median and max over CTAs) for the last call. The global timer is coarse (a tick is a
+fraction of a microsecond) and ptxas may read it before the instruction it stamps, so a stamp can come out ahead
+of the event it follows (group 0's "tile 0 full" before group 1's "tile 0 landed"): read group 0's first
+products from "g1 tile 0 landed" on.
 
     python3 -m bench.gpu.mla_trace [--cases B,L,H,S;...]
 """

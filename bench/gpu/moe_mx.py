@@ -76,8 +76,6 @@ TRITON_DEFAULT = ("old(scaled)", "gemv ... word split-a (default)")
 
 # CUDA launch shapes (CudaGemvConfig: row_tiles, k_split, unroll, prefetch, decode) timed by default; up has 28
 # groups of 128 k per row, down 24, so k_split·unroll ∈ {2, 4, 14, 28} / {2, 3, 4, 6, 8, 12} wastes no slots.
-# H200 run s5-run1 (h200-s5-run1-2026-11-30.log): r64 / r32 ks2 u2 pf e4m3 best at 1/4/16 tokens, the rest ≥ 5
-# points behind.
 CUDA_CFGS = [
     cmx.CudaGemvConfig(4, 2, 2, True, 1),  # DEFAULT_CONFIG
     cmx.CudaGemvConfig(2, 2, 2, True, 1),
