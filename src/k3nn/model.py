@@ -310,6 +310,18 @@ class KimiK3(GenerationMixin, nn.Module):
             elif isinstance(mod, KimiDeltaAttention):
                 mod.reset_gate_parameters(gen)
 
+    def prepare_decode(self, on: bool = True) -> "KimiK3":
+        """Decode weight preparation: in every layer, the projections a decode token meets one after another on
+        the same input become one GEMM (KDA's q|k|v|gate|f|β, MLA's q|kv_a|gate, the dense and shared MLPs'
+        gate|up with one activation kernel and the shared experts' add inside the down projection). The packed
+        weights are copies (those projections' weights held twice; ``on=False`` frees them) and follow later
+        changes of their sources. ``generate(decode_backend="latency_specialized")`` calls this."""
+        for mod in self.modules():
+            if mod is not self and hasattr(mod, "prepare_decode"):
+                mod.prepare_decode(on)
+        self.decode_prepared = bool(on)
+        return self
+
     def num_parameters(self, active: bool = False, logical: bool = True) -> int:
         """Parameter count. ``logical`` counts MXFP4 experts by their logical weights (not packed bytes);
         ``active`` counts only the routed experts a token uses (top-k of E) plus everything else."""

@@ -277,8 +277,6 @@ class KimiK3ForConditionalGeneration(nn.Module):
         runner = _PromptEmbedsLM(self.language_model, embeds)
         out = runner.generate(input_ids, attention_mask=attention_mask, **kwargs)
         self.last_decode_info = runner.__dict__.get("last_decode_info")
-        if "_latency_decoder" in runner.__dict__:  # keep the fused decoder's weight plan for the next call
-            self.language_model._latency_decoder = runner.__dict__["_latency_decoder"]
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------------------

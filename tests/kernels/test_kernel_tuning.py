@@ -12,7 +12,7 @@ from k3nn.kernels.registry import KernelTuning, current_tuning, tuning
 def test_defaults_nesting_and_restore():
     base = current_tuning()
     assert base == KernelTuning() and base.autotune and base.kda_decode_head_min == 256
-    assert base.mla_decode_tile is None and base.mla_cluster is None and base.decode_kernels == "eager"
+    assert base.mla_decode_tile is None and base.mla_cluster is None
     with tuning(autotune=False) as t1:
         assert current_tuning() is t1 and not t1.autotune
         with tuning(mla_cluster=4) as t2:
@@ -36,8 +36,6 @@ def test_frozen_and_checked():
         with pytest.raises(ValueError, match="mla_decode_tile"):
             KernelTuning(mla_decode_tile=bad)  # type: ignore[arg-type]
     assert KernelTuning(mla_decode_tile=(64, 32, 8, 2)).mla_decode_tile == (64, 32, 8, 2)
-    with pytest.raises(ValueError, match="decode_kernels"):
-        KernelTuning(decode_kernels="cuda")
     with pytest.raises(TypeError, match="unknown field"):
         with tuning(autotuning=False):
             pass
@@ -84,16 +82,3 @@ def test_failing_auto_skip_check_is_a_reason(fake_op):
     reg.register(fake_op, "triton", auto_skip=lambda x: 1 / 0)(lambda x: ("triton", x))
     assert reg.dispatch(fake_op, 3) == ("eager", 3)
     assert "auto_skip() check failed: ZeroDivisionError" in reg._reasons(reg.get_op(fake_op), (3,), {})
-
-
-def test_decode_kernels_follow_the_tuning():
-    import torch
-
-    from k3nn.decode import kernels as K
-
-    x = torch.randn(2, 8)
-    assert not K._use_triton(x, None)  # default: the PyTorch forms
-    with tuning(decode_kernels="triton"):
-        assert K._use_triton(x, None) and not K._use_triton(x, "eager")  # an explicit impl= wins
-    with tuning(decode_kernels="auto"):
-        assert not K._use_triton(x, None)  # auto: Triton on CUDA tensors only

@@ -8,7 +8,9 @@ Cache protocol (what :class:`k3nn.model.KimiK3Model` and the layers rely on; pag
 * KDA state: ``.recurrent [B, H, K, V]`` fp32 and ``.conv [B, W-1, 3·H·D]`` (read), and
   ``.update(recurrent, conv, checkpoints=None)`` (write back after the forward).
 * MLA state: ``.append(c, k_r, attention_mask, start) -> (latent [B, L, r], rope [B, L, dr],
-  key_mask [B, L] bool, q_pos [B, T])``: store the new tokens' latents, return everything visible.
+  key_mask [B, L] bool, q_pos [B, T])``: store the new tokens' latents, return everything visible; and
+  ``.paged_decode(c, k_r) -> (kv_pool, block_table, seq_lens) | None``: for a decode-shaped step whose latents
+  the decode kernel can read in place, store them and return its inputs (None: take ``append``).
 
 This is the contiguous cache used by ``model(input_ids, cache=...)`` and ``generate()``: every row of a batch
 shares one write position (left padding is recorded in ``key_mask``).
@@ -79,6 +81,17 @@ class MLAState:
         self.rope.index_copy_(1, idx, k_r.to(self.rope.dtype))
         return idx
 
+    def paged_decode(self, c: torch.Tensor, k_r: torch.Tensor):
+        """With ``owner.pool_decode`` on (static ``mla_pool`` caches of unpadded batches, set by the decode
+        runner): store the new tokens and return ``(kv_pool, block_table, seq_lens)`` for ``ops.mla_decode``, which
+        reads the pool in place; else None (the caller takes :meth:`append`)."""
+        o = self.owner
+        if not (o.pool_decode and o.static and self.kv is not None):
+            return None
+        self.write_static(c, k_r)
+        pool, table = self.pool()
+        return pool, table, o.decode_seq_lens
+
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask: torch.Tensor | None, start: int):
         T = c.shape[1]
         if self.owner.static:
@@ -131,6 +144,10 @@ class HybridCache:
         self.seen_tokens = 0
         self.static = False  # graph-safe mode (see the module docstring)
         self.write_pos = torch.zeros((), dtype=torch.long, device=device)
+        #: static mla_pool caches of unpadded batches: decode steps read the pool through ops.mla_decode
+        #: (MLAState.paged_decode); mla_decode masks by length only, so left-padded rows must stay off
+        self.pool_decode = False
+        self.decode_seq_lens: torch.Tensor | None = None  # [B] key count of the current step (pool_decode)
 
     def set_static(self, on: bool = True) -> None:
         """Enter (or leave) graph-safe mode; entering syncs the device write position from ``seen_tokens``."""
@@ -167,6 +184,8 @@ class HybridCache:
              else attention_mask.to(self.device).bool())
         if self.static:
             self.key_mask.index_copy_(1, self.write_pos + torch.arange(T, device=self.device), m)
+            if self.pool_decode:
+                self.decode_seq_lens = (self.write_pos + T).expand(self.batch_size)
         else:
             self.key_mask[:, start:start + T] = m
         positions = (self.valid_counts[:, None] + m.long().cumsum(1) - 1).clamp_min(0)

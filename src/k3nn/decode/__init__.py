@@ -1,6 +1,5 @@
-"""Decode fast paths: the graph-safe decode step and its CUDA-graph runner (:mod:`.runner`), and the opt-in
-latency-specialized fused per-layer decode (:mod:`.fused`)."""
+"""Decode steps of ``generate()``: the graph-safe decode step and its CUDA-graph runner (:mod:`.runner`)."""
 
-from .runner import DecodeRunner, make_decode_runner, standard_step
+from .runner import DecodeRunner, latency_unsupported, make_decode_runner, standard_step
 
-__all__ = ["DecodeRunner", "make_decode_runner", "standard_step"]
+__all__ = ["DecodeRunner", "latency_unsupported", "make_decode_runner", "standard_step"]

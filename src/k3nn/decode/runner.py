@@ -104,6 +104,7 @@ class DecodeRunner:
     def close(self) -> None:
         """Leave static mode (the cache stays valid for further standard forwards)."""
         self.cache.set_static(False)
+        self.cache.pool_decode = False
         self.graph = None
 
 
@@ -114,14 +115,33 @@ def eager_backend_on_cuda(model, device: torch.device) -> bool:
     return device.type == "cuda" and (getattr(model, "backend", None) or current_backend()) == "eager"
 
 
+def latency_unsupported(model, cache, attention_mask: torch.Tensor | None) -> str | None:
+    """None when the latency-specialized step can decode this batch, else why not (the caller falls back)."""
+    from ..cache.hybrid import HybridCache, KDAState
+
+    if type(cache) is not HybridCache:
+        return "needs the contiguous HybridCache"
+    if any(not isinstance(st, KDAState) and st.kv is None for st in cache.layers):
+        return "the cache was created without mla_pool=True"
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        return "left-padded (mixed-length) batch"
+    if model.device.type == "meta":
+        return "weights on the meta device"
+    if not hasattr(model, "prepare_decode"):
+        return f"{type(model).__name__} has no prepare_decode()"
+    return None
+
+
 def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, decode_backend: str = "auto",
                        attention_mask: torch.Tensor | None = None) -> DecodeRunner:
     """Pick the decode step for ``generate()``.
 
     ``cuda_graph``: None/"auto" → graphs on CUDA devices; True → graphs (static eager off-CUDA);
     ``"static"`` → the graph-safe step without capture (any device); False → the standard step.
-    ``decode_backend``: ``"auto"`` (standard layers) or ``"latency_specialized"`` (fused per-layer decode,
-    :mod:`k3nn.decode.fused`; falls back to the standard layers when the batch or shapes are unsupported).
+    ``decode_backend``: ``"auto"`` (the layers as they are) or ``"latency_specialized"``: the same layers with
+    their decode weights prepared (:meth:`k3nn.KimiK3.prepare_decode`: packed projections) and MLA reading the
+    ``mla_pool`` cache through the paged decode kernel (``cache.pool_decode``), always graph-safe; falls back to
+    the standard step for left-padded batches and caches without the pool layout.
     """
     if decode_backend not in ("auto", "latency_specialized"):
         raise ValueError(f"decode_backend must be 'auto' or 'latency_specialized', got {decode_backend!r}")
@@ -140,12 +160,12 @@ def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, de
     if mode == "graph" and eager_backend_on_cuda(model, cache.device):
         mode, eager_note = "static", "the eager backend is not capturable: the graph-safe step runs uncaptured"
     if decode_backend == "latency_specialized":
-        from .fused import LatencySpecializedDecoder
-
-        why = LatencySpecializedDecoder.unsupported(model, cache, attention_mask)
+        why = latency_unsupported(model, cache, attention_mask)
         if why is None:
-            dec = LatencySpecializedDecoder.for_model(model)
-            runner = DecodeRunner(dec.step_fn(cache), cache, "static" if mode == "standard" else mode,
+            if not getattr(model, "decode_prepared", False):
+                model.prepare_decode()
+            cache.pool_decode = True
+            runner = DecodeRunner(standard_step(model, cache), cache, "static" if mode == "standard" else mode,
                                   name="latency_specialized")
             runner.fallback_reason = eager_note
             return runner

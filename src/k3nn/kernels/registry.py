@@ -91,9 +91,6 @@ class KernelTuning:
             None: the tuned (or heuristic) plan.
         mla_cluster: CTAs per thread-block cluster of the CUDA (wgmma) MLA decode kernel's split merge, 1 to 8
             (1: no cluster, a combine kernel merges the splits). None: the kernel's plan decides per shape.
-        decode_kernels: the small fused kernels of the latency-specialized decode path (router, GLU, norms,
-            gate; :mod:`k3nn.decode.kernels`): ``"eager"`` their PyTorch forms, ``"auto"`` Triton on CUDA
-            tensors, ``"triton"`` always (CPU tensors under ``TRITON_INTERPRET=1``).
         moe_gemv: the MXFP4 expert GEMV of the fused MoE at decode sizes: ``"auto"`` the CUDA kernel where it
             builds and takes the inputs, else the Triton one; ``"cuda"`` the same but one warning when the CUDA
             kernel cannot run; ``"triton"`` the Triton one always.
@@ -108,7 +105,6 @@ class KernelTuning:
     kda_decode_head_min: int = 256
     mla_decode_tile: tuple[int, ...] | None = None
     mla_cluster: int | None = None
-    decode_kernels: str = "eager"
     moe_gemv: str = "auto"
     moe_gemv_pairs: int = 64
     moe_cuda_gemv_pairs: int = 256
@@ -129,9 +125,6 @@ class KernelTuning:
         c = self.mla_cluster
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 8):
             raise ValueError(f"KernelTuning.mla_cluster must be None or an int in 1..8, got {c!r}")
-        if self.decode_kernels not in ("eager", "auto", "triton"):
-            raise ValueError(f"KernelTuning.decode_kernels must be 'eager', 'auto' or 'triton', "
-                             f"got {self.decode_kernels!r}")
         if self.moe_gemv not in ("auto", "cuda", "triton"):
             raise ValueError(f"KernelTuning.moe_gemv must be 'auto', 'cuda' or 'triton', got {self.moe_gemv!r}")
         for name in ("moe_gemv_pairs", "moe_cuda_gemv_pairs"):
@@ -352,7 +345,7 @@ def _gpu_missing(b: str) -> str | None:
             "for testing)") if b == "triton" else "no CUDA device"
 
 
-_KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm")
+_KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm", "glu")
 
 
 def _load_all() -> None:

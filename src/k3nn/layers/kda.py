@@ -28,6 +28,7 @@ from ..kernels.kda.prologue import kda_gate, l2norm, short_conv  # the eager mat
 from ..kernels.registry import backend
 from ..utils import records_grad, upcast
 from .norm import GatedRMSNorm
+from .packed import Packed, pack_linears
 
 __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
 
@@ -62,6 +63,19 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(C, d, bias=False)
         # with a cache and at most this many new tokens, forward uses the fused decode op (0 disables it)
         self.fused_decode_max_tokens = 16
+        self._decode_in: Packed | None = None  # prepare_decode(): q|k|v|gate|f_a|b as one GEMM
+        self._decode_conv: Packed | None = None
+
+    def prepare_decode(self, on: bool = True) -> None:
+        """Pack the decode path's input projections into one GEMM weight and the three conv kernels into one
+        (see :mod:`k3nn.layers.packed`); ``on=False`` drops them."""
+        self._decode_in = self._decode_conv = None
+        if on:
+            gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]
+            self._decode_in = pack_linears([[self.q_proj, self.k_proj, self.v_proj], gate, [self.f_a_proj],
+                                            [self.b_proj]])
+            convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+            self._decode_conv = Packed(convs, build=lambda ts: torch.cat(ts, 0).squeeze(1))
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -137,11 +151,16 @@ class KimiDeltaAttention(nn.Module):
         otherwise rows 0..B−1 of its tensors are this batch."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if self._decode_in is not None and not torch.is_grad_enabled():
+            qkv, g, fa, b = self._decode_in.split(x)
+            gate = g if self.full_rank_gate else self.g_b_proj(g)
+            conv_w = self._decode_conv.get()
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            fa, b, gate, conv_w = self.f_a_proj(x), self.b_proj(x), self.output_gate(x), self.conv_weight()
         rec, conv = state.recurrent, state.conv
-        y = ops.kda_fused_decode(qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
-                                 self.conv_weight(), self.A_log, self.dt_bias, self.o_norm.weight, rec, conv,
-                                 getattr(state, "state_indices", None), gate_kind=self.gate_kind,
-                                 lower_bound=self.lower_bound, norm_eps=self.o_norm.eps)
+        y = ops.kda_fused_decode(qkv, self.f_b_proj(fa), b, gate, conv_w, self.A_log, self.dt_bias,
+                                 self.o_norm.weight, rec, conv, getattr(state, "state_indices", None),
+                                 gate_kind=self.gate_kind, lower_bound=self.lower_bound, norm_eps=self.o_norm.eps)
         state.update(rec, conv, None)  # no-op copy for views; lets gathered-copy states write back
         return self.o_proj(y.reshape(B, T, H * D))

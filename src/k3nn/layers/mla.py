@@ -27,6 +27,7 @@ from ..utils import upcast
 
 from ..config import KimiK3Config
 from .norm import RMSNorm
+from .packed import Packed, pack_linears
 
 __all__ = ["MultiHeadLatentAttention", "apply_rope", "absorbed_attention", "decompressed_attention"]
 
@@ -101,19 +102,34 @@ class MultiHeadLatentAttention(nn.Module):
             self.g_proj = nn.Linear(d, H * self.dv, bias=False)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
         self.scale = dq ** -0.5
+        self._decode_in: Packed | None = None  # prepare_decode(): q (or q_a) | kv_a | g as one GEMM
+
+    def prepare_decode(self, on: bool = True) -> None:
+        """Pack the decode path's input projections into one GEMM weight (see :mod:`k3nn.layers.packed`);
+        ``on=False`` drops it."""
+        self._decode_in = None
+        if on:
+            q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+            self._decode_in = pack_linears([[q], [self.kv_a_proj_with_mqa]]
+                                           + ([[self.g_proj]] if self.use_output_gate else []))
 
     # -- pieces shared by every path (and by the kernels' callers) -----------------------------------
-    def queries(self, x: torch.Tensor, positions: torch.Tensor | None):
+    def queries(self, x: torch.Tensor, positions: torch.Tensor | None, proj: torch.Tensor | None = None):
+        """``proj``: ``q_proj(x)`` (``q_a_proj(x)`` with a q LoRA) when already computed."""
         B, T, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if proj is None:
+            proj = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+        q = proj if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(proj))
         q = q.view(B, T, self.num_heads, self.dn + self.dr)
         q_nope, q_rope = q.split([self.dn, self.dr], -1)
         if not self.use_nope and self.dr:
             q_rope = apply_rope(q_rope, positions, self.rope_theta)
         return q_nope, q_rope
 
-    def latents(self, x: torch.Tensor, positions: torch.Tensor | None):
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], -1)
+    def latents(self, x: torch.Tensor, positions: torch.Tensor | None, proj: torch.Tensor | None = None):
+        """``proj``: ``kv_a_proj_with_mqa(x)`` when already computed."""
+        proj = self.kv_a_proj_with_mqa(x) if proj is None else proj
+        c, k_r = proj.split([self.kv_lora_rank, self.dr], -1)
         c = self.kv_a_layernorm(c)
         if not self.use_nope and self.dr:
             k_r = apply_rope(k_r, positions, self.rope_theta)
@@ -123,11 +139,13 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``gate``: ``g_proj(x)`` when already computed."""
         B, T = x.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.use_output_gate:
-            o = (upcast(o) * torch.sigmoid(upcast(self.g_proj(x)))).to(x.dtype)
+            g = self.g_proj(x) if gate is None else gate
+            o = ops.sigmoid_gate(o, g.reshape(o.shape).to(o.dtype))
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
@@ -137,17 +155,23 @@ class MultiHeadLatentAttention(nn.Module):
         latent ``[B, L, r]``, rope key ``[B, L, dr]``, key mask ``[B, L]`` and the new queries' absolute
         indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions."""
         B, T, _ = x.shape
-        q_nope, q_rope = self.queries(x, positions)
-        c, k_r = self.latents(x, positions)
+        proj = [None, None, None]
+        if self._decode_in is not None and state is not None and start > 0 and T <= self.absorb_max_tokens \
+                and not torch.is_grad_enabled():
+            proj = self._decode_in.split(x) + [None]
+        q_nope, q_rope = self.queries(x, positions, proj[0])
+        c, k_r = self.latents(x, positions, proj[1])
+        gate = proj[2]
         w_uk, w_uv = self.w_uk_uv()
-        if state is not None and start > 0 and T <= self.absorb_max_tokens and hasattr(state, "paged_decode"):
-            paged = state.paged_decode(c, k_r)  # the engine's paged cache: the decode kernel reads the pages
+        if state is not None and start > 0 and T <= self.absorb_max_tokens:
+            paged = state.paged_decode(c, k_r)  # pages the decode kernel reads in place (None: not this step)
             if paged is not None:
                 pool, table, seq_lens = paged
                 q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).to(pool.dtype)
                 o_lat, _ = ops.mla_decode(q_lat, q_rope.to(pool.dtype).contiguous(), pool, table, seq_lens,
                                           self.scale, check=False)
-                return self.finish(x, torch.einsum("bthr,hvr->bthv", upcast(o_lat), upcast(w_uv)).to(x.dtype))
+                o = torch.einsum("bthr,hvr->bthv", upcast(o_lat), upcast(w_uv)).to(x.dtype)
+                return self.finish(x, o, gate)
         if state is not None:
             c_all, kr_all, key_mask, q_pos = state.append(c, k_r, attention_mask, start)
         else:
@@ -160,7 +184,7 @@ class MultiHeadLatentAttention(nn.Module):
             o = torch.einsum("bthr,hvr->bthv", o_lat, upcast(w_uv)).to(x.dtype)
         else:
             o = self.decompressed(q_nope, q_rope, c_all, kr_all, key_mask, q_pos[:, 0]).to(x.dtype)
-        return self.finish(x, o)
+        return self.finish(x, o, gate)
 
     #: keys decompressed at a time on the prefill path: bounds the K/V workspace (L·H·(dn + dv) values) for long
     #: cached contexts; the segments' partial results merge exactly by their LSE

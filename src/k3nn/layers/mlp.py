@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..kernels.glu import glu_activation, situ_glu  # re-exported: the expert kernels' references use them too
+from .packed import Packed, hooked, pack_linears
 
 __all__ = ["glu_activation", "situ_glu", "MLP"]
 
@@ -20,6 +23,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act, self.beta, self.linear_beta = act, beta, linear_beta
+        self._gate_up: Packed | None = None  # prepare_decode(): gate | up as one GEMM
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta))
+    def prepare_decode(self, on: bool = True) -> None:
+        """Pack gate and up into one GEMM weight (one activation kernel over its output; see
+        :mod:`k3nn.layers.packed`); ``on=False`` drops it."""
+        self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]]) if on else None
+
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., hidden] → mlp(x), or ``add_to + mlp(x)`` (add_to of the output's shape). Prepared (and without
+        autograd): one gate|up GEMM, one activation kernel, and the add inside the down projection's GEMM."""
+        if self._gate_up is None or torch.is_grad_enabled():
+            y = self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta,
+                                              self.linear_beta))
+            return y if add_to is None else add_to + y
+        h = ops.glu(F.linear(x, self._gate_up.get()), self.act, self.beta, self.linear_beta)  # [gate | up]
+        if add_to is None or hooked(self.down_proj) or self.down_proj.bias is not None:
+            y = self.down_proj(h)
+            return y if add_to is None else add_to + y
+        w = self.down_proj.weight
+        return torch.addmm(add_to.reshape(-1, w.shape[0]), h.reshape(-1, w.shape[1]), w.t()).view(add_to.shape)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.moe import check_finite_on_device
 from ..config import KimiK3Config
 from ..quant.mxfp4 import BLOCK, MXFP4Weight
 from .mlp import MLP
-from ..utils import upcast
+from ..kernels.registry import backend
+from ..utils import records_grad, upcast
 from .norm import RMSNorm
 
 __all__ = ["Router", "Experts", "MoE", "route"]
@@ -31,23 +31,13 @@ __all__ = ["Router", "Experts", "MoE", "route"]
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
           num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
-    """logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32). Selection on biased scores,
-    weights from the raw scores. Non-finite logits raise (asynchronously on GPU: no host sync)."""
-    if not 1 <= top_k <= logits.shape[-1]:
-        raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={logits.shape[-1]}]")
-    check_finite_on_device(logits, "route: router logits")
-    s = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
-    choice = s + bias.float()
-    if num_group > 1 and topk_group < num_group:
-        N, E = choice.shape
-        g = choice.view(N, num_group, E // num_group).topk(min(2, E // num_group), -1)[0].sum(-1)
-        keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, -1)[1], 1.0)
-        choice = choice.masked_fill(~keep.bool().repeat_interleave(E // num_group, 1), float("-inf"))
-    ids = choice.topk(top_k, -1, sorted=False)[1]
-    w = s.gather(1, ids)
-    if renormalize and top_k > 1:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * scaling
+    """logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32) (:func:`k3nn.ops.moe_route`).
+    Selection on biased scores, weights from the raw scores. Non-finite logits raise (asynchronously on GPU: no
+    host sync)."""
+    if records_grad(logits):  # the kernels are forward only; the weights carry the router's gradient
+        with backend("eager"):
+            return ops.moe_route(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+    return ops.moe_route(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
 
 
 class Router(nn.Module):
@@ -144,5 +134,5 @@ class MoE(nn.Module):
             self.last_routing = (logits.detach(), ids)
         y = self.routed(xf, ids, w)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
+            y = self.shared_experts(xf, add_to=y)
         return y.view(shape)

@@ -6,20 +6,24 @@ from __future__ import annotations
 import torch
 
 from ..kernels import moe as _moe  # noqa: F401  (registers the backends)
+from ..kernels.moe.routing import check_finite_on_device, check_route, route_kernel_applies, route_reference
 from ..kernels.registry import dispatch
 from ..quant.mxfp4 import MXFP4Weight, check_mxfp4
 
-__all__ = ["moe_experts", "moe_expert_outputs", "moe_latent_finalize", "check_finite_on_device"]
+__all__ = ["moe_experts", "moe_expert_outputs", "moe_latent_finalize", "moe_route", "check_finite_on_device"]
 
 
-def check_finite_on_device(t: torch.Tensor, what: str) -> None:
-    """NaN/Inf check without a host sync on accelerators: a clear ValueError on CPU, an async device assert
-    elsewhere (raised at the next synchronisation)."""
-    if t.device.type == "cpu":
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{what} contains NaN or Inf")
-    elif not torch.cuda.is_current_stream_capturing():
-        torch._assert_async(torch.isfinite(t).all(), f"{what} contains NaN or Inf")
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+              num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
+    """Router: logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32); selection on the biased
+    scores, weights from the raw ones (:mod:`k3nn.kernels.moe.routing`). Non-finite logits raise (asynchronously
+    on GPU: no host sync). The top-k order is unspecified. Grouped and softmax routing run the eager form (the
+    kernel covers sigmoid scores without expert groups)."""
+    check_route(logits, bias, top_k, score_func)
+    args = (logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+    if not route_kernel_applies(num_group, topk_group, score_func):
+        return route_reference(*args)
+    return dispatch("moe_route", *args)
 
 
 def _check_weight(name: str, w, shape: tuple[int, ...]) -> None:

@@ -170,6 +170,7 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     model.config = local
     if hasattr(model, "model"):
         model.model.config = local
-    model.__dict__.pop("_latency_decoder", None)  # fused weights are rebuilt from the shards
+    if getattr(model, "decode_prepared", False):  # packed decode weights again, from the shards
+        model.prepare_decode()
     model.tp_world_size = world
     return model

@@ -1,4 +1,4 @@
-"""Routed-experts kernels: eager references and the fused Triton path (sort/align, grouped GEMMs with the
+"""Routed-experts kernels: eager references and the fused Triton path (the router, grouped GEMMs with the
 GLU activation in the epilogue, in-kernel MXFP4 decode, weighted top-k reduction fused with the latent norm)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch
 from ...quant.mxfp4 import MXFP4Weight
 from ..registry import register, triton_interpreting, triton_ready
 from .reference import moe_expert_outputs_reference, moe_experts_reference, moe_latent_finalize_reference
+from .routing import route_reference
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -82,3 +83,22 @@ register("moe_expert_outputs", "triton", supports=_triton_supports,
 register("moe_latent_finalize", "eager")(moe_latent_finalize_reference)
 register("moe_latent_finalize", "triton", supports=_finalize_supports,
          available=_triton_available)(_moe_latent_finalize_triton)
+
+
+def _route_supports(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1, score_func="sigmoid"):
+    r = triton_ready(logits, bias)
+    if r:
+        return r
+    from .triton_route import supports_route
+
+    return supports_route(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+
+
+def _route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1, score_func="sigmoid"):
+    from .triton_route import route_triton
+
+    return route_triton(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+
+
+register("moe_route", "eager")(route_reference)
+register("moe_route", "triton", supports=_route_supports, available=_triton_available)(_route_triton)

@@ -1,0 +1,59 @@
+"""Router math of the Kimi Linear / DeepSeek "noaux_tc" MoE and K3's LatentMoE, as plain PyTorch::
+
+    s = sigmoid(logits)  (or softmax)        choice = s + bias        (bias: e_score_correction_bias)
+    I = TopK_k(choice)   (group-limited when num_group > 1: the topk_group groups with the best top-2 sums)
+    w_j = s_j / Σ_I s  (renormalize) · scaling
+
+Selection on the biased scores, weights from the raw ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_finite_on_device", "check_route", "route_reference", "route_kernel_applies"]
+
+
+def check_finite_on_device(t: torch.Tensor, what: str) -> None:
+    """NaN/Inf check without a host sync on accelerators: a clear ValueError on CPU, an async device assert
+    elsewhere (raised at the next synchronisation); skipped while a CUDA graph is being captured."""
+    if t.device.type == "cpu":
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{what} contains NaN or Inf")
+    elif not torch.cuda.is_current_stream_capturing():
+        torch._assert_async(torch.isfinite(t).all(), f"{what} contains NaN or Inf")
+
+
+def check_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, score_func: str) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"route: logits must be [N, E], got {tuple(logits.shape)}")
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={logits.shape[-1]}]")
+    if bias.shape != (logits.shape[-1],):
+        raise ValueError(f"route: bias must be [E={logits.shape[-1]}], got {tuple(bias.shape)}")
+    if score_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"route: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+    check_finite_on_device(logits, "route: router logits")
+
+
+def route_kernel_applies(num_group: int, topk_group: int, score_func: str) -> bool:
+    """The routing kernels cover sigmoid scores without expert groups (Kimi Linear, K3); grouped or softmax
+    routing has the eager form only."""
+    return score_func == "sigmoid" and (num_group <= 1 or topk_group >= num_group)
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+                    num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
+    """logits [N, E] fp32 → (topk_ids [N, k] int64, topk_weights [N, k] fp32); the top-k order is unspecified."""
+    s = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
+    choice = s + bias.float()
+    if num_group > 1 and topk_group < num_group:
+        N, E = choice.shape
+        g = choice.view(N, num_group, E // num_group).topk(min(2, E // num_group), -1)[0].sum(-1)
+        keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, -1)[1], 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(E // num_group, 1), float("-inf"))
+    ids = choice.topk(top_k, -1, sorted=False)[1]
+    w = s.gather(1, ids)
+    if renormalize and top_k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, (w * scaling if scaling != 1.0 else w)
