@@ -1,5 +1,5 @@
 """GPU: the decode step replayed from a CUDA graph gives the same tokens as without a graph (standard and
-latency-specialized paths), with no capture fallback."""
+latency-specialized paths), with no capture fallback; the small decode kernels == their references."""
 
 import pytest
 import torch
@@ -50,23 +50,31 @@ def test_latency_specialized_graph_equals_standard(model, B):
     assert torch.equal(a, b)
 
 
-def test_decode_kernels_on_gpu(model, monkeypatch):
-    """The latency path's small Triton kernels (opt-in: KernelTuning.decode_kernels) on the GPU: same tokens, and each
-    kernel == its eager form."""
-    from k3nn.decode import kernels as K
+def test_small_decode_kernels_on_gpu(model):
+    """The GLU, sigmoid-gate and router Triton kernels on the GPU (bf16 / fp32) == their eager references, and the
+    prepared (packed-projection) decode under graphs gives the standard tokens with them picked by ``auto``."""
+    from k3nn import ops
+    from k3nn.kernels.glu import glu_packed_reference, sigmoid_gate_reference
+    from k3nn.kernels.moe.routing import route_reference
+    from k3nn.kernels.registry import backend, resolve
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(3, 1, 7168, device="cuda", generator=g).bfloat16()
-    w = torch.randn(7168, device="cuda", generator=g).bfloat16()
-    torch.testing.assert_close(K.rmsnorm(x, w, 1e-5, impl="triton"), K.rmsnorm(x, w, 1e-5, impl="eager"))
     gu = torch.randn(3, 2 * 3072, device="cuda", generator=g).bfloat16() * 4
+    assert resolve("glu", (gu, "silu", 4.0, 25.0)).backend == "triton"
     for act in ("silu", "situ"):
-        torch.testing.assert_close(K.glu(gu, act, impl="triton").float(), K.glu(gu, act, impl="eager").float(),
-                                   atol=2e-2, rtol=1e-2)
-    from k3nn.kernels.registry import tuning
+        ref = glu_packed_reference(gu.float(), act).bfloat16()
+        torch.testing.assert_close(ops.glu(gu, act).float(), ref.float(), atol=2e-2, rtol=1e-2)
+    o, gate = torch.randn(2, 1, 4096, device="cuda", generator=g).bfloat16(), torch.randn(2, 1, 4096, device="cuda").bfloat16()
+    torch.testing.assert_close(ops.sigmoid_gate(o, gate), sigmoid_gate_reference(o, gate))
+    logits, bias = torch.randn(64, 896, device="cuda", generator=g), torch.randn(896, device="cuda") * 0.1
+    ids_t, w_t = ops.moe_route(logits, bias, 16, True, 2.5)
+    with backend("eager"):
+        ids_r, w_r = route_reference(logits, bias, 16, True, 2.5)
+    order_t, order_r = ids_t.sort(-1), ids_r.sort(-1)
+    assert torch.equal(order_t.values, order_r.values)
+    torch.testing.assert_close(w_t.gather(1, order_t.indices), w_r.gather(1, order_r.indices))
 
     ids = _prompt(2, 8, 21)[0]
-    with tuning(decode_kernels="auto"):
-        a = model.generate(ids, max_new_tokens=10, cuda_graph=False)
-        b = model.generate(ids, max_new_tokens=10, decode_backend="latency_specialized")
+    a = model.generate(ids, max_new_tokens=10, cuda_graph=False)
+    b = model.generate(ids, max_new_tokens=10, decode_backend="latency_specialized")
     assert model.last_decode_info["graph"] and torch.equal(a, b)
