@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, Callable
 
@@ -12,7 +13,7 @@ import torch
 from k3nn.results import bench_ms, device_meta, results_dir, write_results
 
 __all__ = ["device_meta", "bench_ms", "graph_bench_ms", "wall_ms", "print_call_times", "write_results", "results_dir",
-           "rel_err", "print_table", "init_ranks"]
+           "rel_err", "print_table", "init_ranks", "median_call_ms"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,6 +65,34 @@ def graph_bench_ms(fn: Callable[..., Any], inner: int = 50, rep: int = 20, index
         times.append(a.elapsed_time(b) / inner)
     times.sort()
     return times[len(times) // 2]
+
+
+def median_call_ms(fn: Callable[[], Any], reps: int, warmup: int = 1,
+                   device: str | torch.device = "cuda") -> tuple[float, int | None]:
+    """(median milliseconds of ``reps`` calls of ``fn``, each timed alone after ``warmup`` untimed calls; the peak
+    bytes the timed calls allocated above what was allocated before them). On CUDA the calls are timed with CUDA
+    events; elsewhere by the host clock, with no memory figure (None)."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) if cuda else None
 
 
 def wall_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3, barrier: bool = False, group=None) -> float:

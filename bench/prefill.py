@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.common import device_meta, print_table, rel_err, write_results
+from bench.common import device_meta, median_call_ms, print_table, rel_err, write_results
 
 SUITE = "prefill"  # the k3_slice preset writes "prefill-k3" (its own README table)
 
@@ -68,20 +68,8 @@ def build_pair(layers: int, experts: int, vocab: int, seed: int = 0):
 
 def _time(fn, reps: int) -> tuple[float, float]:
     """(median ms over ``reps`` calls after one warm-up, peak GB of one call)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2], (torch.cuda.max_memory_allocated() - base) / 1e9
+    ms, peak = median_call_ms(fn, reps)
+    return ms, peak / 1e9
 
 
 def _once(fn) -> tuple[float, float]:

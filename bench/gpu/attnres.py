@@ -28,12 +28,12 @@ import torch
 
 from k3nn.kernels.attnres import triton_mix as tm
 from k3nn.kernels.attnres.reference import (
-
-from bench.common import bench_ms, device_meta, graph_bench_ms, rel_err
     attnres_phase1_reference,
     attnres_phase2_reference,
 )
 from k3nn.layers.attnres import attnres_mix_reference
+
+from bench.common import bench_ms, device_meta, graph_bench_ms, rel_err
 
 T0 = time.time()
 BUDGET_S = 400.0  # stop starting new timings after this (--budget)

@@ -45,7 +45,7 @@ from k3nn.config import KimiK3Config
 from k3nn.kernels.precision import dot_precision, tf32_allowed
 from k3nn.kernels.registry import backend, triton_interpreting, tuning
 
-from bench.common import device_meta, rel_err, write_results
+from bench.common import device_meta, median_call_ms, rel_err, write_results
 from bench.models import build_model
 
 SUITE = "fp32-exact"
@@ -367,19 +367,7 @@ def ttft_ms(model, ids, reps: int) -> float:
     def call():
         model(ids, cache=model.new_cache(1, ids.shape[1]), logits_to_keep=1)
 
-    for _ in range(2):  # compilation, autotuning
-        call()
-    sync()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return median_call_ms(call, reps, warmup=2)[0]  # warm-up: compilation, autotuning
 
 
 def recorded_bf16_ms(T: int, layers: int, experts: int) -> tuple[float | None, str | None]:

@@ -11,7 +11,7 @@
    decode of ``--tokens`` tokens (its output growing, so the count tensors update every step; ``choose`` ends in
    the one sync that reads the token), and CUDA-event microseconds of ``window_scores`` for a window of 8.
 
-Writes ``sampling-<timestamp>.json`` (``meta`` + ``rows``, k3nn.results' schema) to $K3NN_RESULTS_DIR (default
+Writes ``sampling-<timestamp>.json`` (``meta`` + ``rows``, bench.common's schema) to $K3NN_RESULTS_DIR (default
 bench/results) and prints a table; exits 1 when a check fails (after writing the file).
 """
 
@@ -101,7 +101,7 @@ def time_config(name, kw, V, device, prompt, tokens) -> dict:
     window = logits[:8].float()
     drafts = torch.randint(0, V, (7,), generator=g).to(device)
     if device == "cuda":
-        from k3nn.results import bench_ms
+        from bench.common import bench_ms
 
         window_us = bench_ms(lambda: s.window_scores(window, out, drafts)) * 1e3
     else:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     print(f"{'config':30s} {'choose us/token':>16s} {'window(8) us':>13s}")
     for r in rows:
         print(f"{r['name']:30s} {r['choose_us']:16.1f} {r['window8_us']:13.1f}")
-    from k3nn.results import write_results
+    from bench.common import write_results
 
     path = write_results("sampling", rows, {"checks": checks, "device": device}, out_dir=a.out)
     print(f"wrote {path}", flush=True)

@@ -23,7 +23,7 @@
    images/s, peak memory above what was allocated before the call, achieved TFLOP/s, speedup (transformers ms / k3nn
    ms).
 
-Writes ``vision-<timestamp>.json`` (``meta`` + ``rows``, k3nn.results' schema) to $K3NN_RESULTS_DIR (default
+Writes ``vision-<timestamp>.json`` (``meta`` + ``rows``, bench.common's schema) to $K3NN_RESULTS_DIR (default
 bench/results) and prints a table; exits 1 when a check fails (after writing the file).
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from k3nn.results import device_meta, write_results
+from bench.common import device_meta, median_call_ms, write_results
 
 T0 = time.time()
 
@@ -169,30 +168,8 @@ def flops(dims: dict, grid: torch.Tensor) -> float:
 
 def timed(fn, warmup: int, reps: int, device: str) -> tuple[float, float | None]:
     """(median ms over ``reps`` calls after ``warmup`` calls, peak memory in GiB above the allocation before)."""
-    cuda = device.startswith("cuda")
-    for _ in range(warmup):
-        fn()
-    peak = None
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    if cuda:
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return statistics.median(times), peak
+    ms, peak = median_call_ms(fn, reps, warmup, device)
+    return ms, None if peak is None else peak / 2**30
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
