@@ -17,7 +17,6 @@ Shapes: K3 routed experts in latent width (3584 → 3072 → 3584, SiTU-GLU β 4
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 
 import torch
@@ -106,7 +105,7 @@ def main(argv=None):
 
 
 def _run(args, rows):
-    dev = os.environ.get("K3NN_BENCH_DEVICE", "cuda")
+    dev = "cuda"
     E = args.experts
     g = torch.Generator(device=dev).manual_seed(0)
     bf = torch.bfloat16

@@ -21,7 +21,7 @@ runs as an A/B of the alignment block size (``cuda_block_m`` rules: ``one-block`
 launch (``+pdl`` = the down kernel launched as a programmatic dependent of the up kernel); runs that repeat an
 earlier block size and launch are skipped. ``--triton
 default`` (the default) times only the grouped kernel and the dispatcher's Triton GEMV (after the CUDA
-variants), ``all`` every Triton variant. Stops starting new variants after ``K3NN_MX_BUDGET_S`` seconds (default
+variants), ``all`` every Triton variant. Stops starting new variants after ``--budget`` seconds (default
 95) so the whole run stays under two minutes. The last lines (``summary T=...``) name the best variant per token
 count and the two A/B gains.
 """
@@ -29,7 +29,6 @@ count and the two A/B gains.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 T_START = time.time()
@@ -50,7 +49,7 @@ print = functools.partial(print, flush=True)
 E, D, I, TOPK = 128, 3584, 3072, 16
 BETA, LIN = 4.0, 25.0
 TOKENS = (1, 4, 16)
-BUDGET_S = float(os.environ.get("K3NN_MX_BUDGET_S", "95"))
+BUDGET_S = 95.0  # --budget
 
 # name → (GemvConfig or None for the old path, rows per program: None = what the dispatcher picks)
 VARIANTS = [
@@ -94,6 +93,7 @@ def parse_args():
     ap.add_argument("--triton", choices=("all", "default", "none"), default="default")
     ap.add_argument("--experts", type=int, default=E,
                     help=f"routed experts (default {E}; K3 has 896: at 16 tokens about one pair per touched expert)")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="stop starting new variants after this many s")
     return ap.parse_args()
 
 
@@ -136,8 +136,9 @@ def run_variant(cfg, bm, z, q1, q3, q2, ids, pdl=None):
 
 
 def main():
-    global CUDA_CFGS, E
+    global BUDGET_S, CUDA_CFGS, E
     args = parse_args()
+    BUDGET_S = args.budget
     if args.experts < TOPK:
         raise SystemExit(f"--experts must be at least top-k = {TOPK}, got {args.experts}")
     E = args.experts
