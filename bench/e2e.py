@@ -226,8 +226,6 @@ def main(argv=None):
     finally:
         meta = {"suite": SUITE, "config": args.config, "tp": world, "layers": L, "ctx": args.ctx, "steps": args.steps,
                 "note": "tokens/s = B / step time; a step = one-token forward + greedy argmax"}
-        if os.environ.get("K3NN_COMMIT"):  # the device copy has no .git: the caller passes the commit
-            meta["commit"] = os.environ["K3NN_COMMIT"]
         path = write_results(SUITE + ("-tp" if args.tp else ""), rows, meta) if rows and rank == 0 else None
         if args.tp:
             import torch.distributed as dist
