@@ -6,8 +6,8 @@ Modes, side by side in one run on the same prefilled cache (cloned per mode):
 * ``eager``: every op on the eager backend, standard decode step, no graph (the anchor);
 * ``triton``: the auto backend (Triton kernels where they exist), standard step, no graph;
 * ``triton+graphs``: the same step captured in a CUDA graph and replayed;
-* ``latency_specialized``: the fused per-layer decode (:mod:`k3nn.decode.fused`) in a CUDA graph;
-* ``latency_specialized+kernels``: the same with its small Triton kernels (:mod:`k3nn.decode.kernels`).
+* ``latency_specialized``: the same layers with their decode weights prepared (packed projections) and MLA
+  reading the static latent pool (``make_decode_runner(decode_backend="latency_specialized")``) in a CUDA graph.
 
 Each mode's first-step logits are compared with eager's (relative error) and its greedy tokens with eager's
 (agreement up to the first difference: bf16 kernels may flip near-ties). Kernel launches per step are counted
@@ -40,8 +40,6 @@ MODES = {  # name: (backend, cuda_graph, decode_backend)
     "triton": ("auto", False, "auto"),
     "triton+graphs": ("auto", True, "auto"),
     "latency_specialized": ("auto", True, "latency_specialized"),
-    # the same with the path's small Triton kernels (router, GLU, norms, gate: opt-in until measured)
-    "latency_specialized+kernels": ("auto", True, "latency_specialized+kernels"),
 }
 
 
@@ -90,17 +88,11 @@ def count_launches(fn, dev) -> tuple[int, list[dict]]:
 
 
 def run_mode(model, base: HybridCache, first: torch.Tensor, mode: str, steps: int, warm: int = 3):
-    from k3nn.kernels.registry import tuning
-
     backend, graph, dec = MODES[mode]
     dev = base.device
     model.backend = backend
-    kernels = "eager"
-    if dec.endswith("+kernels"):
-        dec, kernels = dec[: -len("+kernels")], "auto"
     try:
-        with tuning(decode_kernels=kernels):
-            return _run_mode(model, base, first, backend, graph, dec, steps, warm, dev)
+        return _run_mode(model, base, first, backend, graph, dec, steps, warm, dev)
     finally:
         model.backend = None
 

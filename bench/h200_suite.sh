@@ -48,7 +48,7 @@ STEPS=(
   "prefix-k3|90|$PY -m bench.prefix --config k3_slice --max-seconds 120 --profile"
   "budget|90|$PY -m bench.budget --max-seconds 60"
   "e2e|240|$PY -m bench.e2e --batches 1,8,64 --budget-s 200"
-  "e2e-quick|150|$PY -m bench.e2e --batches 1,8 --modes eager,triton,triton+graphs,latency_specialized,latency_specialized+kernels --budget-s 120"
+  "e2e-quick|150|$PY -m bench.e2e --batches 1,8 --modes eager,triton,triton+graphs,latency_specialized --budget-s 120"
   "kda-gpu-tests|240|$PYTEST tests/gpu/test_kda_gpu.py"
   "kda-bwd-gpu-tests|150|$PYTEST -s tests/gpu/test_kda_bwd_gpu.py"
   "mla-cuda-tests|240|$PYTEST tests/gpu/test_mla_gpu.py -k cuda_"

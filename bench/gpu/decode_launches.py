@@ -96,16 +96,6 @@ def _label_registry_ops():
 
         return types.SimpleNamespace(fn=fn, impl=impl)
 
-    from k3nn.decode import kernels as K
-
-    def label(name, f):
-        def g(*args, **kwargs):  # the decode path's own small kernels: one launch when they run in Triton
-            if not K._use_triton(args[0], kwargs.get("impl")):
-                return f(*args, **kwargs)
-            with torch.profiler.record_function(f"k3nn::decode.{name}"):
-                return f(*args, **kwargs)
-        return g
-
     def op_label(name, f):
         def g(*args, **kwargs):  # the public op with its argument checks (CPU-only checks launch nothing on GPU)
             with torch.profiler.record_function(f"k3nn::{name}"):
@@ -114,19 +104,14 @@ def _label_registry_ops():
 
     import k3nn.ops as ops_pkg
 
-    saved = {n: getattr(K, n) for n in K.__all__}
     saved_ops = {n: getattr(ops_pkg, n) for n in registry.ops() if callable(getattr(ops_pkg, n, None))}
     registry.resolve = resolve
-    for n, f in saved.items():
-        setattr(K, n, label(n, f))
     for n, f in saved_ops.items():
         setattr(ops_pkg, n, op_label(n, f))
     try:
         yield
     finally:
         registry.resolve = orig
-        for n, f in saved.items():
-            setattr(K, n, f)
         for n, f in saved_ops.items():
             setattr(ops_pkg, n, f)
 
@@ -174,16 +159,7 @@ def main(argv=None):
     ap.add_argument("--path", default="latency_specialized", choices=["latency_specialized", "standard"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", help="model dtype of the small configs (k3_slice: bf16)")
-    ap.add_argument("--kernels", default="eager", choices=["eager", "auto", "triton"],
-                    help="the path's small fused kernels (KernelTuning.decode_kernels)")
     args = ap.parse_args(argv)
-    from k3nn.kernels.registry import tuning
-
-    with tuning(decode_kernels=args.kernels):
-        return _run(args)
-
-
-def _run(args):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.config == "k3_slice":
         from bench.models import build_model
