@@ -23,7 +23,7 @@ validated once, not read back from the device in every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,7 @@ class Segments:
     bounds: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_len: int
+    _by_length: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_bounds(cls, bounds, device: torch.device | str | None = None) -> "Segments":
@@ -80,6 +81,26 @@ class Segments:
     @property
     def total(self) -> int:
         return self.bounds[-1]
+
+    def by_length(self, device: torch.device) -> list[tuple[int, int, torch.Tensor | None]]:
+        """The non-empty segments grouped by length, for attention that runs one call per length: (length n, count
+        S, the rows of those segments [S·n] on ``device``, or None when every segment has length n: no gather).
+        Built once per Segments (one host→device copy), not in every layer."""
+        key = str(device)
+        if key not in self._by_length:
+            starts: dict[int, list[int]] = {}
+            for a, e in zip(self.bounds, self.bounds[1:]):
+                if e > a:
+                    starts.setdefault(e - a, []).append(a)
+            if len(starts) == 1:
+                (n, s), = starts.items()
+                groups = [(n, len(s), None)]
+            else:
+                rows = [(torch.tensor(s)[:, None] + torch.arange(n)).reshape(-1) for n, s in starts.items()]
+                flat = torch.cat(rows).to(device, non_blocking=True) if rows else torch.zeros(0, dtype=torch.long)
+                groups = [(n, len(s), r) for (n, s), r in zip(starts.items(), flat.split([r.numel() for r in rows]))]
+            self._by_length[key] = groups
+        return self._by_length[key]
 
 
 def flash_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -113,20 +134,15 @@ def _eager(q, k, v, seg: Segments, scale):
 
 
 def _sdpa(q, k, v, seg: Segments, scale):
-    by_len: dict[int, list[int]] = {}
-    b = seg.bounds
-    for a, e in zip(b, b[1:]):
-        if e > a:
-            by_len.setdefault(e - a, []).append(a)
-    if len(by_len) == 1:  # every image the same length: the packed tensors are already [S, n, H, D], no gather
-        (n, starts), = by_len.items()
-        qs, ks, vs = (t.unflatten(0, (len(starts), n)).transpose(1, 2) for t in (q, k, v))
+    groups = seg.by_length(q.device)
+    if len(groups) == 1 and groups[0][2] is None:  # every image the same length: the packed tensors are [S, n, H, D]
+        (n, S, _), = groups
+        qs, ks, vs = (t.unflatten(0, (S, n)).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [S, H, n, Dv]
         return o.transpose(1, 2).reshape(v.shape)
     out = torch.empty_like(v)
-    for n, starts in by_len.items():
-        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
-        qs, ks, vs = (t.index_select(0, idx).unflatten(0, (len(starts), n)).transpose(1, 2) for t in (q, k, v))
+    for n, S, idx in groups:
+        qs, ks, vs = (t.index_select(0, idx).unflatten(0, (S, n)).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [S, H, n, D]
         out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, *v.shape[1:]))
     return out

@@ -17,29 +17,53 @@ q/k rows from pairs to halves (:mod:`k3nn.checkpoint.formats.multimodal` applies
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["rope_2d_angles", "apply_rope_2d", "rope_2d_cis", "rotate_pairs"]
+__all__ = ["rope_2d_angles", "rope_2d_angles_at", "rope_2d_positions", "rope_2d_frequencies", "apply_rope_2d",
+           "rope_2d_cis", "rotate_pairs"]
+
+
+def rope_2d_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """[head_dim / 4] fp32 on the CPU: f_i = theta^(-4i/head_dim) (cached: callers must not modify it)."""
+    if head_dim % 4:
+        raise ValueError(f"rope_2d_angles: head_dim must be divisible by 4, got {head_dim}")
+    return _frequencies(int(head_dim), float(theta))
+
+
+@functools.lru_cache(maxsize=16)
+def _frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32)[: head_dim // 4] / head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _frame_positions(h: int, w: int) -> torch.Tensor:
+    rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
+    cols = torch.arange(w, dtype=torch.float32).repeat(h)
+    return torch.stack([cols, rows], -1)
+
+
+def rope_2d_positions(grid_thw) -> torch.Tensor:
+    """grid_thw [N, 3] (a CPU tensor or rows of ints) → [Σ t·h·w, 2] fp32 on the CPU: (column, row) of each patch in
+    raster order (row-major within a frame, frames one after another; the frames of a clip alike)."""
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    parts = [p for t, h, w in rows for p in [_frame_positions(int(h), int(w))] * int(t)]
+    return torch.cat(parts) if parts else torch.zeros(0, 2)
+
+
+def rope_2d_angles_at(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """positions [L, 2] (column, row), freqs [D/4] → angles [L, D/2] fp32: [col·f_0, row·f_0, col·f_1, ...]."""
+    return (positions[:, None, :] * freqs[:, None]).flatten(1)
 
 
 def rope_2d_angles(grid_thw: torch.Tensor, head_dim: int, theta: float = 10000.0,
                    device: torch.device | None = None) -> torch.Tensor:
     """grid_thw [N, 3] (t, h, w per image or clip) → angles [Σ t·h·w, head_dim / 2] fp32, patches in raster order
     (row-major within a frame, frames one after another)."""
-    if head_dim % 4:
-        raise ValueError(f"rope_2d_angles: head_dim must be divisible by 4, got {head_dim}")
+    freqs = rope_2d_frequencies(head_dim, theta)
     device = device or grid_thw.device
-    f = theta ** (-torch.arange(0, head_dim, 4, device=device, dtype=torch.float32)[: head_dim // 4] / head_dim)
-    out, per_grid = [], {}
-    for t, h, w in grid_thw.tolist():
-        a = per_grid.get((h, w))
-        if a is None:
-            rows = torch.arange(h, device=device, dtype=torch.float32)[:, None, None].expand(h, w, 1)
-            cols = torch.arange(w, device=device, dtype=torch.float32)[None, :, None].expand(h, w, 1)
-            a = torch.stack([cols * f, rows * f], -1).reshape(h * w, head_dim // 2)  # [col, row] per frequency
-            per_grid[(h, w)] = a
-        out.append(a.repeat(t, 1))
-    return torch.cat(out) if out else torch.zeros(0, head_dim // 2, device=device)
+    return rope_2d_angles_at(rope_2d_positions(grid_thw.cpu()).to(device), freqs.to(device))
 
 
 def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:

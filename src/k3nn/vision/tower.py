@@ -17,6 +17,10 @@ Parameter names follow Moonshot's checkpoints (``vision_tower.patch_embed.proj``
 ``vision_tower.encoder.blocks.{i}.wqkv``, ``.wo``, ``.norm0``, ``.norm1``, ``.mlp.fc0``, ``.mlp.fc1``,
 ``vision_tower.encoder.final_layernorm``); the q/k rows of ``wqkv`` are in Moonshot's rotary-pair order
 (:mod:`k3nn.vision.rope`). Matches transformers' ``Kimi_K25VisionModel`` (``pooler_output``) on converted weights.
+
+Everything that depends on the grids (the resampling taps of P, the frame rows of T, the rotary positions, the
+segments, the merge order) is built on the host once per forward as a :class:`~k3nn.vision.layout.GridLayout` and
+sent to the device in one copy: each step above is one op over the whole packed batch, whatever the image sizes.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from torch import nn
 from .attention import BACKENDS, Segments, varlen_attention
 from .config import VisionConfig
 from .init import init_standard_
-from .rope import rope_2d_angles, rope_2d_cis, rotate_pairs
+from .layout import GridLayout, merge_index, merge_patches
+from .rope import rope_2d_angles_at, rope_2d_cis, rotate_pairs
 
 __all__ = ["MoonViT", "PatchEmbed", "LearnedPosEmb", "VisionBlock", "VisionEncoder", "patch_merge",
            "check_image_inputs", "num_image_tokens"]
@@ -99,7 +104,10 @@ def num_image_tokens(grid_thw: torch.Tensor, merge_kernel_size) -> list[int]:
 
 
 class LearnedPosEmb(nn.Module):
-    """``weight`` [H0, W0, D] learned; resampled to each image's grid; sin/cos per frame for clips."""
+    """``weight`` [H0, W0, D] learned; resampled to each image's grid; sin/cos per frame for clips.
+
+    ``forward`` adds both through the layout's taps as one weighted gather (``F.embedding_bag``, fp32) over all
+    patches; ``grid`` is the reference it matches (``F.interpolate`` per image size)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -114,16 +122,13 @@ class LearnedPosEmb(nn.Module):
         g = F.interpolate(self.weight.permute(2, 0, 1)[None], size=(h, w), mode=self.mode, align_corners=False)
         return g[0].permute(1, 2, 0).flatten(0, 1)
 
-    def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        parts, cache = [], {}
-        for t, h, w in grid_thw.tolist():
-            p = cache.get((h, w))
-            if p is None:
-                p = cache[(h, w)] = self.grid(h, w)
-            if t > 1:
-                p = (p[None] + self.time_weight[:t, None].to(p.dtype)).flatten(0, 1)
-            parts.append(p)
-        return x + torch.cat(parts).to(x.dtype)
+    def forward(self, x: torch.Tensor, layout: GridLayout) -> torch.Tensor:
+        """x [L, D] + (the resampled grid, + the frame's row of the sin/cos table in a clip), summed in fp32."""
+        table = self.weight.flatten(0, 1)
+        if layout.has_clips:
+            table = torch.cat([table, self.time_weight.to(table.dtype)])
+        pos = F.embedding_bag(layout.pos_index, table.float(), per_sample_weights=layout.pos_weight, mode="sum")
+        return x + pos.to(x.dtype)
 
 
 class PatchEmbed(nn.Module):
@@ -133,13 +138,13 @@ class PatchEmbed(nn.Module):
                               bias=cfg.patch_embed_bias)
         self.pos_emb = LearnedPosEmb(cfg)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, layout: GridLayout) -> torch.Tensor:
         """pixel_values [L, C, p, p] → [L, D]. A p×p convolution at stride p over one p×p patch is one matrix
         product over the patch's C·p·p values: computed as that GEMM (``proj`` keeps the checkpoint's Conv2d
         layout)."""
         w = self.proj.weight
         x = F.linear(pixel_values.to(w.dtype).flatten(1), w.flatten(1), self.proj.bias)
-        return self.pos_emb(x, grid_thw)
+        return self.pos_emb(x, layout)
 
 
 class VisionMLP(nn.Module):
@@ -187,28 +192,22 @@ class VisionEncoder(nn.Module):
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
 
-    def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Segments and rotations are built once here for every block (no host reads inside the layers)."""
-        segments = Segments.from_grid(grid_thw, x.device)
-        cis = rope_2d_cis(rope_2d_angles(grid_thw.cpu(), self.head_dim, self.rope_theta, device=x.device))
+    def forward(self, x: torch.Tensor, layout: GridLayout) -> torch.Tensor:
+        """The rotations are computed once here for every block from the layout's positions (no host reads)."""
+        cis = rope_2d_cis(rope_2d_angles_at(layout.rope_pos, layout.rope_freqs))
         for blk in self.blocks:
-            x = blk(x, segments, cis)
+            x = blk(x, layout.segments, cis)
         return self.final_layernorm(x)
 
 
 def patch_merge(x: torch.Tensor, grid_thw: torch.Tensor, merge_kernel_size) -> torch.Tensor:
     """x [Σ t·h·w, D] (raster order per frame) → [Σ (h/kh)·(w/kw), kh·kw, D]: each kh×kw block of patches becomes one
-    token, its patches in raster order within the block; a clip's t frames are averaged (fp32)."""
+    token, its patches in raster order within the block; a clip's t frames are averaged (fp32). One gather over all
+    images (:func:`k3nn.vision.layout.merge_index`)."""
     kh, kw = merge_kernel_size
-    D = x.shape[-1]
-    out, a = [], 0
-    for t, h, w in grid_thw.tolist():
-        seq = x[a:a + t * h * w].view(t, h // kh, kh, w // kw, kw, D)
-        a += t * h * w
-        seq = seq.permute(0, 1, 3, 2, 4, 5)  # [t, h/kh, w/kw, kh, kw, D]
-        seq = seq.float().mean(0).to(x.dtype) if t > 1 else seq[0]
-        out.append(seq.reshape(-1, kh * kw, D))
-    return torch.cat(out)
+    index, frames = merge_index(grid_thw.cpu(), (kh, kw))
+    frames = None if frames is None else frames.to(x.device)
+    return merge_patches(x, index.to(x.device), frames, kh * kw)
 
 
 class MoonViT(nn.Module):
@@ -231,15 +230,26 @@ class MoonViT(nn.Module):
         for blk in self.encoder.blocks:
             blk.attn_backend = value
 
+    def layout(self, grid_thw: torch.Tensor) -> GridLayout:
+        """The batch's index tensors on the tower's device (:class:`~k3nn.vision.layout.GridLayout`); grid_thw is
+        read on the host once here (a copy back if it lives on the device), never in the layers."""
+        return GridLayout.build(grid_thw.cpu(), self.config, self.patch_embed.proj.weight.device)
+
     def patch_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """[L, C, p, p] → [L, D] after the final norm (before merging)."""
-        grid_thw = grid_thw.cpu()  # the grid is read on the host: once here, not per layer
-        return self.encoder(self.patch_embed(pixel_values, grid_thw), grid_thw)
+        return self.encode(pixel_values, self.layout(grid_thw))
+
+    def encode(self, pixel_values: torch.Tensor, layout: GridLayout) -> torch.Tensor:
+        """:meth:`patch_features` on a layout built already."""
+        return self.encoder(self.patch_embed(pixel_values, layout), layout)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        if isinstance(grid_thw, torch.Tensor):
+            grid_thw = grid_thw.cpu()  # the one host read of the grid (the processor's grid is on the CPU already)
         check_image_inputs(pixel_values, grid_thw, self.config)
-        grid_thw = grid_thw.cpu()
-        return patch_merge(self.patch_features(pixel_values, grid_thw), grid_thw, self.config.merge_kernel_size)
+        layout = self.layout(grid_thw)
+        x = self.encode(pixel_values, layout)
+        return merge_patches(x, layout.merge_index, layout.merge_frames, layout.merge_size)
 
     @torch.no_grad()
     def init_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
