@@ -12,7 +12,9 @@ q/k rows from pairs to halves (:mod:`k3nn.checkpoint.formats.multimodal` applies
 
 ``apply_rope_2d`` is the reference (the rotation written out on the two halves of each pair); the tower rotates with
 ``rotate_pairs``: the same rotation as one complex product per pair, ``(x_{2j} + i·x_{2j+1})·e^{iθ_j}``, with
-``e^{iθ}`` computed once per forward (``rope_2d_cis``) and q and k rotated in one call.
+``e^{iθ}`` computed once per forward (``rope_2d_cis``) and q and k rotated in one call. The patch positions come from
+the host (``rope_2d_positions``, per (h, w) cached) and the angles from one product with the frequency ladder
+(``rope_2d_angles_at``): no per-image work on the device.
 """
 
 from __future__ import annotations

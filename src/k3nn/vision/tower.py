@@ -190,7 +190,6 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
-        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
 
     def forward(self, x: torch.Tensor, layout: GridLayout) -> torch.Tensor:
         """The rotations are computed once here for every block from the layout's positions (no host reads)."""
