@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: timing, errors, tables. Device ceilings and result files come from
-:mod:`k3nn.results` (re-exported here, so a suite imports its helpers from one place)."""
+:mod:`bench.records` (re-exported here, so a suite imports its helpers from one place)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from k3nn.results import bench_ms, device_meta, results_dir, write_results
+from bench.records import bench_ms, device_meta, results_dir, write_results
 
 __all__ = ["device_meta", "bench_ms", "graph_bench_ms", "wall_ms", "print_call_times", "write_results", "results_dir",
            "rel_err", "print_table", "init_ranks", "median_call_ms"]

@@ -1,5 +1,5 @@
 """bench/gpu/vision_tower.py on the CPU in tiny mode: transformers' tiny Kimi K2.5 saved and loaded into k3nn, the
-parity checks passing, a timed row per case and the result file in k3nn.results' schema."""
+parity checks passing, a timed row per case and the result file in bench.records' schema."""
 
 import importlib.util
 import json

@@ -1,7 +1,6 @@
 """Result files of measured runs: device ceilings measured in the same run, the commit, one JSON file per run.
 
-Used by the benchmark suites (:mod:`k3nn.bench`) and by the library's own ``--bench`` entry points
-(``python -m k3nn.parallel.dcp`` / ``.ep``), so it sits below both.
+Used by every suite and sweep in ``bench/`` (through :mod:`bench.common`).
 
 Result schema (docs/perf.md): ``{"meta": {gpu, torch, triton, commit, copy_tbps, bf16_tflops, ...}, "rows": [...]}``;
 each row has ``case`` and ``k3nn_ms`` and, where they apply, ``anchor``, ``anchor_ms``, ``speedup``
