@@ -2,21 +2,12 @@
 
 One :meth:`Engine.step`:
 
-1. **Schedule** (token budget per step): every request with one token left to feed (decodes, and prompts
-   whose last token is all that is left) gets its decode tokens first — 1, or with a drafter a verify window of
-   1 + n drafts — and the pages they need (oldest first; when the pool runs out the newest running request is
-   **preempted**: its prompt + output pages are indexed for reuse, its row and pages freed, and it is re-queued
-   at the front to be recomputed from prompt + output with the same generator: identical output). The prefill
-   budget is what remains — ``adaptive``: ``max_num_batched_tokens − max(reserve_per_seq · decodes, decode
-   tokens)`` (so a lone request is not cut into several forwards); ``fixed``: ``max_num_batched_tokens −
-   reserve_per_seq · max_num_seqs`` (a reservation for the largest batch, the pre-adaptive vLLM behaviour).
-   Partial prefills continue first (FCFS), then waiting requests are admitted while rows, pages and budget last;
-   one that does not fit the free pages yet does not block smaller ones behind it (none are admitted in a step
-   that preempted). A split chunk ends on a 64-token boundary.
-2. **Admit**: prefix lookup (pages + KDA snapshot at L ≤ N−1), copy the snapshot into the request's running row
-   (copy-on-write), share the pages, allocate the pages of the rest of what it feeds before its first sample
-   (keeping ``watermark`` of the pool free for the running requests to grow into), plan snapshot positions
-   (retention policy).
+1. **Schedule** (:mod:`k3nn.engine.scheduler`): the decodes (1 token, or with a drafter a verify window of
+   1 + n drafts) and their pages first, preempting the newest running request when the pool runs out; the prefill
+   chunks within the token budget that remains (``adaptive`` or ``fixed``).
+2. **Admit** (:mod:`k3nn.engine.cache_manager`): each newly scheduled request gets a running row, its cached
+   prefix (pages + KDA snapshot, copy-on-write), the pages of what it feeds before its first sample (keeping
+   ``watermark`` of the pool free) and its planned snapshot positions (retention policy).
 3. **Draft** (with a drafter): the decode rows' drafts (greedy rows batched, sampling rows each from its own
    generator; :mod:`k3nn.engine.speculative`).
 4. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
@@ -39,36 +30,29 @@ can progress.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
-from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes, extra_block_keys
-from ..cache.retention import EvictionPolicy, PlanInput, RetentionPolicy, make_retention
+from ..cache.prefix import PrefixCache
+from ..cache.retention import EvictionPolicy, RetentionPolicy, make_retention
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
-from ..spec.verify import rejection_accept
-from .request import ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int
-from .sampling import RequestSampler
-from .speculative import DraftRow, KDAReplay, as_engine_drafter
+from .cache_manager import CacheManager
+from .images import check_images, image_block_keys, image_embeds
+from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
+                      token_ids)
+from .sampling import RequestSampler, sample_next
+from .scheduler import Scheduler, TokenBudget
+from .speculative import KDAReplay, as_engine_drafter, draft, verify
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 
-log = logging.getLogger(__name__)
-
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
-
-
-def _padded(drafts: list[int], n: int) -> list[int]:
-    """A row's drafts padded to the window width of the batch (the pad columns' scores are never read)."""
-    return drafts + [0] * (n - len(drafts))
 
 
 class EngineStalledError(RuntimeError):
@@ -131,13 +115,13 @@ class Engine:
 
     ``add_request(prompt_ids, ...)`` → id; ``step()`` → list of :class:`RequestOutput` (new tokens per request);
     ``stream()`` steps until every request finished; ``generate(prompts)`` → outputs in order; ``metrics()``.
+    The policy of a step is the :class:`~k3nn.engine.scheduler.Scheduler`'s (``self.scheduler``: the waiting and
+    running queues), the rows and pages the :class:`~k3nn.engine.cache_manager.CacheManager`'s (``self.cache``).
 
     Built on a :class:`k3nn.KimiK3ForConditionalGeneration`, the engine runs its text model (``self.model``; the
-    wrapper is ``self.multimodal``) and ``add_request`` also takes ``pixel_values`` / ``image_grid_thw``: the
-    vision tower runs once per request, in the first forward that feeds one of its image tokens (not at all when
-    the prefix cache already covers every image token), and every forward feeding image positions gets
-    ``inputs_embeds`` with the image features at those positions. Prefix keys mix in a sha256 of each image's
-    pixels and grid for every 64-token block holding its tokens (same image ⇒ hit, different image ⇒ miss).
+    wrapper is ``self.multimodal``) and ``add_request`` also takes ``pixel_values`` / ``image_grid_thw``
+    (:mod:`k3nn.engine.images`: the vision tower runs once per request, in the first forward that feeds one of its
+    image tokens; prefix keys mix in a hash of each image).
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, tokenizer=None, **overrides):
@@ -160,7 +144,6 @@ class Engine:
                                                          dtype=dtype)
         self.pools = HybridPools(self.mcfg, num_pages, cfg.max_num_seqs, num_snaps, dtype, device)
         self.prefix = PrefixCache(self.pools, cfg.eviction) if cfg.enable_prefix_caching else None
-        self.retention = make_retention(cfg.retention)
         if cfg.budget == "fixed" and cfg.max_num_batched_tokens - cfg.reserve_per_seq * cfg.max_num_seqs < 1:
             raise ValueError("budget='fixed': max_num_batched_tokens must exceed reserve_per_seq · max_num_seqs")
         self.drafter = None
@@ -171,22 +154,38 @@ class Engine:
             gamma = getattr(getattr(drafter, "config", None), "block_size", None)
             self.default_num_spec = (cfg.num_speculative_tokens if cfg.num_speculative_tokens is not None
                                      else int(gamma or 1))
+        self.cache = CacheManager(self.pools, self.prefix, make_retention(cfg.retention), watermark=cfg.watermark,
+                                  retain_decode_state=cfg.retain_decode_state)
+        budget = TokenBudget(cfg.max_num_batched_tokens, cfg.budget, cfg.reserve_per_seq, cfg.min_prefill_tokens,
+                             cfg.max_num_seqs)
+        self.scheduler = Scheduler(budget, self.cache, speculative=self.drafter is not None,
+                                   share_prompts=self.prefix is not None)
         self.replay = KDAReplay(model, self.pools)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
-        self.num_preemptions = self.recomputed_tokens = 0
         self.warmup_s = 0.0
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []  # admission order (includes PREFILLED requests held for export)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}  # an n > 1 request's id → its samples' ids
         self.leases: dict = {}  # request id → its live P/D lease (k3nn.engine.transfer.Lease)
-        self.row_owner: list[Request | None] = [None] * cfg.max_num_seqs
         self._ids = itertools.count()
-        self.num_steps = self.num_forwards = self.rows_moved = 0
-        self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
+        self.num_steps = self.num_forwards = 0
+        self.prompt_tokens = self.generated_tokens = 0
         self.start_time: float | None = None
         self._failed_outputs: list[RequestOutput] = []  # failures outside a forward, reported by the next step()
-        self._stall: str | None = None  # why the last admission attempt was refused (for EngineStalledError)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests waiting for admission, in admission order (preempted ones at the front)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests holding a running row, in admission order (PREFILLED ones held for export included)."""
+        return self.scheduler.running
+
+    @property
+    def row_owner(self) -> list[Request | None]:
+        """The request holding each running row (None: free)."""
+        return self.cache.row_owner
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams | None = None, *,
@@ -222,7 +221,7 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams(**sampling)
         params.validate(self.tokenizer)
-        images = self._image_inputs(prompt, pixel_values, image_grid_thw)  # shared by an n > 1 request's samples
+        images = self._images(prompt, pixel_values, image_grid_thw)  # shared by an n > 1 request's samples
         if images is not None and prefill_only:
             raise ValueError("prefill_only requests with images are not supported: a P/D manifest keys its pages on "
                              "token ids only, so the decode side could not tell two images apart; run the request "
@@ -274,110 +273,21 @@ class Engine:
         req.eos_ids = self._eos_ids(params)
         req.generator = self._generator(params)
         req.sampler = self._sampler(req)
-        self._attach_images(req, images)
+        req.images, req.image_keys = images, image_block_keys(images, self.pools.block_size)
         if self.prefix is not None:
-            req.keys = self._block_keys(req, prompt)
+            req.keys = self.cache.block_keys(req, prompt)
         return req
 
-    # -- images ------------------------------------------------------------------------------------------------
-    def _image_inputs(self, prompt, pixel_values, image_grid_thw) -> ImageInputs | None:
-        """A prompt's images, checked against it (ValueError naming the argument: images for a text-only model,
-        ``image_grid_thw`` disagreeing with ``pixel_values``, image tokens without images or more / fewer images
-        than the image tokens take), with one content hash per image; None for a text prompt."""
-        if self.multimodal is None:
-            if pixel_values is not None or image_grid_thw is not None:
-                name = "pixel_values" if pixel_values is not None else "image_grid_thw"
-                raise ValueError(f"{name}: this engine serves a text-only {type(self.model).__name__}, which takes "
-                                 f"no images; build the Engine on a k3nn.KimiK3ForConditionalGeneration")
-            return None
-        from ..multimodal import image_content_keys
-
-        spans = self.multimodal.image_token_positions(self._token_ids(prompt), pixel_values, image_grid_thw)
-        if not spans:
-            return None
-        px = pixel_values.detach().clone()  # the hash below names these pixels: later edits by the caller can't leak in
-        grid = image_grid_thw.detach().to("cpu", copy=True)
-        return ImageInputs(px, grid, [p for sp in spans for p in sp], [len(sp) for sp in spans],
-                           image_content_keys(px, grid))
-
-    def _attach_images(self, req: Request, images: ImageInputs | None) -> None:
-        req.images = images
-        if images is None:
-            req.image_keys = None
-            return
-        spans, off = [], 0
-        for n, key in zip(images.sizes, images.content_keys):
-            spans.append((images.positions[off:off + n], key))
-            off += n
-        req.image_keys = extra_block_keys(spans, self.pools.block_size)
-
-    def _block_keys(self, req: Request, tokens: Sequence[int], keys: Sequence[bytes] = ()) -> list[bytes]:
-        """The chained prefix keys of the full blocks of ``tokens`` (the prompt, or prompt + output), continuing
-        ``keys`` (those of the first ``len(keys)`` blocks): token ids and the content hashes of the request's images.
-        Every place that keys a request's blocks goes through here, so the keys agree."""
-        keys = list(keys)
-        return keys + block_hashes(tokens, self.pools.block_size, self.prefix.salt, keys[-1] if keys else None,
-                                   len(keys), req.image_keys)
-
-    def _image_features(self, images: ImageInputs) -> torch.Tensor:
-        """The projected features of a request's images [Σ n_i, d], running the vision tower the first time."""
-        if images.features is None:
-            images.features = self.multimodal.image_features(images.pixel_values, images.image_grid_thw)
-            images.pixel_values = None
-        return images.features
-
-    def _image_embeds(self, reqs: Sequence[Request], num_new: Sequence[int], ids: torch.Tensor) -> torch.Tensor | None:
-        """``inputs_embeds`` [B, T, d] for a forward in which some row feeds image tokens: the text embeddings of
-        ``ids`` with each such position's row replaced by its image feature (a prefill chunk may begin or end inside
-        an image's tokens: row b's column c is prompt position ``num_computed + c``); None when no row does."""
-        rows = []
-        for b, (r, n) in enumerate(zip(reqs, num_new)):
-            im = r.images
-            if im is None:
-                continue
-            lo = r.num_computed
-            i0, i1 = bisect_left(im.positions, lo), bisect_left(im.positions, lo + n)
-            if i1 > i0:
-                rows.append((b, im, lo, i0, i1))
-        if not rows:
-            return None
-        h = self.model.model.embed_tokens(ids)
-        for b, im, lo, i0, i1 in rows:
-            feats = self._image_features(im)
-            cols = torch.tensor(im.positions[i0:i1], device=h.device) - lo
-            h[b, cols] = feats[i0:i1].to(h.dtype)
-        return h
+    def _images(self, prompt, pixel_values, image_grid_thw) -> ImageInputs | None:
+        return check_images(self.multimodal, type(self.model).__name__, self._token_ids(prompt), pixel_values,
+                            image_grid_thw)
 
     def _sampler(self, req: Request) -> RequestSampler:
         return RequestSampler(req.params, req.prompt, vocab_size=self.mcfg.vocab_size, eos_ids=req.eos_ids,
                               device=self.pools.device, generator=req.generator, tokenizer=self.tokenizer)
 
     def _token_ids(self, prompt) -> list[int]:
-        """Prompt token ids as a list of ints in [0, vocab_size): no floats, bools or strings."""
-        if isinstance(prompt, np.ndarray):
-            prompt = torch.from_numpy(prompt) if prompt.dtype.kind in "iub" else prompt.tolist()
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
-            if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
-                raise TypeError(f"prompt must be an integer tensor of token ids, got dtype {prompt.dtype}")
-            prompt = prompt.tolist()
-        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise TypeError(f"prompt must be a sequence of token ids (ints) or a 1-D integer tensor, "
-                            f"got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        ids = []
-        for i, t in enumerate(prompt):
-            try:
-                ids.append(_int(f"prompt[{i}]", t))
-            except TypeError as e:
-                raise TypeError(f"prompt must hold token ids (ints): {e}") from None
-        V = self.mcfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt has token ids outside [0, vocab_size={V}): {bad[:8]}")
-        return ids
+        return token_ids(prompt, self.mcfg.vocab_size)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         """A sampling request's generator: ``seed`` when set (reproducible), else fresh OS randomness (an unset
@@ -451,15 +361,7 @@ class Engine:
 
     def _free_resources(self, req: Request) -> None:
         """Give back ``req``'s private decode snapshot, running row and page references; off the running list."""
-        if req.decode_snap is not None:
-            self.pools.snapshots.free([req.decode_snap[1]])
-            req.decode_snap = None
-        if req.row is not None:
-            self.row_owner[req.row] = None
-            req.row = None
-        if req.blocks:
-            self.pools.allocator.free(req.blocks)
-            req.blocks = []
+        self.cache.free(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -478,105 +380,6 @@ class Engine:
         self._release(req, RequestStatus.FAILED, "error")
         return RequestOutput(req.request_id, [], True, "error", list(req.output), req.error)
 
-    # -- admission ---------------------------------------------------------------------------------------------
-    def _free_row(self) -> int | None:
-        for r, o in enumerate(self.row_owner):
-            if o is None:
-                return r
-        return None
-
-    def _watermark_pages(self) -> int:
-        """Pages admission leaves free for the running requests to grow into (none when nothing runs)."""
-        if not any(r.status == RequestStatus.RUNNING for r in self.running):
-            return 0
-        return int(self.config.watermark * self.pools.allocator.num_blocks + 0.999999)
-
-    def _admit(self, req: Request) -> bool:
-        """Give ``req`` a running row and the pages of what it feeds before its first sample (its prompt; a
-        preempted request: prompt + output so far, minus what the prefix index still holds); the pages of the
-        tokens it generates are added as it decodes (:meth:`_grow`)."""
-        row = self._free_row()
-        if row is None:
-            self._stall = f"all {len(self.row_owner)} running rows are held"
-            return False
-        resumed = bool(req.output)
-        tokens = req.all_tokens()
-        N = len(tokens)
-        keys = req.keys
-        if resumed and self.prefix is not None:
-            keys = self._block_keys(req, tokens, req.keys)
-        m = self.prefix.match(tokens, keys, record=False) if self.prefix is not None else PrefixMatch()
-        total = self.pools.pages_for(max(N - 1, 1) if req.prefill_only else N)
-        need = max(total - len(m.pages), 0)
-        alloc = self.pools.allocator
-        alloc.incref(m.pages)
-        req.blocks = list(m.pages)  # owned from here on: _release frees them if anything below fails
-        reserve = self._watermark_pages()
-        if alloc.num_free < need + reserve and self.prefix is not None:
-            self.prefix.make_room(pages=need + reserve)
-        if alloc.num_free < need + reserve:
-            alloc.free(m.pages)
-            req.blocks = []
-            self._stall = (f"request {req.request_id!r} needs {need} free latent pages (+ {reserve} kept free), "
-                           f"{alloc.num_free} of {alloc.num_blocks} are free and nothing is running that would "
-                           f"release more")
-            return False
-        req.blocks += alloc.allocate(need)
-        req.row = row
-        self.row_owner[row] = req
-        if m.snapshot is not None:
-            self.pools.running.copy_([row], self.pools.snapshots, [m.snapshot])  # copy-on-write
-        else:
-            self.pools.running.zero_([row])
-        req.num_computed = m.hit_len
-        req.kv_len = m.kv_len
-        req.indexed_blocks = len(m.pages)
-        if resumed:
-            self.recomputed_tokens += N - m.hit_len
-        else:
-            req.hit_len = m.hit_len
-            self.computed_prompt_tokens += N - m.hit_len
-        if self.prefix is not None and not resumed:
-            self.prefix.record(m, N)
-            req.plan = self.retention.plan(PlanInput(N, m.hit_len, m.kv_len, req.boundaries, self.pools.block_size))
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        if req.prefill_only and req.remaining <= 0:
-            req.status = RequestStatus.PREFILLED
-        return True
-
-    def _grow(self, req: Request, num_tokens: int, protect: Sequence[Request] = ()) -> bool:
-        """Make ``req``'s pages cover ``num_tokens`` tokens: free pages, then prefix-index pages, then preempt
-        the newest running request (never one in ``protect``; ``req`` itself when it is the newest). Returns
-        False when ``req`` itself was preempted."""
-        need = self.pools.pages_for(num_tokens) - len(req.blocks)
-        alloc = self.pools.allocator
-        while need > 0 and alloc.num_free < need:
-            if self.prefix is not None and self.prefix.make_room(pages=need):
-                break
-            victim = next((q for q in reversed(self.running)
-                           if q.status == RequestStatus.RUNNING and q not in protect and q is not req), None)
-            if victim is None or self.running.index(victim) < self.running.index(req):
-                self._preempt(req)
-                return False
-            self._preempt(victim)
-        if need > 0:
-            req.blocks += alloc.allocate(need)
-        return True
-
-    def _preempt(self, req: Request) -> None:
-        """Preemption by recompute: index what ``req`` fed (so its recompute may hit the prefix index), free its
-        row, pages and snapshots, and queue it at the front; it resumes from prompt + output with the same
-        generator (identical output)."""
-        self._retain_finished(req)
-        self._free_resources(req)
-        req.status = RequestStatus.WAITING
-        req.num_computed = req.indexed_blocks = 0
-        req.plan, req.drafts, req.draft_probs = [], [], None
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.insert(0, req)
-
     def adopt(self, prompt: Sequence[int], num_computed: int, pages: Sequence[torch.Tensor],
               recurrent: Sequence[torch.Tensor], conv: Sequence[torch.Tensor], params: SamplingParams | None = None,
               request_id: str | None = None, *, pixel_values: torch.Tensor | None = None,
@@ -591,7 +394,7 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.tokenizer)
         prompt = self._token_ids(prompt)
-        images = self._image_inputs(prompt, pixel_values, image_grid_thw)
+        images = self._images(prompt, pixel_values, image_grid_thw)
         num_computed = _int("num_computed", num_computed)
         if not 0 <= num_computed < len(prompt):
             raise ValueError(f"adopt: num_computed must be in [0, {len(prompt)}), got {num_computed}")
@@ -601,167 +404,37 @@ class Engine:
         if self.pools.pages_for(len(prompt) + params.max_new_tokens - 1) > self.pools.allocator.num_blocks:
             raise CacheFullError(f"adopt: request {rid!r} (prompt {len(prompt)} + {params.max_new_tokens} new "
                                  f"tokens) can never fit the pool of {self.pools.allocator.num_blocks} pages")
-        row = self._free_row()
-        if row is None:
-            raise CacheFullError(f"adopt: all {len(self.row_owner)} running rows are busy")
-        n_src = self.pools.pages_for(num_computed)
-        self._check_state_tensors(n_src, pages, recurrent, conv)
-        total = self.pools.pages_for(len(prompt))
-        if self.pools.allocator.num_free < total and self.prefix is not None:
-            self.prefix.make_room(pages=total)
-        blocks = self.pools.allocator.allocate(total)  # raises CacheFullError before anything is taken
-        try:
-            if n_src:
-                self.pools.write_pages(blocks[:n_src], [p[:n_src] for p in pages])
-            self.pools.running.write(row, recurrent, conv)
-        except BaseException:
-            self.pools.allocator.free(blocks)
-            raise
-        req = Request(rid, prompt, params, status=RequestStatus.RUNNING, row=row, blocks=blocks,
-                      num_computed=num_computed)
+        req = Request(rid, prompt, params, status=RequestStatus.RUNNING, num_computed=num_computed)
         req.generator = self._generator(params)
         req.eos_ids = self._eos_ids(params)
         req.sampler = self._sampler(req)
         req.num_spec = 0  # the shipped pages carry no drafter context: an adopted request decodes plainly
-        self._attach_images(req, images)
+        req.images, req.image_keys = images, image_block_keys(images, self.pools.block_size)
         if self.prefix is not None:
-            req.keys = self._block_keys(req, prompt)
-        self.row_owner[row] = req
+            req.keys = self.cache.block_keys(req, prompt)
+        self.cache.place(req, self.pools.pages_for(num_computed), pages, recurrent, conv)
         self.requests[rid] = req
         self.running.append(req)
         self.prompt_tokens += len(prompt)
-        self.computed_prompt_tokens += len(prompt) - num_computed
         if self.start_time is None:
             self.start_time = time.perf_counter()
         return rid
-
-    def _check_state_tensors(self, n_pages: int, pages, recurrent, conv) -> None:
-        """Shapes of a transferred state against this engine's pools (ValueError naming the tensor)."""
-        pl = self.pools
-        if len(pages) != len(pl.pages):
-            raise ValueError(f"adopt: pages must hold one tensor per MLA layer ({len(pl.pages)}), got {len(pages)}")
-        for i, (p, ref) in enumerate(zip(pages, pl.pages)):
-            if p.dim() != 3 or p.shape[0] < n_pages or tuple(p.shape[1:]) != tuple(ref.shape[1:]):
-                raise ValueError(f"adopt: pages[{i}] must be [>= {n_pages}, {ref.shape[1]}, {ref.shape[2]}], got "
-                                 f"{tuple(p.shape)}")
-        run = pl.running
-        for name, got, ref in (("recurrent", recurrent, run.recurrent), ("conv", conv, run.conv)):
-            if len(got) != len(ref):
-                raise ValueError(f"adopt: {name} must hold one tensor per KDA layer ({len(ref)}), got {len(got)}")
-            for j, (t, r) in enumerate(zip(got, ref)):
-                if tuple(t.shape) != tuple(r.shape[1:]):
-                    raise ValueError(f"adopt: {name}[{j}] must be {tuple(r.shape[1:])}, got {tuple(t.shape)}")
 
     # -- scheduling ---------------------------------------------------------------------------------------------
     def prefill_budget(self, num_decodes: int, decode_tokens: int = 0) -> int:
         """Tokens left for prefill chunks this step: the step budget minus what the decodes hold
         (``reserve_per_seq`` per decode row — per row of ``max_num_seqs`` with ``budget="fixed"`` — or the
         decodes' actual tokens with their verify windows, whichever is larger)."""
-        c = self.config
-        held = c.max_num_seqs if c.budget == "fixed" else num_decodes
-        return max(c.max_num_batched_tokens - max(c.reserve_per_seq * held, decode_tokens), c.min_prefill_tokens)
-
-    def _chunk(self, req: Request, budget: int) -> int:
-        rem = req.remaining
-        n = min(rem, budget)
-        if n < rem:
-            U = self.pools.block_size
-            end = (req.num_computed + n) // U * U
-            if end > req.num_computed:
-                n = end - req.num_computed
-        return n
-
-    def _sibling_prefilling(self, req: Request) -> bool:
-        """``req`` is a sample of an n > 1 request whose sibling is still prefilling the shared prompt (with
-        prefix caching, waiting for it turns the prompt into a hit)."""
-        if self.prefix is None or req.parent is None or req.output or req.num_prompt_tokens <= self.pools.block_size:
-            return False
-        return any(q.parent == req.parent and q.status == RequestStatus.RUNNING and q.remaining > 1
-                   for q in self.running)
-
-    def _draft_len(self, req: Request) -> int:
-        """Drafts this decode row may verify: its ``num_speculative_tokens``, at most one less than the tokens it
-        may still emit (the target's own token always follows the accepted drafts)."""
-        if self.drafter is None or req.num_spec <= 0:
-            return 0
-        return max(0, min(req.num_spec, req.params.max_new_tokens - len(req.output) - 1))
+        return self.scheduler.budget.prefill(num_decodes, decode_tokens)
 
     def schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
-        """Decide this step's work: (decode requests, [(prefill request, tokens)]).
-
-        Decodes first, oldest first, each given the pages of its tokens this step (its verify window with
-        speculation), preempting the newest running request when the pool runs out (:meth:`_grow`); then the
-        partial prefills (FCFS) and new admissions within the token budget. A waiting request that does not fit
-        the free pages does not block smaller ones behind it; after a preemption nothing new is admitted in the
-        same step."""
-        active = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        preempted = self.num_preemptions
-        for r in [r for r in active if r.remaining == 1]:
-            if r.status == RequestStatus.RUNNING:
-                self._grow(r, r.num_computed + 1 + self._draft_len(r))
-        active = [r for r in active if r.status == RequestStatus.RUNNING]
-        decodes = [r for r in active if r.remaining == 1]
-        budget = self.prefill_budget(len(decodes), sum(1 + self._draft_len(r) for r in decodes))
-        prefills: list[tuple[Request, int]] = []
-        for r in active:
-            if r.remaining > 1 and budget > 0:
-                n = self._chunk(r, budget)
-                prefills.append((r, n))
-                budget -= n
-        i = 0
-        while i < len(self.waiting) and budget > 0 and self.num_preemptions == preempted:
-            req = self.waiting[i]
-            if self._sibling_prefilling(req):
-                i += 1  # a sibling sample is computing the same prompt: wait one step and share its pages
-                continue
-            try:
-                admitted = self._admit(req)
-            except Exception as e:  # this request's admission (prefix match, retention plan): fail it alone
-                self._failed_outputs.append(self._fail(req, e, "admission"))
-                continue
-            if not admitted:
-                if self._free_row() is None:
-                    break
-                i += 1  # too large for the free pages now: smaller requests behind it may fit
-                continue
-            self.waiting.pop(i)
-            if req.status != RequestStatus.RUNNING:
-                continue
-            if req.remaining == 1:
-                if self._grow(req, req.num_computed + 1 + self._draft_len(req)):
-                    decodes.append(req)
-            else:
-                n = self._chunk(req, budget)
-                prefills.append((req, n))
-                budget -= n
-        return decodes, prefills
-
-    def _layout(self, groups: Sequence[Sequence[Request]]) -> None:
-        """Move running rows so the groups occupy consecutive rows in order: [0, |g0|), [|g0|, |g0|+|g1|), ..."""
-        target: dict[int, int] = {}
-        r = 0
-        for g in groups:
-            for req in sorted(g, key=lambda q: q.row):
-                target[id(req)] = r
-                r += 1
-        lo = set(range(r))
-        others = [q for q in self.running if id(q) not in target and q.row is not None]
-        used = lo | {q.row for q in others if q.row not in lo}
-        spare = iter(sorted(set(range(len(self.row_owner))) - used))
-        new_row: dict[int, tuple[Request, int]] = {}
-        for g in groups:
-            for req in g:
-                new_row[id(req)] = (req, target[id(req)])
-        for q in others:
-            new_row[id(q)] = (q, q.row if q.row not in lo else next(spare))
-        moves = [(new, q.row) for q, new in new_row.values() if new != q.row]
-        if moves:
-            self.pools.running.copy_([d for d, _ in moves], self.pools.running, [s for _, s in moves])
-            self.rows_moved += len(moves)
-        self.row_owner = [None] * len(self.row_owner)
-        for q, new in new_row.values():
-            q.row = new
-            self.row_owner[new] = q
+        """Decide this step's work (:meth:`Scheduler.schedule <k3nn.engine.scheduler.Scheduler.schedule>`):
+        (decode requests, [(prefill request, tokens)]). A waiting request whose admission raised is failed here;
+        its output comes back from the next :meth:`step`."""
+        plan = self.scheduler.schedule()
+        for req, e in plan.failed:
+            self._failed_outputs.append(self._fail(req, e, "admission"))
+        return plan.decodes, plan.prefills
 
     # -- execution ---------------------------------------------------------------------------------------------
     def _eos_ids(self, params: SamplingParams) -> list[int]:
@@ -774,26 +447,6 @@ class Engine:
         gc = (GenerationConfig.coerce(gc, source="model.generation_config") if gc is not None
               else GenerationConfig.from_model_config(self.mcfg))
         return gc.eos_ids
-
-    def _sample(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[tuple | Exception]:
-        """Each request's next token (and its log-probabilities when asked) through its own
-        :class:`~k3nn.engine.sampling.RequestSampler` (the logits processors of ``generate()``; plain greedy
-        rows: one batched argmax), or the error that fails that request alone (NaN logits, a sampler error)."""
-        greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()  # one sync
-        out: list[tuple | Exception] = []
-        for b, r in enumerate(reqs):
-            if nan[b]:
-                out.append(FloatingPointError("the logits contain NaN"))
-                continue
-            try:
-                if r.sampler.plain_greedy:
-                    out.append(([int(greedy[b])], None))
-                else:
-                    tok, lp = r.sampler.choose(logits[b], r.output)
-                    out.append(([tok], None if lp is None else [lp]))
-            except Exception as e:
-                out.append(e)
-        return out
 
     def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
                  snapshots: Sequence[Sequence[tuple[int, int]]] | None = None):
@@ -809,7 +462,8 @@ class Engine:
         self.replay.begin(cache, [b for b, r in enumerate(reqs) if r.drafts])
         taps = self.drafter.target_layers if self.drafter is not None else None
         with torch.inference_mode():
-            embeds = self._image_embeds(reqs, num_new, ids) if self.multimodal is not None else None
+            embeds = (image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, num_new, ids)
+                      if self.multimodal is not None else None)
             out = self.model(ids if embeds is None else None, cache=cache, inputs_embeds=embeds,
                              checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1,
                              output_hidden_layers=taps)
@@ -827,114 +481,6 @@ class Engine:
                 r.num_forwards += 1
         return logits, cache, out.last_hidden_state
 
-    # -- speculation --------------------------------------------------------------------------------------------
-    def _draft(self, decodes: Sequence[Request]) -> None:
-        """Drafts for this step's decode rows (``req.drafts``). Greedy rows of one draft length share one
-        drafter call; a sampling row drafts alone, from its own generator. A drafter error costs only the
-        speedup: those rows decode plainly this step (logged)."""
-        for r in decodes:
-            r.drafts, r.draft_probs = [], None
-        groups: dict[tuple, list[Request]] = {}
-        for r in decodes:
-            n = self._draft_len(r)
-            if n > 0:
-                groups.setdefault((n, r.request_id) if r.params.do_sample else (n,), []).append(r)
-        opts, V = self.spec_options, self.mcfg.vocab_size
-        for key, group in groups.items():
-            n = key[0]
-            rows = [DraftRow(r.all_tokens(), r.num_computed, r.blocks, r.params, r.generator) for r in group]
-            try:
-                with torch.inference_mode():
-                    prop = self.drafter.propose(rows, n)
-                toks = prop.tokens[:, :n]
-                if tuple(toks.shape) != (len(group), n):
-                    raise ValueError(f"expected drafts of shape {(len(group), n)}, got {tuple(toks.shape)}")
-                lim = [n] * len(group)
-                if opts.confidence_threshold > 0 and prop.confidence is not None:
-                    ok = (prop.confidence[:, :n] >= opts.confidence_threshold).long().cumprod(1).sum(1)
-                    lim = ok.tolist()
-                toks_l = toks.tolist()
-                if any(not 0 <= t < V for row in toks_l for t in row):
-                    raise ValueError(f"draft token ids outside [0, vocab_size={V})")
-            except Exception as e:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding
-                log.warning("engine: drafting failed for %s (%s: %s); decoding them without drafts",
-                            [r.request_id for r in group], type(e).__name__, e)
-                continue
-            for k, r in enumerate(group):
-                r.drafts = toks_l[k][:lim[k]]
-                if prop.probs is not None and r.drafts:
-                    r.draft_probs = prop.probs[k, :lim[k]]
-
-    def _verify(self, reqs: Sequence[Request], hidden: torch.Tensor) -> dict[int, tuple | Exception]:
-        """Accept the drafts of the verify rows of one forward: batch row → emitted tokens (accepted drafts +
-        the target's token, their log-probabilities or None) or the error that fails that request. Greedy: leading matches of the processed
-        scores' argmax; sampling: lossless rejection sampling with the request's generator; with
-        ``spec.synthetic_acceptance_length`` a fixed count (benchmarks; not the target's output)."""
-        rows = [b for b, r in enumerate(reqs) if r.drafts]
-        if not rows:
-            return {}
-        Tw = 1 + max(len(reqs[b].drafts) for b in rows)
-        idx = torch.tensor(rows, device=hidden.device)
-        with torch.inference_mode():
-            wl = self.model.lm_head(hidden.index_select(0, idx)[:, :Tw]).float()  # [Bv, Tw, V]
-        scores = torch.stack([reqs[b].sampler.window_scores(wl[k], reqs[b].output, _padded(reqs[b].drafts, Tw - 1))
-                              for k, b in enumerate(rows)])
-        amax = torch.cat([scores.argmax(-1), (~torch.isfinite(wl).all(-1)).long()], 1).tolist()  # one sync
-        out: dict[int, tuple | Exception] = {}
-        L = self.spec_options.synthetic_acceptance_length
-        for k, b in enumerate(rows):
-            r = reqs[b]
-            n = len(r.drafts)
-            row = amax[k]
-            tgt, nonfinite = row[:Tw], row[Tw:]
-            if any(nonfinite[:n + 1]):
-                out[b] = FloatingPointError("the logits of the verify window contain NaN or Inf")
-                continue
-            try:
-                limit = torch.tensor([n], device=wl.device)
-                if L is not None:
-                    m = min(n, max(0, int(L) - 1))
-                    nxt = (tgt[m] if not r.params.do_sample else
-                           int(r.sampler.pipeline.choose(scores[k, m:m + 1], r.generator)[0]))
-                elif r.params.do_sample:
-                    d = torch.tensor([r.drafts], device=wl.device)
-                    q = None if r.draft_probs is None else r.draft_probs[None]
-                    mt, nt = rejection_accept(scores[k:k + 1, :n + 1], d, q, limit, None, r.generator)
-                    m, nxt = int(mt[0]), int(nt[0])
-                else:
-                    m = 0
-                    while m < n and r.drafts[m] == tgt[m]:
-                        m += 1
-                    nxt = tgt[m]
-                toks = list(r.drafts[:m]) + [int(nxt)]
-                lps = r.sampler.logprobs_of(wl[k, :m + 1], toks) if r.params.logprobs is not None else None
-                out[b] = (toks, lps)
-            except Exception as e:  # noqa: BLE001 - fails this request alone
-                out[b] = e
-        return out
-
-    def _plan_snapshots(self, req: Request, n: int) -> list[tuple[int, int]]:
-        """Snapshot slots for the planned positions inside this chunk (relative positions)."""
-        if self.prefix is None or not req.plan:
-            return []
-        U, lo, hi = self.pools.block_size, req.num_computed, req.num_computed + n
-        out = []
-        try:
-            for p in [p for p in req.plan if lo < p <= hi]:
-                req.plan.remove(p)
-                if p // U > len(req.keys):
-                    continue
-                e = self.prefix.entries.get(req.keys[p // U - 1])
-                if e is not None and e.snapshot is not None:
-                    continue  # already cached (by another request)
-                if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
-                    continue  # retention is best effort: never block a request for a snapshot
-                out.append((p - lo, self.pools.snapshots.allocate(1)[0]))
-        except Exception:
-            self.pools.snapshots.free([s for _, s in out])
-            raise
-        return out
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit.
 
@@ -949,8 +495,9 @@ class Engine:
         if not decodes and not prefills:
             return outputs
         if self.drafter is not None:
-            self._draft(decodes)
-        self._layout([decodes, [r for r, _ in prefills]])
+            draft(self.drafter, decodes, self.scheduler.draft_len, self.spec_options.confidence_threshold,
+                  self.mcfg.vocab_size)
+        self.cache.layout([decodes, [r for r, _ in prefills]], self.running)
         decodes.sort(key=lambda q: q.row)
         prefills.sort(key=lambda x: x[0].row)
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
@@ -967,7 +514,7 @@ class Engine:
             snaps = []
             for r, n in batch:
                 try:
-                    snaps.append(self._plan_snapshots(r, n))
+                    snaps.append(self.cache.plan_snapshots(r, n))
                 except Exception as e:
                     fail(r, e, "snapshot plan")
                     snaps.append(None)
@@ -975,7 +522,7 @@ class Engine:
             if not batch:
                 continue
             if [r.row for (r, _), _ in batch] != list(range(batch[0][0][0].row, batch[0][0][0].row + len(batch))):
-                self._layout([[r for (r, _), _ in batch]])  # a failed request left a gap in the rows
+                self.cache.layout([[r for (r, _), _ in batch]], self.running)  # a failed request left a gap
             reqs = [r for (r, _), _ in batch]
             ns = [n for (_, n), _ in batch]
             snaps = [sn for _, sn in batch]
@@ -988,7 +535,7 @@ class Engine:
                     r.drafts, r.draft_probs = [], None
                     fail(r, e, "forward")
                 continue
-            verified = self._verify(reqs, hidden)
+            verified = verify(self.model.lm_head, reqs, hidden, self.spec_options.synthetic_acceptance_length)
             keep: dict[int, int] = {}
             for b, res in verified.items():
                 r = reqs[b]
@@ -1015,7 +562,7 @@ class Engine:
             done = [b for b, r in enumerate(reqs)
                     if b not in verified and r.remaining == 0 and not r.prefill_only]
             if done:
-                toks = self._sample([reqs[b] for b in done], logits[done])
+                toks = sample_next([reqs[b] for b in done], logits[done])
                 for b, t in zip(done, toks):
                     if isinstance(t, Exception):
                         fail(reqs[b], t, "sampling")
@@ -1026,8 +573,8 @@ class Engine:
                     self.pools.snapshots.free([s for _, s in sn])
                     continue
                 try:
-                    self._commit_prefix([r], [sn])
-                    self._track_decode_state([r])
+                    self.cache.commit_prefix(r, sn)
+                    self.cache.track_decode_state(r)
                 except Exception as e:
                     fail(r, e, "cache commit")
         now = time.perf_counter()
@@ -1067,54 +614,9 @@ class Engine:
         return RequestOutput(r.request_id, new, finished, reason, list(r.output) if finished else None,
                              stop_reason=r.sampler.stop_reason, logprobs=lps, text=r.sampler.text)
 
-    def _commit_prefix(self, reqs: Sequence[Request], snapshots: Sequence[Sequence[tuple[int, int]]]) -> None:
-        """After the forward: index the requests' new full prompt pages, then attach the written snapshots."""
-        for r, snaps in zip(reqs, snapshots):
-            if self.prefix is None:
-                continue
-            full = min(r.num_computed, r.num_prompt_tokens) // self.pools.block_size
-            full = min(full, len(r.keys))
-            if full > r.indexed_blocks:
-                self.prefix.insert(r.keys, r.blocks, full)
-                r.indexed_blocks = full
-            for p, slot in snaps:
-                if not self.prefix.add_snapshot(r.keys[p // self.pools.block_size - 1], slot):
-                    self.pools.snapshots.free([slot])
-
-    def _track_decode_state(self, reqs: Sequence[Request]) -> None:
-        """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding
-        request completes a 64-token block past its prompt; it is indexed when the request finishes, so the
-        next chat turn (prompt + answer + more) resumes past the answer."""
-        if self.prefix is None or not self.config.retain_decode_state:
-            return
-        U = self.pools.block_size
-        for r in reqs:
-            n = r.num_computed
-            if r.prefill_only or not r.output or n % U or n <= r.num_prompt_tokens:
-                continue
-            if r.decode_snap is None:
-                if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
-                    continue
-                r.decode_snap = (n, self.pools.snapshots.allocate(1)[0])
-            slot = r.decode_snap[1]
-            self.pools.snapshots.copy_([slot], self.pools.running, [r.row])
-            r.decode_snap = (n, slot)
-
     def _retain_finished(self, r: Request) -> None:
         """Index the full pages of everything the request fed (prompt + answer) and its last decode state."""
-        if self.prefix is None or not self.config.retain_decode_state or r.prefill_only:
-            return
-        U = self.pools.block_size
-        fed = r.all_tokens()[:r.num_computed]
-        keys = self._block_keys(r, fed, r.keys)
-        full = min(len(keys), r.num_computed // U, len(r.blocks))
-        if full > r.indexed_blocks:
-            self.prefix.insert(keys, r.blocks, full)
-            r.indexed_blocks = full
-        if r.decode_snap is not None:
-            p, slot = r.decode_snap
-            if p // U <= full and self.prefix.add_snapshot(keys[p // U - 1], slot):
-                r.decode_snap = None  # the index owns the slot now
+        self.cache.retain_finished(r)
 
     # -- loops ------------------------------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:
@@ -1124,7 +626,6 @@ class Engine:
         runs, nothing is admitted): the engine is left as it is (release or abort requests, then stream again)."""
         while self.has_unfinished():
             before = (self.num_forwards, len(self.waiting), len(self.running))
-            self._stall = None
             outs = self.step()
             yield from outs
             if not outs and before == (self.num_forwards, len(self.waiting), len(self.running)):
@@ -1132,7 +633,7 @@ class Engine:
                 raise EngineStalledError(
                     f"no progress possible: {len(self.waiting)} request(s) waiting "
                     f"({[r.request_id for r in self.waiting[:4]]}...), none can be admitted "
-                    f"({self._stall or 'no budget'}) and nothing is running"
+                    f"({self.scheduler.stall or 'no budget'}) and nothing is running"
                     + (f"; prefilled requests {held} hold rows and pages until release()" if held else ""))
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
@@ -1203,10 +704,10 @@ class Engine:
                     del self.requests[rid]
         if self.prefix is not None:
             self.prefix.clear()
-        self.num_steps = self.num_forwards = self.rows_moved = 0
-        self.prompt_tokens = self.generated_tokens = self.computed_prompt_tokens = 0
+        self.num_steps = self.num_forwards = self.prompt_tokens = self.generated_tokens = 0
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
-        self.num_preemptions = self.recomputed_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.cache.reset_stats()
         self.start_time = None
         if self.pools.device.type == "cuda":
             torch.cuda.synchronize(self.pools.device)
@@ -1229,13 +730,13 @@ class Engine:
             count[r.status] += 1
         m = {"requests": len(self.requests), "finished": count[RequestStatus.FINISHED],
              "aborted": count[RequestStatus.ABORTED], "failed": count[RequestStatus.FAILED],
-             "steps": self.num_steps, "forwards": self.num_forwards, "rows_moved": self.rows_moved,
+             "steps": self.num_steps, "forwards": self.num_forwards, "rows_moved": self.cache.rows_moved,
              "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": pct(ttft, 0.5),
              "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
              "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
-             "computed_prompt_tokens": self.computed_prompt_tokens,
+             "computed_prompt_tokens": self.cache.computed_prompt_tokens,
              "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0,
-             "preemptions": self.num_preemptions, "recomputed_tokens": self.recomputed_tokens,
+             "preemptions": self.scheduler.num_preemptions, "recomputed_tokens": self.cache.recomputed_tokens,
              "warmup_s": self.warmup_s}
         if self.drafter is not None:
             m.update(spec_rounds=self.spec_rounds, spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,

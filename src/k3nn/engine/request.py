@@ -7,11 +7,12 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "Request", "RequestOutput", "RequestStatus", "token_ids"]
 
 
 @dataclass
@@ -138,6 +139,34 @@ def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {rng}, got {v}")
     return v
+
+
+def token_ids(prompt: Any, vocab_size: int) -> list[int]:
+    """A prompt's token ids (a sequence of ints, a 1-D integer tensor or array) as a list of ints in
+    [0, vocab_size): no floats, bools or strings (TypeError / ValueError naming the prompt)."""
+    if isinstance(prompt, np.ndarray):
+        prompt = torch.from_numpy(prompt) if prompt.dtype.kind in "iub" else prompt.tolist()
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise ValueError(f"prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+        if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+            raise TypeError(f"prompt must be an integer tensor of token ids, got dtype {prompt.dtype}")
+        prompt = prompt.tolist()
+    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be a sequence of token ids (ints) or a 1-D integer tensor, "
+                        f"got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: a request needs at least one token")
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            ids.append(_int(f"prompt[{i}]", t))
+        except TypeError as e:
+            raise TypeError(f"prompt must hold token ids (ints): {e}") from None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside [0, vocab_size={vocab_size}): {bad[:8]}")
+    return ids
 
 
 class RequestStatus(enum.Enum):

@@ -60,9 +60,9 @@ from typing import Any
 import torch
 
 from ..logits import LogitsPipeline, TokenCounts
-from .request import SamplingParams, TokenLogprobs
+from .request import Request, SamplingParams, TokenLogprobs
 
-__all__ = ["RequestSampler", "IncrementalDetokenizer"]
+__all__ = ["RequestSampler", "IncrementalDetokenizer", "sample_next"]
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, so its first token's text is right (leading spaces)
 
@@ -363,3 +363,24 @@ class RequestSampler:
         j, s = best
         self._text_end = j + len(s) if self.params.include_stop_str_in_output else j
         return s
+
+
+def sample_next(reqs: Sequence[Request], logits: torch.Tensor) -> list[tuple | Exception]:
+    """Each request's next token from ``logits`` [B, V] (row b: ``reqs[b]``'s next position) and its
+    log-probabilities when asked, through its own :class:`RequestSampler` (plain greedy rows: one batched argmax),
+    or the error that fails that request alone (NaN logits, a sampler error)."""
+    greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()  # one sync
+    out: list[tuple | Exception] = []
+    for b, r in enumerate(reqs):
+        if nan[b]:
+            out.append(FloatingPointError("the logits contain NaN"))
+            continue
+        try:
+            if r.sampler.plain_greedy:
+                out.append(([int(greedy[b])], None))
+            else:
+                tok, lp = r.sampler.choose(logits[b], r.output)
+                out.append(([tok], None if lp is None else [lp]))
+        except Exception as e:  # noqa: BLE001 - fails this request alone
+            out.append(e)
+    return out

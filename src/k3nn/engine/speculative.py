@@ -24,17 +24,22 @@ with the :class:`EngineDrafter` methods (tests use oracle drafters that propose 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..cache.hybrid import KDAState
 from ..cache.pages import gather_latents, write_latents
 from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
+from ..spec.verify import rejection_accept
+from .request import Request
 
 __all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "KDAReplay",
-           "as_engine_drafter"]
+           "as_engine_drafter", "draft", "verify"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -198,3 +203,98 @@ class KDAReplay:
         self.saved = []
         for st in cache.layers_kda:
             st.window_x = None
+
+
+def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callable[[Request], int],
+          confidence_threshold: float, vocab_size: int) -> None:
+    """Drafts for this step's decode rows (``req.drafts``, ``req.draft_probs``; at most ``draft_len(req)``, cut
+    at the first draft below ``confidence_threshold`` when > 0). Greedy rows of one draft length share one
+    drafter call; a sampling row drafts alone, from its own generator. A drafter error costs only the speedup:
+    those rows decode plainly this step (logged)."""
+    for r in decodes:
+        r.drafts, r.draft_probs = [], None
+    groups: dict[tuple, list[Request]] = {}
+    for r in decodes:
+        n = draft_len(r)
+        if n > 0:
+            groups.setdefault((n, r.request_id) if r.params.do_sample else (n,), []).append(r)
+    for key, group in groups.items():
+        n = key[0]
+        rows = [DraftRow(r.all_tokens(), r.num_computed, r.blocks, r.params, r.generator) for r in group]
+        try:
+            with torch.inference_mode():
+                prop = drafter.propose(rows, n)
+            toks = prop.tokens[:, :n]
+            if tuple(toks.shape) != (len(group), n):
+                raise ValueError(f"expected drafts of shape {(len(group), n)}, got {tuple(toks.shape)}")
+            lim = [n] * len(group)
+            if confidence_threshold > 0 and prop.confidence is not None:
+                ok = (prop.confidence[:, :n] >= confidence_threshold).long().cumprod(1).sum(1)
+                lim = ok.tolist()
+            toks_l = toks.tolist()
+            if any(not 0 <= t < vocab_size for row in toks_l for t in row):
+                raise ValueError(f"draft token ids outside [0, vocab_size={vocab_size})")
+        except Exception as e:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding
+            log.warning("engine: drafting failed for %s (%s: %s); decoding them without drafts",
+                        [r.request_id for r in group], type(e).__name__, e)
+            continue
+        for k, r in enumerate(group):
+            r.drafts = toks_l[k][:lim[k]]
+            if prop.probs is not None and r.drafts:
+                r.draft_probs = prop.probs[k, :lim[k]]
+
+
+def _padded(drafts: list[int], n: int) -> list[int]:
+    """A row's drafts padded to the window width of the batch (the pad columns' scores are never read)."""
+    return drafts + [0] * (n - len(drafts))
+
+
+def verify(lm_head: torch.nn.Module, reqs: Sequence[Request], hidden: torch.Tensor,
+           synthetic_acceptance_length: int | None = None) -> dict[int, tuple | Exception]:
+    """Accept the drafts of the verify rows of one forward (``hidden`` [B, T, d]: its final hidden states):
+    batch row → emitted tokens (accepted drafts + the target's token, their log-probabilities or None) or the
+    error that fails that request. Greedy: leading matches of the processed scores' argmax; sampling: lossless
+    rejection sampling with the request's generator; with ``synthetic_acceptance_length`` a fixed count
+    (benchmarks; not the target's output)."""
+    rows = [b for b, r in enumerate(reqs) if r.drafts]
+    if not rows:
+        return {}
+    Tw = 1 + max(len(reqs[b].drafts) for b in rows)
+    idx = torch.tensor(rows, device=hidden.device)
+    with torch.inference_mode():
+        wl = lm_head(hidden.index_select(0, idx)[:, :Tw]).float()  # [Bv, Tw, V]
+    scores = torch.stack([reqs[b].sampler.window_scores(wl[k], reqs[b].output, _padded(reqs[b].drafts, Tw - 1))
+                          for k, b in enumerate(rows)])
+    amax = torch.cat([scores.argmax(-1), (~torch.isfinite(wl).all(-1)).long()], 1).tolist()  # one sync
+    out: dict[int, tuple | Exception] = {}
+    L = synthetic_acceptance_length
+    for k, b in enumerate(rows):
+        r = reqs[b]
+        n = len(r.drafts)
+        row = amax[k]
+        tgt, nonfinite = row[:Tw], row[Tw:]
+        if any(nonfinite[:n + 1]):
+            out[b] = FloatingPointError("the logits of the verify window contain NaN or Inf")
+            continue
+        try:
+            limit = torch.tensor([n], device=wl.device)
+            if L is not None:
+                m = min(n, max(0, int(L) - 1))
+                nxt = (tgt[m] if not r.params.do_sample else
+                       int(r.sampler.pipeline.choose(scores[k, m:m + 1], r.generator)[0]))
+            elif r.params.do_sample:
+                d = torch.tensor([r.drafts], device=wl.device)
+                q = None if r.draft_probs is None else r.draft_probs[None]
+                mt, nt = rejection_accept(scores[k:k + 1, :n + 1], d, q, limit, None, r.generator)
+                m, nxt = int(mt[0]), int(nt[0])
+            else:
+                m = 0
+                while m < n and r.drafts[m] == tgt[m]:
+                    m += 1
+                nxt = tgt[m]
+            toks = list(r.drafts[:m]) + [int(nxt)]
+            lps = r.sampler.logprobs_of(wl[k, :m + 1], toks) if r.params.logprobs is not None else None
+            out[b] = (toks, lps)
+        except Exception as e:  # noqa: BLE001 - fails this request alone
+            out[b] = e
+    return out
