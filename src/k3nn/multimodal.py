@@ -145,6 +145,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """pixel_values [L, C, p, p] + grid [N, 3] → projected features [Σ n_i, d] in image order (the text
         embeddings of the image tokens)."""
         v = self._check_vision(pixels_name, pixel_values)
+        if isinstance(image_grid_thw, torch.Tensor):
+            image_grid_thw = image_grid_thw.cpu()  # read once: the checks and the tower's layout are host work
         check_image_inputs(pixel_values, image_grid_thw, v, pixels_name, grid_name)
         px = pixel_values.to(self.device, self.vision_tower.patch_embed.proj.weight.dtype)
         merged = self.vision_tower(px, image_grid_thw)
