@@ -43,7 +43,7 @@ STEPS=(
   "prefill-k3-1m|300|$PY -m bench.prefill --preset k3_slice --lengths 8192 --k3nn-only 524288,1048576"
   "fp32-exact-tests|60|$PYTEST tests/gpu/test_fp32_exact_gpu.py"
   "sampling-gpu-tests|40|$PYTEST tests/gpu/test_sampling_gpu.py"
-  "vision-gpu-tests|90|$PYTEST tests/gpu/test_vision_gpu.py tests/vision/test_vision_flash_gpu.py"
+  "vision-gpu-tests|150|$PYTEST tests/gpu/test_vision_gpu.py tests/vision/test_vision_flash_gpu.py"
   "prefix|100|$PY -m bench.prefix --max-seconds 70 --profile"
   "prefix-k3|90|$PY -m bench.prefix --config k3_slice --max-seconds 120 --profile"
   "budget|90|$PY -m bench.budget --max-seconds 60"
