@@ -1,13 +1,15 @@
 """Images in the Engine: greedy outputs equal KimiK3ForConditionalGeneration.generate() (one image, two of different
 sizes, a mixed text / image batch, an image whose tokens a prefill chunk boundary splits, a drafter), prefix keys
-that hash image content (same image ⇒ hit, different image with the same token ids ⇒ miss), bad image inputs."""
+that hash image content (same image ⇒ hit, different image with the same token ids ⇒ miss), bad image inputs,
+generate() with images, a vision tower error, prefill/decode transfer of an image prompt."""
 
 import pytest
 import torch
 
 from k3nn import KimiK3, KimiK3ForConditionalGeneration, MultimodalConfig
 from k3nn.cache.prefix import block_hashes, extra_block_keys
-from k3nn.engine import Engine, EngineConfig
+from k3nn.engine import Engine, EngineConfig, RequestFailedError, RequestStatus, SamplingParams
+from k3nn.engine.transfer import export_request_state, import_request_state
 from k3nn.layers.dspark import DraftProposal
 from k3nn.multimodal import image_content_keys
 
@@ -228,8 +230,6 @@ def test_bad_image_inputs_name_the_argument_and_queue_nothing(mm):
         e.generate([p], max_new_tokens=2)
     with pytest.raises(ValueError, match="video tokens"):
         e.add_request([3, CFG.video_token_id, 4], max_new_tokens=2)
-    with pytest.raises(ValueError, match="prefill_only requests with images"):
-        e.add_request(p, max_new_tokens=2, prefill_only=True, pixel_values=px, image_grid_thw=grid)
     assert not e.waiting and not e.requests
 
 
@@ -271,3 +271,100 @@ def test_samples_share_one_tower_run_and_preemption_resumes_with_the_images(mm):
     list(small.stream())
     assert small.metrics()["preemptions"] > 0
     assert [small.requests[i].output for i in ids] == want
+
+
+def test_generate_takes_images_per_prompt(mm):
+    """generate() with one pixel_values / image_grid_thw entry per prompt (None: text) gives what add_request +
+    stream give, in prompt order; entries that do not match the prompts are refused before anything is queued."""
+    batch = [ONE, TEXT, TWO, LAST]
+    e = engine(mm)
+    ids = [e.add_request(p, max_new_tokens=3, ignore_eos=True, pixel_values=px, image_grid_thw=g) for p, px, g in batch]
+    list(e.stream())
+    want = [e.requests[i].output for i in ids]
+    assert want == [ref(mm, p, px, g, 3) for p, px, g in batch]
+    g = engine(mm)
+    got = g.generate([p for p, _, _ in batch], max_new_tokens=3, ignore_eos=True,
+                     pixel_values=[px for _, px, _ in batch], image_grid_thw=[gr for _, _, gr in batch])
+    assert got == want
+    assert any(len(f) > 1 for f in g.log)  # one batch, not one request at a time
+    n = len(g.requests)
+    p, px, grid = ONE
+    with pytest.raises(ValueError, match=r"pixel_values has 1 entries for 2 prompts"):
+        g.generate([p, p], max_new_tokens=2, pixel_values=[px], image_grid_thw=[grid, grid])
+    with pytest.raises(TypeError, match=r"pixel_values must be a list with one entry"):
+        g.generate([p], max_new_tokens=2, pixel_values=px, image_grid_thw=[grid])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt has 16 image tokens.*give 0 images"):
+        g.generate([p, p], max_new_tokens=2, pixel_values=[px, None], image_grid_thw=[grid, None])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: pixel_values was given without image_grid_thw"):
+        g.generate([p], max_new_tokens=2, pixel_values=[px])
+    assert len(g.requests) == n and not g.waiting
+
+
+def test_a_vision_tower_error_fails_only_that_request(mm, monkeypatch):
+    """The tower raises for one request's images: that request ends FAILED with the reason, its row and pages are
+    freed, and the other requests of the same forward (text and image) complete as they would alone."""
+    bad_px, bad_grid = image(8, 8, 30)
+    bad = (prompt_with(40, [(20, 16)], 30), bad_px, bad_grid)
+    inner = mm.image_features
+
+    def tower(pixel_values, image_grid_thw, **kw):
+        if pixel_values.shape == bad_px.shape and torch.equal(pixel_values, bad_px):
+            raise RuntimeError("injected vision tower failure")
+        return inner(pixel_values, image_grid_thw, **kw)
+
+    monkeypatch.setattr(mm, "image_features", tower)
+    e = engine(mm)
+    free = e.pools.allocator.num_free
+    batch = [ONE, bad, TEXT, TWO]
+    ids = [e.add_request(p, max_new_tokens=3, ignore_eos=True, pixel_values=px, image_grid_thw=g) for p, px, g in batch]
+    outs = {}
+    for o in e.stream():
+        outs.setdefault(o.request_id, []).append(o)
+    r = e.requests[ids[1]]
+    assert r.status == RequestStatus.FAILED and r.finish_reason == "error"
+    assert r.error.startswith("vision tower: RuntimeError: injected vision tower failure")
+    assert outs[ids[1]][-1].finished and outs[ids[1]][-1].finish_reason == "error"
+    first = e.log[0]
+    assert ids[1] not in [rid for rid, _, _ in first] and len(first) == 3  # the others ran in that forward
+    assert [e.requests[i].output for i in ids[::2] + ids[3:]] == [ref(mm, p, px, g, 3) for p, px, g in (ONE, TEXT, TWO)]
+    assert all(o is None for o in e.row_owner) and not e.running and not e.waiting
+    e.prefix.clear()
+    assert e.pools.allocator.num_free == free
+    with pytest.raises(RequestFailedError, match="vision tower"):  # generate() reports it and returns the rest
+        e.generate([bad[0], ONE[0]], max_new_tokens=2, pixel_values=[bad_px, ONE[1]],
+                   image_grid_thw=[bad_grid, ONE[2]])
+
+
+@pytest.mark.parametrize("case", ["middle", "last"])
+def test_prefill_decode_transfer_of_an_image_prompt(mm, case):
+    """prefill_only with images: the manifest names each image by content key, the decode side passes the same
+    pixels (checked against those keys), keys the pages as the prefill side did and generates what one engine
+    generates; when the prompt ends in image tokens the decode side runs the tower for its last token."""
+    if case == "middle":  # 16 image tokens inside block 0
+        p, (px, grid) = prompt_with(90, [(56, 16)], 41), image(8, 8, 41)
+    else:  # the prompt ends in 20 image tokens that reach into block 1
+        p, (px, grid) = prompt_with(140, [(120, 20)], 42), image(8, 10, 42)
+    P = engine(mm)
+    rid = P.add_request(p, prefill_only=True, pixel_values=px, image_grid_thw=grid)
+    while P.requests[rid].status != RequestStatus.PREFILLED:
+        P.step()
+    state = export_request_state(P, rid)
+    assert state.manifest["images"] == [{"content_key": image_content_keys(px, grid)[0].hex(),
+                                         "num_tokens": 16 if case == "middle" else 20}]
+    D = engine(mm)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prefilled with 1 image\(s\): pass the prompt's pixel_values"):
+        import_request_state(D, state, params)
+    other_px, other_grid = image(int(grid[0, 1]), int(grid[0, 2]), 99)
+    with pytest.raises(ValueError, match="not those the state was prefilled with.*image 0 differs"):
+        import_request_state(D, state, params, pixel_values=other_px, image_grid_thw=other_grid)
+    assert not D.requests and all(o is None for o in D.row_owner)
+    want = ref(mm, p, px, grid, 3)
+    calls = mm.tower_calls
+    did = import_request_state(D, state, params, pixel_values=px.clone(), image_grid_thw=grid.clone())
+    list(D.stream())
+    r = D.requests[did]
+    assert r.output == want
+    assert r.num_forwards == 1 and mm.tower_calls == calls + (case == "last")
+    assert r.keys == P.requests[rid].keys and r.keys != D.prefix.hashes(p)  # keyed on the image as well
+    assert state.lease.release() is True

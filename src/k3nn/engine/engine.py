@@ -21,10 +21,10 @@ One :meth:`Engine.step`:
    (visible to lookups from the next step on), check stop conditions, finish requests, free their rows and pages.
 
 Failures: :meth:`Engine.add_request` checks every argument (nothing is queued on error); inside a step, an error
-that belongs to one request (admission, snapshot plan, sampling — NaN logits included —, stop check, commit) ends
-that request FAILED with its reason, an error in a forward ends the requests of that forward, and the engine
-keeps serving the rest; :meth:`Engine.stream` raises :class:`EngineStalledError` rather than spin when nothing
-can progress.
+that belongs to one request (admission, its images in the vision tower, snapshot plan, sampling — NaN logits
+included —, stop check, commit) ends that request FAILED with its reason, an error in a forward ends the requests of
+that forward, and the engine keeps serving the rest; :meth:`Engine.stream` raises :class:`EngineStalledError` rather
+than spin when nothing can progress.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ..cache.retention import EvictionPolicy, RetentionPolicy, make_retention
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
-from .images import check_images, image_block_keys, image_embeds
+from .images import check_images, encode_images, feeds_images, image_block_keys, image_embeds
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       token_ids)
 from .sampling import RequestSampler, sample_next
@@ -199,6 +199,8 @@ class Engine:
         prompt's images as transformers' Kimi K2.5 processor makes them (an engine built on a
         :class:`k3nn.KimiK3ForConditionalGeneration`); their tokens fill the prompt's image tokens in order.
         Their content hashes are taken here; the vision tower runs in the first forward feeding an image token.
+        A ``prefill_only`` request with images exports their content keys; the importing engine is given the same
+        images (:func:`k3nn.engine.transfer.import_request_state`).
 
         Everything is checked here (TypeError for a wrong type, ValueError / CacheFullError for a value out of
         range, each naming the argument); on error nothing is queued."""
@@ -222,10 +224,6 @@ class Engine:
         params = params or SamplingParams(**sampling)
         params.validate(self.tokenizer)
         images = self._images(prompt, pixel_values, image_grid_thw)  # shared by an n > 1 request's samples
-        if images is not None and prefill_only:
-            raise ValueError("prefill_only requests with images are not supported: a P/D manifest keys its pages on "
-                             "token ids only, so the decode side could not tell two images apart; run the request "
-                             "on one engine (without prefill_only)")
         if params.n == 1:
             return [self._make_request(prompt, params, request_id, boundaries, prefill_only, taken, num_spec,
                                        images)]
@@ -484,10 +482,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit.
 
-        An error that belongs to one request (its admission, snapshot plan, sampling, stop check, commit) fails
-        that request alone; an error in a forward fails the requests of that forward. A failed request ends
-        FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and snapshots are freed,
-        and its :class:`RequestOutput` comes back from this step; the engine keeps serving the others."""
+        An error that belongs to one request (its admission, vision tower run, snapshot plan, sampling, stop
+        check, commit) fails that request alone; an error in a forward fails the requests of that forward. A
+        failed request ends FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and
+        snapshots are freed, and its :class:`RequestOutput` comes back from this step; the engine keeps serving
+        the others."""
         self.expire_leases()
         decodes, prefills = self.schedule()
         self.num_steps += 1
@@ -511,6 +510,8 @@ class Engine:
             outputs.append(self._fail(r, e, where))
 
         for batch in batches:
+            if self.multimodal is not None:
+                batch = self._encode_images(batch, fail)
             snaps = []
             for r, n in batch:
                 try:
@@ -592,6 +593,21 @@ class Engine:
                     r.first_token_time = now
         return outputs
 
+    def _encode_images(self, batch: list[tuple[Request, int]], fail) -> list[tuple[Request, int]]:
+        """Run the vision tower for the requests of ``batch`` whose chunk feeds an image token of theirs for the
+        first time, each request's images on their own, so a tower error fails that request alone (``fail``);
+        the rest of ``batch``."""
+        ready = []
+        for r, n in batch:
+            try:
+                if feeds_images(r, n):
+                    encode_images(self.multimodal, r.images)
+            except Exception as e:  # noqa: BLE001 - this request's images: it alone fails
+                fail(r, e, "vision tower")
+                continue
+            ready.append((r, n))
+        return ready
+
     def _append_tokens(self, r: Request, toks: Sequence[int], lps: list[TokenLogprobs] | None,
                        now: float) -> RequestOutput:
         """Add the step's tokens (one, or a verify window's emissions) and check the stop conditions (eos, stop
@@ -637,18 +653,23 @@ class Engine:
                     + (f"; prefilled requests {held} hold rows and pages until release()" if held else ""))
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
-                 progress: bool = False, **sampling) -> list[list[int]]:
+                 progress: bool = False, *, pixel_values: Sequence[torch.Tensor | None] | None = None,
+                 image_grid_thw: Sequence[torch.Tensor | None] | None = None, **sampling) -> list[list[int]]:
         """Run a batch of prompts to completion; returns the generated ids per prompt, in order (with
-        ``n > 1``: a list of the n samples' ids per prompt).
+        ``n > 1``: a list of the n samples' ids per prompt). ``pixel_values`` / ``image_grid_thw``: one entry per
+        prompt, each what :meth:`add_request` takes for that prompt (None: a text prompt).
 
         Every prompt is checked before any is queued (an invalid one raises and queues none). If some requests
         fail inside a step the others still run to completion, then :class:`RequestFailedError` names the failed
         ones; on any other error (a stall, an interrupt) this call's unfinished requests are aborted."""
         prompts = list(prompts)
+        pixels = self._per_prompt("pixel_values", pixel_values, len(prompts))
+        grids = self._per_prompt("image_grid_thw", image_grid_thw, len(prompts))
         groups: list[list[Request]] = []
         for i, p in enumerate(prompts):
             try:
-                groups.append(self._make_requests(p, params, None, (), False, sampling))
+                groups.append(self._make_requests(p, params, None, (), False, sampling, pixel_values=pixels[i],
+                                                  image_grid_thw=grids[i]))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from e
         reqs = [r for g in groups for r in g]
@@ -675,6 +696,19 @@ class Engine:
         if failed:
             raise RequestFailedError(failed)
         return [g[0].output if g[0].parent is None else [r.output for r in g] for g in groups]
+
+    @staticmethod
+    def _per_prompt(name: str, values, num_prompts: int) -> list:
+        """``generate()``'s per-prompt image argument as a list of ``num_prompts`` entries (None: no images)."""
+        if values is None:
+            return [None] * num_prompts
+        if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+            raise TypeError(f"{name} must be a list with one entry (a tensor or None) per prompt, got "
+                            f"{type(values).__name__}")
+        if len(values) != num_prompts:
+            raise ValueError(f"{name} has {len(values)} entries for {num_prompts} prompts: give one per prompt "
+                             f"(None for a text prompt)")
+        return list(values)
 
     def warmup(self, prompt_len: int = 96, batch_sizes: Sequence[int] | None = None) -> float:
         """Run the step shapes serving will meet before the first request: for every batch size (default

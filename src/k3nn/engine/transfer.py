@@ -7,7 +7,14 @@ The prefill side runs a request with ``prefill_only=True``: it computes N−1 pr
 * request-level KDA state after exactly N−1 tokens (per KDA layer recurrent ``[H, K, V]`` fp32, layout "HKV",
   and conv ``[W-1, 3·H·D]``, token-major, channels q|k|v),
 
-plus a JSON manifest (config fingerprint, layouts, dtypes, token count, prompt ids, block hashes, digest).
+plus a JSON manifest (config fingerprint, layouts, dtypes, token count, prompt ids, block hashes, digest; for a
+prompt with images, each image's content key and token count).
+
+**Images.** The block hashes of a prompt with images mix in each image's content key (sha256 of its pixels and
+grid), so the decode side keys the pages as the prefill side did and two images behind the same token ids
+never share pages. The manifest names the images by content key only: the decode side passes the same
+``pixel_values`` / ``image_grid_thw`` to :func:`import_request_state`, which checks they hash to the manifest's
+keys (it runs the vision tower only if the last prompt token, the one it recomputes, is an image token).
 
 **Leases.** The request's pages and row stay pinned until the returned :class:`Lease` is released (after the
 decoder confirms) or expires: every lease has a deadline (``lease_timeout_s``, default 600 s, on the
@@ -19,8 +26,9 @@ False when the lease already ended or the request is no longer held (aborted, fa
 allocates anything it checks the version, the config fingerprint, layers and layouts, that ``num_tokens`` is
 N−1 for the shipped prompt, that ``block_hashes`` equal the hashes of the prompt under this engine's prefix
 salt (a prompt edited under stale hashes would otherwise index pages of one prompt under another's keys),
-that the pages cover exactly ``ceil(num_tokens / block_size)`` pages, that every tensor's name, shape and
-dtype match both the manifest's list and this engine's layout, and finally the digest. Any disagreement is a
+that the images given to the import have the manifest's content keys, that the pages cover exactly
+``ceil(num_tokens / block_size)`` pages, that every tensor's name, shape and dtype match both the manifest's list
+and this engine's layout, and finally the digest. Any disagreement is a
 ValueError naming it. If ``Engine.adopt`` itself fails (no free row or pages), whatever it left behind is
 undone (rows, pages, snapshot slots, a half-registered request), so a failed import leaves the engine as it
 was, apart from prefix entries evicted to make room.
@@ -61,13 +69,13 @@ import torch
 from ..cache.prefix import block_hashes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .request import SamplingParams
+    from .request import ImageInputs, SamplingParams
 
 __all__ = ["RequestState", "Lease", "export_request_state", "import_request_state", "expire_leases", "leases",
            "state_digest", "send_request_state", "recv_request_state", "acknowledge", "config_fingerprint",
            "MANIFEST_VERSION", "DEFAULT_LEASE_TIMEOUT_S"]
 
-MANIFEST_VERSION = 2  # 2: digest, lease deadline
+MANIFEST_VERSION = 3  # 2: digest, lease deadline; 3: image content keys
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 _HASH_CHUNK_BYTES = 64 << 20
 _PARALLEL_HASH_BYTES = 256 << 20
@@ -258,11 +266,18 @@ def state_digest(prompt: Sequence[int], num_tokens: int, names: Sequence[str],
             "parts": {k: p.hex() for k, p in zip(["prompt", *names], parts)}}
 
 
-def _prompt_hashes(engine: "Engine", prompt: Sequence[int], unit: int) -> list[str]:
-    """Chained block hashes of ``prompt`` in ``unit``-token blocks under ``engine``'s prefix salt (hex)."""
+def _prompt_hashes(engine: "Engine", prompt: Sequence[int], unit: int, images: "ImageInputs | None" = None
+                   ) -> list[str]:
+    """Chained block hashes of ``prompt`` in ``unit``-token blocks under ``engine``'s prefix salt, mixing in the
+    content keys of the prompt's ``images`` (hex)."""
+    from .images import image_block_keys
+
     pc = engine.prefix
-    keys = pc.hashes(prompt) if pc is not None and pc.unit == unit else \
-        block_hashes(prompt, unit, pc.salt if pc is not None else b"")
+    if images is None and pc is not None and pc.unit == unit:
+        keys = pc.hashes(prompt)
+    else:
+        keys = block_hashes(prompt, unit, pc.salt if pc is not None else b"",
+                            extra_keys=image_block_keys(images, unit))
     return [k.hex() for k in keys]
 
 
@@ -309,7 +324,9 @@ def export_request_state(engine: "Engine", request_id: str,
     H, D, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
     prompt = list(req.prompt)
     keys = [k.hex() for k in req.keys] if engine.prefix is not None and req.keys else \
-        _prompt_hashes(engine, prompt, pools.block_size)
+        _prompt_hashes(engine, prompt, pools.block_size, req.images)
+    images = [] if req.images is None else [{"content_key": k.hex(), "num_tokens": n}
+                                            for k, n in zip(req.images.content_keys, req.images.sizes)]
     manifest = {
         "version": MANIFEST_VERSION,
         "config_fingerprint": config_fingerprint(cfg),
@@ -317,6 +334,7 @@ def export_request_state(engine: "Engine", request_id: str,
         "num_tokens": n,
         "prompt": prompt,
         "block_hashes": keys,
+        "images": images,
         "mla": {"layers": pools.mla_layer_ids, "block_size": pools.block_size, "num_pages": len(pages),
                 "row_dim": pools.row_dim, "latent_dim": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim,
                 "dtype": _dtype_name(pools.dtype), "layout": _MLA_LAYOUT},
@@ -343,9 +361,10 @@ def _get(m: Any, path: str, kind: type | tuple[type, ...] | None = None) -> Any:
     return cur
 
 
-def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
-    """Every check of an incoming state against itself and ``engine`` (module docstring); returns the prompt
-    and num_tokens. Reads the engine, changes nothing."""
+def _check_manifest(engine: "Engine", state: Any, pixel_values: torch.Tensor | None = None,
+                    image_grid_thw: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """Every check of an incoming state against itself, the images given with it and ``engine`` (module
+    docstring); returns the prompt and num_tokens. Reads the engine, changes nothing."""
     if not isinstance(state, RequestState):
         raise TypeError(f"state must be a RequestState, got {type(state).__name__}")
     m, ts = state.manifest, state.tensors
@@ -388,8 +407,9 @@ def _check_manifest(engine: "Engine", state: Any) -> tuple[list[int], int]:
     bs = _get(m, "mla.block_size", int)
     if bs < 1:
         raise ValueError(f"manifest mla.block_size must be >= 1, got {bs}")
+    images = _check_images(engine, m, prompt, pixel_values, image_grid_thw)
     hashes = _get(m, "block_hashes", list)
-    want_hashes = _prompt_hashes(engine, prompt, bs)
+    want_hashes = _prompt_hashes(engine, prompt, bs, images)
     if hashes != want_hashes:
         k = next((i for i, (a, b) in enumerate(zip(hashes, want_hashes)) if a != b), min(len(hashes), len(want_hashes)))
         raise ValueError(f"manifest block_hashes do not match its prompt (first difference at block {k}: "
@@ -523,13 +543,38 @@ class _AdoptGuard:
         return done
 
 
+def _check_images(engine: "Engine", m: dict, prompt: list[int], pixel_values, image_grid_thw
+                  ) -> "ImageInputs | None":
+    """The images given to the import, checked against the prompt and against the manifest's content keys."""
+    shipped = _get(m, "images", list)
+    if any(not isinstance(e, dict) or not isinstance(e.get("content_key"), str) for e in shipped):
+        raise ValueError(f"manifest images must be a list of {{'content_key': hex, 'num_tokens': int}}, got "
+                         f"{shipped!r}")
+    if shipped and pixel_values is None and image_grid_thw is None:
+        raise ValueError(f"the state was prefilled with {len(shipped)} image(s): pass the prompt's pixel_values / "
+                         f"image_grid_thw to import_request_state (their content keys are checked against the "
+                         f"manifest's)")
+    from .images import check_images
+
+    images = check_images(engine.multimodal, type(engine.model).__name__, prompt, pixel_values, image_grid_thw)
+    got = [] if images is None else [{"content_key": k.hex(), "num_tokens": n}
+                                     for k, n in zip(images.content_keys, images.sizes)]
+    if got != shipped:
+        k = next((i for i, (a, b) in enumerate(zip(got, shipped)) if a != b), min(len(got), len(shipped)))
+        raise ValueError(f"the images given ({len(got)}) are not those the state was prefilled with "
+                         f"({len(shipped)}): image {k} differs (content key or token count)")
+    return images
+
+
 def import_request_state(engine: "Engine", state: RequestState, params: "SamplingParams | None" = None,
-                         request_id: str | None = None) -> str:
+                         request_id: str | None = None, *, pixel_values: torch.Tensor | None = None,
+                         image_grid_thw: torch.Tensor | None = None) -> str:
     """Check ``state`` against itself and ``engine`` (every check of the module docstring, before anything is
     allocated; ValueError naming what disagrees), then start the transferred request there. Returns the new
-    request id. The sender's block size may differ from this engine's: pages are then re-laid out token by
-    token. If ``Engine.adopt`` raises (CacheFullError: no free row or pages), nothing it took is kept."""
-    prompt, n = _check_manifest(engine, state)
+    request id. A prompt with images needs the ``pixel_values`` / ``image_grid_thw`` it was prefilled with. The
+    sender's block size may differ from this engine's: pages are then re-laid out token by token. If
+    ``Engine.adopt`` raises (CacheFullError: no free row or pages), nothing it took is kept."""
+    prompt, n = _check_manifest(engine, state, pixel_values, image_grid_thw)
     m = state.manifest
     by_name = {e["name"]: t for e, t in zip(m["tensors"], state.tensors)}
     pools = engine.pools
@@ -547,7 +592,8 @@ def import_request_state(engine: "Engine", state: RequestState, params: "Samplin
     conv = [by_name[f"kda.{layer}.conv"].to(pools.device) for layer in pools.running.layer_ids]
     guard = _AdoptGuard(engine)
     try:
-        return engine.adopt(prompt, n, pages, rec, conv, params, request_id)
+        return engine.adopt(prompt, n, pages, rec, conv, params, request_id, pixel_values=pixel_values,
+                            image_grid_thw=image_grid_thw)
     except BaseException as exc:
         done = guard.undo()
         if done:
