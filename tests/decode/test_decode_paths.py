@@ -86,6 +86,25 @@ def test_latency_specialized_matches_standard(which, request):
     assert torch.equal(a, b)
 
 
+def test_prepared_weights_follow_their_sources():
+    """Packed decode weights are rebuilt when a source changes: in place, or replaced (``assign`` loading)."""
+    model = KimiK3(KimiK3Config.tiny(), seed=5)
+    other = KimiK3(KimiK3Config.tiny(), seed=6)
+    ids, _ = _prompt(2, 6, 13, False)
+    model.prepare_decode()
+    try:
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)  # in place
+        model.load_state_dict({k: v for k, v in other.state_dict().items() if "layers.1." in k}, strict=False,
+                              assign=True)  # replaced parameters
+        prepared, _, _ = _step_logits(model, {}, dict(cuda_graph=False), ids, 3)
+        model.prepare_decode(False)
+        plain, _, _ = _step_logits(model, {}, dict(cuda_graph=False), ids, 3)
+        torch.testing.assert_close(prepared, plain, atol=2e-5, rtol=1e-4)
+    finally:
+        model.prepare_decode(False)
+
+
 def test_static_step_logits_match_standard(kimi_linear):
     ids, _ = _prompt(2, 4, 5, False)
     ref, _, _ = _step_logits(kimi_linear, {}, dict(cuda_graph=False), ids, 4)

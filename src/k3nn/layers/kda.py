@@ -74,8 +74,9 @@ class KimiDeltaAttention(nn.Module):
             gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]
             self._decode_in = pack_linears([[self.q_proj, self.k_proj, self.v_proj], gate, [self.f_a_proj],
                                             [self.b_proj]])
-            convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-            self._decode_conv = Packed(convs, build=lambda ts: torch.cat(ts, 0).squeeze(1))
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            self._decode_conv = Packed(lambda: [c.weight for c in convs],
+                                       build=lambda ts: torch.cat(ts, 0).squeeze(1))
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:

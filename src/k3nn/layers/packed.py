@@ -10,7 +10,7 @@ the hook.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,22 +24,25 @@ def hooked(mod: nn.Module) -> bool:
 
 
 class Packed:
-    """``weight``: the sources concatenated along dim 0 (``build`` overrides how); ``sizes``: the row count of
-    each group, for splitting the GEMM's output."""
+    """``weight``: the tensors ``sources()`` returns (looked up at every use, so a replaced parameter is seen)
+    concatenated along dim 0 (``build`` overrides how); ``sizes``: the row count of each group, for splitting
+    the GEMM's output."""
 
-    def __init__(self, sources: Sequence[torch.Tensor], sizes: Sequence[int] | None = None, build=None):
-        self.sources = list(sources)
+    def __init__(self, sources: Callable[[], Sequence[torch.Tensor]],
+                 sizes: Callable[[], Sequence[int]] | None = None, build=None):
+        self.sources = sources
         self.build = build or (lambda ts: torch.cat(ts, 0))
-        self.sizes = list(sizes) if sizes is not None else [t.shape[0] for t in self.sources]
+        self._sizes = sizes or (lambda: [t.shape[0] for t in self.sources()])
         self._key = None
         self.weight = self._rebuild()
 
     def _key_of(self):
-        return tuple((t.data_ptr(), t._version, t.device, t.dtype) for t in self.sources)
+        return tuple((t.data_ptr(), t._version, t.shape, t.device, t.dtype) for t in self.sources())
 
     def _rebuild(self) -> torch.Tensor:
         with torch.no_grad():
-            self.weight = self.build([t.detach() for t in self.sources]).contiguous()
+            self.weight = self.build([t.detach() for t in self.sources()]).contiguous()
+        self.sizes = list(self._sizes())
         self._key = self._key_of()
         return self.weight
 
@@ -49,7 +52,8 @@ class Packed:
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One GEMM ``x Wᵀ`` split into the groups' outputs (views of one buffer)."""
-        return list(F.linear(x, self.get()).split(self.sizes, -1))
+        w = self.get()
+        return list(F.linear(x, w).split(self.sizes, -1))
 
 
 def pack_linears(groups: Sequence[Sequence[nn.Linear]]) -> Packed | None:
@@ -60,4 +64,4 @@ def pack_linears(groups: Sequence[Sequence[nn.Linear]]) -> Packed | None:
         return None
     if len({(m.weight.dtype, m.weight.device) for m in mods}) != 1 or mods[0].weight.device.type == "meta":
         return None
-    return Packed([m.weight for m in mods], [sum(m.weight.shape[0] for m in g) for g in groups])
+    return Packed(lambda: [m.weight for m in mods], lambda: [sum(m.weight.shape[0] for m in g) for g in groups])
