@@ -155,15 +155,15 @@ class MultiHeadLatentAttention(nn.Module):
         latent ``[B, L, r]``, rope key ``[B, L, dr]``, key mask ``[B, L]`` and the new queries' absolute
         indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions."""
         B, T, _ = x.shape
+        decode = state is not None and start > 0 and T <= self.absorb_max_tokens  # the absorbed form
         proj = [None, None, None]
-        if self._decode_in is not None and state is not None and start > 0 and T <= self.absorb_max_tokens \
-                and not torch.is_grad_enabled():
-            proj = self._decode_in.split(x) + [None]
+        if decode and self._decode_in is not None and not torch.is_grad_enabled():
+            proj = self._decode_in.split(x) + [None]  # q | kv_a (| g)
         q_nope, q_rope = self.queries(x, positions, proj[0])
         c, k_r = self.latents(x, positions, proj[1])
         gate = proj[2]
         w_uk, w_uv = self.w_uk_uv()
-        if state is not None and start > 0 and T <= self.absorb_max_tokens:
+        if decode:
             paged = state.paged_decode(c, k_r)  # pages the decode kernel reads in place (None: not this step)
             if paged is not None:
                 pool, table, seq_lens = paged
@@ -177,7 +177,7 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             c_all, kr_all, key_mask = c, k_r, attention_mask
             q_pos = torch.arange(T, device=x.device).expand(B, T)
-        if state is not None and start > 0 and T <= self.absorb_max_tokens:
+        if decode:
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
             mask = _mask(q_pos, c_all.shape[1], key_mask)
             o_lat, _ = absorbed_attention(q_lat, q_rope, c_all, kr_all, mask, self.scale)
