@@ -237,6 +237,7 @@ class KimiK3(GenerationMixin, nn.Module):
 
             _check_name(backend)
         self.config, self.backend = config, backend
+        self.decode_prepared = False  # prepare_decode() packed the decode weights
         with torch.device("meta"):
             self.model = KimiK3Model(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -162,7 +162,7 @@ def make_decode_runner(model, cache, *, cuda_graph: bool | str | None = None, de
     if decode_backend == "latency_specialized":
         why = latency_unsupported(model, cache, attention_mask)
         if why is None:
-            if not getattr(model, "decode_prepared", False):
+            if not model.decode_prepared:
                 model.prepare_decode()
             cache.pool_decode = True
             runner = DecodeRunner(standard_step(model, cache), cache, "static" if mode == "standard" else mode,
