@@ -448,16 +448,43 @@ def _settings(args: argparse.Namespace, size: DemoSize) -> dict:
             "python": sys.version.split()[0]}
 
 
-def _threads(spec: str) -> int:
-    n = os.cpu_count() or 1
-    if spec != "auto":
-        return max(1, int(spec))
-    # intra-op threads spin-wait: on a machine that other processes keep busy, one thread is much faster
+def machine_info() -> dict:
+    """What the demo's timings depend on: CPU model, cores (all / usable by this process), torch threads, load
+    average at the start, OS, Python / torch / k3nn versions, and the checkout's commit when there is one."""
+    import platform
+    import subprocess
+
+    from . import __version__
+    from .utils import _usable_cores
+
+    cpu = platform.processor() or platform.machine()
     try:
-        busy = os.getloadavg()[0] > 0.5
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
-        busy = False
-    return 1 if busy else min(n, 4)
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": _usable_cores(),
+            "threads": torch.get_num_threads(), "load_average_1min": load,
+            "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+            "torch": torch.__version__, "k3nn": __version__, "commit": commit}
+
+
+def _threads_arg(value: str):
+    from .utils import parse_threads
+
+    try:
+        return parse_threads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -491,9 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "signature and docstring)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated from the prompt (default: 96)")
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order (default: 0)")
-    p.add_argument("--threads", default="auto",
-                   help="torch CPU threads (default auto: all cores up to 4, or 1 when other processes keep the "
-                        "machine busy)")
+    p.add_argument("--threads", type=_threads_arg, default="auto",
+                   help="torch CPU threads: a number, or auto (default): $OMP_NUM_THREADS when set, else the cores "
+                        "other processes leave idle, at most 4")
     p.add_argument("--corpus", default=None, help="directory of .py files to train on (default: this Python's standard library)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -511,13 +538,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out is not None else default_out_dir()
     mdir, ddir = out / "model", out / "drafter"
     _need("tokenizers")
-    torch.set_num_threads(_threads(args.threads))
+    from .utils import configure_threads
+
+    try:
+        configure_threads(args.threads)
+    except ValueError as e:  # a malformed OMP_NUM_THREADS
+        build_parser().error(str(e))
+    machine = machine_info()
 
     from . import KimiK3, __version__
     from .tokenizer import load_tokenizer
 
     T0 = time.perf_counter()
     say = lambda *a: print(*a, flush=True)  # noqa: E731
+    figures: list[str] = []  # the summary lines, kept in results.json (the README shows them)
+
+    def fig(line: str) -> None:
+        figures.append(line)
+        say(line)
     say(f"k3nn {__version__} demo | torch {torch.__version__} | {torch.get_num_threads()} CPU thread(s) | "
         f"size {args.size} | out {out}")
 
@@ -582,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.unlink()
         say(f"      saved {mdir} (config.json, safetensors, tokenizer.json) in {hist['seconds']:.0f}s of training")
     held = heldout_loss(model, held_w)
-    say(f"      held-out loss {held:.3f} nats/token vs unigram {uni:.3f} "
+    fig(f"      held-out loss {held:.3f} nats/token vs unigram {uni:.3f} "
         f"(perplexity {math.exp(held):.1f} vs {math.exp(uni):.1f})")
 
     # -- 4. drafter
@@ -626,20 +664,21 @@ def main(argv: list[str] | None = None) -> int:
     rule = "-" * 100
     say(f"greedy:\n{rule}\n{args.prompt}{ktok.decode(plain)}\n{rule}")
     results = {"heldout_loss": held, "unigram_loss": uni, "train_seconds": hist["seconds"],
-               "plain_tokens_per_s": len(plain) / dt_plain}
-    say(f"plain greedy:          {len(plain) / dt_plain:6.1f} tokens/s")
+               "plain_tokens_per_s": len(plain) / dt_plain, "prompt": args.prompt,
+               "greedy_text": ktok.decode(plain)}
+    fig(f"plain greedy:          {len(plain) / dt_plain:6.1f} tokens/s")
     if drafter is not None:
         spec, dt_spec = timed_generate(model, ids, args.max_new_tokens, drafter=drafter)
         st = drafter.last_stats
         same = spec == plain
-        say(f"speculative greedy:    {len(spec) / dt_spec:6.1f} tokens/s ({dt_plain / dt_spec:.2f}x), acceptance length "
+        fig(f"speculative greedy:    {len(spec) / dt_spec:6.1f} tokens/s ({dt_plain / dt_spec:.2f}x), acceptance length "
             f"{st.acceptance_length:.2f} (γ={st.gamma}); output "
             f"{'identical to plain greedy' if same else 'DIFFERS from plain greedy'}")
         _, dt_ps = timed_generate(model, ids, args.max_new_tokens, sample=True, seed=args.seed)
         samp, dt_ss = timed_generate(model, ids, args.max_new_tokens, drafter=drafter, sample=True, seed=args.seed)
         st_s = drafter.last_stats
-        say(f"plain sampled (T=1):   {args.max_new_tokens / dt_ps:6.1f} tokens/s")
-        say(f"speculative sampled:   {len(samp) / dt_ss:6.1f} tokens/s ({dt_ps / dt_ss:.2f}x), acceptance length "
+        fig(f"plain sampled (T=1):   {args.max_new_tokens / dt_ps:6.1f} tokens/s")
+        fig(f"speculative sampled:   {len(samp) / dt_ss:6.1f} tokens/s ({dt_ps / dt_ss:.2f}x), acceptance length "
             f"{st_s.acceptance_length:.2f} (lossless rejection sampling: same distribution as plain sampling)")
         say(f"sampled (T=1, speculative):\n{rule}\n{args.prompt}{ktok.decode(samp)}\n{rule}")
         n_p = 6 if args.size != "toy" else 1
@@ -647,19 +686,23 @@ def main(argv: list[str] | None = None) -> int:
         acc_g = acceptance_on_heldout(model, drafter, tok, corpus.heldout, n_p, new_tokens=n_new)
         acc_s = acceptance_on_heldout(model, drafter, tok, corpus.heldout, n_p, new_tokens=n_new, sample=True)
         fmt = lambda acc: " ".join("-" if p != p else f"{p:.2f}" for p in acc["position_acceptance"])  # noqa: E731
-        say(f"held-out files ({n_p} prompts x {n_new} tokens): acceptance length greedy "
-            f"{acc_g['acceptance_length']:.2f} (per position {fmt(acc_g)}), T=1 sampling "
-            f"{acc_s['acceptance_length']:.2f} (per position {fmt(acc_s)})")
+        head = f"held-out files ({n_p} prompts x {n_new} tokens): acceptance length "
+        fig(f"{head}greedy {acc_g['acceptance_length']:.2f} (per position {fmt(acc_g)}),")
+        fig(f"{' ' * len(head)}T=1 sampling {acc_s['acceptance_length']:.2f} (per position {fmt(acc_s)})")
         results.update(spec_tokens_per_s=len(spec) / dt_spec, speedup_greedy=dt_plain / dt_spec,
                        speedup_sampled=dt_ps / dt_ss, acceptance_length_prompt=st.acceptance_length,
                        identical=same, acceptance_length_heldout_greedy=acc_g["acceptance_length"],
                        acceptance_length_heldout_sampled=acc_s["acceptance_length"],
-                       position_acceptance_heldout_greedy=acc_g["position_acceptance"],
-                       position_acceptance_heldout_sampled=acc_s["position_acceptance"])
+                       position_acceptance_heldout_greedy=[p if p == p else None for p in acc_g["position_acceptance"]],
+                       position_acceptance_heldout_sampled=[p if p == p else None for p in acc_s["position_acceptance"]],
+                       sampled_text=ktok.decode(samp))
     else:
         say("speculative decoding: not run (no drafter)")
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    say(f"done in {time.perf_counter() - T0:.0f}s. Try: k3nn generate --model {mdir} --offline "
+    total = time.perf_counter() - T0
+    results.update(figures=figures, total_seconds=total, reused_checkpoint=reuse, settings=settings,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %z"), machine=machine)
+    (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
+    say(f"done in {total:.0f}s. Try: k3nn generate --model {mdir} --offline "
         f"--prompt 'import os' --max-new-tokens 64")
     return 0
 
