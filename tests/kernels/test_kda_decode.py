@@ -49,6 +49,40 @@ def test_fused_decode_matches_eager(B, T, H, D, W, gate, extra, use_idx, seed):
     assert torch.equal(S2[unused], S[unused]) and torch.equal(c2[unused], cs[unused])  # other slots untouched
 
 
+@given(B=st.integers(1, 3), T=st.integers(1, 4), D=st.sampled_from([16, 48]), W=st.integers(2, 4),
+       pad=st.integers(0, 2), seed=st.integers(0, 2 ** 16))
+def test_num_tokens_and_padding_rows(B, T, D, W, pad, seed):
+    """Row b feeds its first num_tokens[b] tokens (0..T); rows with slot -1 are padding: zero output, no state
+    touched. Triton equals eager, and the state equals a call over the fed tokens alone."""
+    H = 2
+    note(f"B={B} T={T} D={D} W={W} pad={pad}")
+    args, S, cs, idx = make(B + pad, T, H, D, W, B + 1, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = torch.randint(0, T + 1, (B + pad,), generator=gen, dtype=torch.int32)
+    idx = torch.cat([torch.randperm(B + 1, generator=gen)[:B], torch.full((pad,), -1)]).to(torch.int32)
+    kw = dict(gate_kind="lower_bound", lower_bound=-3.0, num_tokens=n)
+    y1, S1, c1 = run("eager", args, S, cs, idx, **kw)
+    y2, S2, c2 = run("triton", args, S, cs, idx, **kw)
+    live = idx >= 0
+    torch.testing.assert_close(S2, S1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c2, c1)
+    fed = (torch.arange(T)[None, :] < n[:, None]) & live[:, None]  # outputs past a row's count are unspecified
+    torch.testing.assert_close(y2[fed], y1[fed], rtol=1e-4, atol=1e-5)
+    assert torch.equal(y2[~live], torch.zeros_like(y2[~live])) and torch.isfinite(y2).all()
+    for b in range(B):  # the state after num_tokens[b] tokens is that of a call fed only those tokens
+        k = int(n[b])
+        if k == 0:
+            assert torch.equal(S1[idx[b]], S[idx[b]]) and torch.equal(c1[idx[b]], cs[idx[b]])
+            continue
+        one = [a[b:b + 1, :k] if a.dim() == 3 and a.shape[1] == T else a for a in args]
+        _, Sr, cr = run("eager", one, S, cs, idx[b:b + 1], gate_kind="lower_bound", lower_bound=-3.0)
+        torch.testing.assert_close(S1[idx[b]], Sr[idx[b]])
+        torch.testing.assert_close(c1[idx[b]], cr[idx[b]])
+    untouched = torch.ones(B + 1, dtype=torch.bool)
+    untouched[idx[live].long()] = False
+    assert torch.equal(S2[untouched], S[untouched]) and torch.equal(c2[untouched], cs[untouched])
+
+
 @pytest.mark.parametrize("D", [48, 128])
 def test_split_heads_finish_in_the_last_program(D):
     """D > 32: each request-head is split over D/32 programs; the last one normalises and rewrites the conv state."""

@@ -66,7 +66,8 @@ def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: 
                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      norm_weight: torch.Tensor, recurrent_state: torch.Tensor, conv_state: torch.Tensor,
                      state_indices: torch.Tensor | None = None, *, gate_kind: str = "softplus",
-                     lower_bound: float = -5.0, norm_eps: float = 1e-5, scale: float | None = None) -> torch.Tensor:
+                     lower_bound: float = -5.0, norm_eps: float = 1e-5, scale: float | None = None,
+                     num_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """The whole KDA mixer between the input projections and ``o_proj``, for decode / small verify windows.
 
     Args:
@@ -76,17 +77,21 @@ def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: 
         conv_weight: ``[3·H·D, W]`` depthwise kernels; A_log ``[H]``; dt_bias ``[H·D]``; norm_weight ``[D]``.
         recurrent_state: ``[N, H, D, D]`` fp32 cache (K-first), updated in place at the used slots.
         conv_state: ``[N, W−1, 3·H·D]`` last W−1 pre-conv inputs (token-major), updated in place.
-        state_indices: ``[B]`` int slot of each request (None: slots 0..B−1).
+        state_indices: ``[B]`` int slot of each request (None: slots 0..B−1); −1 marks a padding row (no state
+            read or written, zero output): CUDA-graph batches padded to a fixed size.
         gate_kind: ``"softplus"`` (Kimi Linear) or ``"lower_bound"`` (K3, with ``lower_bound``).
         norm_eps: RMSNorm eps (config ``rms_norm_eps``); scale: query scale, default ``D ** -0.5``.
+        num_tokens: ``[B]`` int, the tokens row b feeds (0 ≤ n ≤ T; None: all T). The state advances over the
+            first ``num_tokens[b]`` tokens only: right-padded rows and partly accepted verify windows end in
+            their exact state (the outputs past a row's count are unspecified).
     Returns:
         ``y [B, T, H, D]`` = ``norm_weight · RMSNorm(o) · sigmoid(gate)`` in qkv's dtype.
     """
     check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
-                       state_indices, gate_kind, lower_bound, norm_eps, scale)
+                       state_indices, gate_kind, lower_bound, norm_eps, scale, num_tokens)
     return dispatch("kda_fused_decode", qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight,
                     recurrent_state, conv_state, state_indices, gate_kind=gate_kind, lower_bound=lower_bound,
-                    norm_eps=norm_eps, scale=scale)
+                    norm_eps=norm_eps, scale=scale, num_tokens=num_tokens)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,

@@ -1,7 +1,7 @@
 """Fused KDA decode: argument checks and the eager reference (the layer math, composed).
 
 One call per layer and step does, for B requests living in cache slots ``state_indices`` and T new tokens
-(T = 1 for decode, a few for speculative verify windows)::
+(T = 1 for decode, a few for speculative verify windows), of which row b feeds its first ``num_tokens[b]``::
 
     qkv  = SiLU(ShortConv_W([conv_state[slot], qkv]))            conv_state[slot] ← last W−1 inputs
     q, k = L2Norm(q), L2Norm(k)        (x / sqrt(Σx² + 1e-6))
@@ -12,7 +12,11 @@ One call per layer and step does, for B requests living in cache slots ``state_i
 
 Shapes: qkv [B, T, 3·H·D] (q, k, v channel blocks, pre-conv); f, gate [B, T, H·D]; b [B, T, H];
 conv_weight [3·H·D, W]; A_log [H]; dt_bias [H·D]; norm_weight [D]; recurrent_state [N, H, D, D] fp32
-(K-first, the cache layout); conv_state [N, W−1, 3·H·D] (token-major); state_indices [B] int (None: 0..B−1).
+(K-first, the cache layout); conv_state [N, W−1, 3·H·D] (token-major); state_indices [B] int (None: 0..B−1; a
+negative index marks a padding row: no state is read or written and its outputs are zero); num_tokens [B] int
+(None: every row feeds all T tokens): the state of row b advances over its first ``num_tokens[b]`` tokens only
+(0 leaves it untouched), so right-padded rows and partly accepted verify windows end in their exact state; the
+outputs at positions ``t >= num_tokens[b]`` are unspecified (finite).
 Returns y [B, T, H, D] in qkv's dtype.
 """
 
@@ -27,7 +31,8 @@ __all__ = ["check_fused_decode", "kda_fused_decode_reference"]
 
 
 def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
-                       state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None):
+                       state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None,
+                       num_tokens=None):
     named = dict(qkv=qkv, f=f, b=b, gate=gate, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias,
                  norm_weight=norm_weight, recurrent_state=recurrent_state, conv_state=conv_state)
     for name, t in named.items():
@@ -71,11 +76,20 @@ def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight
             raise TypeError("state_indices must be an int32/int64 tensor")
         if state_indices.shape != (B,):
             raise ValueError(f"state_indices must be [B] = [{B}], got {tuple(state_indices.shape)}")
-        if state_indices.device.type == "cpu" and B and (state_indices.min() < 0 or state_indices.max() >= N):
-            raise ValueError(f"state_indices must lie in [0, {N}), got {state_indices.tolist()}")
+        if state_indices.device.type == "cpu" and B and (state_indices.min() < -1 or state_indices.max() >= N):
+            raise ValueError(f"state_indices must lie in [0, {N}) (or be -1 for a padding row), got "
+                             f"{state_indices.tolist()}")
+    if num_tokens is not None:
+        if not isinstance(num_tokens, torch.Tensor) or num_tokens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("num_tokens must be an int32/int64 tensor")
+        if num_tokens.shape != (B,):
+            raise ValueError(f"num_tokens must be [B] = [{B}], got {tuple(num_tokens.shape)}")
+        if num_tokens.device.type == "cpu" and B and (num_tokens.min() < 0 or num_tokens.max() > T):
+            raise ValueError(f"num_tokens must lie in [0, T={T}], got {num_tokens.tolist()}")
     devs = {t.device for t in named.values()}
-    if state_indices is not None:
-        devs.add(state_indices.device)
+    for t in (state_indices, num_tokens):
+        if t is not None:
+            devs.add(t.device)
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
     return B, T, H, D, W, N
@@ -83,21 +97,37 @@ def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight
 
 def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state,
                                conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0,
-                               norm_eps=1e-5, scale=None):
+                               norm_eps=1e-5, scale=None, num_tokens=None):
     from .reference import kda_recurrent_reference
 
     B, T, _ = qkv.shape
     D, H = norm_weight.shape[0], A_log.shape[0]
-    idx = torch.arange(B, device=qkv.device) if state_indices is None else state_indices.long()
-    y_qkv, conv_new = short_conv(qkv, conv_weight, conv_state[idx])
+    dev = qkv.device
+    idx = torch.arange(B, device=dev) if state_indices is None else state_indices.long()
+    n = torch.full((B,), T, dtype=torch.long, device=dev) if num_tokens is None else num_tokens.long()
+    live = idx >= 0
+    n = torch.where(live, n, torch.zeros_like(n))
+    slot = idx.clamp_min(0)
+    rec0, conv0 = recurrent_state[slot], conv_state[slot]
+    y_qkv, _ = short_conv(qkv, conv_weight, conv0)
     q, k, v = (t.reshape(B, T, H, D) for t in y_qkv.split(H * D, dim=-1))
     q, k = l2norm(q), l2norm(k)
     g = kda_gate(f, A_log, dt_bias, gate_kind, lower_bound, D)
     beta = torch.sigmoid(upcast(b))
-    o, S = kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=recurrent_state[idx],
-                                   output_final_state=True)
-    recurrent_state[idx] = S.to(recurrent_state.dtype)
-    conv_state[idx] = conv_new.to(conv_state.dtype)
+    # a token past its row's count leaves the state as it is: decay 1 (g = 0) and no write (β = 0)
+    fed = torch.arange(T, device=dev)[None, :] < n[:, None]  # [B, T]
+    g = torch.where(fed[..., None, None], g, torch.zeros_like(g))
+    beta = torch.where(fed[..., None], beta, torch.zeros_like(beta))
+    o, S = kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=rec0, output_final_state=True)
+    # conv state: the last W−1 rows of [old state ; the fed tokens]
+    W1 = conv_state.shape[1]
+    window = torch.cat([conv0.to(qkv.dtype), qkv], 1)  # [B, W−1+T, C]
+    rows = n[:, None] + torch.arange(W1, device=dev)[None, :]  # [B, W−1]
+    conv_new = window.gather(1, rows[..., None].expand(-1, -1, window.shape[-1]))
+    keep = live.nonzero().flatten()  # the eager path may sync with the host (it is never graph-captured)
+    recurrent_state[slot[keep]] = S[keep].to(recurrent_state.dtype)
+    conv_state[slot[keep]] = conv_new[keep].to(conv_state.dtype)
     of = upcast(o)
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * upcast(norm_weight)
-    return (of * torch.sigmoid(upcast(gate).reshape(B, T, H, D))).to(qkv.dtype)
+    y = (of * torch.sigmoid(upcast(gate).reshape(B, T, H, D))).to(qkv.dtype)
+    return torch.where(live[:, None, None, None], y, torch.zeros_like(y))

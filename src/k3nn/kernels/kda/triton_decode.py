@@ -139,12 +139,37 @@ def _state_chunk(s_b, s_off, c, rb, md, BV: tl.constexpr, D: tl.constexpr, EVEN:
 
 @triton.jit
 def _slot(idx, b, HAS_IDX: tl.constexpr):
-    """Cache slot of request ``b`` (int64): ``idx[b]``, or ``b`` itself without state indices."""
+    """(cache slot of request ``b`` as int64, the raw index): ``idx[b]``, or ``b`` itself without state indices;
+    a negative index is a padding row (its slot reads as 0, and nothing of it is stored: see :func:`_live`)."""
     if HAS_IDX:
-        slot = tl.load(idx + b).to(tl.int64)
+        raw = tl.load(idx + b).to(tl.int64)
     else:
-        slot = b.to(tl.int64)
-    return slot
+        raw = b.to(tl.int64)
+    return tl.maximum(raw, 0), raw
+
+
+@triton.jit
+def _live(r, raw):
+    """The row is not padding, as a mask shaped like the index vector ``r`` (a vector comparison: masks built
+    from a scalar do not broadcast under the interpreter)."""
+    return (r * 0 + raw) >= 0
+
+
+@triton.jit
+def _count(nt, b, T, HAS_NT: tl.constexpr):
+    """Tokens request ``b`` feeds: ``num_tokens[b]``, or all T."""
+    if HAS_NT:
+        n = tl.load(nt + b)
+    else:
+        n = T
+    return n
+
+
+@triton.jit
+def _gate_fed(eg, beta, t, n):
+    """A token past its row's count leaves the state as it is: decay 1 and β = 0."""
+    fed = t < n
+    return tl.where(fed, eg, 1.0), tl.where(fed, beta, 0.0)
 
 
 @triton.jit
@@ -162,10 +187,11 @@ def _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H: tl.const
 
 
 @triton.jit
-def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y,
+def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, y,
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
-                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                     W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
+                     T1: tl.constexpr,
                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
@@ -177,10 +203,13 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    slot = _slot(idx, b, HAS_IDX)
+    slot, raw = _slot(idx, b, HAS_IDX)
+    n = _count(nt, b, T, HAS_NT)
     rd = tl.arange(0, BD)
     md = rd < D
     rb = tl.arange(0, BV)
+    live_d = _live(rd, raw)
+    live_b = _live(rb, raw)
     s_b = S_ptr + (slot * H + h) * (D * D)
     s_off = rd[:, None] * D + rb[None, :]
     # the state is what this kernel waits for: issue its first chunk before anything else
@@ -189,6 +218,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     if T1:  # one token: q, k, g, β once for every chunk
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
                                DT, H, D, W, SOFTPLUS)
+        if HAS_NT:
+            eg, beta = _gate_fed(eg, beta, 0, n)
     for c in tl.static_range(NC):
         S = Sn
         if c + 1 < NC:  # the next chunk in flight while this one is updated
@@ -203,6 +234,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             if not T1:
                 q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale,
                                        lower_bound, DT, H, D, W, SOFTPLUS)
+                if HAS_NT:
+                    eg, beta = _gate_fed(eg, beta, t, n)
             v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, mv, W, C3), DT)
             S = S * eg[:, None]
             pred = tl.sum(S * k[:, None], 0)
@@ -210,8 +243,13 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             o = tl.sum(S * q[:, None], 0).to(DT).to(tl.float32)  # raw o, rounded like eager
             if NC == 1:  # the whole head is here: normalise in registers
                 o = _gated_rmsnorm(o, gate, row, h, rv, mv, nw, eps, D, H)
+            if HAS_IDX:
+                o = tl.where(live_b, o, 0.0)
             tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
-        if EVEN:
+        if HAS_IDX:
+            tl.store(s_b + c * BV + s_off, S, mask=(md & live_d)[:, None] & (c * BV + rb < D)[None, :],
+                     eviction_policy=ST_EV)
+        elif EVEN:
             tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
         else:
             tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy=ST_EV)
@@ -223,15 +261,18 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             row = b64 * T + t
             o = tl.load(y + (row * H + h) * D + rd, mask=md, other=0.0).to(tl.float32)
             o = _gated_rmsnorm(o, gate, row, h, rd, md, nwf, eps, D, H)
+            if HAS_IDX:
+                o = tl.where(live_d, o, 0.0)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
-    _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
+    _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & live_d, n, C3, W)
 
 
 @triton.jit
-def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, y, counter,
+def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, y, counter,
                       scale, lower_bound, eps, T,
                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
-                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, T1: tl.constexpr,
+                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
+                      T1: tl.constexpr,
                       EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                       LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
@@ -245,10 +286,12 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
     DT = qkv.dtype.element_ty
     C: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    slot = _slot(idx, b, HAS_IDX)
+    slot, raw = _slot(idx, b, HAS_IDX)
+    n = _count(nt, b, T, HAS_NT)
     rd = tl.arange(0, BD)
     md = rd < D
     rv = sp * BV + tl.arange(0, BV)
+    live_d = _live(rd, raw)
     mv = rv < D
     s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
     mdv = md[:, None] & mv[None, :]
@@ -262,13 +305,17 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         row = b64 * T + t
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, row, t, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
                                DT, H, D, W, SOFTPLUS)
+        if HAS_NT:
+            eg, beta = _gate_fed(eg, beta, t, n)
         v = _silu_rounded(_conv(x_b, cs_b, conv_w, t, cv, mv, W, C3), DT)
         S = S * eg[:, None]
         pred = tl.sum(S * k[:, None], 0)
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
-    if EVEN:
+    if HAS_IDX:
+        tl.store(S_ptr + s_off, S, mask=mdv & live_d[:, None], eviction_policy=ST_EV)
+    elif EVEN:
         tl.store(S_ptr + s_off, S, eviction_policy=ST_EV)
     else:
         tl.store(S_ptr + s_off, S, mask=mdv, eviction_policy=ST_EV)
@@ -285,8 +332,10 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
             # .cg: from L2, never a stale L1 line of another SM's stores
             o = tl.load(y + (row * H + h) * D + rd, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
             o = _gated_rmsnorm(o, gate, row, h, rd, md, nw, eps, D, H)
+            if HAS_IDX:
+                o = tl.where(live_d, o, 0.0)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
-        _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md, T, C3, W)
+        _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & live_d, n, C3, W)
 
 
 _COUNTERS: dict = {}
@@ -335,7 +384,8 @@ def _order_and_hints(B: int, H: int) -> tuple[bool, dict]:
 
 
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
-                          state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None):
+                          state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None,
+                          num_tokens=None):
     r = triton_ready(qkv, f, b, gate, recurrent_state, conv_state)
     if r:
         return r
@@ -353,7 +403,7 @@ def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_wei
 
 def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state,
                             conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5,
-                            scale=None):
+                            scale=None, num_tokens=None):
     B, T, _ = qkv.shape
     D, H = norm_weight.shape[0], A_log.shape[0]
     W = conv_weight.shape[1]
@@ -363,12 +413,14 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
         return y
     qkv, f, b, gate = qkv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous()
     idx = state_indices.contiguous() if state_indices is not None else qkv
+    nt = num_tokens.contiguous() if num_tokens is not None else qkv
     BD = max(16, triton.next_power_of_2(D))
     path, BV, nw = decode_plan(B, H, D)
     common = (qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-              norm_weight.contiguous(), recurrent_state, conv_state, idx, y)
+              norm_weight.contiguous(), recurrent_state, conv_state, idx, nt, y)
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
-                  HAS_IDX=state_indices is not None, T1=T == 1, EVEN=BD == D, num_warps=nw)
+                  HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None, T1=T == 1, EVEN=BD == D,
+                  num_warps=nw)
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)
     if path == "head":
