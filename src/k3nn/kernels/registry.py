@@ -99,6 +99,9 @@ class KernelTuning:
         moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never).
         moe_cuda_pdl: the CUDA GEMV launches its down kernel as a programmatic dependent of the up kernel
             (sm_90+ only; False: plain stream order).
+        skinny_linear: the Triton skinny GEMM of ``ops.linear`` (at most 16 rows) under ``auto``: ``"auto"`` where
+            the measured rule of :mod:`k3nn.kernels.linear.tuned` says it beats torch's GEMM; ``"always"`` wherever
+            it runs; ``"never"``: torch's GEMM (an explicit ``backend("triton")`` still runs the kernel).
     """
 
     autotune: bool = True
@@ -109,6 +112,7 @@ class KernelTuning:
     moe_gemv_pairs: int = 64
     moe_cuda_gemv_pairs: int = 256
     moe_cuda_pdl: bool = True
+    skinny_linear: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.autotune, bool):
@@ -133,6 +137,9 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be an int >= 0, got {v!r}")
         if not isinstance(self.moe_cuda_pdl, bool):
             raise TypeError(f"KernelTuning.moe_cuda_pdl must be a bool, got {self.moe_cuda_pdl!r}")
+        if self.skinny_linear not in ("auto", "always", "never"):
+            raise ValueError("KernelTuning.skinny_linear must be 'auto', 'always' or 'never', got "
+                             f"{self.skinny_linear!r}")
 
 
 _tuning: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("k3nn_tuning", default=KernelTuning())
@@ -345,7 +352,7 @@ def _gpu_missing(b: str) -> str | None:
             "for testing)") if b == "triton" else "no CUDA device"
 
 
-_KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm", "glu")
+_KERNEL_PACKAGES = ("kda", "mla", "moe", "attnres", "mxfp4", "norm", "glu", "linear")
 
 
 def _load_all() -> None:

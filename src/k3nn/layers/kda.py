@@ -27,6 +27,7 @@ from ..config import KimiK3Config
 from ..kernels.kda.prologue import kda_gate, l2norm, short_conv  # the eager math, re-exported
 from ..kernels.registry import backend
 from ..utils import records_grad, upcast
+from .linear import Linear
 from .norm import GatedRMSNorm
 from .packed import Packed, pack_linears
 
@@ -41,26 +42,26 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim, self.conv_size = H, D, config.short_conv_kernel_size
         self.gate_kind, self.lower_bound = config.kda_gate, config.gate_lower_bound
         C = H * D
-        self.q_proj = nn.Linear(d, C, bias=False)
-        self.k_proj = nn.Linear(d, C, bias=False)
-        self.v_proj = nn.Linear(d, C, bias=False)
+        self.q_proj = Linear(d, C, bias=False)
+        self.k_proj = Linear(d, C, bias=False)
+        self.v_proj = Linear(d, C, bias=False)
         W = config.short_conv_kernel_size
         self.q_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
         self.k_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
         self.v_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
-        self.f_a_proj = nn.Linear(d, D, bias=False)
-        self.f_b_proj = nn.Linear(D, C, bias=False)
+        self.f_a_proj = Linear(d, D, bias=False)
+        self.f_b_proj = Linear(D, C, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(C, dtype=torch.float32))
-        self.b_proj = nn.Linear(d, H, bias=False)
+        self.b_proj = Linear(d, H, bias=False)
         self.full_rank_gate = config.use_full_rank_gate
         if self.full_rank_gate:
-            self.g_proj = nn.Linear(d, C, bias=False)
+            self.g_proj = Linear(d, C, bias=False)
         else:
-            self.g_a_proj = nn.Linear(d, D, bias=False)
-            self.g_b_proj = nn.Linear(D, C, bias=False)
+            self.g_a_proj = Linear(d, D, bias=False)
+            self.g_b_proj = Linear(D, C, bias=False)
         self.o_norm = GatedRMSNorm(D, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(C, d, bias=False)
+        self.o_proj = Linear(C, d, bias=False)
         # with a cache and at most this many new tokens, forward uses the fused decode op (0 disables it)
         self.fused_decode_max_tokens = 16
         self._decode_in: Packed | None = None  # prepare_decode(): q|k|v|gate|f_a|b as one GEMM

@@ -26,6 +26,7 @@ from ..kernels.mla.api import merge_attn_states
 from ..utils import upcast
 
 from ..config import KimiK3Config
+from .linear import Linear
 from .norm import RMSNorm
 from .packed import Packed, pack_linears
 
@@ -89,18 +90,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.use_nope, self.rope_theta = config.mla_use_nope, config.rope_theta
         dq = self.dn + self.dr
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, H * dq, bias=False)
+            self.q_proj = Linear(d, H * dq, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # DeepSeek / Kimi use the default 1e-6 here
-            self.q_b_proj = nn.Linear(self.q_lora_rank, H * dq, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.dr, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, H * dq, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.dr, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.dn + self.dv), bias=False)
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:
-            self.g_proj = nn.Linear(d, H * self.dv, bias=False)
-        self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+            self.g_proj = Linear(d, H * self.dv, bias=False)
+        self.o_proj = Linear(H * self.dv, d, bias=False)
         self.scale = dq ** -0.5
         self._decode_in: Packed | None = None  # prepare_decode(): q (or q_a) | kv_a | g as one GEMM
 

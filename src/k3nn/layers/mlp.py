@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
 from ..kernels.glu import glu_activation, situ_glu  # re-exported: the expert kernels' references use them too
+from .linear import Linear
 from .packed import Packed, hooked, pack_linears
 
 __all__ = ["glu_activation", "situ_glu", "MLP"]
@@ -19,9 +19,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", beta: float = 4.0,
                  linear_beta: float | None = 25.0):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act, self.beta, self.linear_beta = act, beta, linear_beta
         self._gate_up: Packed | None = None  # prepare_decode(): gate | up as one GEMM
 
@@ -37,9 +37,9 @@ class MLP(nn.Module):
             y = self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta,
                                               self.linear_beta))
             return y if add_to is None else add_to + y
-        h = ops.glu(F.linear(x, self._gate_up.get()), self.act, self.beta, self.linear_beta)  # [gate | up]
+        h = ops.glu(ops.linear(x, self._gate_up.get()), self.act, self.beta, self.linear_beta)  # [gate | up]
         if add_to is None or hooked(self.down_proj) or self.down_proj.bias is not None:
             y = self.down_proj(h)
             return y if add_to is None else add_to + y
         w = self.down_proj.weight
-        return torch.addmm(add_to.reshape(-1, w.shape[0]), h.reshape(-1, w.shape[1]), w.t()).view(add_to.shape)
+        return ops.linear(h, w, residual=add_to.reshape(*h.shape[:-1], w.shape[0])).view(add_to.shape)

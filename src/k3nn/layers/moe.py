@@ -21,6 +21,7 @@ from torch import nn
 from .. import ops
 from ..config import KimiK3Config
 from ..quant.mxfp4 import BLOCK, MXFP4Weight
+from .linear import Linear
 from .mlp import MLP
 from ..kernels.registry import backend
 from ..utils import records_grad, upcast
@@ -51,7 +52,8 @@ class Router(nn.Module):
         self.num_group, self.topk_group = config.num_expert_group, config.topk_group
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return upcast(x) @ upcast(self.weight).t()  # fp32 (fp64 when checking in fp64)
+        """Router logits [..., E] in fp32 (fp64 when checking in fp64): :func:`k3nn.ops.linear` on upcast inputs."""
+        return ops.linear(upcast(x), upcast(self.weight))
 
     def forward(self, x: torch.Tensor):
         return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
@@ -103,9 +105,9 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config.num_experts, d_in, config.moe_intermediate_size, mxfp4=config.mxfp4_experts, **act)
         if self.latent:
-            self.routed_expert_down_proj = nn.Linear(d, d_in, bias=False)
+            self.routed_expert_down_proj = Linear(d, d_in, bias=False)
             self.routed_expert_norm = RMSNorm(d_in, config.rms_norm_eps) if config.latent_moe_use_norm else None
-            self.routed_expert_up_proj = nn.Linear(d_in, d, bias=False)
+            self.routed_expert_up_proj = Linear(d_in, d, bias=False)
         self.shared_experts = (MLP(d, config.shared_expert_intermediate_size, **act)
                                if config.num_shared_experts > 0 else None)
         #: set by routing utilities (Quantile Balancing) that need the last routing decision

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .. import ops
 
 __all__ = ["Packed", "pack_linears", "hooked"]
 
@@ -51,9 +52,10 @@ class Packed:
         return self.weight if self._key == self._key_of() else self._rebuild()
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """One GEMM ``x Wᵀ`` split into the groups' outputs (views of one buffer)."""
+        """One GEMM ``x Wᵀ`` (:func:`k3nn.ops.linear`: the skinny GEMM at decode sizes) split into the groups'
+        outputs (views of one buffer)."""
         w = self.get()
-        return list(F.linear(x, w).split(self.sizes, -1))
+        return list(ops.linear(x, w).split(self.sizes, -1))
 
 
 def pack_linears(groups: Sequence[Sequence[nn.Linear]]) -> Packed | None:

@@ -3,6 +3,7 @@ backend in force (see :mod:`k3nn.kernels.registry`)."""
 
 from .activation import glu, sigmoid_gate
 from .attnres import AttnResPhase2Output, attnres_mix, attnres_phase1, attnres_phase2
+from .linear import linear
 from .kda import kda_chunk, kda_fused_decode, kda_gate, kda_recurrent, short_conv
 from .mla import mla_attention, mla_decode, mla_prefill
 from .moe import moe_expert_outputs, moe_experts, moe_latent_finalize, moe_route
@@ -17,3 +18,4 @@ __all__ += ["kda_fused_decode"]
 __all__ += ["short_conv", "kda_gate", "gated_rmsnorm", "rms_norm"]
 __all__ += ["glu", "sigmoid_gate"]
 __all__ += ["moe_route"]
+__all__ += ["linear"]
