@@ -22,7 +22,6 @@ from . import ops
 from .cache.hybrid import HybridCache
 from .config import KimiK3Config
 from .generation import GenerationMixin
-from .hf.surface import TransformersSurface, causal_lm_loss, check_adapters, forward_kwargs
 from .kernels.registry import backend as use_backend
 from .layers.kda import KimiDeltaAttention
 from .layers.linear import Linear
@@ -42,7 +41,6 @@ class KimiK3Output:
     hidden_states: list[torch.Tensor] | None = None  # per requested layer output (DSpark context)
     last_hidden_state: torch.Tensor | None = None
     cache: HybridCache | None = None
-    loss: torch.Tensor | None = None  # forward(labels=...): transformers' causal-LM loss (fp32 scalar)
 
 
 @dataclass
@@ -221,7 +219,7 @@ def _refuse_images(pixel_values, image_grid_thw) -> None:
                          f"with k3nn.KimiK3ForConditionalGeneration.from_pretrained")
 
 
-class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
+class KimiK3(GenerationMixin, nn.Module):
     """The Kimi K3 family causal LM.
 
     ``KimiK3(config)`` builds on the meta device, then materialises and initialises the weights on ``device``
@@ -395,7 +393,7 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, output_hidden_layers: list[int] | None = None,
                 checkpoint_positions=None, prefill_chunk_size: int | None = None, *, pixel_values=None,
-                image_grid_thw=None, labels: torch.Tensor | None = None, **hf_kwargs) -> KimiK3Output:
+                image_grid_thw=None) -> KimiK3Output:
         """input_ids [B, T] → logits [B, T, vocab] (the last ``logits_to_keep`` positions if > 0).
 
         With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call); more than
@@ -405,16 +403,8 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
         ``checkpoint_positions``: forwarded to every KDA layer (states exported in the same pass into
         ``cache.layers[i].checkpoints``). ``pixel_values`` / ``image_grid_thw`` are refused (a ValueError):
         images go to :class:`k3nn.KimiK3ForConditionalGeneration`.
-        ``labels`` [B, T] (the input ids, -100 where not scored; unshifted): ``.loss`` is transformers' causal-LM
-        loss (:func:`k3nn.hf.surface.causal_lm_loss`). transformers' other forward keywords (``return_dict``,
-        ``use_cache``, ``num_items_in_batch``, ...) are accepted at values that change nothing, else refused
-        (:func:`k3nn.hf.surface.forward_kwargs`).
         """
         _refuse_images(pixel_values, image_grid_thw)
-        num_items = forward_kwargs(hf_kwargs) if hf_kwargs else None
-        check_adapters(self)
-        if labels is not None and logits_to_keep > 0:
-            raise ValueError("labels score every position: leave logits_to_keep at 0")
         if inputs_embeds is None:
             self._check_inputs(input_ids, attention_mask, cache)
         chunk = self._chunk_size(prefill_chunk_size)
@@ -430,8 +420,7 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
             hk = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
             logits = self.lm_head(hk)
         return KimiK3Output(logits=logits, hidden_states=captured if output_hidden_layers is not None else None,
-                            last_hidden_state=h, cache=cache,
-                            loss=None if labels is None else causal_lm_loss(logits, labels, num_items))
+                            last_hidden_state=h, cache=cache)
 
     def _chunked(self, input_ids, inputs_embeds, cache, attention_mask, output_layers, checkpoint_positions,
                  logits_to_keep: int, chunk: int):
@@ -484,17 +473,13 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        format: str | None = None, *, tokenizer=None, chat_template: str | None = None) -> None:
+                        format: str | None = None) -> None:
         """config.json + sharded safetensors. ``format``: ``"transformers"`` (default for a Kimi Linear model:
-        ``KimiLinearForCausalLM.from_pretrained`` loads it; refused, naming why, for a model transformers cannot
-        represent), ``"k3nn"`` (stacked experts; default otherwise) or ``"moonshot"`` (the original per-expert Kimi
-        layout). ``tokenizer`` (a ``tokenizers.Tokenizer``, a transformers tokenizer or a tokenizer directory):
-        written beside the weights as a directory ``AutoTokenizer`` loads, with ``chat_template`` (see
-        :func:`k3nn.tokenizer.save_tokenizer`)."""
+        ``KimiLinearForCausalLM.from_pretrained`` loads it), ``"k3nn"`` (stacked experts; default otherwise) or
+        ``"moonshot"`` (the original per-expert Kimi layout)."""
         from .checkpoint.io import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format, tokenizer=tokenizer,
-                        chat_template=chat_template)
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format)
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -502,19 +487,16 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
                         cache_dir: str | None = None, local_files_only: bool | None = None,
                         token: str | bool | None = None, config: KimiK3Config | None = None,
                         torch_dtype: torch.dtype | str | None = None, device_map=None,
-                        language_model_only: bool = False, **kwargs) -> "KimiK3":
+                        language_model_only: bool = False) -> "KimiK3":
         """Load a k3nn, Moonshot or transformers checkpoint (a directory or a hub id). ``dtype``: a torch dtype, its
         name or ``"auto"`` (default: the checkpoint's); ``torch_dtype`` is its transformers alias. ``device_map``:
         transformers' spelling of ``device`` for one device (``"auto"``: the GPU if there is one).
         A multimodal checkpoint (Kimi K2.5 / K3 with a vision tower) is refused unless ``language_model_only``:
         then its language model is loaded and the vision weights are skipped (with a warning); the whole model is
-        :class:`k3nn.KimiK3ForConditionalGeneration`.
-        ``config`` may be a transformers config (``AutoModelForCausalLM`` passes one); transformers' other loading
-        keywords are accepted where they change nothing here and refused otherwise
-        (:func:`k3nn.hf.surface.loading_kwargs`)."""
+        :class:`k3nn.KimiK3ForConditionalGeneration`."""
         from .checkpoint.io import from_pretrained
 
         return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,
                                revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                                token=token, config=config, torch_dtype=torch_dtype, device_map=device_map,
-                               language_model_only=language_model_only, **kwargs)
+                               language_model_only=language_model_only)
