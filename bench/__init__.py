@@ -27,4 +27,5 @@ SUITES = {
     "budget": "adaptive vs fixed scheduled-token budget: TTFT at concurrency 1-4",
     "e2e": "whole-model decode tokens/s per mode (eager, Triton, CUDA graphs, fused decode)",
     "prefill": "whole-model prefill (TTFT) vs transformers' Kimi Linear",
+    "decode-roofline": "k3_slice decode step per kernel class vs its HBM bound (bytes, time, TB/s, launches)",
 }
