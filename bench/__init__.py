@@ -28,4 +28,5 @@ SUITES = {
     "e2e": "whole-model decode tokens/s per mode (eager, Triton, CUDA graphs, fused decode)",
     "prefill": "whole-model prefill (TTFT) vs transformers' Kimi Linear",
     "decode-roofline": "k3_slice decode step per kernel class vs its HBM bound (bytes, time, TB/s, launches)",
+    "serve": "k3nn serve under HTTP load (TTFT / TPOT / ITL, throughput) vs the same workload in-process",
 }
