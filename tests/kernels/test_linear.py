@@ -214,3 +214,25 @@ def test_reference_residual_is_one_addmm():
     x, w, r, b = torch.randn(3, 8), torch.randn(4, 8), torch.randn(3, 4), torch.randn(4)
     torch.testing.assert_close(linear_reference(x, w, b, r), torch.addmm(r + b, x, w.t()))
     torch.testing.assert_close(linear_reference(x, w, b), F.linear(x, w, b))
+
+
+def test_model_decode_on_the_skinny_path_equals_full_forward(monkeypatch):
+    """Incremental decode with every projection of the step on the Triton path (prepared packed projections
+    included, interpreted) == the full forward on torch's GEMMs, fp32."""
+    from k3nn import KimiK3, KimiK3Config
+
+    m = KimiK3(KimiK3Config.tiny(), seed=0).eval()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    impl = registry.get_op("linear").impls["triton"]
+    calls, run = [], impl.fn
+    monkeypatch.setattr(impl, "fn", lambda *a, **k: calls.append(a[1].shape) or run(*a, **k))
+    with torch.no_grad():
+        full = m(ids).logits
+        m.prepare_decode()
+        cache = m.new_cache(2, 12)
+        steps = [m(ids[:, :10], cache=cache).logits]
+        with backend("triton"):
+            steps.append(m(ids[:, 10:], cache=cache).logits)
+    assert (m.config.vocab_size, m.config.hidden_size) in calls  # lm_head, the packed projections, ...
+    assert len(calls) > 3 * m.config.num_hidden_layers
+    assert _rel(torch.cat(steps, 1), full.double()) < 1e-5
