@@ -500,7 +500,7 @@ class LogitsPipeline:
            ``PresencePenalty`` over the output (positions ≥ ``prompt_length``), each only when not neutral;
         2. ``MinNewTokens``: while fewer than ``min_tokens`` tokens were generated, −inf for the tokens that would
            stop the request: ``stop_token_ids`` and ``eos_ids`` (eos left out under ``ignore_eos``, as vLLM);
-        3. when ``do_sample``: ``Temperature``, ``TopK``, ``TopP`` (as :meth:`for_sampling`).
+        3. when ``do_sample``: ``Temperature``, ``TopK``, ``TopP`` (as :meth:`for_sampling`), ``MinP``.
 
         A greedy request keeps 1–2: its token is the argmax of the processed scores. ``__call__(input_ids [1, L],
         scores)`` with ``input_ids`` = prompt + output runs it from the ids; :meth:`apply_counts` from incremental
@@ -529,6 +529,8 @@ class LogitsPipeline:
         sample = bool(get("do_sample", False))
         if sample:
             procs += cls.for_sampling(True, get("temperature", 1.0), get("top_k", 0), get("top_p", 1.0)).processors
+            if float(get("min_p", 0.0)) > 0:
+                procs.append(MinP(float(get("min_p", 0.0))))
         return cls(procs, do_sample=sample)
 
     # -- properties ----------------------------------------------------------------------------------------------

@@ -53,14 +53,16 @@ def test_fused_decode_matches_eager(B, T, H, D, W, gate, extra, use_idx, seed):
        pad=st.integers(0, 2), seed=st.integers(0, 2 ** 16))
 def test_num_tokens_and_padding_rows(B, T, D, W, pad, seed):
     """Row b feeds its first num_tokens[b] tokens (0..T); rows with slot -1 are padding: zero output, no state
-    touched. Triton equals eager, and the state equals a call over the fed tokens alone."""
+    touched; rows with write_state False leave their state as it was. Triton equals eager, and the state equals a
+    call over the fed tokens alone."""
     H = 2
     note(f"B={B} T={T} D={D} W={W} pad={pad}")
     args, S, cs, idx = make(B + pad, T, H, D, W, B + 1, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     n = torch.randint(0, T + 1, (B + pad,), generator=gen, dtype=torch.int32)
     idx = torch.cat([torch.randperm(B + 1, generator=gen)[:B], torch.full((pad,), -1)]).to(torch.int32)
-    kw = dict(gate_kind="lower_bound", lower_bound=-3.0, num_tokens=n)
+    wr = torch.rand(B + pad, generator=gen) < 0.7
+    kw = dict(gate_kind="lower_bound", lower_bound=-3.0, num_tokens=n, write_state=wr)
     y1, S1, c1 = run("eager", args, S, cs, idx, **kw)
     y2, S2, c2 = run("triton", args, S, cs, idx, **kw)
     live = idx >= 0
@@ -71,7 +73,7 @@ def test_num_tokens_and_padding_rows(B, T, D, W, pad, seed):
     assert torch.equal(y2[~live], torch.zeros_like(y2[~live])) and torch.isfinite(y2).all()
     for b in range(B):  # the state after num_tokens[b] tokens is that of a call fed only those tokens
         k = int(n[b])
-        if k == 0:
+        if k == 0 or not wr[b]:
             assert torch.equal(S1[idx[b]], S[idx[b]]) and torch.equal(c1[idx[b]], cs[idx[b]])
             continue
         one = [a[b:b + 1, :k] if a.dim() == 3 and a.shape[1] == T else a for a in args]

@@ -21,8 +21,8 @@ class SamplingParams:
     exist there (``max_new_tokens`` is vLLM's ``max_tokens``; ``do_sample=False`` is greedy, vLLM's
     ``temperature=0``). :mod:`k3nn.engine.sampling` applies them.
 
-    * ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k`` (0: off), ``top_p``, ``seed`` (None: fresh
-      randomness), ``eos_token_id`` (None: the model's): as in ``generate()``.
+    * ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k`` (0: off), ``top_p``, ``min_p`` (0: off),
+      ``seed`` (None: fresh randomness), ``eos_token_id`` (None: the model's): as in ``generate()``.
     * ``n`` (≥ 1): independent samples of the prompt; the Engine runs :meth:`child` ``(i)`` for i < n.
     * ``stop``: a string or a list of strings; the output ends at the first one its text contains (needs the
       Engine's tokenizer). The text excludes it unless ``include_stop_str_in_output``; the token ids keep the
@@ -44,6 +44,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     eos_token_id: int | list[int] | None = None  # None: the model config's
     seed: int | None = None
     n: int = 1
@@ -82,7 +83,8 @@ class SamplingParams:
         for name in ("do_sample", "ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
@@ -93,6 +95,8 @@ class SamplingParams:
         _int("top_k", self.top_k, lo=0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int("seed", self.seed, lo=0, hi=2**64 - 1)
         e = self.eos_token_id

@@ -67,7 +67,8 @@ def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: 
                      norm_weight: torch.Tensor, recurrent_state: torch.Tensor, conv_state: torch.Tensor,
                      state_indices: torch.Tensor | None = None, *, gate_kind: str = "softplus",
                      lower_bound: float = -5.0, norm_eps: float = 1e-5, scale: float | None = None,
-                     num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                     num_tokens: torch.Tensor | None = None,
+                     write_state: torch.Tensor | None = None) -> torch.Tensor:
     """The whole KDA mixer between the input projections and ``o_proj``, for decode / small verify windows.
 
     Args:
@@ -84,14 +85,17 @@ def kda_fused_decode(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: 
         num_tokens: ``[B]`` int, the tokens row b feeds (0 ≤ n ≤ T; None: all T). The state advances over the
             first ``num_tokens[b]`` tokens only: right-padded rows and partly accepted verify windows end in
             their exact state (the outputs past a row's count are unspecified).
+        write_state: ``[B]`` bool (None: all True); False computes row b's outputs from its cached state and
+            leaves the cache untouched (a speculative verify window; the accepted prefix is committed later by a
+            call with ``num_tokens`` = the accepted count).
     Returns:
         ``y [B, T, H, D]`` = ``norm_weight · RMSNorm(o) · sigmoid(gate)`` in qkv's dtype.
     """
     check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
-                       state_indices, gate_kind, lower_bound, norm_eps, scale, num_tokens)
+                       state_indices, gate_kind, lower_bound, norm_eps, scale, num_tokens, write_state)
     return dispatch("kda_fused_decode", qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight,
                     recurrent_state, conv_state, state_indices, gate_kind=gate_kind, lower_bound=lower_bound,
-                    norm_eps=norm_eps, scale=scale, num_tokens=num_tokens)
+                    norm_eps=norm_eps, scale=scale, num_tokens=num_tokens, write_state=write_state)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,

@@ -16,7 +16,9 @@ conv_weight [3·H·D, W]; A_log [H]; dt_bias [H·D]; norm_weight [D]; recurrent_
 negative index marks a padding row: no state is read or written and its outputs are zero); num_tokens [B] int
 (None: every row feeds all T tokens): the state of row b advances over its first ``num_tokens[b]`` tokens only
 (0 leaves it untouched), so right-padded rows and partly accepted verify windows end in their exact state; the
-outputs at positions ``t >= num_tokens[b]`` are unspecified (finite).
+outputs at positions ``t >= num_tokens[b]`` are unspecified (finite); write_state [B] bool (None: all True): False
+leaves row b's cache state untouched (its outputs are computed from it as usual): a speculative verify window
+reads the committed state and the accepted prefix is folded in afterwards.
 Returns y [B, T, H, D] in qkv's dtype.
 """
 
@@ -32,7 +34,7 @@ __all__ = ["check_fused_decode", "kda_fused_decode_reference"]
 
 def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
                        state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None,
-                       num_tokens=None):
+                       num_tokens=None, write_state=None):
     named = dict(qkv=qkv, f=f, b=b, gate=gate, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias,
                  norm_weight=norm_weight, recurrent_state=recurrent_state, conv_state=conv_state)
     for name, t in named.items():
@@ -86,8 +88,13 @@ def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight
             raise ValueError(f"num_tokens must be [B] = [{B}], got {tuple(num_tokens.shape)}")
         if num_tokens.device.type == "cpu" and B and (num_tokens.min() < 0 or num_tokens.max() > T):
             raise ValueError(f"num_tokens must lie in [0, T={T}], got {num_tokens.tolist()}")
+    if write_state is not None:
+        if not isinstance(write_state, torch.Tensor) or write_state.dtype != torch.bool:
+            raise TypeError("write_state must be a bool tensor")
+        if write_state.shape != (B,):
+            raise ValueError(f"write_state must be [B] = [{B}], got {tuple(write_state.shape)}")
     devs = {t.device for t in named.values()}
-    for t in (state_indices, num_tokens):
+    for t in (state_indices, num_tokens, write_state):
         if t is not None:
             devs.add(t.device)
     if len(devs) != 1:
@@ -97,7 +104,7 @@ def check_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight
 
 def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state,
                                conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0,
-                               norm_eps=1e-5, scale=None, num_tokens=None):
+                               norm_eps=1e-5, scale=None, num_tokens=None, write_state=None):
     from .reference import kda_recurrent_reference
 
     B, T, _ = qkv.shape
@@ -124,7 +131,8 @@ def kda_fused_decode_reference(qkv, f, b, gate, conv_weight, A_log, dt_bias, nor
     window = torch.cat([conv0.to(qkv.dtype), qkv], 1)  # [B, W−1+T, C]
     rows = n[:, None] + torch.arange(W1, device=dev)[None, :]  # [B, W−1]
     conv_new = window.gather(1, rows[..., None].expand(-1, -1, window.shape[-1]))
-    keep = live.nonzero().flatten()  # the eager path may sync with the host (it is never graph-captured)
+    writes = live if write_state is None else live & write_state
+    keep = writes.nonzero().flatten()  # the eager path may sync with the host (it is never graph-captured)
     recurrent_state[slot[keep]] = S[keep].to(recurrent_state.dtype)
     conv_state[slot[keep]] = conv_new[keep].to(conv_state.dtype)
     of = upcast(o)

@@ -156,6 +156,15 @@ def _live(r, raw):
 
 
 @triton.jit
+def _writes(wm, r, raw, b, HAS_WM: tl.constexpr):
+    """Store this row's new state (a vector mask like ``r``): live, and ``write_state[b]`` when given."""
+    ok = _live(r, raw)
+    if HAS_WM:
+        ok = ok & ((r * 0 + tl.load(wm + b)) != 0)
+    return ok
+
+
+@triton.jit
 def _count(nt, b, T, HAS_NT: tl.constexpr):
     """Tokens request ``b`` feeds: ``num_tokens[b]``, or all T."""
     if HAS_NT:
@@ -187,11 +196,11 @@ def _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H: tl.const
 
 
 @triton.jit
-def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, y,
+def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, wm, y,
                      scale, lower_bound, eps, T,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
-                     T1: tl.constexpr,
+                     HAS_WM: tl.constexpr, T1: tl.constexpr,
                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
@@ -210,6 +219,7 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     rb = tl.arange(0, BV)
     live_d = _live(rd, raw)
     live_b = _live(rb, raw)
+    wr_d = _writes(wm, rd, raw, b, HAS_WM)
     s_b = S_ptr + (slot * H + h) * (D * D)
     s_off = rd[:, None] * D + rb[None, :]
     # the state is what this kernel waits for: issue its first chunk before anything else
@@ -246,8 +256,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             if HAS_IDX:
                 o = tl.where(live_b, o, 0.0)
             tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)
-        if HAS_IDX:
-            tl.store(s_b + c * BV + s_off, S, mask=(md & live_d)[:, None] & (c * BV + rb < D)[None, :],
+        if HAS_IDX or HAS_WM:
+            tl.store(s_b + c * BV + s_off, S, mask=(md & wr_d)[:, None] & (c * BV + rb < D)[None, :],
                      eviction_policy=ST_EV)
         elif EVEN:
             tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
@@ -264,15 +274,15 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             if HAS_IDX:
                 o = tl.where(live_d, o, 0.0)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
-    _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & live_d, n, C3, W)
+    _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & wr_d, n, C3, W)
 
 
 @triton.jit
-def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, y, counter,
+def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs_ptr, idx, nt, wm, y, counter,
                       scale, lower_bound, eps, T,
                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
                       W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
-                      T1: tl.constexpr,
+                      HAS_WM: tl.constexpr, T1: tl.constexpr,
                       EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                       LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
     if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
@@ -292,6 +302,7 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
     md = rd < D
     rv = sp * BV + tl.arange(0, BV)
     live_d = _live(rd, raw)
+    wr_d = _writes(wm, rd, raw, b, HAS_WM)
     mv = rv < D
     s_off = ((slot * H + h) * D + rd[:, None]) * D + rv[None, :]
     mdv = md[:, None] & mv[None, :]
@@ -313,8 +324,8 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
-    if HAS_IDX:
-        tl.store(S_ptr + s_off, S, mask=mdv & live_d[:, None], eviction_policy=ST_EV)
+    if HAS_IDX or HAS_WM:
+        tl.store(S_ptr + s_off, S, mask=mdv & wr_d[:, None], eviction_policy=ST_EV)
     elif EVEN:
         tl.store(S_ptr + s_off, S, eviction_policy=ST_EV)
     else:
@@ -335,7 +346,7 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
             if HAS_IDX:
                 o = tl.where(live_d, o, 0.0)
             tl.store(y + (row * H + h) * D + rd, o.to(y.dtype.element_ty), mask=md)
-        _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & live_d, n, C3, W)
+        _rewrite_conv(x_b, cs_b, cs_ptr, cq, ck, 2 * C + h * D + rd, md & wr_d, n, C3, W)
 
 
 _COUNTERS: dict = {}
@@ -385,7 +396,7 @@ def _order_and_hints(B: int, H: int) -> tuple[bool, dict]:
 
 def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state, conv_state,
                           state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5, scale=None,
-                          num_tokens=None):
+                          num_tokens=None, write_state=None):
     r = triton_ready(qkv, f, b, gate, recurrent_state, conv_state)
     if r:
         return r
@@ -403,7 +414,7 @@ def supports_fused_decode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_wei
 
 def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, recurrent_state,
                             conv_state, state_indices=None, gate_kind="softplus", lower_bound=-5.0, norm_eps=1e-5,
-                            scale=None, num_tokens=None):
+                            scale=None, num_tokens=None, write_state=None):
     B, T, _ = qkv.shape
     D, H = norm_weight.shape[0], A_log.shape[0]
     W = conv_weight.shape[1]
@@ -414,12 +425,14 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     qkv, f, b, gate = qkv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous()
     idx = state_indices.contiguous() if state_indices is not None else qkv
     nt = num_tokens.contiguous() if num_tokens is not None else qkv
+    wm = write_state.contiguous() if write_state is not None else qkv
     BD = max(16, triton.next_power_of_2(D))
     path, BV, nw = decode_plan(B, H, D)
     common = (qkv, f, b, gate, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-              norm_weight.contiguous(), recurrent_state, conv_state, idx, nt, y)
+              norm_weight.contiguous(), recurrent_state, conv_state, idx, nt, wm, y)
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
-                  HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None, T1=T == 1, EVEN=BD == D,
+                  HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None,
+                  HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D,
                   num_warps=nw)
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)
