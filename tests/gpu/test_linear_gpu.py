@@ -34,12 +34,14 @@ def ieee():
 
 
 cfgs = st.one_of(st.none(),
-                 st.builds(SkinnyConfig, st.sampled_from(["fma", "dot"]), st.sampled_from([16, 32, 64]),
-                           st.sampled_from([64, 128, 256, 512]), st.sampled_from([4, 8]), st.sampled_from([1, 3]),
-                           st.sampled_from([1, 2, 4])))
+                 st.builds(SkinnyConfig, st.just("fma"), st.sampled_from([8, 16, 32]),
+                           st.sampled_from([64, 128, 256, 512]), st.sampled_from([4, 8]), st.just(1),
+                           st.sampled_from([1, 2, 4])),
+                 st.builds(SkinnyConfig, st.just("dot"), st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]),
+                           st.just(4), st.sampled_from([1, 3]), st.sampled_from([1, 2, 4])))
 
 
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=25)
 @given(m=st.integers(1, 16), n=st.integers(1, 3000), k=st.integers(1, 3000), cfg=cfgs,
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), bias=st.booleans(), res=st.booleans(),
        seed=st.integers(0, 2 ** 16))

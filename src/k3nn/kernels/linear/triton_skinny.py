@@ -247,10 +247,11 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     even_k = K % bk == 0
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y2
     dummy = y2
-    grid = (triton.cdiv(N, cfg.block_n), split)
+    bn = max(16, cfg.block_n) if cfg.kind == "dot" else cfg.block_n  # tl.dot takes 16 rows at least
+    grid = (triton.cdiv(N, bn), split)
     _skinny_kernel[grid](x2, weight, bias if bias is not None else dummy, r2 if r2 is not None else dummy, y2, ws,
                          M, N, K, k_split, x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0,
-                         y2.stride(0), BM=bm, BN=cfg.block_n, BK=bk, DOT=cfg.kind == "dot",
+                         y2.stride(0), BM=bm, BN=bn, BK=bk, DOT=cfg.kind == "dot",
                          DOT_PREC=dot_precision(x.dtype), SPLIT=split, HAS_BIAS=bias is not None,
                          HAS_RES=r2 is not None, EVEN_K=even_k, num_warps=cfg.warps, num_stages=cfg.stages)
     if split > 1:
