@@ -85,7 +85,7 @@ class LiveServer:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        while httpx.get(self.url + "/health").status_code != 200:
+        while httpx.get(self.url + "/health", timeout=60).status_code != 200:
             assert time.monotonic() < deadline, "the engine did not become ready"
             time.sleep(0.05)
 
@@ -113,7 +113,7 @@ class LiveServer:
         """/metrics as {(sample name, sorted labels): value}."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.url + "/metrics").text
+        text = httpx.get(self.url + "/metrics", timeout=60).text
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -233,9 +233,10 @@ def test_vllm_sampling_extras_reach_the_engine(client, model, tokenizer):
                                   extra_body={"repetition_penalty": 1.3, "min_tokens": 4, "return_token_ids": True})
     assert extra(r.choices[0], "token_ids") == ref
     ((ref_k, _),) = engine_outputs(model, tokenizer, [ids], max_new_tokens=6, do_sample=True, top_k=3,
-                                   top_p=0.9, seed=5, ignore_eos=True)
+                                   top_p=0.9, min_p=0.2, seed=5, ignore_eos=True)
     r = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6, temperature=1.0, top_p=0.9, seed=5,
-                                  extra_body={"top_k": 3, "ignore_eos": True, "return_token_ids": True})
+                                  extra_body={"top_k": 3, "min_p": 0.2, "ignore_eos": True,
+                                              "return_token_ids": True})
     assert extra(r.choices[0], "token_ids") == ref_k
 
 
@@ -250,7 +251,7 @@ def test_models_and_aliases(client):
 def test_health_and_metrics(server, client):
     import httpx
 
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
     for _ in range(2):  # the second request hits the prefix cache
         client.completions.create(model="tiny", prompt="import os\nprint(os.getcwd())\n" * 6, max_tokens=2,
                                   temperature=0)

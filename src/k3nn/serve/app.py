@@ -345,7 +345,7 @@ class OpenAIServer:
         messages = normalize_messages(req.messages)
         try:
             text = self.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
+                                             variables=req.chat_template_kwargs)
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from None
         ids = self._encode(text, "messages", add_special_tokens=False)

@@ -85,9 +85,11 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
-        """The prompt text of ``messages`` (plain dicts, see :func:`normalize_messages`); ``kwargs``: extra template
-        variables (they may override the special tokens, as in transformers)."""
+               variables: dict[str, Any] | None = None) -> str:
+        """The prompt text of ``messages`` (plain dicts, see :func:`normalize_messages`); ``variables``: extra
+        template variables (a request's ``chat_template_kwargs``; they may override the special tokens, as in
+        transformers)."""
+        kwargs = dict(variables or {})
         bad = [k for k in kwargs if k in _RESERVED]
         if bad:
             raise ChatTemplateError(f"chat_template_kwargs must not set {bad}: the server sets them")

@@ -15,7 +15,6 @@ Errors are :class:`APIError`; :meth:`APIError.body` is OpenAI's shape
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from typing import Any
@@ -177,9 +176,6 @@ def _stop(stop: Any) -> list[str] | None:
     return stops or None
 
 
-_HAS_MIN_P = "min_p" in {f.name for f in dataclasses.fields(SamplingParams)}
-
-
 def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The Engine's sampling parameters of a validated request (``max_tokens`` and ``logprobs`` resolved by the
     endpoint). ``temperature`` 0 (or below 1e-5) is greedy; unset it is 1.0 (sampling), as in the OpenAI API."""
@@ -187,17 +183,13 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
     do_sample = temperature >= 1e-5
     kw: dict[str, Any] = dict(
         max_new_tokens=max_tokens, do_sample=do_sample, temperature=temperature if do_sample else 1.0,
-        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=max(0, req.top_k or 0), n=req.n,
+        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=max(0, req.top_k or 0),
+        min_p=float(req.min_p or 0.0), n=req.n,
         seed=None if req.seed is None else req.seed % 2**64, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
         logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output)
-    if req.min_p:
-        if not _HAS_MIN_P:
-            raise APIError("min_p is not supported: k3nn's Engine has no min-p sampling (SamplingParams has no "
-                           "min_p); use top_p / top_k", param="min_p", code="unsupported_parameter")
-        kw["min_p"] = float(req.min_p)
     if req.min_tokens > max_tokens:
         raise APIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     if not math.isfinite(kw["temperature"]):
