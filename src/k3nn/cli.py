@@ -244,6 +244,13 @@ def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     return demo.main(rest)
 
 
+# ---------------------------------------------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    from k3nn.serve import cli as serve_cli
+
+    return serve_cli.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="k3nn", description="Kimi K3 family models and kernels in PyTorch.",
@@ -312,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("demo", help="train a small K3 on Python source, then generate with and without speculation",
                    add_help=False)
+    from k3nn.serve import cli as serve_cli
+
+    serve_cli.add_parser(sub)
 
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args, rest)
         if args.cmd == "demo":
             return cmd_demo(args, rest)
-        return {"info": cmd_info, "generate": cmd_generate}[args.cmd](args)
+        return {"info": cmd_info, "generate": cmd_generate, "serve": cmd_serve}[args.cmd](args)
     except _user_errors() as e:  # a message, not a traceback (-v shows the traceback)
         if args.verbose:
             raise

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 __all__ = ["EOS", "MASK", "DemoSize", "SIZES", "Corpus", "load_corpus", "is_heldout", "train_tokenizer",
            "encode_docs", "unigram_loss", "eval_windows", "batches", "model_config",
            "train_model", "heldout_loss", "train_drafter", "timed_generate", "acceptance_on_heldout",
-           "default_out_dir", "main"]
+           "default_out_dir", "write_chat_template", "CHAT_TEMPLATE", "main"]
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 DEFAULT_PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n'
@@ -169,6 +169,36 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: str | os.PathLike |
     if path is not None:
         tok.save(str(path))
     return tok
+
+
+# Each turn a Python comment line, the assistant's turns as code, the generation prompt "# assistant:" (the demo
+# model writes Python).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'assistant' -%}\n"
+    "{{ '# assistant:\\n' ~ (message['content'] or '') ~ '\\n' }}\n"
+    "{%- else -%}\n"
+    "{{ '# ' ~ message['role'] ~ ': ' ~ message['content'] | replace('\\n', '\\n# ') ~ '\\n' }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{ '# assistant:\\n' }}\n"
+    "{%- endif -%}"
+)
+
+
+def write_chat_template(model_dir: str | os.PathLike) -> Path:
+    """Give a demo checkpoint :data:`CHAT_TEMPLATE` as the ``chat_template`` of its ``tokenizer_config.json`` (where
+    transformers keeps it; ``k3nn serve`` renders it for ``/v1/chat/completions``), with ``eos_token``
+    ``<|endoftext|>``. Entries an existing file already has are kept. Returns the file's path."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if "chat_template" in cfg and "eos_token" in cfg:
+        return path
+    cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    cfg.setdefault("eos_token", EOS)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
 
 
 def encode_docs(tok, texts: list[str]) -> torch.Tensor:
@@ -619,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             for f in ddir.iterdir():
                 f.unlink()
         say(f"      saved {mdir} (config.json, safetensors, tokenizer.json) in {hist['seconds']:.0f}s of training")
+    write_chat_template(mdir)  # so that `k3nn serve --model <out>/model` can chat
     held = heldout_loss(model, held_w)
     fig(f"      held-out loss {held:.3f} nats/token vs unigram {uni:.3f} "
         f"(perplexity {math.exp(held):.1f} vs {math.exp(uni):.1f})")
