@@ -92,7 +92,7 @@ def main(argv=None) -> list[dict]:
     meta = {"model": a.config, "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
             "max_num_batched_tokens": a.max_batched_tokens, "max_num_seqs": a.max_seqs,
             "reserve_per_seq": a.reserve, "new_tokens": a.new_tokens, "reps": a.reps,
-            "targets": "adaptive TTFT better than fixed, goal -50% (PERF.md)"}
+            "targets": "adaptive TTFT better than fixed, goal -50% (docs/perf.md)"}
     if not a.no_write:
         from bench.common import write_results
 

@@ -137,7 +137,7 @@ def main(argv=None) -> list[dict]:
     ]
     meta = {"model": a.config, "dtype": str(model.dtype).removeprefix("torch."), "device": str(device), "reps": a.reps,
             "samples_ms": {"cold": cold, "cold_snap": cold_snap, "boundary": warm_ms, "marconi": mar_ms},
-            "targets": "prefix TTFT speedup floor 4x, goal 8x (PERF.md)", **({"profile": profile} if profile else {})}
+            "targets": "prefix TTFT speedup floor 4x, goal 8x (docs/perf.md)", **({"profile": profile} if profile else {})}
     if not a.no_write:
         from bench.common import write_results
 

@@ -1,6 +1,6 @@
 """The README's performance table and plot, generated from committed benchmark results.
 
-Reads every ``bench/results/*.json`` (schema in PERF.md: ``meta`` with gpu / torch / triton / commit /
+Reads every ``bench/results/*.json`` (schema in docs/perf.md: ``meta`` with gpu / torch / triton / commit /
 copy_tbps / bf16_tflops, and ``rows`` with ``case``, ``k3nn_ms`` and, where they apply, ``anchor``,
 ``anchor_ms``, ``speedup``, ``tbps``, ``frac_copy_bw``, ``tflops``). A file's suite is its name up to the
 date (``mla-decode-2026-11-30-004507.json`` → ``mla-decode``); the newest file of each suite (by
@@ -59,7 +59,7 @@ def load_results(directory: str | Path, warn=print) -> list[Result]:
             warn(f"skipping {p}: not valid JSON ({e})")
             continue
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            warn(f"skipping {p}: no 'rows' list (see PERF.md for the schema)")
+            warn(f"skipping {p}: no 'rows' list (see docs/perf.md for the schema)")
             continue
         rows = [r for r in data["rows"] if isinstance(r, dict) and "case" in r]
         meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
@@ -128,7 +128,7 @@ def render_table(results: list[Result], root: Path | None = None) -> str:
                 _num(row.get("tflops"), ".0f")]) + " |")
         lines.append("")
     lines.append("Speedup = anchor ms / k3nn ms (> 1: k3nn is faster), both measured side by side in one run; "
-                 "protocol in PERF.md.")
+                 "protocol in [docs/perf.md](docs/perf.md).")
     return "\n".join(lines)
 
 

@@ -1,4 +1,10 @@
-"""The ``k3nn`` command: ``info``, ``generate``, ``bench``, ``demo``."""
+"""The ``k3nn`` command: ``info``, ``generate``, ``bench``, ``demo``.
+
+Every error a user can cause is one line on stderr, ``k3nn <command>: error: <message>``, with exit status 2
+(argparse's usage block is left out: ``--help`` prints it). :class:`ArgumentParser` and the ``*_arg`` types below
+give every command that behaviour; a command reports its own errors by raising :class:`CommandError` (or a
+``SystemExit`` with a message, or one of the library's argument errors).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +12,153 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "ArgumentParser", "CommandError", "int_arg", "float_arg", "int_list_arg", "threads_arg",
+           "dtype_arg", "nonempty_arg", "directory_arg", "add_threads_argument"]
 
-def _torch_dtype(name: str):
-    import torch
+EXIT_USAGE = 2  # argparse's status for a usage error; every user error here uses it
+
+
+class CommandError(Exception):
+    """A user error a command reports as ``k3nn <command>: error: <message>`` (exit status 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line: ``<prog>: error: <message>`` on stderr, exit 2.
+
+    Subparsers made with ``add_subparsers().add_parser`` inherit the class."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
+def _one_line(message: str) -> str:
+    """A (possibly multi-line) message as one line: lines joined with '; ' (or a space after a colon)."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    out = lines[0] if lines else ""
+    for ln in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + ln
+    return out
+
+
+# ------------------------------------------------------------------------------------- argument types
+def int_arg(lo: int | None = None, hi: int | None = None):
+    """An argparse ``type``: an integer in [lo, hi] (either bound optional)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s.strip())
+        except ValueError:
+            v = None
+        if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = (f" in [{lo}, {hi}]" if lo is not None and hi is not None else f" >= {lo}" if lo is not None
+                   else f" <= {hi}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"expected an integer{rng}, got {s!r}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_arg(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False):
+    """An argparse ``type``: a finite number in the interval given by ``lo`` / ``hi`` (open ends optional)."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            v = math.nan
+        ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and \
+            (hi is None or (v < hi if hi_open else v <= hi))
+        if not ok:
+            if lo is not None and hi is not None:
+                rng = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            elif lo is not None:
+                rng = f" {'>' if lo_open else '>='} {lo:g}"
+            elif hi is not None:
+                rng = f" {'<' if hi_open else '<='} {hi:g}"
+            else:
+                rng = ""
+            raise argparse.ArgumentTypeError(f"expected a finite number{rng}, got {s!r}")
+        return v
+
+    parse.__name__ = "float"
+    return parse
+
+
+def int_list_arg(lo: int = 0):
+    """An argparse ``type``: comma-separated integers >= ``lo`` (at least one)."""
+    def parse(s: str) -> list[int]:
+        parts = [p.strip() for p in s.split(",")]
+        try:
+            vals = [int(p) for p in parts]
+        except ValueError:
+            vals = None
+        if not vals or any(v < lo for v in vals):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {lo} (e.g. 1,2,3), got {s!r}")
+        return vals
+
+    parse.__name__ = "int list"
+    return parse
+
+
+def threads_arg(s: str):
+    """An argparse ``type``: ``auto`` or a positive integer (see :func:`k3nn.utils.configure_threads`)."""
+    from k3nn.utils import parse_threads
 
     try:
-        return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16}[name]
+        return parse_threads(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {s!r}") from None
+
+
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16"}
+
+
+def dtype_arg(s: str) -> str:
+    """An argparse ``type``: float32 | bfloat16 | float16 (or fp32 / bf16 / fp16) → the long name."""
+    try:
+        return _DTYPE_NAMES[s.strip().lower()]
     except KeyError:
-        raise SystemExit(f"--dtype must be one of float32, bfloat16, float16; got {name!r}") from None
+        raise argparse.ArgumentTypeError(f"expected one of float32, bfloat16, float16 (or fp32, bf16, fp16), "
+                                         f"got {s!r}") from None
+
+
+def nonempty_arg(s: str) -> str:
+    """An argparse ``type``: any non-empty string."""
+    if not s:
+        raise argparse.ArgumentTypeError("expected a non-empty string, got ''")
+    return s
+
+
+def directory_arg(s: str) -> Path:
+    """An argparse ``type``: an existing directory."""
+    p = Path(s).expanduser()
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{s!r} is not a directory" if p.exists() else f"no such directory: {s!r}")
+    return p
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads auto|N`` as every k3nn command spells it (apply it with :func:`k3nn.utils.configure_threads`)."""
+    parser.add_argument("--threads", type=threads_arg, default="auto", metavar="auto|N",
+                        help="torch CPU threads: a number, or auto (default): $OMP_NUM_THREADS when set, else the "
+                             "cores other processes leave idle, at most 4 (intra-op threads spin-wait, so on a "
+                             "busy machine fewer threads decode faster)")
+
+
+def _configure_threads(value) -> int:
+    from k3nn.utils import configure_threads
+
+    try:
+        return configure_threads(value)
+    except ValueError as e:  # a malformed OMP_NUM_THREADS
+        raise CommandError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------------- info
@@ -89,46 +227,119 @@ def _mx_gemv_line() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ generate
+DEFAULT_PROMPT = "def fibonacci(n):"
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p")
+
+
+def _check_generate_flags(args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express; a flag that would be ignored is an error."""
+    if args.model is not None and args.preset is not None:
+        raise CommandError("--preset builds a model with random weights; it cannot be combined with --model")
+    if args.revision is not None and args.model is None:
+        raise CommandError("--revision needs --model (a hub repo id)")
+    if args.num_assistant_tokens is not None and args.drafter is None:
+        raise CommandError("--num-assistant-tokens sets the speculative window of --drafter; pass --drafter DIR")
+
+
+class _naming:
+    """Context manager: a user error raised inside is re-raised as a CommandError that starts with the flag and
+    its value (``--model DIR: <what went wrong>``)."""
+
+    def __init__(self, flag: str, value):
+        self.head = f"{flag} {value}: "
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, e, tb):
+        if e is not None and isinstance(e, _user_errors()) and not isinstance(e, CommandError):
+            raise CommandError(self.head + (str(e) or type(e).__name__)) from e
+        return False
+
+
+class _Echo:
+    """stdout of a streamed generation: the prompt, then the new text; remembers whether a line is open, so an
+    error printed to stderr starts on a line of its own."""
+
+    def __init__(self):
+        self.open_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.open_line = not text.endswith("\n")
+
+    def close_line(self) -> None:
+        if self.open_line:
+            self.write("\n")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    _check_generate_flags(args)
     import torch
 
     from k3nn import KimiK3, KimiK3Config
     from k3nn.tokenizer import load_tokenizer
+    from k3nn.utils import resolve_device
 
+    threads = _configure_threads(args.threads)
+    if args.device is not None:
+        device = resolve_device(args.device, "--device")
+        if device.type == "meta":
+            raise CommandError("--device meta holds no data to generate with; use cpu or cuda")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = _torch_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    given = [f"--{k.replace('_', '-')}" for k in _SAMPLING_FLAGS if getattr(args, k) is not None]
+    if given and not args.do_sample:
+        print(f"k3nn generate: warning: {', '.join(given)} only apply when sampling; without --do-sample the "
+              f"decoding is greedy and {'they are' if len(given) > 1 else 'it is'} ignored", file=sys.stderr)
     t0 = time.perf_counter()
     if args.model:
         from k3nn.checkpoint import resolve_checkpoint
 
-        d = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.offline or None)
-        model = KimiK3.from_pretrained(d, dtype=dtype, device=device, backend=args.backend)
+        with _naming("--model", args.model):
+            d = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.offline or None)
+            model = KimiK3.from_pretrained(d, dtype=dtype, device=device, backend=args.backend)
         tok_dir = d
     else:
-        preset = getattr(KimiK3Config, args.preset)
-        print(f"[k3nn] no --model given: building KimiK3Config.{args.preset}() with random weights "
+        name = args.preset or "small"
+        print(f"[k3nn] no --model given: building KimiK3Config.{name}() with random weights "
               f"(output is noise; pass --model PATH|REPO for a trained checkpoint)", file=sys.stderr)
-        model = KimiK3(preset(), device=device, dtype=dtype, backend=args.backend, seed=args.seed or 0).eval()
+        model = KimiK3(getattr(KimiK3Config, name)(), device=device, dtype=dtype, backend=args.backend,
+                       seed=args.seed or 0).eval()
         tok_dir = None
+    vocab = model.config.vocab_size
     drafter = None
     if args.drafter:
         from k3nn.layers.dspark import DSparkDrafter
 
-        drafter = DSparkDrafter.from_pretrained(args.drafter, target=model, device=device, dtype=dtype).eval()
+        with _naming("--drafter", args.drafter):
+            drafter = DSparkDrafter.from_pretrained(args.drafter, target=model, device=device, dtype=dtype).eval()
     load_s = time.perf_counter() - t0
-    tok = load_tokenizer(tok_dir, model.config.vocab_size)
-    if args.input_ids:
-        try:
-            ids = [int(x) for x in args.input_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
+    tok = load_tokenizer(tok_dir, vocab)
+    if args.input_ids is not None:
+        ids = args.input_ids
+        bad = [i for i in ids if i >= vocab]
+        if bad:
+            raise CommandError(f"--input-ids: token ids {bad} are outside [0, vocab_size={vocab})")
     else:
-        ids = tok.encode(args.prompt)
-    if not ids:
-        raise SystemExit("the prompt is empty: pass --prompt TEXT or --input-ids 1,2,3")
+        ids = tok.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        if not ids:
+            raise CommandError(f"--prompt {args.prompt!r} encodes to no tokens")
+    eos = args.eos_token_id
+    if eos is not None and any(e >= vocab for e in eos):
+        raise CommandError(f"--eos-token-id: ids {[e for e in eos if e >= vocab]} are outside "
+                           f"[0, vocab_size={vocab})")
+    limit = model.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > limit:
+        raise CommandError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(ids)} tokens + "
+                           f"{args.max_new_tokens} new ones exceed the model's max_position_embeddings = {limit}")
     input_ids = torch.tensor([ids], device=device)
+    echo = _Echo()
 
     class _Stream:
         def __init__(self):
@@ -143,26 +354,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
             self.ids.append(int(v.reshape(-1)[0]))
             text = tok.decode(self.ids)
             if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(self.printed):])
-                sys.stdout.flush()
+                echo.write(text[len(self.printed):])
                 self.printed = text
 
         def end(self):
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            echo.write("\n")
 
-    eos = [int(x) for x in args.eos_token_id.split(",")] if args.eos_token_id else None
-    sys.stdout.write(tok.decode(ids) if not args.input_ids else "")
-    t1 = time.perf_counter()
-    out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-                         seed=args.seed, streamer=_Stream(), drafter=drafter,
-                         **({"num_assistant_tokens": args.num_assistant_tokens or drafter.config.block_size}
-                            if drafter is not None else {}))
+    sampling = {k: getattr(args, k) for k in _SAMPLING_FLAGS if args.do_sample and getattr(args, k) is not None}
+    if drafter is not None:
+        sampling["num_assistant_tokens"] = args.num_assistant_tokens or drafter.config.block_size
+    from k3nn.kernels.registry import BackendUnavailableError
+
+    try:
+        echo.write(tok.decode(ids) if args.input_ids is None else "")
+        t1 = time.perf_counter()
+        out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                             eos_token_id=eos, seed=args.seed, streamer=_Stream(), drafter=drafter, **sampling)
+    except BaseException as e:
+        echo.close_line()  # the error goes on a line of its own
+        if isinstance(e, BackendUnavailableError) and args.backend not in (None, "auto"):
+            raise CommandError(f"--backend {args.backend}: {e}") from None
+        raise
     dt = time.perf_counter() - t1
     n = out.shape[1] - input_ids.shape[1]
     print(f"Prompt: {len(ids)} tokens | Generation: {n} tokens, {n / max(dt, 1e-9):.1f} tokens-per-sec | "
-          f"load {load_s:.1f}s | device {device} | backend {args.backend or 'auto'}", file=sys.stderr)
+          f"load {load_s:.1f}s | device {device} | backend {args.backend or 'auto'}"
+          + (f" | {threads} CPU thread(s)" if device.type == "cpu" else ""), file=sys.stderr)
     if drafter is not None and drafter.last_stats is not None:
         st = drafter.last_stats
         print(f"Speculative: acceptance length {st.acceptance_length:.2f} tokens per target forward, "
@@ -190,7 +407,7 @@ def _bench_package():
     mod = sys.modules.get("bench")
     if mod is not None:
         if Path(mod.__file__ or "").resolve() != init:
-            raise SystemExit(f"k3nn bench: a different module named 'bench' is already imported ({mod.__file__})")
+            raise CommandError(f"a different module named 'bench' is already imported ({mod.__file__})")
         return mod
     spec = importlib.util.spec_from_file_location("bench", init, submodule_search_locations=[str(init.parent)])
     mod = importlib.util.module_from_spec(spec)
@@ -209,30 +426,34 @@ def _suites_help(pkg) -> str:
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     pkg = _bench_package()
     if args.suite is None:
+        if rest:
+            raise CommandError(f"unrecognized arguments before SUITE: {' '.join(rest)}")
         args.parser.epilog = _suites_help(pkg)
-        args.parser.print_help()
-        return 0 if args.help else 2
+        if args.help:
+            args.parser.print_help()
+            return 0
+        raise CommandError("a SUITE is required; 'k3nn bench --help' lists them")
     if pkg is None:
-        raise SystemExit(f"k3nn bench: {_NO_CHECKOUT}.")
+        raise CommandError(f"{_NO_CHECKOUT}.")
     if args.suite not in pkg.SUITES:
-        raise SystemExit(f"unknown suite {args.suite!r}; suites: {', '.join(pkg.SUITES)}")
+        raise CommandError(f"unknown suite {args.suite!r}; suites: {', '.join(pkg.SUITES)}")
     name = f"bench.{args.suite.replace('-', '_')}"
     try:
         mod = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name == name:  # a listed suite without its module: a broken checkout, not a missing extra
             raise
-        raise SystemExit(f"suite {args.suite!r} needs {e.name!r}: pip install 'k3nn[bench]'") from None
+        raise CommandError(f"suite {args.suite!r} needs {e.name!r}: pip install 'k3nn[bench]'") from None
     if args.help or any(a in ("-h", "--help") for a in rest):  # the suite's own options
         mod.main(["--help"])
         return 0
     import torch
 
     if not torch.cuda.is_available() and not args.allow_cpu:
-        raise SystemExit(f"k3nn bench {args.suite}: no CUDA device here. The suites time GPU kernels against their "
-                         "anchors (CPU timings are not results); run on a GPU machine with k3nn installed "
-                         "(pip install -e '.[bench]'), or pass --allow-cpu for a smoke run of the code path. "
-                         "Committed H200 results are in bench/results/ and the README's table.")
+        raise CommandError(f"no CUDA device here. The suites time GPU kernels against their anchors (CPU timings "
+                           "are not results); run on a GPU machine with k3nn installed (pip install -e '.[bench]'), "
+                           "or pass --allow-cpu for a smoke run of the code path. Committed H200 results are in "
+                           "bench/results/ and the README's table.")
     mod.main(rest)
     return 0
 
@@ -251,8 +472,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_cli.run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+# ----------------------------------------------------------------------------------------------------- main
+def build_parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    """The ``k3nn`` parser and its subcommand parsers by name."""
+    p = ArgumentParser(
         prog="k3nn", description="Kimi K3 family models and kernels in PyTorch.",
         epilog="examples:\n"
                "  k3nn demo                                   train a small K3 on CPU, then generate (minutes)\n"
@@ -261,15 +484,18 @@ def main(argv: list[str] | None = None) -> int:
                "  k3nn bench kda-prefill                      GPU benchmark (results in bench/results/)\n"
                "'k3nn COMMAND --help' describes each command.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choices, loading)")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choices, loading) and "
+                   "tracebacks for errors")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    subs: dict[str, ArgumentParser] = {}
 
-    sub.add_parser("info", help="versions, device, and which backends run each op here (and why not)",
-                   description="Print the versions (k3nn, torch, triton, CUDA), the device, whether the Triton "
-                               "interpreter is on, and a table of ops x backends (eager / triton / cuda) with the "
-                               "reason each unavailable backend is refused on this machine.")
+    subs["info"] = sub.add_parser(
+        "info", help="versions, device, and which backends run each op here (and why not)",
+        description="Print the versions (k3nn, torch, triton, CUDA), the device, whether the Triton "
+                    "interpreter is on, and a table of ops x backends (eager / triton / cuda) with the "
+                    "reason each unavailable backend is refused on this machine.")
 
-    g = sub.add_parser(
+    g = subs["generate"] = sub.add_parser(
         "generate", help="generate text from a checkpoint directory or hub repo id",
         description="Stream a completion of --prompt from a checkpoint (a local directory, or a hub repo id "
                     "read through the Hugging Face cache). The tokenizer is the checkpoint's tokenizer.json or "
@@ -279,37 +505,47 @@ def main(argv: list[str] | None = None) -> int:
                "  k3nn generate --model ~/.cache/k3nn/demo/model --drafter ~/.cache/k3nn/demo/drafter\n"
                "  k3nn generate --model moonshotai/Kimi-Linear-48B-A3B-Instruct --device cuda --do-sample --top-p 0.9",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("--model", help="checkpoint directory or hub repo id (default: a random --preset model)")
-    g.add_argument("--preset", default="small", choices=["tiny", "small"], help="model built when --model is absent")
-    g.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
-    g.add_argument("--input-ids", help="comma-separated token ids instead of --prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--model", type=nonempty_arg, help="checkpoint directory or hub repo id (default: a random "
+                   "--preset model)")
+    g.add_argument("--preset", choices=["tiny", "small"], default=None,
+                   help="without --model: build this preset with random weights (default small)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", type=nonempty_arg, default=None, help=f"prompt text (default {DEFAULT_PROMPT!r})")
+    src.add_argument("--input-ids", type=int_list_arg(0), metavar="IDS", help="comma-separated token ids instead "
+                     "of --prompt")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=64, metavar="N", help="tokens to generate "
+                   "(default 64)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    g.add_argument("--top-k", type=int, default=None,
+    g.add_argument("--temperature", type=float_arg(0, lo_open=True), default=None,
+                   help="sampling temperature, > 0 (default 1.0; needs --do-sample)")
+    g.add_argument("--top-k", type=int_arg(0), default=None, metavar="K",
                    help="sample among the k most likely tokens (default: the model's generation config, else 50 as "
-                        "in transformers; 0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--seed", type=int, default=None, help="seed for sampling (and random --preset weights)")
-    g.add_argument("--eos-token-id", help="comma-separated stop ids")
-    g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+                        "in transformers; 0: off; needs --do-sample)")
+    g.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=None, metavar="P",
+                   help="nucleus sampling mass in (0, 1] (default 1.0: off; needs --do-sample)")
+    g.add_argument("--seed", type=int_arg(0, 2**64 - 1), default=None,
+                   help="seed for sampling (and random --preset weights)")
+    g.add_argument("--eos-token-id", type=int_list_arg(0), metavar="IDS", help="comma-separated stop ids")
+    g.add_argument("--dtype", type=dtype_arg, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--device", type=nonempty_arg, help="cpu | cuda | cuda:N | mps (default: cuda when available)")
     g.add_argument("--backend", choices=["auto", "eager", "triton", "cuda"], default=None,
                    help="kernel backend (default auto: the fastest that runs here; see k3nn info)")
-    g.add_argument("--drafter", help="DSpark drafter directory: speculative decoding (k3nn demo trains one)")
-    g.add_argument("--num-assistant-tokens", type=int, default=None,
-                   help="tokens drafted per step with --drafter (default: the drafter's block size)")
-    g.add_argument("--revision", help="hub revision")
+    g.add_argument("--drafter", type=directory_arg, help="DSpark drafter directory: speculative decoding "
+                   "(k3nn demo trains one)")
+    g.add_argument("--num-assistant-tokens", type=int_arg(1), default=None, metavar="N",
+                   help="tokens drafted per step with --drafter, >= 1 (default: the drafter's block size)")
+    g.add_argument("--revision", type=nonempty_arg, help="hub revision (branch, tag or commit) of --model")
     g.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE=1)")
+    add_threads_argument(g)
 
-    b = sub.add_parser(
+    b = subs["bench"] = sub.add_parser(
         "bench", help="run a GPU benchmark suite of the repository's bench/ folder; extra args go to the suite",
         description="Time k3nn's kernels against their anchors side by side on a CUDA GPU and write\n"
-                    "bench/results/<suite>-<date>.json (schema in PERF.md). The suites are the bench/ package of a\n"
-                    "k3nn checkout: 'k3nn bench SUITE ARGS' runs what 'python -m bench.SUITE ARGS' runs from its root.\n"
-                    "They need a GPU and the bench extra (pip install -e '.[bench]': fla-core, matplotlib).\n"
-                    "'k3nn bench SUITE --help' lists a suite's options; 'python scripts/make_readme.py' turns the\n"
-                    "committed results into the README table.",
+                    "bench/results/<suite>-<date>.json (schema in docs/perf.md). The suites are the bench/ package\n"
+                    "of a k3nn checkout: 'k3nn bench SUITE ARGS' runs what 'python -m bench.SUITE ARGS' runs from\n"
+                    "its root. They need a GPU and the bench extra (pip install -e '.[bench]': fla-core,\n"
+                    "matplotlib). 'k3nn bench SUITE --help' lists a suite's options; 'python scripts/make_readme.py'\n"
+                    "turns the committed results into the README table.",
         formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
     b.add_argument("suite", metavar="SUITE", nargs="?", help="a suite name (listed below)")
     b.add_argument("--allow-cpu", action="store_true",
@@ -317,40 +553,77 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-h", "--help", action="store_true", help="this help, or with SUITE the suite's options")
     b.set_defaults(parser=b)
 
-    sub.add_parser("demo", help="train a small K3 on Python source, then generate with and without speculation",
-                   add_help=False)
+    subs["demo"] = sub.add_parser(
+        "demo", help="train a small K3 on Python source, then generate with and without speculation", add_help=False)
     from k3nn.serve import cli as serve_cli
 
-    serve_cli.add_parser(sub)
+    subs["serve"] = serve_cli.add_parser(sub)
+    return p, subs
 
+
+# commands that take the rest of the command line themselves (their own parser)
+_PASSTHROUGH = {"bench": cmd_bench, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, subs = build_parser()
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="[%(name)s] %(message)s")
-    if args.cmd not in ("bench", "demo") and rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    cmd = args.cmd
+    if cmd not in _PASSTHROUGH and rest:
+        subs[cmd].error(f"unrecognized arguments: {' '.join(rest)}")
+
+    def show(message, category, filename, lineno, file=None, line=None):  # a warning is one line too
+        print(f"k3nn {cmd}: warning: {_one_line(str(message))}", file=sys.stderr)
+
     try:
-        if args.cmd == "bench":
-            return cmd_bench(args, rest)
-        if args.cmd == "demo":
-            return cmd_demo(args, rest)
-        return {"info": cmd_info, "generate": cmd_generate, "serve": cmd_serve}[args.cmd](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            if cmd in _PASSTHROUGH:
+                return _PASSTHROUGH[cmd](args, rest)
+            return {"info": cmd_info, "generate": cmd_generate, "serve": cmd_serve}[cmd](args)
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # argparse's exit (help, or an error it already printed)
+            raise
+        if args.verbose:
+            raise
+        _error(cmd, e.code)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"k3nn {cmd}: interrupted", file=sys.stderr)
+        return 130
     except _user_errors() as e:  # a message, not a traceback (-v shows the traceback)
         if args.verbose:
             raise
         msg = str(e) or type(e).__name__
         if isinstance(e, ImportError) and e.name and "pip install" not in msg:
             msg += " (pip install -e '.[demo,bench]' installs k3nn's optional dependencies)"
-        print(f"k3nn {args.cmd}: error: {msg}", file=sys.stderr)
-        return 2
+        _error(cmd, msg)
+        return EXIT_USAGE
+
+
+def _error(cmd: str, message: str) -> None:
+    sys.stdout.flush()
+    prefix = f"k3nn {cmd}: "
+    message = _one_line(message)
+    if message.startswith(prefix):  # a message that already names the command
+        message = message[len(prefix):]
+    if not message.startswith("error: "):
+        message = "error: " + message
+    print(prefix + message, file=sys.stderr)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message tells a user what to do (bad arguments, ids, files, configs): printed as one line
-    without a traceback (``-v`` shows it)."""
+    """Errors whose message tells a user what to do (bad arguments, ids, files, configs, devices, memory): printed
+    as one line without a traceback (``-v`` shows it)."""
+    import torch
+
     from k3nn.checkpoint.io import CheckpointError
     from k3nn.kernels.registry import BackendUnavailableError
 
-    return (CheckpointError, BackendUnavailableError, FileNotFoundError, ImportError, ValueError, TypeError)
+    return (CommandError, CheckpointError, BackendUnavailableError, OSError, ImportError, ValueError, TypeError,
+            NotImplementedError, FloatingPointError, torch.OutOfMemoryError)
 
 
 if __name__ == "__main__":

@@ -508,17 +508,17 @@ def machine_info() -> dict:
             "torch": torch.__version__, "k3nn": __version__, "commit": commit}
 
 
-def _threads_arg(value: str):
-    from .utils import parse_threads
-
-    try:
-        return parse_threads(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+def _out_arg(value: str) -> Path:
+    p = Path(value).expanduser()
+    if p.exists() and not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} exists and is not a directory")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .cli import ArgumentParser, add_threads_argument, directory_arg, int_arg, nonempty_arg
+
+    p = ArgumentParser(
         prog="k3nn demo",
         description="Train a small Kimi K3-structured model (KDA + gated MLA, Attention Residuals, Stable\n"
                     "LatentMoE with Quantile Balancing) on the Python standard library's source, train a DSpark\n"
@@ -534,24 +534,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=sorted(SIZES), default="small",
                    help="model and data shape: toy (smoke test, seconds), small (default: 1.8M params, a few minutes), "
                         "base (8 layers, ~4x the compute)")
-    p.add_argument("--steps", type=int, default=None, help="target training steps (default: 300 for small)")
-    p.add_argument("--drafter-steps", type=int, default=None,
+    p.add_argument("--steps", type=int_arg(1), default=None, metavar="N",
+                   help="target training steps, >= 1 (default: 300 for small)")
+    p.add_argument("--drafter-steps", type=int_arg(0), default=None, metavar="N",
                    help="drafter training steps (default: 500 for small; 0: no drafter, no speculative decoding)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=_out_arg, default=None,
                    help="where model/, drafter/, loss.png and results.json go (default: ~/.cache/k3nn/demo, "
                         "or $K3NN_HOME/demo)")
     reuse = p.add_mutually_exclusive_group()
     reuse.add_argument("--retrain", action="store_true", help="train again even if a checkpoint trained with the same settings is cached")
     reuse.add_argument("--reuse", action="store_true",
                        help="use the cached checkpoint whatever settings it was trained with (error if there is none)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for the generation step (default: a function "
+    p.add_argument("--prompt", type=nonempty_arg, default=DEFAULT_PROMPT, help="prompt for the generation step (default: a function "
                    "signature and docstring)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated from the prompt (default: 96)")
-    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order (default: 0)")
-    p.add_argument("--threads", type=_threads_arg, default="auto",
-                   help="torch CPU threads: a number, or auto (default): $OMP_NUM_THREADS when set, else the cores "
-                        "other processes leave idle, at most 4")
-    p.add_argument("--corpus", default=None, help="directory of .py files to train on (default: this Python's standard library)")
+    p.add_argument("--max-new-tokens", type=int_arg(1), default=96, metavar="N",
+                   help="tokens generated from the prompt (default: 96)")
+    p.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0,
+                   help="seed for initialisation and data order (default: 0)")
+    add_threads_argument(p)
+    p.add_argument("--corpus", type=directory_arg, default=None, help="directory of .py files to train on (default: this Python's standard library)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -563,8 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     steps = size.steps if args.steps is None else args.steps
     dsteps = size.drafter_steps if args.drafter_steps is None else args.drafter_steps
     args.steps = steps
-    if steps < 1:
-        raise SystemExit("--steps must be >= 1")
     out = Path(args.out) if args.out is not None else default_out_dir()
     mdir, ddir = out / "model", out / "drafter"
     _need("tokenizers")

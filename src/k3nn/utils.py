@@ -13,6 +13,71 @@ def records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _why_unavailable(dev: torch.device) -> str | None:
+    """None when ``dev`` can hold tensors in this process, else the reason it cannot."""
+    t = dev.type
+    if t in ("cpu", "meta"):
+        return None
+    if t == "cuda":
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None and torch.version.hip is None:
+                return f"this torch ({torch.__version__}) was built without CUDA"
+            return ("torch was built with CUDA but sees no CUDA device (no GPU, no driver, or CUDA_VISIBLE_DEVICES "
+                    "hides them)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            return f"it does not exist: {n} CUDA device(s) visible ({', '.join(f'cuda:{i}' for i in range(n))})"
+        return None
+    if t == "mps":
+        return None if torch.backends.mps.is_available() else "MPS (Apple GPU) is not available on this machine"
+    mod = getattr(torch, t, None)
+    is_available = getattr(mod, "is_available", None)
+    if callable(is_available) and is_available():
+        count = getattr(mod, "device_count", None)
+        n = count() if callable(count) else None
+        if dev.index is not None and n is not None and dev.index >= n:
+            return f"it does not exist: {n} {t} device(s) visible"
+        return None
+    return f"no {t} device is available to this torch build"
+
+
+def resolve_device(device: "torch.device | str | int", name: str = "device") -> torch.device:
+    """``device`` as a :class:`torch.device` that exists and is usable here, else a ValueError naming ``name``.
+
+    Accepts what torch and transformers accept: a torch.device, a string (``"cpu"``, ``"cuda"``, ``"cuda:1"``,
+    ``"mps"``, ``"meta"``, ...) or an int (a CUDA device index). Used by every entry that takes a device
+    (``KimiK3.from_pretrained(device=...)``, ``device_map``, ``k3nn generate --device``) so that an unknown or
+    absent device is one clear error instead of an error deep inside torch.
+
+    Raises:
+        ValueError: not a device (``"tpu"``, ``"cuda:x"``), a device type this machine does not have (``"cuda"``
+            on a CPU-only torch, ``"mps"`` off a Mac), or an index past the last device (``"cuda:3"`` with 2 GPUs).
+        TypeError: ``device`` is neither a torch.device, a str nor an int.
+
+    Example::
+
+        resolve_device("cuda:0")   # torch.device('cuda:0') on a GPU machine; ValueError on a CPU-only one
+    """
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{name} must be a torch.device, a device string such as 'cpu' or 'cuda:0', or an int "
+                        f"(a CUDA index), got {type(device).__name__}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{name} must be a device index >= 0, got {device}")
+        dev = torch.device("cuda", device)
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{name} must be a device such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {device!r}") \
+                from None
+    why = _why_unavailable(dev)
+    if why is not None:
+        shown = repr(str(device)) if isinstance(device, torch.device) else repr(device)
+        raise ValueError(f"{name}={shown} is not available here: {why}")
+    return dev
+
+
 def _usable_cores() -> int:
     """Cores this process may run on (its CPU affinity where the OS reports one, else all of them)."""
     import os

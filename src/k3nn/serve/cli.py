@@ -59,7 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Ctrl-C or SIGTERM: requests in flight get --shutdown-timeout seconds, then are aborted.",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", required=True, help="checkpoint directory or hub repo id")
-    s.add_argument("--drafter", help="DSpark drafter directory: speculative decoding inside the engine")
+    from ..cli import add_threads_argument, directory_arg
+
+    s.add_argument("--drafter", type=directory_arg,
+                   help="DSpark drafter directory: speculative decoding inside the engine")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -94,6 +97,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     s.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    add_threads_argument(s)
     return s
 
 
@@ -155,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
     from .chat import load_chat_template
 
     _check(args)
+    from ..utils import configure_threads, resolve_device
+
+    configure_threads(args.threads)
+    if args.device is not None:
+        args.device = str(resolve_device(args.device, "--device"))
     cache_bytes = parse_bytes(args.cache_memory) if args.cache_memory is not None else None
     logging.getLogger("k3nn.serve").setLevel(getattr(logging, args.log_level.upper()))
     if args.offline:
