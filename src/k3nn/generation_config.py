@@ -44,6 +44,19 @@ _UNSUPPORTED_OFF: dict[str, Any] = {
     "use_mtp": False}
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside k3nn and torch (the user's call)."""
+    import sys
+
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    skip = (pkg + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    level, f = 1, sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(skip):
+        f = f.f_back
+        level += 1
+    return level
+
+
 @dataclass
 class GenerationConfig:
     """Generation arguments, named as in transformers' ``GenerationConfig``. Every field is None until set;
@@ -147,15 +160,22 @@ class GenerationConfig:
         """A copy with every unset field at its default (the lengths stay None: they depend on the prompt)."""
         return dataclasses.replace(self, **{k: v for k, v in _DEFAULTS.items() if getattr(self, k) is None})
 
-    def validate(self) -> None:
-        """Check a :meth:`resolved` config."""
-        def nonneg_int(name):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    def validate(self, user_set: set[str] | None = None) -> None:
+        """Check a :meth:`resolved` config: a ValueError naming the field for a value out of range.
 
-        for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k",
-                     "no_repeat_ngram_size"):
+        As in transformers 5: ``max_new_tokens`` must be >= 1 (the Engine's ``SamplingParams`` agrees), and sampling
+        fields set while ``do_sample`` is not True (``temperature`` != 1, ``top_k`` != 50, ``top_p`` != 1,
+        ``typical_p`` != 1, ``min_p``) give one ``UserWarning`` naming them: greedy decoding ignores them.
+        ``user_set``: the fields the caller passed; a sampling field is then not warned about when ``do_sample``
+        was passed and the field was inherited (from a checkpoint's ``generation_config.json``). None: every set
+        field counts as passed."""
+        def nonneg_int(name, lo=0):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+        nonneg_int("max_new_tokens", lo=1)
+        for name in ("max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size"):
             nonneg_int(name)
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
@@ -179,7 +199,29 @@ class GenerationConfig:
                 isinstance(self.stop_strings, (list, tuple)) and self.stop_strings
                 and all(isinstance(s, str) and s for s in self.stop_strings))):
             raise ValueError(f"stop_strings must be a string or a list of non-empty strings, got {self.stop_strings!r}")
+        ignored = self.ignored_sampling_flags(user_set)
+        if ignored:
+            warnings.warn(f"The following generation flags are not valid and may be ignored: {ignored}. `do_sample` "
+                          f"is not set to `True`, and these flags are only used in sample-based generation modes: "
+                          f"greedy decoding ignores them. Set `do_sample=True` or unset them.", UserWarning,
+                          stacklevel=_caller_stacklevel())
 
+    def ignored_sampling_flags(self, user_set: set[str] | None = None) -> list[str]:
+        """The sampling fields set to a non-default value while ``do_sample`` is not True (transformers'
+        ``GenerationConfig.validate`` rule; see :meth:`validate` for ``user_set``)."""
+        if self.do_sample is True:
+            return []
+
+        def counts(name: str) -> bool:  # transformers' _should_warn("do_sample", name, user_set)
+            if user_set is None:
+                return True
+            return name in user_set or "do_sample" not in user_set
+
+        off = {"temperature": 1.0, "top_p": 1.0, "typical_p": 1.0, "top_k": 50}
+        out = [n for n, v in off.items() if getattr(self, n) is not None and getattr(self, n) != v and counts(n)]
+        if self.min_p is not None and counts("min_p"):
+            out.append("min_p")
+        return sorted(out)
     @property
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id

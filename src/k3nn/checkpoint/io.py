@@ -53,16 +53,34 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike, revision: str | None 
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    env_offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    offline = [w for w, on in (("HF_HUB_OFFLINE=1", env_offline), ("local_files_only=True", bool(local_files_only)))
+               if on]
+    where = f"the local hub cache ({cache_dir or 'default HF cache'})"
     try:
-        d = snapshot_download(name, revision=revision, cache_dir=cache_dir, token=token,
-                              local_files_only=bool(local_files_only) or offline,
+        d = snapshot_download(name, revision=revision, cache_dir=cache_dir, token=token, local_files_only=bool(offline),
                               allow_patterns=["*.json", "*.safetensors", "tiktoken.model", "tokenizer*"])
     except LocalEntryNotFoundError as e:
+        if offline:
+            raise CheckpointError(
+                f"{name!r} is not a local directory, nor in {where}, and downloads are off ({' and '.join(offline)}). "
+                f"Download it where the network is reachable (`hf download {name}`) or pass a local directory.") from e
+        cause = e.__cause__ or e.__context__
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
         raise CheckpointError(
-            f"{name!r} is not in the local hub cache ({cache_dir or 'default HF cache'}) and downloads are off "
-            f"(HF_HUB_OFFLINE or local_files_only). Download it on a machine with network access "
-            f"(`hf download {name}`) or pass a local directory.") from e
+            f"{name!r} is not a local directory, nor in {where}, and the Hugging Face Hub could not be reached to "
+            f"download it ({why}). Check the network (or HF_ENDPOINT / proxy settings), or pass a local "
+            f"directory.") from e
+    except GatedRepoError as e:
+        raise CheckpointError(f"{name!r} is a gated repository on the Hugging Face Hub: accept its terms on the hub "
+                              f"and log in (`hf auth login`) or pass token=") from e
+    except RepositoryNotFoundError as e:
+        raise CheckpointError(f"{name!r} is not a local directory and no such repository was found on the Hugging "
+                              f"Face Hub (or it is private: log in with `hf auth login` or pass token=)") from e
+    except RevisionNotFoundError as e:
+        raise CheckpointError(f"{name!r} has no revision {revision!r} on the Hugging Face Hub") from e
     except HfHubHTTPError as e:
         raise CheckpointError(f"could not fetch {name!r} from the hub: {e}") from e
     d = Path(d)
@@ -235,10 +253,14 @@ def resolve_dtype(dtype, checkpoint: Path | None = None) -> torch.dtype:
 
 
 def resolve_device_map(device_map, device) -> torch.device:
-    """transformers' ``device_map`` for one device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, a torch.device,
-    ``"auto"`` (the first GPU if there is one) or ``{"": device}``. A map over several devices is refused."""
+    """The one device of a ``from_pretrained`` call: ``device`` when ``device_map`` is None, else transformers'
+    ``device_map`` for one device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, a torch.device, ``"auto"`` (the
+    first GPU if there is one) or ``{"": device}``. A map over several devices is refused; a device that does not
+    exist or is not available here is a ValueError naming the argument (:func:`k3nn.utils.resolve_device`)."""
+    from ..utils import resolve_device
+
     if device_map is None:
-        return torch.device(device)
+        return resolve_device(device, "device")
     if isinstance(device_map, dict):
         devs = {str(torch.device(v) if not isinstance(v, int) else torch.device("cuda", v))
                 for v in device_map.values()}
@@ -249,12 +271,13 @@ def resolve_device_map(device_map, device) -> torch.device:
     if device_map == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device_map, int) and not isinstance(device_map, bool):
-        return torch.device("cuda", device_map)
+        return resolve_device(device_map, "device_map")
     try:
-        return torch.device(device_map)
+        torch.device(device_map)
     except (RuntimeError, TypeError):
         raise ValueError(f"device_map must be a device ('cpu', 'cuda', 'cuda:0', an int), 'auto' or a one-device "
                          f"dict, got {device_map!r}") from None
+    return resolve_device(device_map, "device_map")
 
 
 def _text_only_format(d: Path, language_model_only: bool):
@@ -283,8 +306,9 @@ def resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, rev
         if dtype is not None and dtype != torch_dtype:
             raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
         dtype = torch_dtype
+    dev = resolve_device_map(device_map, device)  # a bad device fails before any download
     d = resolve_checkpoint(path_or_repo_id, revision, cache_dir, local_files_only, token)
-    return d, resolve_device_map(device_map, device), dtype
+    return d, dev, dtype
 
 
 def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
