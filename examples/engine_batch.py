@@ -16,7 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from k3nn import KimiK3, KimiK3Config
+from k3nn.cli import add_threads_argument
 from k3nn.engine import Engine, EngineConfig, SamplingParams
+from k3nn.utils import configure_threads
 
 
 def main(argv=None) -> dict:
@@ -30,7 +32,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", default="adaptive", choices=["adaptive", "fixed"])
     ap.add_argument("--retention", default="marconi", help="marconi | replay | interval:N | none")
     ap.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-k 50) instead of greedy")
+    add_threads_argument(ap)
     a = ap.parse_args(argv)
+    configure_threads(a.threads)  # an entry point sets threads; the library itself never does
 
     cfg = getattr(KimiK3Config, a.config)()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32

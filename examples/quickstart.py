@@ -1,8 +1,9 @@
 """The README's five-minute tour, runnable: load, generate, swap a backend, one layer in your own model,
-speculative decoding, the engine.
+speculative decoding, the engine, the multimodal model.
 
     python examples/quickstart.py                 # uses the demo's checkpoint if `k3nn demo` has run
     python examples/quickstart.py --model DIR     # any k3nn / Kimi Linear checkpoint directory or hub id
+    python examples/quickstart.py --threads 1     # CPU threads (default auto: $OMP_NUM_THREADS, else idle cores)
 
 Without a trained checkpoint it builds ``KimiK3Config.tiny()`` with random weights (the text is noise, the API
 is the same).
@@ -18,15 +19,19 @@ import torch
 
 import k3nn
 from k3nn import KimiK3, KimiK3Config
+from k3nn.cli import add_threads_argument
 from k3nn.demo import default_out_dir
 from k3nn.tokenizer import load_tokenizer
+from k3nn.utils import configure_threads
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(default_out_dir() / "model"), help="checkpoint directory or hub id")
     p.add_argument("--drafter", default=str(default_out_dir() / "drafter"), help="DSpark drafter directory")
+    add_threads_argument(p)
     args = p.parse_args()
+    configure_threads(args.threads)  # an entry point sets threads; the library itself never does
 
     # 1. load ---------------------------------------------------------------------------------------------
     if os.path.isdir(args.model):
@@ -112,6 +117,20 @@ def main() -> None:
     m = engine.metrics()
     print(f"engine with drafts: acceptance length {m['spec_acceptance_length']:.2f}, "
           f"{m['preemptions']} preemptions")
+
+    # 8. the multimodal model: a KimiK3 beside the MoonViT vision tower ----------------------------------------
+    from k3nn import KimiK3ForConditionalGeneration, MultimodalConfig
+    from k3nn.vision import num_image_tokens
+
+    mcfg = MultimodalConfig.tiny()  # a Kimi K2.5 / K3 checkpoint: KimiK3ForConditionalGeneration.from_pretrained(dir)
+    mm = KimiK3ForConditionalGeneration(mcfg, seed=0).eval()
+    v = mcfg.vision_config
+    grid = torch.tensor([[1, 4, 4]])  # one image: (frames, rows, columns) of patches
+    pixels = torch.randn(16, v.num_channels, v.patch_size, v.patch_size)  # [patches, C, p, p], as the processor's
+    n = num_image_tokens(grid, v.merge_kernel_size)[0]  # each 2x2 block of patches is one text position
+    ids = torch.tensor([[5, 6] + [mcfg.image_token_id] * n + [7]])
+    out = mm.generate(ids, pixel_values=pixels, image_grid_thw=grid, max_new_tokens=8)
+    print(f"multimodal: {n} image tokens in the prompt, {out.shape[1] - ids.shape[1]} new tokens")
 
 
 if __name__ == "__main__":

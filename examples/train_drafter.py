@@ -23,8 +23,10 @@ import time
 import torch
 
 from k3nn import KimiK3, KimiK3Config
+from k3nn.cli import add_threads_argument
 from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
 from k3nn.spec import DSparkTrainer, SpecOptions
+from k3nn.utils import configure_threads
 
 
 def make_data(target, n: int, prompt_len: int, new: int, seed: int) -> torch.Tensor:
@@ -49,7 +51,9 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=2.0, help="stop training after this long")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--out", default="/tmp/dspark-tiny")
+    add_threads_argument(ap)
     args = ap.parse_args(argv)
+    configure_threads(args.threads)  # an entry point sets threads; the library itself never does
     torch.manual_seed(0)
     target = KimiK3(KimiK3Config.tiny(), backend="eager", seed=0).eval()
     g = torch.Generator().manual_seed(0)

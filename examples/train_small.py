@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from k3nn import KimiK3
+from k3nn.cli import add_threads_argument
 from k3nn.demo import (EOS, SIZES, batches, encode_docs, eval_windows, heldout_loss,
                        load_corpus, model_config, train_tokenizer, unigram_loss)
 from k3nn.layers.moe import MoE
 from k3nn.training import QuantileBalancer
+from k3nn.utils import configure_threads
 
 
 def main() -> None:
@@ -30,7 +32,9 @@ def main() -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
+    add_threads_argument(p)
     args = p.parse_args()
+    configure_threads(args.threads)  # an entry point sets threads; the library itself never does
     size = SIZES[args.size]
     steps, lr = args.steps or size.steps, args.lr or size.lr
     torch.manual_seed(0)

@@ -729,6 +729,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         say("speculative decoding: not run (no drafter)")
     total = time.perf_counter() - T0
+    try:  # what other processes did while the demo ran (the start value is in machine_info)
+        machine["load_average_1min_end"] = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        pass
     results.update(figures=figures, total_seconds=total, reused_checkpoint=reuse, settings=settings,
                    date=time.strftime("%Y-%m-%d %H:%M:%S %z"), machine=machine)
     (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
