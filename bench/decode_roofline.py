@@ -210,27 +210,40 @@ def _class_of(fe) -> str | None:
     return None
 
 
+_RUNTIME = ("LaunchKernel", "cuLaunch", "Memcpy", "Memset")
+
+
 def labelled_kernels(prof) -> list[tuple[str, float, str | None]]:
-    """(kernel name, µs, class) of an eager profiled step, in execution order. The profiler ties each kernel to the
-    innermost range or op around its launch (``linked_correlation_id``, or that event's ``kernels`` list on a
-    profiler without it); the kernel's class is the nearest labelled range up from there."""
+    """(kernel name, µs, class) of an eager profiled step, in execution order. A kernel's class is the innermost
+    labelled range around the host call that launched it: the runtime event with the kernel's correlation id
+    (its start time inside the ranges), else the event the profiler links the kernel to and that event's parents;
+    None when neither says (the caller classifies by name)."""
+    import bisect
+
     from torch.autograd import DeviceType
 
     evs = list(prof.events())
     cpu = [e for e in evs if e.device_type == DeviceType.CPU]
+    labels = sorted((e.time_range.start, e.time_range.end, e.name[len(_LABEL):].split("|")[0])
+                    for e in cpu if e.name.startswith(_LABEL))
+    starts = [lab[0] for lab in labels]
+    launch_at = {e.id: e.time_range.start for e in cpu if any(r in e.name for r in _RUNTIME)}
     by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
-    dev = sorted((e for e in evs if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    out, linked = [], 0
-    for e in dev:
-        fe = by_id.get(getattr(e, "linked_correlation_id", 0) or -1)
-        linked += fe is not None
-        out.append((e.name, float(e.time_range.end - e.time_range.start), _class_of(fe)))
-    if linked:
-        return out
+
+    def inside(t):
+        for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):  # the latest-starting range that holds t
+            s0, e0, cls = labels[i]
+            if s0 <= t <= e0:
+                return cls
+        return None
+
     out = []
-    for fe in sorted((e for e in cpu if getattr(e, "kernels", None)), key=lambda e: e.time_range.start):
-        cls = _class_of(fe)
-        out += [(k.name, float(k.duration), cls) for k in fe.kernels]
+    dev = sorted((e for e in evs if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    for e in dev:
+        cls = inside(launch_at[e.id]) if e.id in launch_at else None
+        if cls is None:
+            cls = _class_of(by_id.get(getattr(e, "linked_correlation_id", 0) or -1))
+        out.append((e.name, float(e.time_range.end - e.time_range.start), cls))
     return out
 
 
@@ -244,6 +257,17 @@ def align_classes(replay: list[str], eager: list[tuple[str, float, str | None]])
             for a, b in zip(range(i1, i2), range(j1, j2)):
                 out[b] = eager[a][2]
     return [c or class_by_name(n) for c, n in zip(out, replay)]
+
+
+def lm_head_tail(names: list[str], classes: list[str]) -> list[str]:
+    """The projection kernels after the step's last norm kernel are the LM head (the final norm is the last op
+    before it): the class when the labels did not reach those kernels."""
+    if LM_HEAD in classes:
+        return classes
+    last = max((i for i, n in enumerate(names) if "attnres" in n.lower() or "rms" in n.lower()), default=None)
+    if last is None:
+        return classes
+    return [LM_HEAD if i > last and class_by_name(n) == DENSE else c for i, (n, c) in enumerate(zip(names, classes))]
 
 
 # -- one case ----------------------------------------------------------------------------------------------------
@@ -309,7 +333,7 @@ def measure(model, base, first, variant: str, replays: int, profile_replays: int
     seq = [n for n, _ in one]
     classes: list[str] = []
     if seq:
-        classes = align_classes(seq, eager_k)
+        classes = lm_head_tail(seq, align_classes(seq, eager_k))
         times = {c: 0.0 for c in CLASSES}
         counts = {c: 0 for c in CLASSES}
         # every replay's kernels: classes repeat with the sequence

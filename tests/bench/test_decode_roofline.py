@@ -85,3 +85,29 @@ def test_suite_smoke_on_cpu(tmp_path, monkeypatch):
     (f,) = tmp_path.glob("decode-roofline-*.json")
     data = json.loads(f.read_text())
     assert data["meta"]["suite"] == "decode-roofline" and data["rows"]
+
+
+def test_lm_head_tail():
+    names = ["_skinny_kernel", "_attnres_kernel", "add", "_skinny_kernel"]
+    got = dr.lm_head_tail(names, [dr.DENSE, dr.NORMS, dr.NORMS, dr.DENSE])
+    assert got == [dr.DENSE, dr.NORMS, dr.NORMS, dr.LM_HEAD]
+    assert dr.lm_head_tail(names, [dr.DENSE, dr.NORMS, dr.NORMS, dr.LM_HEAD])[3] == dr.LM_HEAD
+
+
+def test_labelled_kernels_by_launch_time():
+    """A kernel's class is the innermost labelled range around its launch call (matched by correlation id)."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, t0, t1, dev=DeviceType.CPU, id=0, linked=0):
+        return NS(name=name, time_range=NS(start=t0, end=t1), device_type=dev, id=id, linked_correlation_id=linked,
+                  cpu_parent=None)
+
+    evs = [ev(f"{dr._LABEL}{dr.MLA}|MultiHeadLatentAttention", 0, 100),
+           ev(f"{dr._LABEL}{dr.DENSE}|linear", 10, 20), ev("cuLaunchKernelEx", 12, 13, id=7, linked=3),
+           ev("cudaLaunchKernel", 30, 31, id=8, linked=4), ev("cudaLaunchKernel", 200, 201, id=9, linked=5),
+           ev("_skinny_kernel", 40, 45, DeviceType.CUDA, id=7), ev("bmm", 50, 52, DeviceType.CUDA, id=8),
+           ev("x", 300, 301, DeviceType.CUDA, id=9)]
+    prof = NS(events=lambda: evs)
+    assert dr.labelled_kernels(prof) == [("_skinny_kernel", 5.0, dr.DENSE), ("bmm", 2.0, dr.MLA), ("x", 1.0, None)]

@@ -236,3 +236,52 @@ def test_model_decode_on_the_skinny_path_equals_full_forward(monkeypatch):
     assert (m.config.vocab_size, m.config.hidden_size) in calls  # lm_head, the packed projections, ...
     assert len(calls) > 3 * m.config.num_hidden_layers
     assert _rel(torch.cat(steps, 1), full.double()) < 1e-5
+
+
+def test_tuned_lookup_serves_unmeasured_buckets(monkeypatch):
+    monkeypatch.setattr(tuned, "TUNED", {("bfloat16", 64, 32, 1): ("fma", 8, 64, 4, 1, 1),
+                                         ("bfloat16", 64, 32, 16): ("dot", 64, 32, 4, 3, 1)})
+    monkeypatch.setattr(tuned, "TORCH_FASTER", {("bfloat16", 64, 32, 16)})
+    assert tuned.lookup("bfloat16", 64, 32, 2) == (("fma", 8, 64, 4, 1, 1), False)  # fma: up to twice its rows
+    assert tuned.lookup("bfloat16", 64, 32, 8) == (("dot", 64, 32, 4, 3, 1), True)  # dot serves any rows
+    assert tuned.lookup("bfloat16", 64, 32, 4)[0][0] == "dot"
+    assert tuned.lookup("bfloat16", 65, 32, 1) == (None, False)
+
+
+@settings(deadline=None, max_examples=10)
+@given(m=st.integers(1, 16), res=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_out_dtype_computes_as_if_cast_first(m, res, seed):
+    """fp16 operands, fp32 output (the router's logits): the reference casts first; the kernel converts on load."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, 40, generator=g).half(), torch.randn(24, 40, generator=g).half()
+    r = torch.randn(m, 24, generator=g) if res else None
+    ref = linear_reference(x, w, None, r, torch.float32)
+    torch.testing.assert_close(ref, torch.addmm(r, x.float(), w.float().t()) if res else x.float() @ w.float().t())
+    with backend("triton"):
+        y = ops.linear(x, w, residual=r, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="residual is"):
+        ops.linear(x, w, residual=torch.zeros(m, 24).half(), out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.linear(x, w, out_dtype=torch.int32)
+
+
+def test_router_logits_half_inputs_equal_the_upcast_product():
+    from k3nn import KimiK3Config
+    from k3nn.layers.moe import Router
+
+    r = Router(KimiK3Config.tiny(num_experts=8)).bfloat16()
+    nn.init.normal_(r.weight)
+    x = torch.randn(3, r.weight.shape[1]).bfloat16()
+    with torch.no_grad():
+        got = r.logits(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ r.weight.float().t(), rtol=1e-6, atol=1e-6)
+
+
+def test_autograd_runs_torch_gemm_under_an_explicit_backend():
+    x, w = torch.randn(2, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    with backend("triton"):
+        ops.linear(x, w).sum().backward()
+    assert x.grad is not None and w.grad is not None

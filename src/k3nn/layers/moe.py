@@ -52,7 +52,10 @@ class Router(nn.Module):
         self.num_group, self.topk_group = config.num_expert_group, config.topk_group
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits [..., E] in fp32 (fp64 when checking in fp64): :func:`k3nn.ops.linear` on upcast inputs."""
+        """Router logits [..., E] in fp32 (fp64 when checking in fp64): :func:`k3nn.ops.linear` as if on upcast
+        inputs (half-precision x and weight: ``out_dtype=float32``, no cast copies on the Triton path)."""
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16):
+            return ops.linear(x, self.weight, out_dtype=torch.float32)
         return ops.linear(upcast(x), upcast(self.weight))
 
     def forward(self, x: torch.Tensor):

@@ -168,13 +168,14 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132) -
 
 
 def config_for(m: int, n: int, k: int, dtype: torch.dtype, dev: torch.device) -> SkinnyConfig:
-    """The measured launch shape of :data:`.tuned.TUNED` for (dtype, N, K, row bucket), else :func:`default_config`."""
-    from .tuned import TUNED
+    """The measured launch shape of :data:`.tuned.TUNED` for (dtype, N, K, row bucket) (:func:`.tuned.lookup`: the
+    nearest measured bucket that can serve these rows), else :func:`default_config`."""
+    from .tuned import lookup
 
     if triton_interpreting() and dev.type == "cpu":
         return SkinnyConfig("fma", min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(max(k, 16))),
                             1, 1, 1)
-    hit = TUNED.get((str(dtype).removeprefix("torch."), n, k, row_bucket(m)))
+    hit, _ = lookup(str(dtype).removeprefix("torch."), n, k, row_bucket(m))
     return SkinnyConfig(*hit) if hit is not None else default_config(m, n, k, dtype, _sms(dev))
 
 
@@ -187,12 +188,12 @@ def _rows2d(t: torch.Tensor, cols: int) -> torch.Tensor | None:
     return v if (v.stride(1) == 1 or cols == 1) else None
 
 
-def supports_skinny(x, weight, bias=None, residual=None) -> str | None:
+def supports_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str | None:
     why = triton_ready(x, weight, *(t for t in (bias, residual) if t is not None))
     if why:
         return why
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} (the skinny GEMM takes fp16, bf16, fp32)"
+    if x.dtype not in _DTYPES or (out_dtype is not None and out_dtype not in _DTYPES):
+        return f"dtype {x.dtype} -> {out_dtype or x.dtype} (the skinny GEMM takes fp16, bf16, fp32)"
     if records_grad(x, weight, bias, residual):
         return "forward only: inputs require grad (the eager path trains)"
     N, K = weight.shape
@@ -212,7 +213,7 @@ def supports_skinny(x, weight, bias=None, residual=None) -> str | None:
     return None
 
 
-def auto_skip_skinny(x, weight, bias=None, residual=None) -> str | None:
+def auto_skip_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str | None:
     """Why ``auto`` leaves this call to torch's GEMM: ``KernelTuning.skinny_linear`` (``"never"``; ``"always"``
     takes the kernel wherever it runs), else the measured rule of :data:`.tuned.AUTO_RULE`."""
     mode = current_tuning().skinny_linear
@@ -226,12 +227,13 @@ def auto_skip_skinny(x, weight, bias=None, residual=None) -> str | None:
 
 
 def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, *, config: SkinnyConfig | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
     """See :func:`k3nn.ops.linear`; at most 16 rows. ``config``: an explicit :class:`SkinnyConfig`."""
     N, K = weight.shape
     x2 = _rows2d(x, K)
     M = x2.shape[0]
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
     y2 = y.view(M, N)

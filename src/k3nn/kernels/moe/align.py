@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MoEAlignment", "moe_align", "moe_align_triton", "max_blocks", "align_for"]
+__all__ = ["MoEAlignment", "moe_align", "moe_align_triton", "max_blocks", "align_for", "one_launch_ok"]
 
 
 class MoEAlignment(NamedTuple):
@@ -55,39 +55,45 @@ def _align_kernel_src():
     import triton.language as tl
 
     @triton.jit
-    def _moe_align_small(ids_ptr, sorted_ptr, eid_ptr, num_rows_ptr, scratch_ptr, P, E, S, NB,
-                         BLOCK_M: tl.constexpr, MAX_BPE: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
-        """One program: counts by atomics (the returned old count is the pair's rank inside its expert),
-        padded offsets by cumsum, then block expert ids and the scatter of flat ids."""
-        offs_e = tl.arange(0, BLOCK_E)
-        em = offs_e < E
-        cnt_ptr = scratch_ptr
-        start_ptr = scratch_ptr + BLOCK_E
-        tl.store(cnt_ptr + offs_e, tl.zeros((BLOCK_E,), tl.int32), mask=em)
-        for f0 in range(0, S, BLOCK_F):  # sentinel everywhere first
-            offs_f = f0 + tl.arange(0, BLOCK_F)
-            tl.store(sorted_ptr + offs_f, tl.full((BLOCK_F,), 0, tl.int32) + P, mask=offs_f < S)
-        for f0 in range(0, NB, BLOCK_F):
-            offs_f = f0 + tl.arange(0, BLOCK_F)
-            tl.store(eid_ptr + offs_f, tl.full((BLOCK_F,), -1, tl.int32), mask=offs_f < NB)
-        tl.debug_barrier()
+    def _moe_align_small(ids_ptr, sorted_ptr, eid_ptr, num_rows_ptr, P, E, S, NB,
+                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
+                         MAX_BPE: tl.constexpr):
+        """One program, no atomics, every output written by exactly one store (no ordering between threads):
+        each pair's rank among the earlier pairs of its expert by comparisons (moe_align's stable order), the
+        experts' counts, padded lengths and padded starts chunk by chunk over the experts (a running prefix),
+        each used block's expert, -1 past the used rows, and the sorted ids gathered slot by slot."""
         offs_p = tl.arange(0, BLOCK_P)
         pm = offs_p < P
-        ids = tl.load(ids_ptr + offs_p, mask=pm, other=0).to(tl.int32)
-        rank = tl.atomic_add(cnt_ptr + ids, tl.full((BLOCK_P,), 1, tl.int32), mask=pm)
-        tl.debug_barrier()
-        counts = tl.load(cnt_ptr + offs_e, mask=em, other=0, volatile=True)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        pend = tl.cumsum(padded, 0)
-        pstart = pend - padded
-        tl.store(start_ptr + offs_e, pstart, mask=em)
-        for j in range(0, MAX_BPE):
-            tl.store(eid_ptr + pstart // BLOCK_M + j, offs_e, mask=em & (j * BLOCK_M < padded))
-        tl.store(num_rows_ptr, tl.sum(padded, 0))
-        tl.debug_barrier()
-        dest = tl.load(start_ptr + ids, mask=pm, other=0, volatile=True) + rank
-        tl.store(sorted_ptr + dest, offs_p, mask=pm)
+        ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)
+        rank = tl.zeros([BLOCK_P], dtype=tl.int32)
+        for q0 in range(0, P, CHUNK):
+            offs_q = q0 + tl.arange(0, CHUNK)
+            idq = tl.load(ids_ptr + offs_q, mask=offs_q < P, other=-2).to(tl.int32)
+            hit = (ids[:, None] == idq[None, :]) & (offs_q[None, :] < offs_p[:, None])
+            rank += tl.sum(hit.to(tl.int32), 1)
+        start = tl.zeros([BLOCK_P], dtype=tl.int32)
+        base = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+        for e0 in range(0, E, CHUNK):
+            offs_e = e0 + tl.arange(0, CHUNK)
+            em = offs_e < E
+            cnt = tl.sum((offs_e[:, None] == ids[None, :]).to(tl.int32), 1)
+            pad = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            pstart = base + tl.cumsum(pad, 0) - pad
+            start += tl.sum(tl.where(ids[:, None] == offs_e[None, :], pstart[None, :], 0), 1)
+            for j in range(0, MAX_BPE):
+                tl.store(eid_ptr + pstart // BLOCK_M + j, offs_e, mask=em & (j * BLOCK_M < pad))
+            base += tl.sum(pad, 0)
+        tl.store(num_rows_ptr, base)
+        for b0 in range(0, NB, CHUNK):
+            offs_b = b0 + tl.arange(0, CHUNK)
+            tl.store(eid_ptr + offs_b, tl.full([CHUNK], -1, tl.int32), mask=(offs_b < NB) & (offs_b * BLOCK_M >= base))
+        dest = start + rank
+        for f0 in range(0, S, CHUNK):
+            offs_f = f0 + tl.arange(0, CHUNK)
+            match = (dest[None, :] == offs_f[:, None]) & pm[None, :]
+            val = tl.sum(tl.where(match, offs_p[None, :], 0), 1)
+            has = tl.max(match.to(tl.int32), 1)
+            tl.store(sorted_ptr + offs_f, tl.where(has > 0, val, P), mask=offs_f < S)
 
     return _moe_align_small
 
@@ -95,11 +101,14 @@ def _align_kernel_src():
 _KERNEL = None
 #: the one-program alignment handles up to this many (token, slot) pairs (decode-sized batches)
 SMALL_PAIRS = 1024
+#: ``align_for`` takes the one-program kernel up to this many pairs (its slot-by-slot gather grows as pairs²;
+#: the torch path's ~35 small launches cost about the same there)
+ONE_LAUNCH_PAIRS = 512
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """One-launch alignment for small batches (≤ ``SMALL_PAIRS`` pairs). Pairs of one expert appear in an
-    unspecified order (atomics); every pair appears exactly once, so the expert outputs are unchanged."""
+    """One-launch alignment for small batches (≤ ``SMALL_PAIRS`` pairs): the same result as :func:`moe_align`,
+    the pairs of an expert in their flat order."""
     import triton
 
     global _KERNEL
@@ -113,14 +122,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
         raise ValueError(f"moe_align_triton: {P} pairs exceed {SMALL_PAIRS}; use moe_align")
     dev = flat.device
     nb = max_blocks(P, num_experts, block_m)
-    block_e = triton.next_power_of_2(num_experts)
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=dev)
-    _KERNEL[(1,)](flat, sorted_ids, expert_ids, num_rows, scratch, P, num_experts, nb * block_m, nb,
-                  BLOCK_M=block_m, MAX_BPE=-(-P // block_m), BLOCK_P=triton.next_power_of_2(max(P, 16)),
-                  BLOCK_E=block_e, BLOCK_F=1024, num_warps=4)
+    block_p = triton.next_power_of_2(max(P, 16))
+    _KERNEL[(1,)](flat, sorted_ids, expert_ids, num_rows, P, num_experts, nb * block_m, nb,
+                  BLOCK_M=block_m, BLOCK_P=block_p, CHUNK=max(8, min(128, 8192 // block_p)),
+                  MAX_BPE=-(-P // block_m), num_warps=4)
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 
@@ -128,10 +136,8 @@ _SELF_CHECK: dict[tuple[str, int | None], bool] = {}
 
 
 def _same_alignment(a: MoEAlignment, b: MoEAlignment) -> bool:
-    if not (torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)):
-        return False
-    bm = a.block_m
-    return torch.equal(a.sorted_ids.view(-1, bm).sort(1).values, b.sorted_ids.view(-1, bm).sort(1).values)
+    return (torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)
+            and torch.equal(a.sorted_ids, b.sorted_ids))
 
 
 def _one_launch_ok(dev: torch.device) -> bool:
@@ -142,7 +148,9 @@ def _one_launch_ok(dev: torch.device) -> bool:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
         ids = (torch.arange(60, device=dev).view(15, 4) * 5 + 3) % 7
-        ok = all(_same_alignment(moe_align(ids, 7, bm), moe_align_triton(ids, 7, bm)) for bm in (4, 16))
+        big = (torch.arange(256, device=dev).view(16, 16) * 37 + 11) % 131
+        ok = (all(_same_alignment(moe_align(ids, 7, bm), moe_align_triton(ids, 7, bm)) for bm in (4, 16))
+              and _same_alignment(moe_align(big, 131, 8), moe_align_triton(big, 131, 8)))
         if not ok:
             import logging
 
@@ -152,8 +160,13 @@ def _one_launch_ok(dev: torch.device) -> bool:
     return _SELF_CHECK[key]
 
 
+def one_launch_ok(dev: torch.device) -> bool:
+    """Whether :func:`align_for` takes the one-launch kernel on ``dev`` (its self-check passed there)."""
+    return _one_launch_ok(torch.device(dev))
+
+
 def align_for(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """The alignment the fused kernels use: one launch for decode-sized batches, else :func:`moe_align`."""
-    if topk_ids.numel() <= SMALL_PAIRS and num_experts <= 8192 and _one_launch_ok(topk_ids.device):
+    if topk_ids.numel() <= ONE_LAUNCH_PAIRS and num_experts <= 8192 and _one_launch_ok(topk_ids.device):
         return moe_align_triton(topk_ids, num_experts, block_m)
     return moe_align(topk_ids, num_experts, block_m)

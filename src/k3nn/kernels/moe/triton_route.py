@@ -61,7 +61,7 @@ def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_gr
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     if N:
-        _route_kernel[(N,)](logits.float().contiguous(), bias.float().contiguous(), ids, w, E, float(scaling),
+        _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, float(scaling),
                             K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=triton.next_power_of_2(E),
                             BLOCK_K=triton.next_power_of_2(top_k))
     return ids, w
