@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["RequestSpec", "RequestResult", "make_workload", "arrival_offsets", "run_load", "run_in_process",
@@ -323,9 +323,9 @@ class _Child:
 
 
 def launch_server(kind: str, *, model_path: str | None, max_num_seqs: int, num_pages: int, device: str | None,
-                  dtype: str | None) -> _Child:
-    """Start ``k3nn serve`` on the demo checkpoint (``kind="demo"``) or a random-weight preset in a child process
-    on a free port of 127.0.0.1."""
+                  dtype: str | None, drafter_path: str | None = None) -> _Child:
+    """Start ``k3nn serve`` on the demo checkpoint (``kind="demo"``, with its drafter when ``drafter_path`` is given)
+    or a random-weight preset in a child process on a free port of 127.0.0.1."""
     common = ["--port", "0", "--max-num-seqs", str(max_num_seqs), "--num-pages", str(num_pages), "--no-access-log"]
     common += (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])
     env = dict(os.environ)
@@ -333,8 +333,9 @@ def launch_server(kind: str, *, model_path: str | None, max_num_seqs: int, num_p
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)] + ([env["PYTHONPATH"]] if env.get(
         "PYTHONPATH") else []))
     if kind == "demo":
+        drafter = ["--drafter", str(drafter_path)] if drafter_path else []
         return _Child([sys.executable, "-m", "k3nn", "serve", "--model", str(model_path), "--offline",
-                       "--served-model-name", "demo"] + common, env)
+                       "--served-model-name", "demo"] + drafter + common, env)
     return _Child([sys.executable, "-m", "bench.serve", "--serve-preset", kind] + common, env)
 
 
@@ -377,7 +378,7 @@ def _serve_preset(argv: list[str]) -> int:
 
 
 def _in_process_engine(kind: str, model_path: str | None, max_num_seqs: int, num_pages: int, device: str | None,
-                       dtype: str | None):
+                       dtype: str | None, drafter_path: str | None = None):
     import torch
 
     from k3nn import KimiK3
@@ -387,14 +388,20 @@ def _in_process_engine(kind: str, model_path: str | None, max_num_seqs: int, num
     from bench.models import bench_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    drafter = None
     if kind == "demo":
         dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model = KimiK3.from_pretrained(model_path, dtype=dt, device=device).eval()
         tok = load_tokenizer(model_path, model.config.vocab_size)
+        if drafter_path:
+            from k3nn.layers.dspark import DSparkDrafter
+
+            drafter = DSparkDrafter.from_pretrained(drafter_path, target=model, device=device, dtype=dt).eval()
     else:
         cfg, model = bench_model(kind, device, dtype)
         tok = ByteTokenizer(cfg.vocab_size)
-    engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, num_pages=num_pages), tokenizer=tok)
+    engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, num_pages=num_pages), drafter=drafter,
+                    tokenizer=tok)
     w = engine.warmup()
     print(f"in-process engine warmed up in {w:.1f} s", flush=True)
     return engine
@@ -411,6 +418,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     src.add_argument("--launch", choices=["demo", "tiny", "small", "k3_slice"],
                      help="start k3nn serve in a child process on this model, then measure")
     ap.add_argument("--model-path", default=None, help="--launch demo: the checkpoint (default: k3nn demo's)")
+    ap.add_argument("--drafter-path", default=None,
+                    help="--launch demo: serve (and run in-process) with this DSpark drafter (e.g. k3nn demo's)")
     ap.add_argument("--model", default=None, help="the model name sent with each request (default: the server's)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -433,6 +442,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     if a.in_process and not a.launch:
         ap.error("--in-process needs --launch (the in-process run loads the same model here)")
+    if a.drafter_path and a.launch != "demo":
+        ap.error("--drafter-path goes with --launch demo")
     if a.launch == "demo" and a.model_path is None:
         from k3nn.demo import default_out_dir
 
@@ -458,7 +469,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         if a.launch:
             child = launch_server(a.launch, model_path=a.model_path, max_num_seqs=max_seqs, num_pages=pages,
-                                  device=a.device, dtype=a.dtype)
+                                  device=a.device, dtype=a.dtype, drafter_path=a.drafter_path)
             base_url = child.wait_ready(a.startup_timeout)
         else:
             base_url = a.base_url
@@ -473,7 +484,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rc = child.stop()
             print(f"server stopped (exit status {rc})", flush=True)
     if a.in_process:
-        engine = _in_process_engine(a.launch, a.model_path, max_seqs, pages, a.device, a.dtype)
+        engine = _in_process_engine(a.launch, a.model_path, max_seqs, pages, a.device, a.dtype, a.drafter_path)
         for c in a.max_concurrency:
             results, dur = run_in_process(engine, workload, request_rate=a.request_rate, burstiness=a.burstiness,
                                           max_concurrency=c, seed=a.seed)
@@ -482,7 +493,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for c, r in runs.items():
         http = r["http"]
-        row = {"case": f"{a.launch or 'server'}_c{c}_in{a.input_len}_out{a.output_len}",
+        row = {"case": f"{a.launch or 'server'}{'+drafter' if a.drafter_path else ''}_c{c}_in{a.input_len}"
+                       f"_out{a.output_len}",
                "k3nn_ms": round(1e3 / http["output_tok_s"], 4) if http["output_tok_s"] else None,
                "concurrency": c, "http": http}
         if "in_process" in r and r["in_process"]["output_tok_s"]:
@@ -491,7 +503,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        http_vs_in_process=round(http["output_tok_s"] / r["in_process"]["output_tok_s"], 3))
             print(f"c={c}: HTTP / in-process output throughput = {row['http_vs_in_process']:.3f} (goal >= 0.95)")
         rows.append(row)
-    meta = {"model": a.launch or a.base_url, "model_path": a.model_path, "num_prompts": a.num_prompts,
+    meta = {"model": a.launch or a.base_url, "model_path": a.model_path, "drafter_path": a.drafter_path,
+            "num_prompts": a.num_prompts,
             "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
             "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
             "max_num_seqs": max_seqs, "num_pages": pages, "dtype": a.dtype, "device": a.device,

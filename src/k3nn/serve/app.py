@@ -103,11 +103,29 @@ class _Job:
     open: int = 0
     outcome: str | None = None
     end: float | None = None
+    recorded: bool = False
 
     def usage(self) -> dict[str, int]:
         p = sum(len(x) for x in self.prompts)
         c = sum(len(ch.token_ids) for ch in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _EventStream(StreamingResponse):
+    """Server-Sent Events; ``on_close`` runs however the response ends — also when the client was gone before the
+    first chunk, when the body iterator never started (and its own ``finally`` never runs)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -308,8 +326,7 @@ class OpenAIServer:
         job.open = len(job.choices)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
         if job.streaming:
-            return StreamingResponse(self._sse(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(self._sse(job), on_close=lambda: self._finish(job))
         return await self._respond(request, job)
 
     def _completion_job(self, body: dict):
@@ -462,15 +479,15 @@ class OpenAIServer:
     async def _sse(self, job: _Job) -> AsyncIterator[str]:
         try:
             while job.open:
-                deltas = self._apply(job, await job.stream.get())
-                for index in sorted(deltas):
+                for item in await job.stream.get():  # one chunk per engine step and choice, even when behind
+                    ((index, d),) = self._apply(job, [item]).items()
                     ch = job.choices[index]
                     if ch.error is not None or ch.finish_reason == "error":
                         job.outcome = "error"
                         yield _sse(self._error(job, ch).body())
                         yield _DONE
                         return
-                    for chunk in self._chunk(job, ch, deltas[index]):
+                    for chunk in self._chunk(job, ch, d):
                         yield _sse(chunk)
             if job.include_usage:
                 yield _sse({"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
@@ -480,7 +497,10 @@ class OpenAIServer:
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
-        """The request ended (completed, failed, or its client went away): abort what still runs, record it."""
+        """The request ended (completed, failed, or its client went away): abort what still runs, record it (once)."""
+        if job.recorded:
+            return
+        job.recorded = True
         if job.open:
             self.engine.abort(job.id)
             job.outcome = job.outcome or "abort"
@@ -507,8 +527,9 @@ class OpenAIServer:
                     t.cancel()
             if not collect.done() or collect.cancelled() or collect.exception() is not None:
                 self._finish(job)  # the client went away (or this task was cancelled): abort
-        if job.open:  # nobody reads the answer
+        if not collect.done() or collect.cancelled():  # nobody reads the answer
             return Response(status_code=499)
+        collect.result()  # a failure while collecting: a 500
         failed = [ch for ch in job.choices if ch.error is not None or ch.finish_reason == "error"]
         if failed:
             job.outcome = "error"
