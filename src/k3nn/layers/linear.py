@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..kernels.linear.reference import MAX_SKINNY_ROWS
 from ..utils import records_grad
 
 __all__ = ["Linear"]
@@ -22,6 +23,10 @@ class Linear(nn.Linear):
     """``y = x Wᵀ (+ b)`` through :func:`k3nn.ops.linear` (``F.linear`` while autograd records)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if records_grad(x, self.weight, self.bias) or torch.is_autocast_enabled(x.device.type):
+        """x [..., in_features] → [..., out_features] in x's dtype: ``F.linear`` for prefill-sized inputs, under
+        autograd or autocast; :func:`k3nn.ops.linear` (the skinny GEMM on the GPU) for decode-sized ones."""
+        # more rows than a skinny GEMM takes (prefill): torch's GEMM at once, no per-call op overhead
+        if (x.numel() > MAX_SKINNY_ROWS * x.shape[-1] or records_grad(x, self.weight, self.bias)
+                or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
         return ops.linear(x, self.weight, self.bias)
