@@ -182,3 +182,15 @@ def test_bf16_model_skinny_vs_torch_gemm():
             m(ids[:, :8], cache=cache)
             outs.append(torch.cat([m(ids[:, t:t + 1], cache=cache).logits for t in (8, 9)], 1).float())
     assert _rel(outs[1], outs[0].double()) < 3e-2
+
+
+def test_router_logits_out_dtype():
+    """bf16 operands, fp32 logits (the router): the kernel equals the fp32 product of the upcast operands."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(128, 7168, device="cuda", generator=g).bfloat16() * 0.02
+    for m in (1, 4, 16):
+        x = torch.randn(m, 7168, device="cuda", generator=g).bfloat16()
+        with ieee(), backend("triton"):
+            y = ops.linear(x, w, out_dtype=torch.float32)
+        assert y.dtype == torch.float32
+        assert _rel(y, x.double() @ w.double().t()) < 1e-6
