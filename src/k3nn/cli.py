@@ -35,6 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
     Subparsers made with ``add_subparsers().add_parser`` inherit the class."""
 
     def error(self, message: str):
+        """Print ``<prog>: error: <message> (see '<prog> --help')`` on one line to stderr and exit with status 2."""
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see '{self.prog} --help')\n")
 
 
@@ -566,6 +567,15 @@ _PASSTHROUGH = {"bench": cmd_bench, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``k3nn`` command line (``argv``: the arguments after ``k3nn``; default ``sys.argv[1:]``) and return
+    its exit status: 0 on success, 2 for a user error (printed as one line, see the module docstring), 130 when
+    interrupted. ``-v`` shows tracebacks instead.
+
+    Example::
+
+        from k3nn.cli import main
+        main(["generate", "--preset", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "4"])
+    """
     p, subs = build_parser()
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -99,6 +99,30 @@ _IGNORED_KEYS = frozenset({
 
 @dataclass
 class KimiK3Config:
+    """Every switch of a Kimi K3-family model: the trunk, the layer pattern, KDA, MLA, AttnRes, MLP / MoE.
+
+    Fields are grouped as in the source; each is checked for type and range on construction (a ValueError or
+    TypeError naming the field). Layer indices are 0-based here (``mla_layers``; the rest are KDA layers), while
+    config.json's ``linear_attn_config.kda_layers / full_attn_layers`` are 1-based: :meth:`from_dict` and
+    :meth:`to_dict` translate. The presets (:meth:`tiny`, :meth:`small`, :meth:`kimi_linear_48b`, :meth:`k3`,
+    :meth:`k3_slice`) take field overrides as keyword arguments.
+
+    Main switches: ``kda_gate`` ("softplus": Kimi Linear's ``g = -exp(A_log)·softplus(f + dt_bias)``;
+    "lower_bound": K3's ``g = gate_lower_bound·sigmoid(exp(A_log)·(f + dt_bias))``), ``use_full_rank_gate``
+    (KDA output gate), ``mla_use_nope`` / ``mla_use_output_gate`` / ``q_lora_rank`` (MLA), ``use_attn_res`` and
+    ``attn_res_block_size`` (Block Attention Residuals), ``moe_kind`` ("standard" DeepSeek / Kimi Linear MoE or
+    "latent" Stable LatentMoE with ``routed_expert_hidden_size``), ``hidden_act`` ("silu" or "situ" with
+    ``activation_situ_beta`` / ``activation_situ_linear_beta``), ``mxfp4_experts``. ``extra`` keeps config.json keys
+    k3nn does not use, for round trips.
+
+    Example::
+
+        cfg = KimiK3Config.tiny()                          # < 1M parameters, every K3 feature on
+        cfg = KimiK3Config.small(num_hidden_layers=8)      # a preset with an override
+        big = KimiK3Config.k3()                            # Kimi K3: 93 layers, 896 experts top-16, MXFP4 experts
+        cfg.kda_layers, cfg.mla_layers                     # ([0, 2], [1, 3]) for tiny()
+    """
+
     # --- trunk ---------------------------------------------------------------------------------------
     vocab_size: int = 163840
     hidden_size: int = 2304
@@ -169,6 +193,8 @@ class KimiK3Config:
 
     # ------------------------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Check the ranges and the consistency of the fields (run on construction; call it again after changing
+        a field in place). Raises a ValueError starting ``KimiK3Config:`` that names the field."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(f"KimiK3Config: {msg}")
@@ -209,25 +235,33 @@ class KimiK3Config:
     # --- derived ------------------------------------------------------------------------------------
     @property
     def kda_layers(self) -> list[int]:
+        """The 0-based indices of the KDA layers: every layer not in ``mla_layers``."""
         mla = set(self.mla_layers)
         return [i for i in range(self.num_hidden_layers) if i not in mla]
 
     def is_mla_layer(self, i: int) -> bool:
+        """Layer ``i`` (0-based) is an MLA layer (else KDA)."""
         return i in set(self.mla_layers)
 
     def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` (0-based) has a MoE block (else the dense MLP): from ``first_k_dense_replace`` on, every
+        ``moe_layer_freq``-th layer."""
         return i >= self.first_k_dense_replace and (i - self.first_k_dense_replace) % self.moe_layer_freq == 0
 
     @property
     def qk_head_dim(self) -> int:
+        """MLA query / key head width: ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def expert_input_size(self) -> int:
+        """The width routed experts read: ``routed_expert_hidden_size`` (the latent) for Stable LatentMoE, else
+        ``hidden_size``."""
         return self.routed_expert_hidden_size if self.moe_kind == "latent" else self.hidden_size
 
     @property
     def shared_expert_intermediate_size(self) -> int:
+        """Width of the shared expert MLP: ``num_shared_experts · moe_intermediate_size``."""
         return self.num_shared_experts * self.moe_intermediate_size
 
     def transformers_incompatibility(self) -> str | None:
@@ -264,6 +298,7 @@ class KimiK3Config:
         return "; ".join(bad) if bad else None
 
     def replace(self, **changes: Any) -> "KimiK3Config":
+        """A copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
 
     # --- presets --------------------------------------------------------------------------------------
@@ -514,6 +549,7 @@ class KimiK3Config:
         return cls(**kw)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``directory/config.json`` (:meth:`to_dict`; the directory is created if needed)."""
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)

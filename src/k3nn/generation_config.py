@@ -94,6 +94,7 @@ class GenerationConfig:
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def fields(cls) -> frozenset[str]:
+        """The names of the fields (what ``generate()`` accepts by name)."""
         return frozenset(f.name for f in dataclasses.fields(cls))
 
     @classmethod
@@ -224,6 +225,7 @@ class GenerationConfig:
         return sorted(out)
     @property
     def eos_ids(self) -> list[int]:
+        """``eos_token_id`` as a list of ints (empty when unset)."""
         e = self.eos_token_id
         if isinstance(e, torch.Tensor):
             e = e.tolist()
@@ -235,6 +237,7 @@ class GenerationConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``directory/generation_config.json`` (the set fields, :meth:`to_dict`)."""
         with open(os.path.join(directory, "generation_config.json"), "w") as f:
             json.dump(self.to_dict(), f, indent=2)
 

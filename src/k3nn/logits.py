@@ -77,6 +77,8 @@ class _HistoryFree(_Base):
         return self.apply(scores, None if input_ids is None else input_ids.shape[-1])
 
     def apply(self, scores: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
+        """New scores [N, V] fp32 from ``scores`` [N, V] fp32; ``length``: tokens before the scored one (prompt
+        included), an int or a device tensor [N] (the rows of a speculative window differ)."""
         raise NotImplementedError
 
 
@@ -160,6 +162,7 @@ class FrequencyPenalty(_Base):
         return self.apply_counts(scores, TokenCounts.from_ids(input_ids, self.prompt_length, scores.shape[-1]))
 
     def apply_counts(self, scores: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+        """The same penalty from ``counts.output`` [N, V] (occurrences among the generated tokens)."""
         return scores - self.penalty * counts.output
 
 
@@ -175,6 +178,7 @@ class PresencePenalty(_Base):
         return self.apply_counts(scores, TokenCounts.from_ids(input_ids, self.prompt_length, scores.shape[-1]))
 
     def apply_counts(self, scores: torch.Tensor, counts: TokenCounts) -> torch.Tensor:
+        """The same penalty from ``counts.output`` [N, V] (occurrences among the generated tokens)."""
         return scores - self.penalty * (counts.output > 0).to(scores.dtype)
 
 
@@ -252,7 +256,8 @@ class NoBadWords(_Base):
             bias.index_add_(1, last, torch.where(hit, float("-inf"), 0.0).to(bias.dtype))
         return scores + bias
 
-    def apply(self, scores: torch.Tensor, length=None) -> torch.Tensor:  # single-token words only
+    def apply(self, scores: torch.Tensor, length=None) -> torch.Tensor:
+        """The single-token bans only (history-free: what a speculative window can apply to every row)."""
         if self._bias is None or self._bias.device != scores.device:
             self._prepare(scores.shape[-1], scores.device)
         return scores + self._bias
@@ -312,6 +317,8 @@ class MinNewTokens(_EosBlock):
 
 # -- warpers (sampling only) -------------------------------------------------------------------------------------
 class Temperature(_HistoryFree):
+    """s / T: ``temperature`` T > 0 (below 1 sharpens the distribution, above 1 flattens it)."""
+
     hf_name = "TemperatureLogitsWarper"
     warper = True
 
@@ -325,6 +332,8 @@ class Temperature(_HistoryFree):
 
 
 class TopK(_HistoryFree):
+    """−inf below the k-th largest score of each row (ties at the k-th kept); k ≥ ``min_tokens_to_keep``."""
+
     hf_name = "TopKLogitsWarper"
     warper = True
 
@@ -339,6 +348,9 @@ class TopK(_HistoryFree):
 
 
 class TopP(_HistoryFree):
+    """Nucleus sampling: −inf for the tokens whose ascending cumulative probability is ≤ 1 − ``top_p``
+    (the smallest set with mass ≥ top_p survives; at least ``min_tokens_to_keep``)."""
+
     hf_name = "TopPLogitsWarper"
     warper = True
 
@@ -356,6 +368,8 @@ class TopP(_HistoryFree):
 
 
 class MinP(_HistoryFree):
+    """−inf where p_v < ``min_p`` · max_u p_u (p = softmax of the row); at least ``min_tokens_to_keep`` kept."""
+
     hf_name = "MinPLogitsWarper"
     warper = True
 
@@ -373,6 +387,9 @@ class MinP(_HistoryFree):
 
 
 class TypicalP(_HistoryFree):
+    """Locally typical sampling: keep the tokens of least |−log p_v − H(p)| until their mass reaches ``mass``
+    (τ in (0, 1)); at least ``min_tokens_to_keep``."""
+
     hf_name = "TypicalLogitsWarper"
     warper = True
 

@@ -109,18 +109,24 @@ class KimiK3ForConditionalGeneration(nn.Module):
     # -- weights ---------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """The device of the language model's weights (the vision tower lives on the same one)."""
         return self.language_model.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The language model's weight dtype."""
         return self.language_model.dtype
 
     @property
     def has_vision(self) -> bool:
+        """The config has a ``vision_config``: a vision tower and projector were built (else text only)."""
         return self.vision_tower is not None
 
     @torch.no_grad()
     def init_vision_weights(self, seed: int | None = None) -> None:
+        """Fresh random weights for the vision tower and projector (normal with the text config's
+        ``initializer_range``), drawn from a CPU generator seeded with ``seed + 1`` (0 + 1 when None), so a
+        seeded model is the same on every device."""
         gen = torch.Generator(device="cpu")
         gen.manual_seed((0 if seed is None else seed) + 1)
         std = self.config.text_config.initializer_range
@@ -128,6 +134,9 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.mm_projector.init_weights(gen, std)
 
     def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the language model (``active``: those one token uses, as
+        :meth:`KimiK3.num_parameters <k3nn.model.KimiK3.num_parameters>`) plus all of the vision tower and
+        projector."""
         n = self.language_model.num_parameters(active=active)
         if self.has_vision:
             n += sum(p.numel() for m in (self.vision_tower, self.mm_projector) for p in m.parameters())
@@ -238,6 +247,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None):
+        """The language model's :meth:`~k3nn.model.KimiK3.new_cache` (each image token takes one position)."""
         return self.language_model.new_cache(batch_size, max_length, dtype)
 
     def forward(self, input_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,

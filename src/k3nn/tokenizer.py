@@ -18,9 +18,11 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
+        """text → its UTF-8 bytes as ids."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
+        """ids → text; ids ≥ 256 (special tokens) are dropped, invalid UTF-8 becomes U+FFFD."""
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 

@@ -184,6 +184,7 @@ def _triton_import_error() -> str | None:
 
 
 def triton_interpreting() -> bool:
+    """``TRITON_INTERPRET`` is set (Triton kernels then run on CPU tensors, slowly: for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -255,6 +256,7 @@ def register(op: str, backend: str, *, supports: Callable[..., str | None] | Non
 
 
 def get_op(name: str) -> Op:
+    """The registered op ``name`` (its implementations per backend); KeyError listing the registered ops."""
     if name not in _OPS:
         _load_all()
     if name not in _OPS:
@@ -263,6 +265,7 @@ def get_op(name: str) -> Op:
 
 
 def ops() -> dict[str, Op]:
+    """Every registered op by name (importing the kernel packages that register them)."""
     _load_all()
     return dict(_OPS)
 
@@ -320,6 +323,12 @@ def _reasons(o: Op, args: tuple, kwargs: dict) -> str:
 
 
 def dispatch(op: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on the implementation :func:`resolve` picks for these arguments under the backend in force.
+
+    Example::
+
+        y = dispatch("rms_norm", x, weight, 1e-6)   # what k3nn.ops.rms_norm does after validating
+    """
     return resolve(op, args, kwargs).fn(*args, **kwargs)
 
 

@@ -33,6 +33,8 @@ class AttnResQuery(nn.Module):
         nn.init.zeros_(self.proj.weight)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The depth mix over ``sources`` (S tensors [..., d] of one shape: the stored blocks and the current
+        partial sum) → h [..., d] in the sources' dtype, computed in fp32 (:func:`k3nn.ops.attnres_mix`)."""
         from .. import ops
 
         return ops.attnres_mix(sources, self.proj.weight[0], self.norm.weight, self.norm.eps)

@@ -54,6 +54,22 @@ def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list
 
 @dataclass
 class DSparkConfig:
+    """The shape of a DSpark drafter (saved as ``dspark_config.json``).
+
+    ``hidden_size`` / ``vocab_size`` must equal the target's (the drafter shares its embedding and lm_head);
+    ``target_layers``: the 0-based target layers whose outputs are concatenated into the drafter's context;
+    ``num_layers`` draft layers of ``num_heads`` × ``head_dim`` (default hidden_size // num_heads) with an MLP of
+    ``intermediate_size`` (default 3·hidden_size); ``block_size`` γ: tokens drafted per round from [anchor, MASK×(γ−1)]
+    (``mask_token_id``, default vocab_size − 1); ``markov_rank``: rank of the previous-token bias head;
+    ``confidence_with_markov``: the confidence head also reads the Markov features; ``causal_block``: causal instead
+    of bidirectional attention inside the block. Errors name the field (``DSparkConfig.<field>``).
+
+    Example::
+
+        cfg = DSparkConfig.for_target(model.config, num_layers=1, block_size=5)
+        drafter = DSparkDrafter(cfg, target=model)
+    """
+
     hidden_size: int
     vocab_size: int
     target_layers: list[int]
@@ -101,10 +117,12 @@ class DSparkConfig:
         return cls(**base)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, as ``dspark_config.json`` stores it."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+        """A config from :meth:`to_dict`'s form; unknown keys are kept in ``extra``."""
         names = {f.name for f in dataclasses.fields(cls)}
         extra = {k: v for k, v in d.items() if k not in names}
         kw = {k: v for k, v in d.items() if k in names}
@@ -179,11 +197,16 @@ class DraftState:
 
     @property
     def capacity(self) -> int:
+        """Context positions the state can hold per row."""
         return self.key_mask.shape[1]
 
 
 @dataclass
 class DraftProposal:
+    """One round's drafts: ``tokens`` [B, n] long; ``probs`` [B, n, V] fp32, the draft distribution q (None when
+    drafting greedily: q is one-hot); ``confidence`` [B, n] in (0, 1), the confidence head's estimate that each draft
+    is accepted given the ones before it (None when not computed)."""
+
     tokens: torch.Tensor  # [B, n] draft ids
     probs: torch.Tensor | None  # [B, n, V] fp32 draft distribution q (None: greedy, q is one-hot)
     confidence: torch.Tensor | None  # [B, n] conditional acceptance estimates in (0, 1)
@@ -228,23 +251,29 @@ class DSparkDrafter(nn.Module):
 
     @property
     def target(self):
+        """The bound target model (:meth:`bind`); RuntimeError when none is bound."""
         t = self.__dict__.get("_target")
         if t is None:
             raise RuntimeError("DSparkDrafter has no target: call drafter.bind(target) first")
         return t
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] → the target's token embeddings [..., d] (shared, not a parameter of the drafter)."""
         return self.target.model.embed_tokens(ids)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] → logits [..., V] through the target's lm_head (shared)."""
         return self.target.lm_head(h)
 
     @property
     def target_layers(self) -> list[int]:
+        """The target layers (0-based) whose outputs condition the drafter."""
         return list(self.config.target_layers)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """normal(0, std) linear / embedding weights from a CPU generator seeded with ``seed``, zero biases, unit
+        norms (run by the constructor)."""
         gen = torch.Generator().manual_seed(seed)
         for mod in self.modules():
             if isinstance(mod, (nn.Linear, nn.Embedding)):
@@ -321,6 +350,8 @@ class DSparkDrafter(nn.Module):
 
     # -- inference -----------------------------------------------------------------------------------------
     def new_state(self, batch_size: int, capacity: int, device=None) -> DraftState:
+        """An empty :class:`DraftState` for ``batch_size`` rows of up to ``capacity`` context positions (K/V per
+        layer [B, capacity, H, Dh] in the drafter's dtype), on ``device`` (default: the drafter's)."""
         c = self.config
         dev = device or self.fc.weight.device
         dt = self.fc.weight.dtype
@@ -448,6 +479,14 @@ class DSparkDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target=None, *, device=None,
                         dtype=None) -> "DSparkDrafter":
+        """Load what :meth:`save_pretrained` wrote (``dspark_config.json`` + safetensors weights) into a drafter
+        on ``device`` / ``dtype``, bound to ``target`` when given. A missing file is a FileNotFoundError naming it;
+        missing or unexpected tensors a ValueError naming them.
+
+        Example::
+
+            drafter = DSparkDrafter.from_pretrained(os.path.expanduser("~/.cache/k3nn/demo/drafter"), target=model)
+        """
         from safetensors.torch import load_file
 
         cfg_path, w_path = os.path.join(directory, CONFIG_NAME), os.path.join(directory, WEIGHTS_NAME)

@@ -42,6 +42,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: boo
 
 
 class Router(nn.Module):
+    """The MoE router (``gate``): ``weight`` [E, d] fp32 and the Quantile Balancing correction bias
+    ``e_score_correction_bias`` [E] fp32 (a buffer: no gradient). ``forward(x [N, d])`` → (topk_ids [N, k] int64,
+    topk_weights [N, k] fp32), selection on sigmoid (or softmax) scores + bias, weights from the raw scores (see the
+    module docstring)."""
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         E = config.num_experts
@@ -59,6 +64,7 @@ class Router(nn.Module):
         return ops.linear(upcast(x), upcast(self.weight))
 
     def forward(self, x: torch.Tensor):
+        """x [N, d] → (topk_ids [N, k] int64, topk_weights [N, k] fp32): :func:`route` on :meth:`logits`."""
         return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
                      self.num_group, self.topk_group, self.score_func)
 
@@ -80,11 +86,14 @@ class Experts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.empty(E, n, k)))
 
     def weight(self, name: str):
+        """Expert weight ``name`` ("w1", "w3": [E, I, D_in]; "w2": [E, D_in, I]): the parameter, or an
+        :class:`~k3nn.quant.mxfp4.MXFP4Weight` of its packed codes and scales when the experts are MXFP4."""
         if self.mxfp4:
             return MXFP4Weight(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"))
         return getattr(self, name)
 
     def logical_numel(self) -> int:
+        """Weights the experts represent (3·E·I·D_in), whether stored dense or as MXFP4."""
         return 3 * self.num_experts * self.inter * self.d_in
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -99,6 +108,18 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """A MoE block: :class:`Router` + :class:`Experts` + shared experts, in the standard (Kimi Linear / DeepSeek) or
+    the Stable LatentMoE (K3) form chosen by ``config.moe_kind`` (see the module docstring for the math).
+
+    ``forward(x [..., d]) → [..., d]`` in x's dtype. With ``record_routing`` set (Quantile Balancing does), each forward
+    keeps ``last_routing = (router logits [N, E] fp32, topk_ids [N, k])``.
+
+    Example::
+
+        moe = MoE(KimiK3Config.tiny())
+        y = moe(torch.randn(2, 8, 64))   # [2, 8, 64]
+    """
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         self.latent = config.moe_kind == "latent"
@@ -130,6 +151,7 @@ class MoE(nn.Module):
         return self.routed_expert_up_proj(u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] → routed experts + shared experts [..., d] in x's dtype."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         logits = self.gate.logits(xf)

@@ -21,6 +21,8 @@ __all__ = ["Packed", "pack_linears", "hooked"]
 
 
 def hooked(mod: nn.Module) -> bool:
+    """``mod`` has forward (pre-)hooks, e.g. tensor parallelism's all-reduce: a packed GEMM would skip them, so
+    such projections are not packed."""
     return bool(mod._forward_hooks or mod._forward_pre_hooks)
 
 

@@ -69,12 +69,16 @@ class DCPContext:
 
     @classmethod
     def from_group(cls, group=None, interleave: int = 1) -> "DCPContext":
+        """This rank's context in ``group`` (None: the default group) of an initialised ``torch.distributed``;
+        ``interleave`` I: token p lives on rank (p // I) mod W. Raises RuntimeError when torch.distributed is not
+        initialised."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DCPContext.from_group: torch.distributed is not initialised (launch with torchrun "
                                "and call dist.init_process_group first)")
         return cls(dist.get_world_size(group), dist.get_rank(group), interleave, group)
 
     def check_cache(self, cache: PagedLatentCache) -> None:
+        """Raise a ValueError when ``cache`` was sharded for another world size, rank or interleave."""
         if (cache.world_size, cache.rank, cache.interleave) != (self.world_size, self.rank, self.interleave):
             raise ValueError(f"DCP cache was built for world_size={cache.world_size}, rank={cache.rank}, "
                              f"interleave={cache.interleave} but this rank is world_size={self.world_size}, "

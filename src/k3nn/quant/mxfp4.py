@@ -44,19 +44,23 @@ class MXFP4Weight(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The logical (unpacked) shape [..., N, K]."""
         return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
 
     @property
     def device(self) -> torch.device:
+        """The device of the packed codes and the scales."""
         return self.packed.device
 
     def nbytes(self) -> int:
+        """Bytes held: codes (K/2 per row) + scales (K/32 per row), about 4.25 bits per weight."""
         return self.packed.numel() + self.scale.numel()
 
     def __getitem__(self, idx) -> "MXFP4Weight":  # select experts
         return MXFP4Weight(self.packed[idx], self.scale[idx])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense matrix [..., N, K] in ``dtype`` (:func:`mxfp4_dequantize`; E2M1 value × 2^e, exact in fp32)."""
         return mxfp4_dequantize(self.packed, self.scale, dtype)
 
 

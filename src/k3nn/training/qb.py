@@ -110,12 +110,16 @@ class QuantileBalancer:
             layer.record_routing = True
 
     def detach(self) -> None:
+        """Stop recording router logits in the layers (and drop the last recorded ones); call when training ends."""
         for layer in self.layers:
             layer.record_routing = False
             layer.last_routing = None
 
     @torch.no_grad()
     def update_layer(self, layer) -> torch.Tensor | None:
+        """Set ``layer``'s router correction bias from the logits its last forward recorded
+        (:func:`qb_bias_exact`, or :func:`qb_bias_histogram` with one all-reduce over ``group``). Returns the new
+        bias [E] fp32, or None when the layer recorded nothing since the last update."""
         if layer.last_routing is None:
             return None
         logits = layer.last_routing[0]
@@ -131,5 +135,6 @@ class QuantileBalancer:
         return new
 
     def step(self) -> None:
+        """:meth:`update_layer` for every attached layer (after the optimizer step)."""
         for layer in self.layers:
             self.update_layer(layer)

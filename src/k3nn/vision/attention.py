@@ -68,6 +68,8 @@ class Segments:
 
     @classmethod
     def from_bounds(cls, bounds, device: torch.device | str | None = None) -> "Segments":
+        """Segments from cumulative bounds ``[0, n_0, n_0 + n_1, ..., total]`` (validated; a ValueError
+        otherwise), with ``cu_seqlens`` copied to ``device``."""
         b = [int(x) for x in bounds]
         _check_bounds(b, b[-1] if b else -1)
         cu = torch.tensor(b, dtype=torch.int32).to(device or "cpu", non_blocking=True)
@@ -80,6 +82,7 @@ class Segments:
 
     @property
     def total(self) -> int:
+        """Tokens over all segments."""
         return self.bounds[-1]
 
     def by_length(self, device: torch.device) -> list[tuple[int, int, torch.Tensor | None]]:

@@ -31,6 +31,16 @@ ProjectorType = Literal["patchmerger", "patchmergerv2"]
 
 @dataclass
 class VisionConfig:
+    """The vision tower (MoonViT) and projector of a multimodal Kimi model.
+
+    Fields: the patch embedding (``patch_size`` p, ``num_channels`` C; pixels arrive as patches [L, C, p, p]), the
+    learned position grid resampled to each image (``pos_emb_*``), the encoder (widths, heads, activation, norm), the
+    patch merge (``merge_kernel_size`` [kh, kw]: each kh×kw block of patches becomes one text token) and the projector
+    into the text model's width (``projector_type`` "patchmerger" for Kimi K2.5, "patchmergerv2" for K3;
+    ``text_hidden_size``). Presets: :meth:`kimi_k25`, :meth:`kimi_k3`, :meth:`tiny`; :meth:`from_dict` and
+    :meth:`to_dict` read and write both Moonshot's (``vt_*``) and transformers' spellings.
+    """
+
     # --- patch embedding --------------------------------------------------------------------------------
     patch_size: int = 14
     num_channels: int = 3
@@ -66,6 +76,7 @@ class VisionConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Check ranges and consistency (run on construction); a ValueError starting ``VisionConfig:``."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(f"VisionConfig: {msg}")
@@ -83,14 +94,17 @@ class VisionConfig:
 
     @property
     def attn_width(self) -> int:
+        """The attention width H · head_dim: ``qkv_hidden_size``, else ``hidden_size``."""
         return self.qkv_hidden_size or self.hidden_size
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: ``attn_width // num_attention_heads``."""
         return self.attn_width // self.num_attention_heads
 
     @property
     def merge_size(self) -> int:
+        """Patches merged into one text token: kh · kw of ``merge_kernel_size``."""
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
     @property
@@ -99,6 +113,7 @@ class VisionConfig:
         return self.hidden_size * self.merge_size
 
     def replace(self, **changes: Any) -> "VisionConfig":
+        """A copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
 
     # --- presets ----------------------------------------------------------------------------------------
@@ -152,6 +167,7 @@ class VisionConfig:
 
     @classmethod
     def form_of(cls, d: dict[str, Any]) -> str:
+        """Which spelling a ``vision_config`` dict uses: ``"moonshot"`` (``vt_*`` keys) or ``"transformers"``."""
         return "moonshot" if any(k.startswith("vt_") or k.startswith("init_pos_emb") for k in d) else "transformers"
 
     @classmethod
@@ -199,6 +215,8 @@ class VisionConfig:
         return cls(**kw)
 
     def to_dict(self, form: str = "moonshot") -> dict[str, Any]:
+        """The ``vision_config`` dict in Moonshot's (``"moonshot"``) or transformers' (``"transformers"``)
+        spelling."""
         if form == "moonshot":
             inv = {v: k for k, v in self._MOONSHOT.items()}
             d = {inv[f]: getattr(self, f) for f in inv}
@@ -270,10 +288,12 @@ class MultimodalConfig:
 
     @property
     def tie_word_embeddings(self) -> bool:
+        """The text model's ``tie_word_embeddings``."""
         return self.text_config.tie_word_embeddings
 
     @property
     def is_kimi_k25(self) -> bool:
+        """The text model is DeepSeek-V3-shaped (Kimi K2.5) rather than a KDA hybrid."""
         return self.text_config.model_type in DEEPSEEK_TEXT_TYPES
 
     @classmethod
@@ -285,6 +305,7 @@ class MultimodalConfig:
 
     @staticmethod
     def is_multimodal_dict(d: dict[str, Any]) -> bool:
+        """``d`` (a parsed config.json) is a multimodal config: it has a ``text_config`` dict."""
         return isinstance(d, dict) and isinstance(d.get("text_config"), dict)
 
     @classmethod

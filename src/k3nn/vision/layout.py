@@ -188,6 +188,7 @@ class GridLayout:
 
     @property
     def has_clips(self) -> bool:
+        """The batch has a video clip (t > 1): frames are averaged when merging, and get a temporal embedding."""
         return self.merge_frames is not None
 
     @classmethod

@@ -30,6 +30,11 @@ class _GELU(nn.Module):
 
 
 class PatchMergerProjector(nn.Module):
+    """Merged patches → the text model's width: ``forward(x [N, kh·kw, D]) → [N, d_text]``.
+
+    "patchmerger" (Kimi K2.5): LayerNorm over D, then Linear(kh·kw·D → kh·kw·D) → GELU → Linear(→ d_text), with
+    biases. "patchmergerv2" (Kimi K3): the same MLP without biases, then RMSNorm over d_text."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.kind = cfg.projector_type
@@ -52,5 +57,6 @@ class PatchMergerProjector(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
+        """normal(0, std) weights from ``gen``, zero biases, unit norms."""
         for mod in self.modules():
             init_standard_(mod, gen, std)

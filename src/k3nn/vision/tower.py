@@ -220,6 +220,8 @@ class MoonViT(nn.Module):
 
     @property
     def attn_backend(self) -> str:
+        """The encoder's attention implementation (:func:`~k3nn.vision.attention.varlen_attention`'s
+        ``backend``): "auto" (default), "eager", "sdpa" or "flash"; setting it sets every block's."""
         return self.encoder.blocks[0].attn_backend if len(self.encoder.blocks) else "auto"
 
     @attn_backend.setter
@@ -243,6 +245,9 @@ class MoonViT(nn.Module):
         return self.encoder(self.patch_embed(pixel_values, layout), layout)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [L, C, p, p] (the processor's patches, images one after another) and grid_thw [N, 3] int
+        (each image's (t, h, w) patch grid) → merged features [Σ_n (h/kh)(w/kw), kh·kw, D] in the tower's dtype,
+        ready for the projector. Bad inputs raise a ValueError naming the argument."""
         if isinstance(grid_thw, torch.Tensor):
             grid_thw = grid_thw.cpu()  # the one host read of the grid (the processor's grid is on the CPU already)
         check_image_inputs(pixel_values, grid_thw, self.config)

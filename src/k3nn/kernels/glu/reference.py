@@ -26,6 +26,9 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 4.0,
                    linear_beta: float | None = 25.0) -> torch.Tensor:
+    """The gated activation of an MLP or expert: ``silu(gate) · up`` (``act="silu"``, SwiGLU) or
+    :func:`situ_glu` (``act="situ"``, K3's soft-capped form with ``beta`` / ``linear_beta``). gate, up [..., F] of one
+    shape → [..., F] in gate's dtype; another ``act`` is a ValueError."""
     if act == "silu":
         return F.silu(gate) * up
     if act == "situ":
