@@ -6,8 +6,9 @@
 #   sweep      skinny GEMM vs torch's GEMM on every k3_slice projection shape (bench.gpu.skinny_linear)
 #   map        decode-roofline at B=1,4,16,64, torch's GEMMs (before) and the library defaults, the latter with the
 #              sweep's launch shapes when a sweep result is in the results folder (else the committed table)
-#   map-after  decode-roofline, the library defaults only
+#   map-after  decode-roofline at B=1,4,16, the library defaults only
 #   tests      GPU tests of the skinny GEMM and the model invariants with it on
+#   model-tests  the one-launch MoE alignment and the model invariants only (the kernel tests skipped)
 #   e2e        bench.e2e at B=1,8 (CUDA graphs, latency-specialised)
 #   decode-tests  the existing decode / MoE GPU tests
 set -u
@@ -42,8 +43,10 @@ for s in "$@"; do
     sweep) step sweep 60 python3 -m bench.gpu.skinny_linear --budget 45 ;;
     map) step map 130 python3 -m bench.decode_roofline --variants torch-gemm,default --replays 10 --profile-replays 2 \
            --budget-s 105 $(table_arg) ;;
-    map-after) step map-after 90 python3 -m bench.decode_roofline --variants default --replays 10 --profile-replays 2 \
-           --budget-s 70 ;;
+    map-after) step map-after 90 python3 -m bench.decode_roofline --variants default --batches 1,4,16 --replays 10 \
+           --profile-replays 2 --budget-s 70 ;;
+    model-tests) step model-tests 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_moe_align_gpu.py \
+           tests/gpu/test_linear_gpu.py -k "not skinny_matches_fp64 and not k3_slice_shapes and not capture" ;;
     tests) step tests 80 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_linear_gpu.py ;;
     decode-tests) step decode-tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_gpu.py tests/gpu/test_moe_gpu.py ;;
     e2e) step e2e 150 python3 -m bench.e2e --batches 1,8 --modes triton+graphs,latency_specialized --budget-s 100 ;;
