@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
-from ..engine import Engine, RequestOutput, RequestStatus, SamplingParams
+from ..engine import Engine, EngineStalledError, RequestOutput, RequestStatus, SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "EngineNotReadyError"]
 
@@ -302,6 +302,9 @@ class AsyncEngine:
         before = (getattr(e, "num_forwards", None), len(e.waiting), len(e.running))
         try:
             outputs = e.step()
+        except EngineStalledError as exc:  # the waiting requests can never be admitted
+            self._fail_waiting(str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - not one request's failure: fail those in flight, keep serving
             log.exception("Engine.step() raised; failing the %d request(s) in flight", len(self._streams))
             self._end_all("error", f"engine step: {type(exc).__name__}: {exc}")
@@ -329,13 +332,17 @@ class AsyncEngine:
             return
         self._stalls += 1
         if self._stalls >= 2:  # nothing runs and nothing can be admitted: the waiting requests never will be
-            why = getattr(getattr(e, "scheduler", None), "stall", None) or "no rows or pages can be given"
-            waiting = {r.request_id for r in e.waiting}
-            stuck = [s for s in self._streams.values() if any(c in waiting for c in s.routes)]
-            log.error("the engine cannot admit %d request(s): %s", len(stuck), why)
-            for s in stuck:
-                self._end(s, "error", f"the engine cannot admit this request ({why})")
-            self._stalls = 0
+            self._fail_waiting(getattr(getattr(e, "scheduler", None), "stall", None) or "no rows or pages free")
+
+    def _fail_waiting(self, why: str) -> None:
+        """Fail the requests waiting for admission that no step can admit (nothing runs, nothing frees rows or
+        pages: e.g. prefilled requests hold them until released)."""
+        waiting = {r.request_id for r in self.engine.waiting}
+        stuck = [s for s in self._streams.values() if any(c in waiting for c in s.routes)]
+        log.error("the engine cannot admit %d request(s): %s", len(stuck), why)
+        for s in stuck:
+            self._end(s, "error", f"the engine cannot admit this request ({why})")
+        self._stalls = 0
 
     def _end(self, stream: RequestStream, reason: str, error: str | None) -> None:
         now = time.perf_counter()

@@ -41,6 +41,7 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
