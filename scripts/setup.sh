@@ -11,4 +11,4 @@ PIP="python -m pip --disable-pip-version-check -q"
 if ! python -c "import torch" 2>/dev/null; then
   $PIP install "torch==2.13.0"
 fi
-$PIP install -e ".[test,demo,parity,serve,docs]"
+$PIP install -e ".[test,demo,parity,hf,serve,docs]"

@@ -6,6 +6,7 @@ import logging
 
 from . import ops
 from .config import KimiK3Config
+from .hf import register_transformers
 from .kernels.registry import BackendUnavailableError, available_backends, backend, current_backend
 
 __version__ = "0.1.0"
@@ -36,4 +37,10 @@ def __getattr__(name: str):
 
 __all__ = ["KimiK3", "KimiK3Config", "KimiK3ForConditionalGeneration", "MultimodalConfig", "VisionConfig",
            "GenerationConfig", "BackendUnavailableError", "available_backends",
-           "backend", "current_backend", "ops", "__version__"]
+           "backend", "current_backend", "ops", "register_transformers", "__version__"]
+
+# transformers' Auto classes learn model_type "kimi_k3" once they are imported (now, or at their first import);
+# transformers itself is never imported here (see k3nn.hf)
+from .hf import _install as _install_transformers_hook  # noqa: E402
+
+_install_transformers_hook()

@@ -555,6 +555,21 @@ class KimiK3Config:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
 
     @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
+                        cache_dir: str | None = None, local_files_only: bool | None = None,
+                        token: str | bool | None = None) -> "KimiK3Config":
+        """The config.json of a checkpoint directory, or of a hub repo (only that file is fetched, through
+        huggingface_hub: cache, revision, ``local_files_only`` and ``HF_HUB_OFFLINE`` honoured). transformers'
+        name: PEFT calls it on ``type(model.config)``."""
+        p = os.fspath(path_or_repo_id)
+        if os.path.isdir(p):
+            return cls.from_json_file(os.path.join(p, "config.json"))
+        from huggingface_hub import hf_hub_download
+
+        return cls.from_json_file(hf_hub_download(p, "config.json", revision=revision, cache_dir=cache_dir,
+                                                  local_files_only=bool(local_files_only), token=token))
+
+    @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "KimiK3Config":
         """Read a config.json; every error names the file."""
         try:

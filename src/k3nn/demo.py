@@ -640,14 +640,15 @@ def main(argv: list[str] | None = None) -> int:
         hist = train_model(model, train_ids, size, steps, held_w, eval_every=max(1, min(50, steps)),
                            seed=args.seed, quiet=args.quiet, log=say)
         hist["heldout_final"] = hist["heldout"][-1][1]
-        model.save_pretrained(mdir)
-        tok.save(str(mdir / "tokenizer.json"))
+        # tokenizer.json + tokenizer_config.json (AutoTokenizer loads the directory; the demo's chat template)
+        model.save_pretrained(mdir, tokenizer=tok, chat_template=CHAT_TEMPLATE)
         meta = {"settings": settings, "history": hist, "unigram": uni}
         meta_path.write_text(json.dumps(meta))
         if ddir.exists():  # a drafter trained for another target is stale
             for f in ddir.iterdir():
                 f.unlink()
-        say(f"      saved {mdir} (config.json, safetensors, tokenizer.json) in {hist['seconds']:.0f}s of training")
+        say(f"      saved {mdir} (config.json, safetensors, tokenizer.json, tokenizer_config.json) in "
+            f"{hist['seconds']:.0f}s of training")
     write_chat_template(mdir)  # so that `k3nn serve --model <out>/model` can chat
     held = heldout_loss(model, held_w)
     fig(f"      held-out loss {held:.3f} nats/token vs unigram {uni:.3f} "

@@ -236,6 +236,10 @@ class GenerationConfig:
         """The set fields (what transformers' ``to_diff_dict`` writes)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    def to_diff_dict(self) -> dict:
+        """:meth:`to_dict` under transformers' name (pipelines read the model's generation config through it)."""
+        return self.to_dict()
+
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write ``directory/generation_config.json`` (the set fields, :meth:`to_dict`)."""
         with open(os.path.join(directory, "generation_config.json"), "w") as f:

@@ -22,6 +22,7 @@ from . import ops
 from .cache.hybrid import HybridCache
 from .config import KimiK3Config
 from .generation import GenerationMixin
+from .hf.surface import TransformersSurface, causal_lm_loss, check_adapters, forward_kwargs
 from .kernels.registry import backend as use_backend
 from .layers.kda import KimiDeltaAttention
 from .layers.linear import Linear
@@ -37,10 +38,17 @@ __all__ = ["KimiK3", "KimiK3Model", "DecoderLayer", "KimiK3Output"]
 
 @dataclass
 class KimiK3Output:
+    """What :meth:`KimiK3.forward` returns: ``logits`` [B, T, V] in the lm_head's dtype (only the last
+    ``logits_to_keep`` positions when that is > 0); ``hidden_states``: one [B, T, d] per
+    layer in ``output_hidden_layers`` (the DSpark drafter's context), else None; ``last_hidden_state`` [B, T, d]: the
+    final-norm output; ``cache``: the cache the call used (None without one). Other fields are described where
+    :meth:`KimiK3.forward` sets them."""
+
     logits: torch.Tensor
     hidden_states: list[torch.Tensor] | None = None  # per requested layer output (DSpark context)
     last_hidden_state: torch.Tensor | None = None
     cache: HybridCache | None = None
+    loss: torch.Tensor | None = None  # forward(labels=...): transformers' causal-LM loss (fp32 scalar)
 
 
 @dataclass
@@ -52,6 +60,12 @@ class ResidualState:
 
 
 class DecoderLayer(nn.Module):
+    """Decoder layer ``layer_idx``: a token mixer (:class:`~k3nn.layers.mla.MultiHeadLatentAttention` when
+    ``config.is_mla_layer(layer_idx)``, else :class:`~k3nn.layers.kda.KimiDeltaAttention`) and a feed-forward block
+    (:class:`~k3nn.layers.moe.MoE` when ``config.is_moe_layer(layer_idx)``, else the dense
+    :class:`~k3nn.layers.mlp.MLP`), each after an RMSNorm, joined by plain residuals or, with ``use_attn_res``, by
+    Block Attention Residuals (two pseudo-queries: before the mixer and before the feed-forward block)."""
+
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -77,13 +91,17 @@ class DecoderLayer(nn.Module):
 
     @property
     def ffn(self) -> nn.Module:
+        """The feed-forward block: the MoE (``block_sparse_moe``) or the dense MLP (``mlp``)."""
         return self.block_sparse_moe if self.is_moe else self.mlp
 
     def mix(self, which: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The AttnRes depth mix of ``sources`` ([..., d] each) with the ``which`` pseudo-query
+        (``"self_attention"`` or ``"mlp"``)."""
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
         return ops.attnres_mix(sources, proj.weight[0], norm.weight, norm.eps)
 
     def mixer(self, h: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
+        """The token mixer's output [B, T, d] for the residual stream h [B, T, d] (input RMSNorm first)."""
         return self.attention(self.input_layernorm(h), state, attention_mask, positions, start, checkpoint_positions)
 
     def attention(self, x: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
@@ -94,6 +112,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rs: ResidualState, state=None, attention_mask=None, positions=None, start: int = 0,
                 checkpoint_positions=None) -> ResidualState:
+        """One layer over the residual state (the running sum, and with AttnRes the completed blocks); ``state``:
+        this layer's cache entry (None without a cache); ``positions`` [B, T] and ``start``: where the new tokens
+        sit (MLA), ``checkpoint_positions``: KDA states to export in the same pass."""
         if not self.attn_res:
             h = rs.partial
             h = h + self.mixer(h, state, attention_mask, positions, start, checkpoint_positions)
@@ -112,6 +133,10 @@ class DecoderLayer(nn.Module):
 
 
 class KimiK3Model(nn.Module):
+    """The decoder stack without the lm_head: ``embed_tokens`` → ``layers`` → (the output AttnRes mix) → ``norm``.
+    At inference with AttnRes it runs the exact two-phase form (one batched phase per block of layers, an
+    online-softmax merge per sublayer)."""
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         self.config = config
@@ -181,6 +206,9 @@ class KimiK3Model(nn.Module):
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: HybridCache | None = None, attention_mask=None,
                 output_layers: list[int] | None = None, checkpoint_positions=None):
+        """input_ids [B, T] (or ``inputs_embeds`` [B, T, d]) → (final-norm hidden states [B, T, d], the outputs of
+        the layers in ``output_layers``, one [B, T, d] each). With ``cache`` the tokens continue the cached ones and
+        the cache is committed; ``attention_mask`` [B, T] marks left padding."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
         if cache is not None:
@@ -219,7 +247,7 @@ def _refuse_images(pixel_values, image_grid_thw) -> None:
                          f"with k3nn.KimiK3ForConditionalGeneration.from_pretrained")
 
 
-class KimiK3(GenerationMixin, nn.Module):
+class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
     """The Kimi K3 family causal LM.
 
     ``KimiK3(config)`` builds on the meta device, then materialises and initialises the weights on ``device``
@@ -267,10 +295,12 @@ class KimiK3(GenerationMixin, nn.Module):
     # -- weights -------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """Where the weights live (the lm_head's device)."""
         return self.lm_head.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype (the lm_head's; routing and decay-gate parameters stay fp32)."""
         return self.lm_head.weight.dtype
 
     @torch.no_grad()
@@ -393,7 +423,7 @@ class KimiK3(GenerationMixin, nn.Module):
                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 logits_to_keep: int = 0, output_hidden_layers: list[int] | None = None,
                 checkpoint_positions=None, prefill_chunk_size: int | None = None, *, pixel_values=None,
-                image_grid_thw=None) -> KimiK3Output:
+                image_grid_thw=None, labels: torch.Tensor | None = None, **hf_kwargs) -> KimiK3Output:
         """input_ids [B, T] → logits [B, T, vocab] (the last ``logits_to_keep`` positions if > 0).
 
         With ``cache`` the call continues from the cached tokens (prefill, then 1..n tokens per call); more than
@@ -403,8 +433,16 @@ class KimiK3(GenerationMixin, nn.Module):
         ``checkpoint_positions``: forwarded to every KDA layer (states exported in the same pass into
         ``cache.layers[i].checkpoints``). ``pixel_values`` / ``image_grid_thw`` are refused (a ValueError):
         images go to :class:`k3nn.KimiK3ForConditionalGeneration`.
+        ``labels`` [B, T] (the input ids, -100 where not scored; unshifted): ``.loss`` is transformers' causal-LM
+        loss (:func:`k3nn.hf.surface.causal_lm_loss`). transformers' other forward keywords (``return_dict``,
+        ``use_cache``, ``num_items_in_batch``, ...) are accepted at values that change nothing, else refused
+        (:func:`k3nn.hf.surface.forward_kwargs`).
         """
         _refuse_images(pixel_values, image_grid_thw)
+        num_items = forward_kwargs(hf_kwargs) if hf_kwargs else None
+        check_adapters(self)
+        if labels is not None and logits_to_keep > 0:
+            raise ValueError("labels score every position: leave logits_to_keep at 0")
         if inputs_embeds is None:
             self._check_inputs(input_ids, attention_mask, cache)
         chunk = self._chunk_size(prefill_chunk_size)
@@ -420,7 +458,8 @@ class KimiK3(GenerationMixin, nn.Module):
             hk = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
             logits = self.lm_head(hk)
         return KimiK3Output(logits=logits, hidden_states=captured if output_hidden_layers is not None else None,
-                            last_hidden_state=h, cache=cache)
+                            last_hidden_state=h, cache=cache,
+                            loss=None if labels is None else causal_lm_loss(logits, labels, num_items))
 
     def _chunked(self, input_ids, inputs_embeds, cache, attention_mask, output_layers, checkpoint_positions,
                  logits_to_keep: int, chunk: int):
@@ -473,13 +512,17 @@ class KimiK3(GenerationMixin, nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        format: str | None = None) -> None:
+                        format: str | None = None, *, tokenizer=None, chat_template: str | None = None) -> None:
         """config.json + sharded safetensors. ``format``: ``"transformers"`` (default for a Kimi Linear model:
-        ``KimiLinearForCausalLM.from_pretrained`` loads it), ``"k3nn"`` (stacked experts; default otherwise) or
-        ``"moonshot"`` (the original per-expert Kimi layout)."""
+        ``KimiLinearForCausalLM.from_pretrained`` loads it; refused, naming why, for a model transformers cannot
+        represent), ``"k3nn"`` (stacked experts; default otherwise) or ``"moonshot"`` (the original per-expert Kimi
+        layout). ``tokenizer`` (a ``tokenizers.Tokenizer``, a transformers tokenizer or a tokenizer directory):
+        written beside the weights as a directory ``AutoTokenizer`` loads, with ``chat_template`` (see
+        :func:`k3nn.tokenizer.save_tokenizer`)."""
         from .checkpoint.io import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format)
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, format=format, tokenizer=tokenizer,
+                        chat_template=chat_template)
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -487,16 +530,19 @@ class KimiK3(GenerationMixin, nn.Module):
                         cache_dir: str | None = None, local_files_only: bool | None = None,
                         token: str | bool | None = None, config: KimiK3Config | None = None,
                         torch_dtype: torch.dtype | str | None = None, device_map=None,
-                        language_model_only: bool = False) -> "KimiK3":
+                        language_model_only: bool = False, **kwargs) -> "KimiK3":
         """Load a k3nn, Moonshot or transformers checkpoint (a directory or a hub id). ``dtype``: a torch dtype, its
         name or ``"auto"`` (default: the checkpoint's); ``torch_dtype`` is its transformers alias. ``device_map``:
         transformers' spelling of ``device`` for one device (``"auto"``: the GPU if there is one).
         A multimodal checkpoint (Kimi K2.5 / K3 with a vision tower) is refused unless ``language_model_only``:
         then its language model is loaded and the vision weights are skipped (with a warning); the whole model is
-        :class:`k3nn.KimiK3ForConditionalGeneration`."""
+        :class:`k3nn.KimiK3ForConditionalGeneration`.
+        ``config`` may be a transformers config (``AutoModelForCausalLM`` passes one); transformers' other loading
+        keywords are accepted where they change nothing here and refused otherwise
+        (:func:`k3nn.hf.surface.loading_kwargs`)."""
         from .checkpoint.io import from_pretrained
 
         return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,
                                revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                                token=token, config=config, torch_dtype=torch_dtype, device_map=device_map,
-                               language_model_only=language_model_only)
+                               language_model_only=language_model_only, **kwargs)

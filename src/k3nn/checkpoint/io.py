@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import KimiK3Config
+from ..config import DEEPSEEK_TYPES, KimiK3Config
 from ..generation_config import GenerationConfig
 from .formats import FORMATS, detect
 from .rope_layout import deinterleave_rope_, interleave_rope, text_config_of
@@ -313,7 +313,23 @@ def resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, rev
 
 def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=None, revision=None, cache_dir=None,
                     local_files_only=None, token=None, config: KimiK3Config | None = None, torch_dtype=None,
-                    device_map=None, language_model_only: bool = False):
+                    device_map=None, language_model_only: bool = False, **hf_kwargs):
+    """Load a checkpoint into ``cls`` (``KimiK3.from_pretrained`` and ``KimiK3ForConditionalGeneration``'s text
+    path call this): a local directory or a hub repo id (:func:`resolve_checkpoint`), any layout of
+    :mod:`k3nn.checkpoint.formats` (detected from the tensor names), sharded safetensors loaded one shard at a time
+    into a meta-initialised model materialised once on ``device``.
+
+    ``dtype``: a torch dtype, its name, or "auto" / None (the checkpoint's); ``torch_dtype`` is its transformers
+    alias. ``device`` or a one-device ``device_map`` (a device that does not exist or is not available is a
+    ValueError naming the argument, raised before any download). ``config``: use this instead of config.json.
+    ``language_model_only``: load the text model of a multimodal checkpoint (with a warning naming what was
+    skipped). Missing, unexpected or mis-shaped tensors raise :class:`CheckpointError` naming them; a
+    ``generation_config.json`` becomes ``model.generation_config``."""
+    if hf_kwargs or (config is not None and not isinstance(config, KimiK3Config)):
+        from ..hf.surface import config_from_transformers, loading_kwargs
+
+        loading_kwargs(hf_kwargs)  # transformers' keywords (AutoModelForCausalLM, pipelines, lm-eval)
+        config = None if config is None else config_from_transformers(config)
     d, device, dtype = resolve_loading(path_or_repo_id, dtype, torch_dtype, device, device_map, revision, cache_dir,
                                        local_files_only, token)
     if config is None:
@@ -333,6 +349,7 @@ def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=N
     gen_cfg = d / "generation_config.json"
     if gen_cfg.exists():
         model.generation_config = GenerationConfig.from_pretrained(d)
+    model.name_or_path = str(path_or_repo_id)  # transformers' name: PEFT records it as the adapter's base model
     model.eval()
     return model
 
@@ -343,15 +360,30 @@ def default_format(config: KimiK3Config) -> str:
     return "transformers" if config.transformers_incompatibility() is None else "k3nn"
 
 
-def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str | None = None) -> None:
+def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str | None = None, *,
+                    tokenizer=None, chat_template: str | None = None) -> None:
     """config.json + sharded safetensors + model.safetensors.index.json (huggingface_hub serialisation).
-    ``format``: a key layout of :mod:`k3nn.checkpoint.formats`; default :func:`default_format`."""
+    ``format``: a key layout of :mod:`k3nn.checkpoint.formats`; default :func:`default_format`. ``"transformers"``
+    is refused for a model transformers' ``KimiLinearForCausalLM`` cannot represent (the error names what).
+    ``tokenizer``: written beside the weights by :func:`k3nn.tokenizer.save_tokenizer` (with ``chat_template``;
+    the model config's eos / bos / pad ids name its special tokens when the tokenizer does not)."""
     from huggingface_hub import save_torch_state_dict
 
     if format is None:
         format = default_format(model.config)
     if format not in FORMATS:
         raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
+    if format == "transformers":  # transformers' runtime layout: its KimiLinear or DeepseekV3 classes load it
+        c = model.config
+        why = (None if c.model_type in DEEPSEEK_TYPES and c.deepseek_incompatibility() is None
+               else c.transformers_incompatibility())
+        if why is not None:
+            raise ValueError(
+                f"format='transformers' writes transformers' layout, and transformers has no class for this model "
+                f"(KimiLinearForCausalLM: {why}): save it with format='k3nn' (k3nn's layout; transformers loads it "
+                f"through k3nn's AutoModelForCausalLM registration) or format='moonshot' (the original Kimi layout)")
+    if tokenizer is None and chat_template is not None:
+        raise ValueError("chat_template is written with the tokenizer: pass tokenizer= too")
     if model.device.type == "meta":
         raise RuntimeError("cannot save a model whose weights are on the meta device")
     os.makedirs(save_directory, exist_ok=True)
@@ -371,6 +403,15 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
         cfg["k3nn_layout"] = "k3nn"
     with open(os.path.join(save_directory, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
-    gc = getattr(model, "generation_config", None)
+    from ..hf.surface import own_generation_config
+
+    gc = own_generation_config(model)
     if gc is not None:
         gc.save_pretrained(save_directory)
+    if tokenizer is not None:
+        from ..tokenizer import save_tokenizer
+
+        c = model.config
+        save_tokenizer(tokenizer, save_directory, chat_template=chat_template, vocab_size=c.vocab_size,
+                       eos_token=c.eos_token_id, bos_token=c.bos_token_id, pad_token=c.pad_token_id,
+                       defaults_only=True)
