@@ -96,11 +96,14 @@ def model_config(size: DemoSize):
 # ------------------------------------------------------------------------------------------------ corpus
 @dataclass
 class Corpus:
+    """The demo's text: ``train`` and ``heldout`` lists of (path relative to ``root``, file text), split by file."""
+
     root: Path
     train: list[tuple[str, str]]  # (relative path, text)
     heldout: list[tuple[str, str]]
 
     def describe(self) -> str:
+        """One line: how many files and MB on each side, and the root."""
         mb = lambda docs: sum(len(t) for _, t in docs) / 1e6  # noqa: E731
         return (f"{len(self.train)} train files ({mb(self.train):.1f} MB), {len(self.heldout)} held-out files "
                 f"({mb(self.heldout):.1f} MB) from {self.root}")
@@ -468,6 +471,8 @@ def plot_curves(path: Path, hist: dict, unigram: float, drafter_hist: list | Non
 
 
 def default_out_dir() -> Path:
+    """Where ``k3nn demo`` writes by default: ``$K3NN_HOME/demo``, else ``$XDG_CACHE_HOME/k3nn/demo``, else
+    ``~/.cache/k3nn/demo``."""
     base = os.environ.get("K3NN_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
                                                        os.path.expanduser("~/.cache"), "k3nn")
     return Path(base) / "demo"
@@ -559,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
+    """``k3nn demo`` (``argv``: its arguments, see ``k3nn demo --help``): train or reuse the model and the drafter,
+    generate, print the figures and write ``results.json`` (the figures, the machine, the seconds) beside them.
+    Returns 0; a user error is a ``SystemExit`` with a message (``k3nn demo`` prints it as one line)."""
     args = build_parser().parse_args(argv)
     size = SIZES[args.size]
     steps = size.steps if args.steps is None else args.steps

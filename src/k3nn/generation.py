@@ -52,6 +52,7 @@ class GenerateDecoderOnlyOutput:
         return getattr(self, key)
 
     def keys(self) -> list[str]:
+        """The names of the fields that are set (a ``ModelOutput``'s keys in transformers)."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
 
@@ -128,6 +129,18 @@ def _criterion_result(out, B: int, device) -> torch.Tensor:
 
 
 class GenerationMixin:
+    """``generate()`` for a causal LM with k3nn's cache (:class:`~k3nn.model.KimiK3` inherits it): greedy and sampled
+    decoding, speculative decoding with a drafter, with transformers' ``GenerationMixin`` argument names and
+    precedence (see the module docstring). The model provides ``config``, ``device``, ``new_cache`` and a forward that
+    takes ``cache=``; ``generation_config`` (optional) holds its defaults.
+
+    Example::
+
+        out = model.generate(input_ids, max_new_tokens=32)                                # greedy, [B, T + 32]
+        out = model.generate(input_ids, do_sample=True, temperature=0.7, top_p=0.9, seed=0)
+        out = model.generate(input_ids, drafter=drafter, num_assistant_tokens=5)           # speculative
+    """
+
     sync_every = 16  # GPU: how often the loop reads the stop and NaN flags back
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:

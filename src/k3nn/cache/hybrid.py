@@ -93,6 +93,9 @@ class MLAState:
         return pool, table, o.decode_seq_lens
 
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask: torch.Tensor | None, start: int):
+        """Store T new tokens' latents c [B, T, r] and rope keys k_r [B, T, dr] at positions [start, start + T);
+        returns (every latent [B, L, r], rope key [B, L, dr], key mask [B, L] bool, the new queries' absolute
+        indices [B, T]). Writing past ``max_length`` raises :class:`CacheFullError`."""
         T = c.shape[1]
         if self.owner.static:
             idx = self.write_static(c, k_r)
@@ -160,9 +163,11 @@ class HybridCache:
         self.seen_tokens += T
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached so far (padding included; the same for every layer)."""
         return self.seen_tokens
 
     def reset(self) -> None:
+        """Empty the cache in place (zeros, no reallocation) for a new batch of the same shape."""
         for st in self.layers:
             if isinstance(st, KDAState):
                 st.recurrent.zero_()
@@ -192,6 +197,8 @@ class HybridCache:
         return start, positions
 
     def commit(self, T: int, attention_mask: torch.Tensor | None) -> None:
+        """Close the forward :meth:`begin` opened: T tokens are now cached (``attention_mask`` [B, T]: which of
+        them count as real tokens for the rope positions)."""
         m = None if attention_mask is None else attention_mask.to(self.device).long()
         self.valid_counts += T if m is None else m.sum(1)
         self.seen_tokens += T
@@ -199,6 +206,7 @@ class HybridCache:
             self.write_pos += T
 
     def memory_bytes(self) -> int:
+        """Bytes held by the cache's tensors (KDA states, MLA latents, the key mask)."""
         n = self.key_mask.numel()
         for st in self.layers:
             ts = ((st.recurrent, st.conv) if isinstance(st, KDAState)

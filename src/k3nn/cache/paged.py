@@ -73,29 +73,37 @@ class HybridPools:
 
     @property
     def bytes_per_token(self) -> int:
+        """Latent bytes one token takes over all MLA layers (r + dr values per layer)."""
         return sum(p[0, 0].numel() * p.element_size() for p in self.pages)
 
     @property
     def bytes_per_slot(self) -> int:
+        """Bytes of one KDA state slot (running row or snapshot) over all KDA layers."""
         return self.running.bytes_per_slot
 
     def memory_bytes(self) -> dict[str, int]:
+        """Bytes held: ``latent_pages``, ``running_slots``, ``snapshot_slots`` and their ``total``."""
         pages = self.bytes_per_token * self.block_size * self.allocator.num_blocks
         return {"latent_pages": pages, "running_slots": self.running.memory_bytes,
                 "snapshot_slots": self.snapshots.memory_bytes,
                 "total": pages + self.running.memory_bytes + self.snapshots.memory_bytes}
 
     def pages_for(self, num_tokens: int) -> int:
+        """Pages ``num_tokens`` tokens occupy (ceil division by the block size)."""
         return -(-num_tokens // self.block_size)
 
     def mla_pool(self, layer_idx: int) -> torch.Tensor:
+        """The page pool [num_pages + 1, block, r + dr] of MLA layer ``layer_idx``
+        (model layer index; the last page is the trash page padding writes go to)."""
         return self.pages[self._mla_index[layer_idx]]
 
     def read_pages(self, blocks: Sequence[int]) -> list[torch.Tensor]:
+        """Copies of ``blocks`` from every MLA layer's pool: one [len(blocks), block, r + dr] tensor per layer."""
         idx = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
         return [p.index_select(0, idx) for p in self.pages]
 
     def write_pages(self, blocks: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+        """Write :meth:`read_pages`' form (one tensor per MLA layer) into ``blocks``."""
         idx = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
         for p, d in zip(self.pages, data):
             p.index_copy_(0, idx, d.to(p.device, p.dtype))

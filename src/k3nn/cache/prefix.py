@@ -62,6 +62,11 @@ def extra_block_keys(spans: Sequence[tuple[Sequence[int], bytes]], unit: int = 6
 
 @dataclass
 class PrefixMatch:
+    """The answer of :meth:`PrefixCache.match`: ``hit_len`` tokens can be reused (a multiple of the page size, at most
+    N − 1: the last prompt token always runs), their ``pages`` (one per 64 tokens, per MLA layer's pool), the
+    ``snapshot`` slot holding the KDA state after ``hit_len`` tokens (None when ``hit_len`` is 0), and ``kv_len``: how
+    far the pages alone match (≥ hit_len; the second-hit signal of Marconi retention)."""
+
     hit_len: int = 0  # reusable tokens (pages + snapshot)
     pages: list[int] = field(default_factory=list)  # pages of [0, hit_len)
     snapshot: int | None = None  # slot holding the state at hit_len (None when hit_len == 0)
@@ -69,6 +74,14 @@ class PrefixMatch:
 
 
 class PrefixCache:
+    """The prefix index of the hybrid cache: hash-chained 64-token blocks of prompts → latent pages, plus KDA state
+    snapshots at block boundaries (a hit at length L needs every page of [0, L) and a snapshot at exactly L).
+
+    :meth:`match` finds the longest reusable prefix, :meth:`insert` / :meth:`add_snapshot` index a request's blocks and
+    snapshots (written in the current step, they become visible once committed), :meth:`make_room` evicts by the
+    ``eviction`` policy ("lru", "marconi" or a policy object) when the pools run short. Pages and snapshots are
+    reference counted: an entry in use by a request is never evicted under it."""
+
     def __init__(self, pools: HybridPools, eviction: str | EvictionPolicy | None = "lru", salt: bytes = b""):
         self.pools, self.unit, self.salt = pools, pools.block_size, salt
         self.eviction = make_eviction(eviction)
@@ -84,6 +97,7 @@ class PrefixCache:
         return block_hashes(tokens, self.unit, self.salt, extra_keys=extra_keys)
 
     def tick(self) -> int:
+        """Advance and return the logical clock (recency for eviction)."""
         self.clock += 1
         return self.clock
 
@@ -215,6 +229,8 @@ class PrefixCache:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def stats(self) -> dict[str, float]:
+        """Counters: ``entries``, ``snapshots``, ``queries``, ``hits``, ``hit_tokens``, ``query_tokens``,
+        ``token_hit_rate``, ``evicted_pages``, ``evicted_snapshots``."""
         return {"entries": len(self.entries), "snapshots": sum(e.snapshot is not None for e in self.entries.values()),
                 "queries": self.queries, "hits": self.hits, "hit_tokens": self.hit_tokens,
                 "query_tokens": self.query_tokens, "token_hit_rate": round(self.hit_rate, 4),

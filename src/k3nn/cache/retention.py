@@ -49,6 +49,8 @@ class RetentionPolicy:
     request's prefill."""
 
     def positions(self, inp: PlanInput) -> set[int]:
+        """Candidate snapshot positions for the request ``inp`` describes (:meth:`plan` keeps the multiples of
+        the unit in (hit_len, N])."""
         raise NotImplementedError
 
     def plan(self, inp: PlanInput) -> list[int]:
@@ -79,11 +81,16 @@ class NoRetention(RetentionPolicy):
 
 
 class ReplayBoundary(RetentionPolicy):
+    """Snapshot the last block boundary before the prompt's last token: a repeat of the same prompt then recomputes
+    less than one block."""
+
     def positions(self, inp: PlanInput) -> set[int]:
         return {(inp.num_prompt_tokens - 1) // inp.unit * inp.unit}
 
 
 class Interval(RetentionPolicy):
+    """Snapshot every ``every`` tokens (a positive multiple of 64)."""
+
     def __init__(self, every: int):
         if every < UNIT or every % UNIT:
             raise ValueError(f"Interval: every must be a positive multiple of {UNIT}, got {every}")
@@ -97,6 +104,9 @@ class Interval(RetentionPolicy):
 
 
 class PromptBoundaries(RetentionPolicy):
+    """Snapshot at the caller's prompt / turn boundaries (``add_request(boundaries=...)``), rounded down to a block
+    boundary; a boundary outside the prompt is a ValueError."""
+
     def positions(self, inp: PlanInput) -> set[int]:
         for b in inp.boundaries:
             if not 0 <= int(b) <= inp.num_prompt_tokens:
@@ -174,10 +184,14 @@ class EvictionPolicy:
     """``order(candidates, now)`` → candidates, the first to evict first."""
 
     def order(self, candidates: list[PrefixEntry], now: int, cost: CostModel | None = None) -> list[PrefixEntry]:
+        """``candidates`` sorted so that the first is evicted first (``now``: the index's clock; ``cost``: the
+        FLOP / byte model, for policies that weigh what an entry saves)."""
         raise NotImplementedError
 
 
 class LRU(EvictionPolicy):
+    """Least recently used first (ties: the longer prefix, so children go before their parents)."""
+
     def order(self, candidates, now, cost=None):
         return sorted(candidates, key=lambda e: (e.last_access, -e.end))
 

@@ -73,21 +73,27 @@ class StatePool:
     # -- accounting ---------------------------------------------------------------------------------------
     @property
     def bytes_per_slot(self) -> int:
+        """Bytes of one slot over all KDA layers (recurrent + conv state)."""
         return sum(t[0].numel() * t.element_size() for t in self.recurrent + self.conv)
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes held by the whole pool."""
         return self.bytes_per_slot * self.num_slots
 
     @property
     def num_free(self) -> int:
+        """Slots not allocated."""
         return len(self._free)
 
     def refcount(self, slot: int) -> int:
+        """References held on ``slot`` (0: free)."""
         return self._ref[slot]
 
     # -- allocation -----------------------------------------------------------------------------------------
     def allocate(self, n: int = 1) -> list[int]:
+        """``n`` free slots, each with one reference (their contents are stale: :meth:`zero_` or :meth:`write`
+        them). No room is a :class:`~k3nn.cache.CacheFullError` saying how many are free; nothing is evicted."""
         if n < 0:
             raise ValueError(f"{self.name}: allocate n must be >= 0, got {n}")
         if n > len(self._free):
@@ -120,6 +126,8 @@ class StatePool:
             raise ValueError(f"{self.name}: slot {slot} is not allocated")
 
     def incref(self, slots: Iterable[int]) -> None:
+        """One more reference on each of ``slots`` (shared snapshots: copy-on-write users); all allocated, else a
+        ValueError and nothing changes."""
         slots = list(slots)
         for s in slots:
             self._check(s)
@@ -127,6 +135,8 @@ class StatePool:
             self._ref[s] += 1
 
     def free(self, slots: Iterable[int]) -> None:
+        """Drop one reference on each of ``slots``; a slot whose count reaches 0 is free again. A slot that is not
+        allocated is a ValueError (nothing changes)."""
         slots = list(slots)
         for s in slots:
             self._check(s)
@@ -137,6 +147,7 @@ class StatePool:
 
     # -- data movement ---------------------------------------------------------------------------------------
     def zero_(self, slots: Sequence[int]) -> None:
+        """Zero the recurrent and conv state of ``slots`` in every layer (a fresh sequence)."""
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
         for r, c in zip(self.recurrent, self.conv):
             r.index_fill_(0, idx, 0)
@@ -162,6 +173,8 @@ class StatePool:
         return [r[slot].clone() for r in self.recurrent], [c[slot].clone() for c in self.conv]
 
     def write(self, slot: int, recurrent: Sequence[torch.Tensor], conv: Sequence[torch.Tensor]) -> None:
+        """Set ``slot`` from one recurrent [H, K, V] and one conv [W−1, C] tensor per KDA layer (:meth:`read`'s
+        form); wrong counts or shapes are a ValueError naming the layer."""
         if len(recurrent) != len(self.layer_ids) or len(conv) != len(self.layer_ids):
             raise ValueError(f"write: expected {len(self.layer_ids)} KDA layers, got {len(recurrent)}/{len(conv)}")
         for j in range(len(self.layer_ids)):

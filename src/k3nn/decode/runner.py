@@ -58,6 +58,7 @@ class DecodeRunner:
 
     @property
     def uses_graph(self) -> bool:
+        """The step replays a captured CUDA graph (else it runs eagerly)."""
         return self.graph is not None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

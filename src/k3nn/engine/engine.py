@@ -71,6 +71,18 @@ class RequestFailedError(RuntimeError):
 
 @dataclass
 class EngineConfig:
+    """How an :class:`Engine` is sized and scheduled (every field also a keyword of ``Engine(model, ...)``).
+
+    Capacity: ``max_num_seqs`` running requests (each holds a KDA state row), ``num_pages`` latent pages of 64 tokens
+    per MLA layer (or ``cache_memory_bytes``, split between pages and snapshot slots), ``num_snapshots`` KDA snapshot
+    slots for the prefix cache. Scheduling: ``max_num_batched_tokens`` per step, ``budget`` "adaptive" (decodes first,
+    prefill gets the rest) or "fixed", ``min_prefill_tokens``, ``mixed_forward_max_tokens``, ``watermark`` (the
+    fraction of pages admission leaves free for running requests to grow). Prefix reuse: ``enable_prefix_caching``,
+    ``retention`` ("marconi", "replay", "interval:N", a policy object or None), ``eviction`` ("lru", "marconi", a
+    policy or None), ``retain_decode_state``. Speculation (with a drafter): ``num_speculative_tokens`` (None: the
+    drafter's block size), ``spec``. ``cuda_graphs``: replay captured decode / verify steps on a GPU. Errors name the
+    field (:meth:`validate`)."""
+
     max_num_seqs: int = 8  # running rows (KDA running slots)
     num_pages: int | None = 512  # latent pages of 64 tokens (None: from cache_memory_bytes)
     num_snapshots: int | None = 32  # KDA snapshot slots for the prefix cache
@@ -90,6 +102,7 @@ class EngineConfig:
     spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
 
     def validate(self) -> None:
+        """Check every field (run by the Engine); a ValueError / TypeError naming the field."""
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
@@ -313,6 +326,7 @@ class Engine:
         return max(n_prompt - 1, 1) if prefill_only else n_prompt + params.max_new_tokens - 1
 
     def has_unfinished(self) -> bool:
+        """Some request is still waiting or running (``step()`` has work to do)."""
         return bool(self.waiting) or any(r.status == RequestStatus.RUNNING for r in self.running)
 
     def _get(self, request_id: str) -> Request:
@@ -750,6 +764,24 @@ class Engine:
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
+        """Counters and latencies since the engine started, as a flat dict:
+
+        - requests: ``requests``, ``finished``, ``aborted``, ``failed``; ``steps``, ``forwards``;
+        - latency (seconds): ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p95_s`` (arrival to first token),
+          ``tpot_mean_s`` (per output token after the first); ``warmup_s``;
+        - tokens: ``generated_tokens``, ``prompt_tokens``, ``computed_prompt_tokens`` (prompt tokens actually run:
+          the rest came from the prefix cache), ``throughput_tok_s`` (generated tokens per second of wall time),
+          ``preemptions``, ``recomputed_tokens``;
+        - with a drafter: ``spec_rounds``, ``spec_drafted``, ``spec_accepted``, ``spec_acceptance_rate``,
+          ``spec_acceptance_length`` (tokens per verify window, bonus included);
+        - with prefix caching: ``cache_hit_rate`` (fraction of prompt tokens served from the cache), ``cache_hits``,
+          ``cache_queries``.
+
+        Example::
+
+            m = engine.metrics()
+            print(f"{m['throughput_tok_s']:.0f} tok/s, TTFT p95 {m['ttft_p95_s'] * 1e3:.0f} ms")
+        """
         done = [r for r in self.requests.values() if r.first_token_time is not None]
         ttft = sorted(r.first_token_time - r.arrival_time for r in done)
         tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done

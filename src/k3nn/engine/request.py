@@ -179,6 +179,9 @@ def token_ids(prompt: Any, vocab_size: int) -> list[int]:
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is in its life: WAITING (queued, or preempted to be recomputed), RUNNING (holds a row),
+    PREFILLED (``prefill_only``: its state held for export), and the ends FINISHED, ABORTED, FAILED."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREFILLED = "prefilled"  # prefill_only: N−1 tokens computed, state held for export
@@ -210,6 +213,13 @@ class ImageInputs:
 
 @dataclass(eq=False)
 class Request:
+    """One request inside the Engine (``engine.requests[request_id]``): its prompt ids, :class:`SamplingParams`,
+    ``status``, the ``output`` ids so far, and the bookkeeping the scheduler and the cache use (``row``: its KDA state
+    row while running; ``blocks``: its latent pages; ``num_computed``: tokens whose latents and state are cached;
+    prefix-cache keys and hits; timing: ``arrival_time``, ``first_token_time``, ``finish_time``; speculation counters).
+    ``finish_reason`` is "stop", "length", "abort", "exported" or "error" (then ``error`` says why). Users read it;
+    only the Engine changes it."""
+
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -249,9 +259,11 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
         return len(self.prompt)
 
     def all_tokens(self) -> list[int]:
+        """Prompt + output ids so far (a new list)."""
         return self.prompt + self.output
 
     @property
@@ -261,6 +273,7 @@ class Request:
         return end - self.num_computed
 
     def tokens_to_feed(self, n: int) -> list[int]:
+        """The next ``n`` tokens the model has not computed yet (prompt, output, then this step's drafts)."""
         return (self.all_tokens() + self.drafts)[self.num_computed:self.num_computed + n]
 
     @property

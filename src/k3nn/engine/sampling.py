@@ -177,6 +177,7 @@ class RequestSampler:
 
     @property
     def finished(self) -> bool:
+        """A stop condition was met (eos, a stop id or string, the length limit)."""
         return self._end is not None
 
     @property

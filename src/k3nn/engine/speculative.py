@@ -66,9 +66,15 @@ class EngineDrafter(Protocol):
 
     target_layers: list[int]
 
-    def write(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None: ...
+    def write(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the drafter's context for the tokens a target forward fed: ``taps`` one [B, T, d] hidden-state
+        tensor per layer of ``target_layers``, ``positions`` [B, T] rope positions, ``slots`` [B, T] pool rows."""
+        ...
 
-    def propose(self, rows: Sequence[DraftRow], n: int) -> DraftProposal: ...
+    def propose(self, rows: Sequence[DraftRow], n: int) -> DraftProposal:
+        """``n`` drafts for each of ``rows`` (a :class:`~k3nn.layers.dspark.DraftProposal`: tokens [B, n], and
+        probs [B, n, V] when the rows sample)."""
+        ...
 
 
 class PagedDraftContext:

@@ -165,6 +165,7 @@ class Lease:
 
     @property
     def expired(self) -> bool:
+        """:meth:`is_expired` now."""
         return self.is_expired()
 
     def release(self) -> bool:
@@ -215,6 +216,11 @@ def expire_leases(engine: "Engine", now: float | None = None) -> list[str]:
 # -- manifest ---------------------------------------------------------------------------------------------------
 @dataclass
 class RequestState:
+    """What :func:`export_request_state` returns and :func:`import_request_state` takes: the ``manifest`` (a JSON-able
+    dict: config fingerprint, layouts, token ids, block hashes, page and state tensor descriptions, a digest), the
+    ``tensors`` it describes (latent pages per MLA layer, KDA state per KDA layer; in ``manifest["tensors"]`` order),
+    and on the exporting side the :class:`Lease` that pins the request until released."""
+
     manifest: dict[str, Any]
     tensors: list[torch.Tensor]  # in manifest["tensors"] order
     lease: Lease | None = field(default=None, repr=False)

@@ -35,6 +35,26 @@ __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
 
 
 class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention, the linear-attention token mixer (the math is in the module docstring).
+
+    ``forward(x [B, T, d], state=None, attention_mask=None, checkpoint_positions=None) → [B, T, d]`` in x's dtype.
+    Without ``state`` the call starts from a zero state; with a :class:`k3nn.cache.KDAState` it continues it and
+    updates it in place (one token or a short window: the fused decode path; more: the chunked kernel).
+    ``attention_mask`` [B, T] zeroes padded inputs (left padding). ``checkpoint_positions`` exports the recurrent state
+    at chosen token positions from the same pass (prefix caching).
+
+    Parameters: ``q_proj`` / ``k_proj`` / ``v_proj`` [H·D, d], their depthwise short convolutions (kernel
+    ``short_conv_kernel_size``), the decay ``f_a_proj`` / ``f_b_proj`` (low rank), ``A_log`` [H] and ``dt_bias``
+    [H·D] (fp32), ``b_proj`` [H, d] for β, the output gate (``g_a_proj`` / ``g_b_proj``, or ``g_proj`` with
+    ``use_full_rank_gate``), the gated RMSNorm ``o_norm`` and ``o_proj`` [d, H·D]. The gate follows
+    ``config.kda_gate``: Kimi Linear's softplus form or K3's lower-bounded sigmoid.
+
+    Example::
+
+        kda = KimiDeltaAttention(KimiK3Config.tiny())
+        y = kda(torch.randn(2, 128, 64))          # [2, 128, 64]; trains through autograd
+    """
+
     def __init__(self, config: KimiK3Config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
@@ -101,6 +121,7 @@ class KimiDeltaAttention(nn.Module):
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-activation [..., H·D] for x [..., d]: ``g_b(g_a(x))`` (low rank) or ``g_proj(x)``."""
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
     def project(self, x: torch.Tensor, conv_prev: torch.Tensor | None):

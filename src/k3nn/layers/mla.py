@@ -78,6 +78,24 @@ def absorbed_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tenso
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """Multi-head Latent Attention (the math is in the module docstring), with K3's sigmoid output gate.
+
+    ``forward(x [B, T, d], state=None, attention_mask=None, positions=None, start=0) → [B, T, d]`` in x's dtype.
+    Without ``state``: causal attention over these T tokens. With a latent cache view the new latents (``c`` [r]
+    and ``k_r`` [dr] per token) are appended and the queries attend over everything visible: prefill-shaped calls
+    on decompressed K/V (flash attention, no ``[T, L]`` matrix), decode-shaped ones (up to ``absorb_max_tokens``
+    new tokens) in the absorbed latent form. ``positions`` [B, T]: rope positions (unused with ``mla_use_nope``).
+
+    Parameters: ``q_proj`` (or ``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj`` with ``q_lora_rank``),
+    ``kv_a_proj_with_mqa`` [r + dr, d], ``kv_a_layernorm``, ``kv_b_proj`` [H·(dn + dv), r] (W_UK and W_UV per
+    head), ``o_proj`` [d, H·dv] and, with ``mla_use_output_gate``, ``g_proj`` [H·dv, d].
+
+    Example::
+
+        mla = MultiHeadLatentAttention(KimiK3Config.tiny())
+        y = mla(torch.randn(2, 16, 64))           # [2, 16, 64]
+    """
+
     #: decode-shaped calls (new tokens ≤ this, with cached context) use the absorbed latent form
     absorb_max_tokens = 16
 
@@ -137,6 +155,8 @@ class MultiHeadLatentAttention(nn.Module):
         return c, k_r
 
     def w_uk_uv(self):
+        """(W_UK [H, dn, r], W_UV [H, dv, r]): views of ``kv_b_proj.weight`` that decompress latents into keys and
+        values (the absorbed decode folds them into the query and the output)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
 

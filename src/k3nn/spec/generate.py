@@ -79,17 +79,23 @@ class SpecStats:
 
     @property
     def acceptance_length(self) -> float:
+        """Tokens emitted per (row, round), the corrected or bonus token included: (accepted + row_rounds) /
+        row_rounds; 1.0 means no draft was ever accepted, γ + 1 every draft."""
         return (self.accepted + self.row_rounds) / max(1, self.row_rounds)
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted drafts / verified drafts."""
         return self.accepted / max(1, self.drafted)
 
     @property
     def position_acceptance(self) -> list[float]:
+        """Per draft position k: P(draft k+1 accepted | the drafts before it accepted and it was verified); NaN
+        where no draft was tried at that position."""
         return [a / t if t else float("nan") for a, t in zip(self.position_accepted, self.position_tried)]
 
     def as_dict(self) -> dict:
+        """The counters and the derived rates as a JSON-able dict (rounded to 4 digits)."""
         return {"gamma": self.gamma, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_length": round(self.acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4),

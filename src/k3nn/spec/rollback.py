@@ -61,6 +61,8 @@ class SpecKDAState(KDAState):
         self.window_ckpts: torch.Tensor | None = None
 
     def begin_window(self) -> None:
+        """Open a verify window: the layer now works on scratch copies of the committed state, which stays
+        untouched until :class:`WindowRollback` commits the accepted prefix."""
         if self._scratch is None:
             self._scratch = (torch.empty_like(self.committed_recurrent), torch.empty_like(self.committed_conv))
         rec, conv = self._scratch
@@ -71,6 +73,8 @@ class SpecKDAState(KDAState):
         self.window_x = self.window_final = self.window_conv = self.window_ckpts = None
 
     def update(self, recurrent, conv, checkpoints=None) -> None:
+        """Outside a window: :meth:`KDAState.update`. Inside: stash the window's final state (and checkpoints) for
+        the commit instead of storing it."""
         if not self.in_window:
             return super().update(recurrent, conv, checkpoints)
         self.window_final, self.window_conv, self.window_ckpts = recurrent, conv, checkpoints
@@ -81,6 +85,7 @@ class SpecKDAState(KDAState):
             self.window_x = x
 
     def end_window(self) -> None:
+        """Close the window: point back at the committed state and drop what the window recorded."""
         self.in_window = False
         self.recurrent, self.conv = self.committed_recurrent, self.committed_conv
         self.window_x = self.window_final = self.window_conv = self.window_ckpts = None

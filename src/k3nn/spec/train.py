@@ -98,6 +98,9 @@ class DSparkTrainer:
         return out.hidden_states, out.logits
 
     def loss(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The DSpark loss parts (:func:`dspark_loss`: ``loss`` and its components) on input_ids [B, L] long
+        (``lengths`` [B]: valid tokens per row, default L): the frozen target runs once, ``num_anchors`` anchors
+        per row are sampled, the drafter drafts a block from each."""
         B, L = input_ids.shape
         G = self.drafter.config.block_size
         if lengths is None:
@@ -111,6 +114,15 @@ class DSparkTrainer:
         return dspark_loss(out["logits"], t, out["confidence"], out["labels"], valid, decay=self.decay)
 
     def step(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step on :meth:`loss` (gradient clipping at ``grad_clip``); returns the loss parts as
+        floats (lists for per-position parts).
+
+        Example::
+
+            trainer = DSparkTrainer(model, drafter, torch.optim.AdamW(drafter.parameters(), lr=2e-3))
+            for batch in batches:                  # [B, L] token ids
+                parts = trainer.step(batch)        # {"loss": ..., "tau": ..., ...}
+        """
         self.drafter.train()
         parts = self.loss(input_ids, lengths)
         self.optimizer.zero_grad(set_to_none=True)
