@@ -45,11 +45,16 @@ class CacheFullError(ValueError):
 
 @dataclass
 class KDAState:
+    """One KDA layer's cache entry for the B rows of a forward: ``recurrent`` [B, H, D, D] fp32 and ``conv``
+    [B, W−1, 3·H·D] (the last W−1 pre-conv inputs, channels q | k | v), plus ``checkpoints`` [M, H, D, D] fp32: the
+    states the last call exported with ``checkpoint_positions``."""
+
     recurrent: torch.Tensor
     conv: torch.Tensor
     checkpoints: torch.Tensor | None = None  # states exported by the last call with checkpoint_positions
 
     def update(self, recurrent: torch.Tensor, conv: torch.Tensor, checkpoints: torch.Tensor | None = None) -> None:
+        """Store the rows' new state in place and the states exported by ``checkpoint_positions`` (or None)."""
         self.recurrent.copy_(recurrent)
         self.conv.copy_(conv)
         self.checkpoints = checkpoints
@@ -59,6 +64,9 @@ POOL_BLOCK = 64  # block size of the MLA pool view (the paged cache's block)
 
 
 class MLAState:
+    """One MLA layer's latent cache: ``latent`` [B, L, r] and ``rope`` [B, L, dr] (or one ``kv`` [B, L, r + dr]
+    buffer for the pooled decode path); :meth:`append` stores new tokens and returns what the queries attend to."""
+
     def __init__(self, owner: "HybridCache", latent: torch.Tensor, rope: torch.Tensor,
                  kv: torch.Tensor | None = None):
         self.owner, self.latent, self.rope, self.kv = owner, latent, rope, kv
