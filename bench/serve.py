@@ -104,6 +104,19 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
     return out
 
 
+async def _sse_lines(resp):
+    """The lines of a Server-Sent Events body, split at LF only (a server may send raw UTF-8, whose line separators
+    such as U+2028 are no SSE line ends)."""
+    buf = b""
+    async for part in resp.aiter_bytes():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buf:
+        yield buf
+
+
 async def _one(client, url: str, payload: dict, spec: RequestSpec, t_run: float, headers: dict) -> RequestResult:
     res = RequestResult(False, len(spec.prompt), start=time.perf_counter() - t_run)
     t0 = time.perf_counter()
@@ -114,10 +127,10 @@ async def _one(client, url: str, payload: dict, spec: RequestSpec, t_run: float,
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in _sse_lines(resp):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
+                data = line[5:].strip().decode()
                 if data == "[DONE]":
                     res.ok = res.error is None
                     break

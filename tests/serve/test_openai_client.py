@@ -222,6 +222,9 @@ def test_echo(client):
     streamed = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=5, temperature=0,
                                               echo=True, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    odd = "a\u2028b\x85c\u2029d é"  # Unicode line separators are no SSE line ends
+    streamed = list(client.completions.create(model="tiny", prompt=odd, max_tokens=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed).startswith(odd)
 
 
 def test_vllm_sampling_extras_reach_the_engine(client, model, tokenizer):

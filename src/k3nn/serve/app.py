@@ -51,7 +51,8 @@ _MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (as OpenAI and vLLM report i
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    # ASCII: a line separator inside the text (U+2028, U+0085, ...) must not split the event for line-based readers
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
 
 
 def _lp(x: float) -> float | None:
