@@ -44,12 +44,6 @@ class KimiK3Output:
     final-norm output; ``cache``: the cache the call used (None without one). Other fields are described where
     :meth:`KimiK3.forward` sets them."""
 
-    """What :meth:`KimiK3.forward` returns: ``logits`` [B, T, V] in the lm_head's dtype (only the last
-    ``logits_to_keep`` positions when that is > 0); ``hidden_states``: one [B, T, d] per
-    layer in ``output_hidden_layers`` (the DSpark drafter's context), else None; ``last_hidden_state`` [B, T, d]: the
-    final-norm output; ``cache``: the cache the call used (None without one). Other fields are described where
-    :meth:`KimiK3.forward` sets them."""
-
     logits: torch.Tensor
     hidden_states: list[torch.Tensor] | None = None  # per requested layer output (DSpark context)
     last_hidden_state: torch.Tensor | None = None
@@ -66,12 +60,6 @@ class ResidualState:
 
 
 class DecoderLayer(nn.Module):
-    """Decoder layer ``layer_idx``: a token mixer (:class:`~k3nn.layers.mla.MultiHeadLatentAttention` when
-    ``config.is_mla_layer(layer_idx)``, else :class:`~k3nn.layers.kda.KimiDeltaAttention`) and a feed-forward block
-    (:class:`~k3nn.layers.moe.MoE` when ``config.is_moe_layer(layer_idx)``, else the dense
-    :class:`~k3nn.layers.mlp.MLP`), each after an RMSNorm, joined by plain residuals or, with ``use_attn_res``, by
-    Block Attention Residuals (two pseudo-queries: before the mixer and before the feed-forward block)."""
-
     """Decoder layer ``layer_idx``: a token mixer (:class:`~k3nn.layers.mla.MultiHeadLatentAttention` when
     ``config.is_mla_layer(layer_idx)``, else :class:`~k3nn.layers.kda.KimiDeltaAttention`) and a feed-forward block
     (:class:`~k3nn.layers.moe.MoE` when ``config.is_moe_layer(layer_idx)``, else the dense
@@ -145,10 +133,6 @@ class DecoderLayer(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    """The decoder stack without the lm_head: ``embed_tokens`` → ``layers`` → (the output AttnRes mix) → ``norm``.
-    At inference with AttnRes it runs the exact two-phase form (one batched phase per block of layers, an
-    online-softmax merge per sublayer)."""
-
     """The decoder stack without the lm_head: ``embed_tokens`` → ``layers`` → (the output AttnRes mix) → ``norm``.
     At inference with AttnRes it runs the exact two-phase form (one batched phase per block of layers, an
     online-softmax merge per sublayer)."""
