@@ -78,3 +78,13 @@ def test_generation_config_surface(k3):
     assert isinstance(m.generation_config, GenerationConfig) and m.generate(ids, eos_token_id=[]).shape == (1, 5)
     del m.generation_config
     assert m.generation_config.max_new_tokens is None
+
+
+def test_pipeline_on_a_kimi_linear_checkpoint(kl_dir, hf_tok):
+    """A Kimi Linear checkpoint: the pipeline over k3nn's model gives transformers' own model's greedy text."""
+    from transformers import KimiLinearForCausalLM
+
+    ours = pipeline("text-generation", model=KimiK3.from_pretrained(kl_dir), tokenizer=hf_tok)
+    theirs = pipeline("text-generation", model=KimiLinearForCausalLM.from_pretrained(kl_dir).eval(), tokenizer=hf_tok)
+    kw = dict(max_new_tokens=6, do_sample=False, return_full_text=False)
+    assert ours(PROMPT, **kw)[0]["generated_text"] == theirs(PROMPT, **kw)[0]["generated_text"]
