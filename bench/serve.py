@@ -336,11 +336,12 @@ class _Child:
 
 
 def launch_server(kind: str, *, model_path: str | None, max_num_seqs: int, num_pages: int, device: str | None,
-                  dtype: str | None, drafter_path: str | None = None) -> _Child:
+                  dtype: str | None, drafter_path: str | None = None, threads: int | None = None) -> _Child:
     """Start ``k3nn serve`` on the demo checkpoint (``kind="demo"``, with its drafter when ``drafter_path`` is given)
     or a random-weight preset in a child process on a free port of 127.0.0.1."""
     common = ["--port", "0", "--max-num-seqs", str(max_num_seqs), "--num-pages", str(num_pages), "--no-access-log"]
     common += (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])
+    common += ["--threads", str(threads)] if threads else []
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)] + ([env["PYTHONPATH"]] if env.get(
@@ -362,6 +363,7 @@ def _serve_preset(argv: list[str]) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--no-access-log", action="store_true")
+    ap.add_argument("--threads", default="auto")
     a = ap.parse_args(argv)
     import logging
 
@@ -374,6 +376,9 @@ def _serve_preset(argv: list[str]) -> int:
 
     from bench.models import bench_model
 
+    from k3nn.utils import configure_threads
+
+    configure_threads(a.threads)
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     logging.getLogger("k3nn.serve").setLevel(logging.INFO)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -450,6 +455,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", default="auto",
+                    help="torch CPU threads of the launched server and of the in-process run (the same number for "
+                         "both; default auto: resolved once here)")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the launched server")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -474,6 +482,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             vocab = getattr(KimiK3Config, a.launch)().vocab_size
     workload = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab or 256, a.seed)
+    from k3nn.utils import configure_threads
+
+    threads = configure_threads(a.threads)  # this process's (the in-process run) and the launched server's
     max_seqs = max(a.max_concurrency)
     pages = _pages(max_seqs, a.input_len, a.output_len, a.range_ratio)
     label = a.launch or a.base_url
@@ -482,7 +493,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         if a.launch:
             child = launch_server(a.launch, model_path=a.model_path, max_num_seqs=max_seqs, num_pages=pages,
-                                  device=a.device, dtype=a.dtype, drafter_path=a.drafter_path)
+                                  device=a.device, dtype=a.dtype, drafter_path=a.drafter_path, threads=threads)
             base_url = child.wait_ready(a.startup_timeout)
         else:
             base_url = a.base_url
@@ -520,7 +531,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "num_prompts": a.num_prompts,
             "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
             "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
-            "max_num_seqs": max_seqs, "num_pages": pages, "dtype": a.dtype, "device": a.device,
+            "max_num_seqs": max_seqs, "num_pages": pages, "dtype": a.dtype, "device": a.device, "cpu_threads": threads,
             "k3nn_ms": "milliseconds per output token at the run's output throughput (1000 / tok/s)",
             "targets": "HTTP serving >= 0.95x the in-process Engine output throughput at concurrency 16 (issue 35)"}
     if not a.no_write:
