@@ -4,7 +4,7 @@ Per request, observed by the HTTP side when a request ends:
 
 * ``k3nn_requests_total{outcome}``: generation requests by outcome — ``stop`` / ``length`` (the first choice's
   finish reason), ``abort`` (the client went away, or shutdown), ``error`` (failed inside the engine),
-  ``rejected`` (a 4xx before anything was queued);
+  ``rejected`` (refused before anything was queued: bad input, or the engine not ready; a 401 is not counted);
 * ``k3nn_time_to_first_token_seconds``, ``k3nn_time_per_output_token_seconds`` (per choice: arrival → first
   token; (last − first token) / (tokens − 1)), ``k3nn_e2e_request_latency_seconds`` (arrival → last token);
 * ``k3nn_prompt_tokens_total``, ``k3nn_generation_tokens_total``.
