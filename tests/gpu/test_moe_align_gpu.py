@@ -38,3 +38,18 @@ def test_graph_replay():
     g.replay()
     ref = align.moe_align(ids, 128, 8)
     assert torch.equal(out.sorted_ids, ref.sorted_ids) and torch.equal(out.expert_ids, ref.expert_ids)
+
+
+def test_chunked_self_check_passes():
+    assert align.chunked_ok("cuda")
+
+
+@pytest.mark.parametrize("tokens,e,k,bm", [(64, 128, 16, 8), (512, 32, 8, 64), (2048, 256, 8, 128),
+                                           (8192, 32, 8, 128), (700, 896, 16, 128)])
+def test_chunked_equals_torch_alignment(tokens, e, k, bm):
+    ids = _ids(tokens, e, k, tokens)
+    a, b = align.moe_align(ids, e, bm), align.moe_align_chunked(ids, e, bm)
+    assert torch.equal(a.sorted_ids, b.sorted_ids) and torch.equal(a.expert_ids, b.expert_ids)
+    assert torch.equal(a.num_rows, b.num_rows)
+    c = align.align_for(ids, e, bm)  # the kernel align_for takes at prefill sizes
+    assert torch.equal(c.sorted_ids, a.sorted_ids)

@@ -33,3 +33,32 @@ def test_k3_decode_sizes_and_align_for():
     assert align.one_launch_ok("cpu")
     ids = torch.stack([torch.randperm(128, generator=g)[:16] for _ in range(2)])
     assert align._same_alignment(align.align_for(ids, 128, 8), align.moe_align(ids, 128, 8))
+
+
+@settings(deadline=None, max_examples=8)
+@given(n=st.integers(1, 90), e=st.sampled_from([1, 5, 33, 130]), k=st.integers(1, 8),
+       bm=st.sampled_from([4, 16, 64]), skew=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_chunked_equals_torch_alignment(n, e, k, bm, skew, seed):
+    """The three-launch alignment of prefill-sized batches (chunks made small here so several programs, their
+    offsets tile and the blocks' experts split across programs are exercised) == moe_align exactly."""
+    k = min(k, e)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(e, generator=g)[:k] if skew else None
+    ids = torch.stack([pool[torch.randperm(k, generator=g)] if skew else torch.randperm(e, generator=g)[:k]
+                       for _ in range(n)])
+    saved, align.CHUNK_PAIRS = align.CHUNK_PAIRS, 128
+    try:
+        a, b = align.moe_align(ids, e, bm), align.moe_align_chunked(ids, e, bm)
+    finally:
+        align.CHUNK_PAIRS = saved
+    assert torch.equal(a.sorted_ids, b.sorted_ids)
+    assert torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)
+
+
+def test_chunked_self_check_and_limits():
+    assert align.chunked_ok("cpu")
+    too_many = torch.zeros(align.CHUNK_PAIRS * align.MAX_CHUNKS + 1, 1, dtype=torch.long)
+    import pytest
+
+    with pytest.raises(ValueError, match="exceed"):
+        align.moe_align_chunked(too_many, 4, 16)

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MoEAlignment", "moe_align", "moe_align_triton", "max_blocks", "align_for", "one_launch_ok"]
+__all__ = ["MoEAlignment", "moe_align", "moe_align_triton", "moe_align_chunked", "max_blocks", "align_for",
+           "one_launch_ok", "chunked_ok"]
 
 
 class MoEAlignment(NamedTuple):
@@ -132,6 +133,124 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 
+def _chunked_kernels_src():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _align_count(ids_ptr, cnt_ptr, P, E, C: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+        """Program c: how many of pairs [c·C, (c+1)·C) each expert got → cnt[c, :] (comparisons, no atomics)."""
+        c = tl.program_id(0)
+        for e0 in range(0, E, CH):
+            offs_e = e0 + tl.arange(0, CH)
+            n = tl.zeros([CH], dtype=tl.int32)
+            for p0 in tl.static_range(0, C, SUB):
+                offs_p = c * C + p0 + tl.arange(0, SUB)
+                ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
+                n += tl.sum((offs_e[:, None] == ids[None, :]).to(tl.int32), 1)
+            tl.store(cnt_ptr + c * E + offs_e, n, mask=offs_e < E)
+
+    @triton.jit
+    def _align_offsets(cnt_ptr, off_ptr, pend_ptr, sorted_ptr, num_rows_ptr, P, E, S, NC,
+                       BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, CH: tl.constexpr, FILL: tl.constexpr):
+        """One program: per expert (CH at a time, all chunks as one tile) the total, padded length and padded end
+        (a running prefix over the experts), and per (chunk, expert) the first destination row (an exclusive cumsum
+        over the chunks); the used rows, and the sentinel in every slot (the scatter launch writes the pairs and the
+        blocks' experts afterwards)."""
+        offs_c = tl.arange(0, BLOCK_NC)
+        cm = offs_c < NC
+        base = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
+        for e0 in range(0, E, CH):
+            offs_e = e0 + tl.arange(0, CH)
+            em = offs_e < E
+            m2 = cm[:, None] & em[None, :]
+            tile = tl.load(cnt_ptr + offs_c[:, None] * E + offs_e[None, :], mask=m2, other=0)
+            pad = (tl.sum(tile, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            pend = base + tl.cumsum(pad, 0)
+            tl.store(pend_ptr + offs_e, pend, mask=em)
+            off = (pend - pad)[None, :] + tl.cumsum(tile, 0) - tile
+            tl.store(off_ptr + offs_c[:, None] * E + offs_e[None, :], off, mask=m2)
+            base += tl.sum(pad, 0)
+        tl.store(num_rows_ptr, base)
+        for f0 in range(0, S, FILL):
+            offs_f = f0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + offs_f, tl.full([FILL], 0, tl.int32) + P, mask=offs_f < S)
+
+    @triton.jit
+    def _align_scatter(ids_ptr, off_ptr, pend_ptr, num_rows_ptr, sorted_ptr, eid_ptr, P, E, NB, BPC,
+                       C: tl.constexpr, CH: tl.constexpr, BLOCK_B: tl.constexpr, CHE: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+        """Program c: each pair of its chunk goes to its (chunk, expert) offset + its rank among the chunk's earlier
+        pairs of that expert (moe_align's stable order); blocks [c·BPC, (c+1)·BPC) get their expert (the number of
+        experts whose padded segment ends at or before the block), -1 past the used rows."""
+        c = tl.program_id(0)
+        offs_p = c * C + tl.arange(0, C)
+        pm = offs_p < P
+        ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)
+        rank = tl.zeros([C], dtype=tl.int32)
+        for q0 in tl.static_range(0, C, CH):
+            offs_q = c * C + q0 + tl.arange(0, CH)
+            idq = tl.load(ids_ptr + offs_q, mask=offs_q < P, other=-2).to(tl.int32)
+            rank += tl.sum(((ids[:, None] == idq[None, :]) & (offs_q[None, :] < offs_p[:, None])).to(tl.int32), 1)
+        dest = tl.load(off_ptr + c * E + ids, mask=pm, other=0) + rank
+        tl.store(sorted_ptr + dest, offs_p, mask=pm)
+        offs_b = c * BPC + tl.arange(0, BLOCK_B)
+        bm_ = (offs_b < NB) & (offs_b < (c + 1) * BPC)
+        row = offs_b * BLOCK_M
+        n = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for e0 in range(0, E, CHE):
+            offs_e = e0 + tl.arange(0, CHE)
+            pe = tl.load(pend_ptr + offs_e, mask=offs_e < E, other=2147483647)
+            n += tl.sum((pe[None, :] <= row[:, None]).to(tl.int32), 1)
+        used = tl.load(num_rows_ptr)
+        tl.store(eid_ptr + offs_b, tl.where(row < used, n, -1), mask=bm_)
+
+    return _align_count, _align_offsets, _align_scatter
+
+
+_CHUNKED = None
+#: pairs per program of the chunked alignment, and the most chunks its offsets program takes as one tile
+CHUNK_PAIRS = 512
+MAX_CHUNKS = 1024
+
+
+def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Three launches for up to ``CHUNK_PAIRS · MAX_CHUNKS`` pairs (prefill): per-chunk expert counts, the offsets
+    (one program), the scatter; the same result as :func:`moe_align` (its ~35 small launches), pairs of an expert
+    in their flat order."""
+    import triton
+
+    global _CHUNKED
+    if _CHUNKED is None:
+        _CHUNKED = _chunked_kernels_src()
+    count, offsets, scatter = _CHUNKED
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    P, E = flat.numel(), num_experts
+    nc = max(1, -(-P // CHUNK_PAIRS))
+    if nc > MAX_CHUNKS:
+        raise ValueError(f"moe_align_chunked: {P} pairs exceed {CHUNK_PAIRS * MAX_CHUNKS}; use moe_align")
+    dev = flat.device
+    nb = max_blocks(P, E, block_m)
+    block_nc = triton.next_power_of_2(nc)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    cnt = torch.empty(nc, E, dtype=torch.int32, device=dev)
+    off = torch.empty(nc, E, dtype=torch.int32, device=dev)
+    pend = torch.empty(E, dtype=torch.int32, device=dev)
+    ch = min(64, triton.next_power_of_2(E))
+    count[(nc,)](flat, cnt, P, E, C=CHUNK_PAIRS, SUB=128, CH=ch, num_warps=4)
+    offsets[(1,)](cnt, off, pend, sorted_ids, num_rows, P, E, nb * block_m, nc, BLOCK_M=block_m, BLOCK_NC=block_nc,
+                  CH=max(1, min(ch, 8192 // block_nc)), FILL=1024, num_warps=4)
+    bpc = -(-nb // nc)
+    block_b = triton.next_power_of_2(bpc)
+    scatter[(nc,)](flat, off, pend, num_rows, sorted_ids, expert_ids, P, E, nb, bpc, C=CHUNK_PAIRS, CH=16,
+                   BLOCK_B=block_b, CHE=max(1, min(ch, 4096 // block_b)), BLOCK_M=block_m, num_warps=4)
+    return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
+
+
 _SELF_CHECK: dict[tuple[str, int | None], bool] = {}
 
 
@@ -140,33 +259,54 @@ def _same_alignment(a: MoEAlignment, b: MoEAlignment) -> bool:
             and torch.equal(a.sorted_ids, b.sorted_ids))
 
 
-def _one_launch_ok(dev: torch.device) -> bool:
-    """The one-launch kernel is used on a device once it reproduced ``moe_align`` there (checked on the first
-    call outside graph capture, like autotuning); otherwise the multi-kernel torch path is kept."""
-    key = (dev.type, dev.index)
+def _self_check(kind: str, dev: torch.device) -> bool:
+    """A kernel alignment is used on a device once it reproduced ``moe_align`` there (checked on the first call
+    outside graph capture, like autotuning); otherwise the multi-kernel torch path is kept (a warning says why)."""
+    key = (kind, dev.type, dev.index)
     if key not in _SELF_CHECK:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
-        ids = (torch.arange(60, device=dev).view(15, 4) * 5 + 3) % 7
-        big = (torch.arange(256, device=dev).view(16, 16) * 37 + 11) % 131
-        ok = (all(_same_alignment(moe_align(ids, 7, bm), moe_align_triton(ids, 7, bm)) for bm in (4, 16))
-              and _same_alignment(moe_align(big, 131, 8), moe_align_triton(big, 131, 8)))
+        fn = moe_align_triton if kind == "one-launch" else moe_align_chunked
+        cases = [((torch.arange(60, device=dev).view(15, 4) * 5 + 3) % 7, 7, bm) for bm in (4, 16)]
+        cases.append(((torch.arange(256, device=dev).view(16, 16) * 37 + 11) % 131, 131, 8))
+        if kind == "chunked":
+            cases.append(((torch.arange(3000, device=dev).view(375, 8) * 29 + 5) % 64, 64, 64))
+        try:
+            ok = all(_same_alignment(moe_align(i, e, bm), fn(i, e, bm)) for i, e, bm in cases)
+            why = "disagrees with moe_align"
+        except Exception as err:  # a compiler that cannot build it: the torch path, same result
+            ok, why = False, f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         if not ok:
-            import logging
+            import warnings
 
-            logging.getLogger(__name__).warning("one-launch MoE alignment disagrees with moe_align on %s; "
-                                                "keeping the torch alignment", dev)
+            warnings.warn(f"{kind} MoE alignment {why} on {dev}; keeping the torch alignment", RuntimeWarning)
         _SELF_CHECK[key] = ok
     return _SELF_CHECK[key]
 
 
+def _one_launch_ok(dev: torch.device) -> bool:
+    return _self_check("one-launch", dev)
+
+
 def one_launch_ok(dev: torch.device) -> bool:
     """Whether :func:`align_for` takes the one-launch kernel on ``dev`` (its self-check passed there)."""
-    return _one_launch_ok(torch.device(dev))
+    return _self_check("one-launch", torch.device(dev))
+
+
+def chunked_ok(dev: torch.device) -> bool:
+    """Whether :func:`align_for` takes the three-launch chunked kernels on ``dev`` (their self-check passed)."""
+    return _self_check("chunked", torch.device(dev))
 
 
 def align_for(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """The alignment the fused kernels use: one launch for decode-sized batches, else :func:`moe_align`."""
-    if topk_ids.numel() <= ONE_LAUNCH_PAIRS and num_experts <= 8192 and _one_launch_ok(topk_ids.device):
-        return moe_align_triton(topk_ids, num_experts, block_m)
+    """The alignment the fused kernels use: one launch for decode-sized batches, three (:func:`moe_align_chunked`)
+    for larger ones on CUDA, where their self-check passed on the device; else :func:`moe_align` (also under the
+    Triton interpreter for large batches, where the torch ops are the faster form). All give one result."""
+    if num_experts <= 8192:
+        if topk_ids.numel() <= ONE_LAUNCH_PAIRS:
+            if _one_launch_ok(topk_ids.device):
+                return moe_align_triton(topk_ids, num_experts, block_m)
+        elif (topk_ids.device.type == "cuda" and topk_ids.numel() <= CHUNK_PAIRS * MAX_CHUNKS
+              and chunked_ok(topk_ids.device)):
+            return moe_align_chunked(topk_ids, num_experts, block_m)
     return moe_align(topk_ids, num_experts, block_m)
