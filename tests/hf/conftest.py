@@ -12,11 +12,12 @@ from k3nn.demo import EOS, load_corpus, train_tokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def eager_kernels(monkeypatch):
-    """These tests are about the integration, not the kernels (tested against eager elsewhere): the eager backend
-    runs them in a fraction of the time the Triton interpreter takes on CPU. The environment reaches pipeline
-    threads and subprocesses too."""
-    monkeypatch.setenv("K3NN_BACKEND", "eager")
+def eager_kernels(request, monkeypatch):
+    """These tests are about the integration, not the kernels (tested against eager elsewhere): on CPU the eager
+    backend runs them in a fraction of the time the Triton interpreter takes. The environment reaches pipeline
+    threads and subprocesses too. GPU tests keep the default backend (the real kernels)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("K3NN_BACKEND", "eager")
 
 
 @pytest.fixture(scope="session")

@@ -55,8 +55,11 @@ class TransformersSurface:
     output_modalities = ("text",)
     #: the path or hub id the weights were loaded from ("" for a model built in code); ``from_pretrained`` sets it
     name_or_path = ""
-    #: transformers' ``Trainer`` bookkeeping of one-time warnings
-    warnings_issued: dict = {}
+
+    @property
+    def warnings_issued(self) -> dict:
+        """transformers' per-model record of one-time warnings (its ``Trainer`` writes to it)."""
+        return self.__dict__.setdefault("_k3nn_warnings_issued", {})
 
     @classmethod
     def can_generate(cls) -> bool:
