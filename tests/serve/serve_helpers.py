@@ -54,10 +54,11 @@ class LiveServer:
     manager (stops the server and the engine thread on exit)."""
 
     def __init__(self, model, tokenizer, *, chat_template=None, api_key=None, max_model_len=1024, engine_cls=Engine,
-                 warmup_batch_sizes=(1, 4), wait=True, **engine_kw):
+                 warmup_batch_sizes=(1, 4), wait=True, drafter=None, **engine_kw):
         from k3nn.serve import AsyncEngine, OpenAIServer
 
-        self.engine = engine_cls(model, EngineConfig(**{**ENGINE_DEFAULTS, **engine_kw}), tokenizer=tokenizer)
+        self.engine = engine_cls(model, EngineConfig(**{**ENGINE_DEFAULTS, **engine_kw}), tokenizer=tokenizer,
+                                 drafter=drafter)
         self.aengine = AsyncEngine(self.engine, warmup_kwargs=dict(prompt_len=16,
                                                                    batch_sizes=list(warmup_batch_sizes)))
         self.server = OpenAIServer(self.aengine, tokenizer, served_model_names=["tiny", "tiny-alias"],
