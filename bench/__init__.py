@@ -28,5 +28,6 @@ SUITES = {
     "e2e": "whole-model decode tokens/s per mode (eager, Triton, CUDA graphs, fused decode)",
     "prefill": "whole-model prefill (TTFT) vs transformers' Kimi Linear",
     "decode-roofline": "k3_slice decode step per kernel class vs its HBM bound (bytes, time, TB/s, launches)",
+    "serving": "the Engine at concurrency 1-64 (TTFT, TPOT, per-user and total tok/s) vs generate() and the HBM bound",
     "serve": "k3nn serve under HTTP load (TTFT / TPOT / ITL, throughput) vs the same workload in-process",
 }

@@ -6,8 +6,9 @@ from hypothesis import given, settings, strategies as st
 
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import CacheFullError
-from k3nn.cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
+from k3nn.cache.paged import HybridPools, pool_sizes_for_budget
 from k3nn.cache.states import StatePool, latent_bytes_per_token, state_bytes_per_slot
+from k3nn.engine.runner import ModelRunner, RowWork
 
 CFG = KimiK3Config.tiny()
 
@@ -62,12 +63,32 @@ def test_hybrid_pools_memory_from_config():
         pool_sizes_for_budget(CFG, 10, 2)
 
 
-def test_view_needs_pages(model):
+class Row:
+    """The request fields the runner reads: running slot, pages, cached count."""
+
+    def __init__(self, row, blocks, num_computed=0):
+        self.row, self.blocks, self.num_computed, self.synced_blocks = row, list(blocks), num_computed, 0
+
+
+def forward(model, pools, rows, tokens, snapshots=None):
+    """One runner forward over ``rows`` feeding ``tokens[b]``: every column's logits [B, T, V]."""
+    runner = getattr(pools, "_runner", None) or ModelRunner(model, pools, max_rows=pools.running.num_slots,
+                                                            cuda_graphs=False)
+    pools._runner = runner
+    work = [RowWork(r, list(t), snapshots=list((snapshots or {}).get(b, []))) for b, (r, t) in
+            enumerate(zip(rows, tokens))]
+    with torch.no_grad():
+        out = runner.forward(work)
+    for r, t in zip(rows, tokens):
+        r.num_computed += len(t)
+    return out.columns
+
+
+def test_rows_need_pages(model):
     pools = HybridPools(CFG, num_pages=4, max_running=2, num_snapshots=1, dtype=torch.float64)
-    with pytest.raises(CacheFullError, match="allocate pages"):
-        PagedHybridCache(pools, 0, [pools.allocator.allocate(1)], [0], [65])
-    with pytest.raises(ValueError, match="outside the running pool"):
-        PagedHybridCache(pools, 1, [[0], [1]], [0, 0], [1, 1])
+    r = Row(0, pools.allocator.allocate(1))
+    with pytest.raises(ValueError, match="snapshot position"):
+        forward(model, pools, [r], [ids_of(10, 0).tolist()], {0: [(11, 0)]})
 
 
 # -- the batch view against the contiguous cache -------------------------------------------------------
@@ -75,20 +96,19 @@ def test_view_needs_pages(model):
 @given(st.lists(st.tuples(st.integers(1, 70), st.integers(1, 70)), min_size=1, max_size=2), st.integers(0, 1))
 def test_right_padded_chunks_equal_full_forward(model, chunks, row0):
     """Two requests fed chunks of different lengths in shared forwards (right padding, states taken from
-    in-pass checkpoints) produce the logits of one full forward each."""
+    in-pass checkpoints or the fused op's per-row counts) produce the logits of one full forward each; the rows
+    live on any slots (no contiguity needed)."""
     lens = [sum(c[b] for c in chunks) for b in range(2)]
     seqs = [ids_of(n, 10 + b) for b, n in enumerate(lens)]
     with torch.no_grad():
         ref = [model(s[None]).logits[0] for s in seqs]
     pools = HybridPools(CFG, num_pages=8, max_running=3, num_snapshots=1, dtype=torch.float64)
-    blocks = [pools.allocator.allocate(pools.pages_for(n)) for n in lens]
-    pools.running.zero_([row0, row0 + 1])
+    slots = [2, 0] if row0 else [0, 2]
+    pools.running.zero_(slots)
+    rows = [Row(slots[b], pools.allocator.allocate(pools.pages_for(n))) for b, n in enumerate(lens)]
     done = [0, 0]
     for c in chunks:
-        cache = PagedHybridCache(pools, row0, blocks, done, list(c))
-        ids = cache.input_ids([seqs[b][done[b]:done[b] + c[b]].tolist() for b in range(2)])
-        with torch.no_grad():
-            out = model(ids, cache=cache, checkpoint_positions=cache.checkpoint_positions).logits
+        out = forward(model, pools, rows, [seqs[b][done[b]:done[b] + c[b]].tolist() for b in range(2)])
         for b in range(2):
             torch.testing.assert_close(out[b, :c[b]], ref[b][done[b]:done[b] + c[b]], rtol=1e-9, atol=1e-9)
         done = [d + n for d, n in zip(done, c)]
@@ -101,11 +121,9 @@ def test_checkpoint_export_equals_separate_prefills(model):
     positions = [1, 2, 64, 130, 200]
     pools = HybridPools(CFG, num_pages=4, max_running=1, num_snapshots=len(positions), dtype=torch.float64)
     slots = pools.snapshots.allocate(len(positions))
-    blocks = [pools.allocator.allocate(4)]
     pools.running.zero_([0])
-    cache = PagedHybridCache(pools, 0, blocks, [0], [200], [list(zip(positions, slots))])
+    forward(model, pools, [Row(0, pools.allocator.allocate(4))], [seq.tolist()], {0: list(zip(positions, slots))})
     with torch.no_grad():
-        model(seq[None], cache=cache, checkpoint_positions=cache.checkpoint_positions)
         for p, s in zip(positions, slots):
             ref = model.new_cache(1, p)
             model(seq[None, :p], cache=ref, checkpoint_positions=[[p]])  # (keeps 1-2 token prefills off the fused decode path)
@@ -119,26 +137,27 @@ def test_checkpoint_export_equals_separate_prefills(model):
 def test_prefill_equals_prefill_then_decodes(model):
     """prefill(T) == prefill(T-k) + k one-token steps (logits and final KDA state)."""
     T, k = 150, 5
-    seq = ids_of(T, 4)
+    seq = ids_of(T, 4).tolist()
     pools = HybridPools(CFG, num_pages=6, max_running=2, num_snapshots=1, dtype=torch.float64)
-    a, b = pools.allocator.allocate(3), pools.allocator.allocate(3)
+    a, b = Row(0, pools.allocator.allocate(3)), Row(1, pools.allocator.allocate(3))
     pools.running.zero_([0, 1])
-    with torch.no_grad():
-        c = PagedHybridCache(pools, 0, [a], [0], [T])
-        full = model(seq[None], cache=c).logits[0]
-        c = PagedHybridCache(pools, 1, [b], [0], [T - k])
-        outs = [model(seq[None, :T - k], cache=c).logits[0]]
-        for t in range(T - k, T):
-            c = PagedHybridCache(pools, 1, [b], [t], [1])
-            outs.append(model(seq[None, t:t + 1], cache=c).logits[0])
+    full = forward(model, pools, [a], [seq])[0]
+    outs = [forward(model, pools, [b], [seq[:T - k]])[0]]
+    for t in range(T - k, T):
+        outs.append(forward(model, pools, [b], [seq[t:t + 1]])[0])
     torch.testing.assert_close(torch.cat(outs), full, rtol=1e-9, atol=1e-9)
     for j in range(len(pools.running.layer_ids)):
         torch.testing.assert_close(pools.running.recurrent[j][1], pools.running.recurrent[j][0], rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(pools.running.conv[j][1], pools.running.conv[j][0], rtol=1e-9, atol=1e-12)
 
 
-def test_planned_checkpoints_need_checkpoint_positions(model):
-    pools = HybridPools(CFG, num_pages=2, max_running=1, num_snapshots=1, dtype=torch.float64)
-    cache = PagedHybridCache(pools, 0, [pools.allocator.allocate(1)], [0], [10], [[(5, 0)]])
-    with pytest.raises(RuntimeError, match="checkpoint_positions"), torch.no_grad():
-        model(ids_of(10, 0)[None], cache=cache)
+def test_padding_tokens_write_the_trash_page(model):
+    """A right-padded row's padding columns write their latents to the trash page, never to a real one."""
+    pools = HybridPools(CFG, num_pages=2, max_running=2, num_snapshots=1, dtype=torch.float64)
+    pools.running.zero_([0, 1])
+    a, b = Row(0, pools.allocator.allocate(1)), Row(1, pools.allocator.allocate(1))
+    before = [p[:2].clone() for p in pools.pages]
+    forward(model, pools, [a, b], [ids_of(20, 1).tolist(), ids_of(3, 2).tolist()])
+    for p, p0 in zip(pools.pages, before):
+        assert torch.equal(p[1, 3:], p0[1, 3:])  # row b's page: only its 3 tokens written
+        assert p.shape[0] == 3 and pools.trash_row == 2 * 64

@@ -18,9 +18,10 @@ class RecordingEngine(Engine):
         super().__init__(*a, **kw)
         self.log = []
 
-    def _forward(self, reqs, num_new, row0, snapshots=None):
-        self.log.append(([r.row for r in reqs], list(num_new), [r.num_computed for r in reqs], row0))
-        return super()._forward(reqs, num_new, row0, snapshots)
+    def _forward(self, rows):
+        self.log.append(([w.req.row for w in rows], [w.num_new for w in rows], [w.req.num_computed for w in rows],
+                         None))
+        return super()._forward(rows)
 
 
 def engine(model, **kw):
@@ -45,7 +46,7 @@ def test_cache_on_equals_cache_off(model, mbt):
     off = engine(model, max_num_batched_tokens=mbt, enable_prefix_caching=False)
     assert off.generate(PROMPTS, max_new_tokens=3) == refs
     for rows, *_ in on.log + off.log:
-        assert rows == list(range(rows[0], rows[0] + len(rows)))  # contiguous running rows
+        assert len(set(rows)) == len(rows)  # each request on its own running slot
     on.prefix.check_invariants()
 
 
@@ -191,7 +192,7 @@ def test_short_prefill_chunks_share_the_decode_forward(model):
     rb = e.add_request(b, max_new_tokens=2)
     e.step()
     rows, n, cached, _ = e.log[-1]
-    assert len(e.log) == 2 and n == [1, 40] and rows == [0, 1] and cached == [30, 0]
+    assert len(e.log) == 2 and n == [1, 40] and sorted(rows) == [0, 1] and cached == [30, 0]
     list(e.stream())
     assert e.requests[ra].output == reference(model, a, 4) and e.requests[rb].output == reference(model, b, 2)
 

@@ -124,17 +124,18 @@ class PoisonEngine(Engine):
     crash_ids: set = set()
     commit_ids: set = set()
 
-    def _forward(self, reqs, num_new, row0, snapshots=None):
-        hit = [r for r in reqs if r.request_id in self.crash_ids]
+    def _forward(self, rows):
+        hit = [w.req for w in rows if w.req.request_id in self.crash_ids]
         if hit:
             self.crash_ids = self.crash_ids - {r.request_id for r in hit}
             raise RuntimeError("injected forward failure")
-        logits, cache, hidden = super()._forward(reqs, num_new, row0, snapshots)
-        logits = logits.clone()  # an inference tensor
-        for b, r in enumerate(reqs):
-            if r.request_id in self.nan_ids:
+        out = super()._forward(rows)
+        logits = out.logits.clone()  # an inference tensor
+        for b, w in enumerate(rows):
+            if w.req.request_id in self.nan_ids:
                 logits[b] = float("nan")
-        return logits, cache, hidden
+        out.logits = logits
+        return out
 
     def _retain_finished(self, r):
         if r.request_id in self.commit_ids:

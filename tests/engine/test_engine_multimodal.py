@@ -64,9 +64,9 @@ class RecordingEngine(Engine):
         super().__init__(*a, **kw)
         self.log = []
 
-    def _forward(self, reqs, num_new, row0, snapshots=None):
-        self.log.append([(r.request_id, r.num_computed, n) for r, n in zip(reqs, num_new)])
-        return super()._forward(reqs, num_new, row0, snapshots)
+    def _forward(self, rows):
+        self.log.append([(w.req.request_id, w.req.num_computed, w.num_new) for w in rows])
+        return super()._forward(rows)
 
 
 def engine(mm, drafter=None, **kw):

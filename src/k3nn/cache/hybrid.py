@@ -45,27 +45,51 @@ class CacheFullError(ValueError):
 
 @dataclass
 class KDAState:
-    """One KDA layer's cache entry for the B rows of a forward: ``recurrent`` [B, H, D, D] fp32 and ``conv``
-    [B, W−1, 3·H·D] (the last W−1 pre-conv inputs, channels q | k | v), plus ``checkpoints`` [M, H, D, D] fp32: the
-    states the last call exported with ``checkpoint_positions``."""
+    """One KDA layer's state for the B rows of a forward (the protocol every KDA cache entry implements).
+
+    ``recurrent`` / ``conv``: the state tensors, rows ``0..B−1`` (or, with ``state_indices``, the whole pool the
+    rows live in); ``state_indices`` [B] (None: rows 0..B−1), ``num_tokens`` [B] (None: every row feeds all T
+    tokens) and ``write_state`` [B] bool (None: every row is stored) go to ``ops.kda_fused_decode``.
+    :meth:`read` gives the rows' (conv, recurrent) for the chunk path, :meth:`update` stores the new state,
+    :meth:`observe_input` sees the layer input and :meth:`record_decode` the fused op's inputs (no-ops here)."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
     checkpoints: torch.Tensor | None = None  # states exported by the last call with checkpoint_positions
+    state_indices = None
+    num_tokens = None
+    write_state = None
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, W−1, 3·H·D] in the activation dtype, recurrent [B, H, D, D] fp32) of the rows, for the chunked
+        path's initial state."""
+        return self.conv, self.recurrent
 
     def update(self, recurrent: torch.Tensor, conv: torch.Tensor, checkpoints: torch.Tensor | None = None) -> None:
-        """Store the rows' new state in place and the states exported by ``checkpoint_positions`` (or None)."""
-        self.recurrent.copy_(recurrent)
-        self.conv.copy_(conv)
+        """Store the rows' new state (copied in place unless it is the same tensor) and the states exported by
+        ``checkpoint_positions`` ([M, H, D, D] fp32, or None)."""
+        if recurrent is not self.recurrent:
+            self.recurrent.copy_(recurrent)
+        if conv is not self.conv:
+            self.conv.copy_(conv)
         self.checkpoints = checkpoints
+
+    def observe_input(self, module, x: torch.Tensor) -> None:
+        """The layer's (masked) input before it runs (caches that export conv checkpoints or record windows)."""
+
+    def record_decode(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor) -> None:
+        """The fused decode op's inputs of this forward (caches that commit verify windows later)."""
 
 
 POOL_BLOCK = 64  # block size of the MLA pool view (the paged cache's block)
 
 
 class MLAState:
-    """One MLA layer's latent cache: ``latent`` [B, L, r] and ``rope`` [B, L, dr] (or one ``kv`` [B, L, r + dr]
-    buffer for the pooled decode path); :meth:`append` stores new tokens and returns what the queries attend to."""
+    """One MLA layer's latent cache (see the protocol in the module docstring)."""
+
+    #: every short forward may take the absorbed decode path through :meth:`paged_decode` (paged caches: each
+    #: row has its own cached length); here only calls continuing a non-empty cache do
+    paged = False
 
     def __init__(self, owner: "HybridCache", latent: torch.Tensor, rope: torch.Tensor,
                  kv: torch.Tensor | None = None):

@@ -105,20 +105,6 @@ class StatePool:
             self._ref[s] = 1
         return out
 
-    def allocate_range(self, n: int) -> int:
-        """``n`` consecutive free slots (for a contiguous batch); returns the first. Raises when none exist."""
-        free = set(self._free)
-        run = 0
-        for s in range(self.num_slots):
-            run = run + 1 if s in free else 0
-            if run == n:
-                first = s - n + 1
-                for t in range(first, s + 1):
-                    self._free.remove(t)
-                    self._ref[t] = 1
-                return first
-        raise CacheFullError(f"{self.name}: no {n} consecutive free slots ({len(self._free)} free)")
-
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"{self.name}: slot {slot} is outside [0, {self.num_slots})")

@@ -5,8 +5,8 @@ snapshot slots.
   snapshot into the request's running row (copy-on-write), share the pages, allocate the pages of the rest of what
   it feeds before its first sample — keeping ``watermark`` of the pool free for the running requests to grow into
   — and plan its snapshot positions (retention policy). Decoding requests :meth:`~CacheManager.grow` page by page.
-* **Layout** (:meth:`~CacheManager.layout`): running rows move so each forward's batch occupies consecutive
-  rows (the KDA layers then read/write contiguous slices).
+* **Rows**: a request keeps its running row (KDA state slot) while it runs; forwards address the rows by slot,
+  nothing is moved.
 * **Commit** (:meth:`~CacheManager.commit_prefix`, :meth:`~CacheManager.track_decode_state`,
   :meth:`~CacheManager.retain_finished`): after a forward, index the new full pages and the written snapshots
   (visible to lookups from the next step on); keep the last page-aligned decode state, indexed with prompt +
@@ -37,17 +37,17 @@ class CacheManager:
 
     ``row_owner[i]``: the request holding running row i. Statistics: ``computed_prompt_tokens`` (prompt tokens
     admission had to compute: not served by the prefix index), ``recomputed_tokens`` (tokens preempted requests
-    computed again), ``rows_moved``."""
+    computed again)."""
 
     def __init__(self, pools: HybridPools, prefix: PrefixCache | None, retention: RetentionPolicy | None, *,
                  watermark: float, retain_decode_state: bool):
         self.pools, self.prefix, self.retention = pools, prefix, retention
         self.watermark, self.retain_decode_state = watermark, retain_decode_state
         self.row_owner: list[Request | None] = [None] * pools.running.num_slots
-        self.computed_prompt_tokens = self.recomputed_tokens = self.rows_moved = 0
+        self.computed_prompt_tokens = self.recomputed_tokens = 0
 
     def reset_stats(self) -> None:
-        self.computed_prompt_tokens = self.recomputed_tokens = self.rows_moved = 0
+        self.computed_prompt_tokens = self.recomputed_tokens = 0
 
     def block_keys(self, req: Request, tokens: Sequence[int], keys: Sequence[bytes] = ()) -> list[bytes]:
         """The chained prefix keys of the full blocks of ``tokens`` (the prompt, or prompt + output), continuing
@@ -185,37 +185,10 @@ class CacheManager:
         if req.row is not None:
             self.row_owner[req.row] = None
             req.row = None
+        req.sampling_row, req.synced_blocks = None, 0  # a later row is loaded afresh
         if req.blocks:
             self.pools.allocator.free(req.blocks)
             req.blocks = []
-
-    def layout(self, groups: Sequence[Sequence[Request]], holders: Sequence[Request]) -> None:
-        """Move running rows so the groups occupy consecutive rows in order: [0, |g0|), [|g0|, |g0|+|g1|), ...;
-        the other ``holders`` (requests holding a row) keep theirs unless it lies in that range."""
-        target: dict[int, int] = {}
-        r = 0
-        for g in groups:
-            for req in sorted(g, key=lambda q: q.row):
-                target[id(req)] = r
-                r += 1
-        lo = set(range(r))
-        others = [q for q in holders if id(q) not in target and q.row is not None]
-        used = lo | {q.row for q in others if q.row not in lo}
-        spare = iter(sorted(set(range(len(self.row_owner))) - used))
-        new_row: dict[int, tuple[Request, int]] = {}
-        for g in groups:
-            for req in g:
-                new_row[id(req)] = (req, target[id(req)])
-        for q in others:
-            new_row[id(q)] = (q, q.row if q.row not in lo else next(spare))
-        moves = [(new, q.row) for q, new in new_row.values() if new != q.row]
-        if moves:
-            self.pools.running.copy_([d for d, _ in moves], self.pools.running, [s for _, s in moves])
-            self.rows_moved += len(moves)
-        self.row_owner[:] = [None] * len(self.row_owner)
-        for q, new in new_row.values():
-            q.row = new
-            self.row_owner[new] = q
 
     # -- snapshots and the prefix index ----------------------------------------------------------------------------
     def plan_snapshots(self, req: Request, n: int) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ than spin when nothing can progress.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -37,7 +38,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from ..cache.hybrid import CacheFullError
-from ..cache.paged import HybridPools, PagedHybridCache, pool_sizes_for_budget
+from ..cache.paged import HybridPools, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache
 from ..cache.retention import EvictionPolicy, RetentionPolicy, make_retention
 from ..generation import GenerationConfig
@@ -46,9 +47,11 @@ from .cache_manager import CacheManager
 from .images import check_images, encode_images, feeds_images, image_block_keys, image_embeds
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       token_ids)
-from .sampling import RequestSampler, sample_next
+from ..runtime.sampling import SamplingTable
+from .runner import ForwardOut, ModelRunner, RowWork
+from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
-from .speculative import KDAReplay, as_engine_drafter, draft, verify
+from .speculative import as_engine_drafter, draft
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 
@@ -67,6 +70,12 @@ class RequestFailedError(RuntimeError):
     def __init__(self, failures: dict[str, str]):
         self.failures = failures
         super().__init__("request(s) failed: " + "; ".join(f"{k!r}: {v}" for k, v in failures.items()))
+
+
+def _logprob(row: list[float], k: int) -> TokenLogprobs:
+    """A :func:`~k3nn.runtime.sampling.token_logprobs` row → :class:`TokenLogprobs` with the top ``k``."""
+    vals, idx = row[3:3 + k], row[3 + len(row[3:]) // 2:][:k]
+    return TokenLogprobs(int(row[0]), row[1], int(row[2]), {int(i): v for i, v in zip(idx, vals)})
 
 
 @dataclass
@@ -99,6 +108,7 @@ class EngineConfig:
     pad_token_id: int = 0
     watermark: float = 0.01  # admission keeps this fraction of the pages free for running requests to grow
     num_speculative_tokens: int | None = None  # per-request default with a drafter (None: the drafter's block size)
+    cuda_graphs: bool = True  # decode / verify steps replay CUDA graphs on a GPU (captured by warmup())
     spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
 
     def validate(self) -> None:
@@ -173,7 +183,10 @@ class Engine:
                              cfg.max_num_seqs)
         self.scheduler = Scheduler(budget, self.cache, speculative=self.drafter is not None,
                                    share_prompts=self.prefix is not None)
-        self.replay = KDAReplay(model, self.pools)
+        self.runner = ModelRunner(model, self.pools, max_rows=cfg.max_num_seqs, max_window=1 + self.default_num_spec,
+                                  taps=self.drafter.target_layers if self.drafter is not None else None,
+                                  pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs)
+        self.sampling = SamplingTable(self.pools.running.num_slots, self.mcfg.vocab_size, device)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.warmup_s = 0.0
         self.requests: dict[str, Request] = {}
@@ -282,7 +295,8 @@ class Engine:
         req = Request(rid, prompt, params, boundaries=bounds, prefill_only=prefill_only)
         req.num_spec = self.default_num_spec if num_spec is None else num_spec
         req.eos_ids = self._eos_ids(params)
-        req.generator = self._generator(params)
+        req.seed = self._seed(params)
+        req.generator = self._generator(params, req.seed)
         req.sampler = self._sampler(req)
         req.images, req.image_keys = images, image_block_keys(images, self.pools.block_size)
         if self.prefix is not None:
@@ -300,16 +314,18 @@ class Engine:
     def _token_ids(self, prompt) -> list[int]:
         return token_ids(prompt, self.mcfg.vocab_size)
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        """A sampling request's generator: ``seed`` when set (reproducible), else fresh OS randomness (an unset
-        seed never means the same samples for every request)."""
+    @staticmethod
+    def _seed(params: SamplingParams) -> int:
+        """The request's sampling seed: ``seed`` when set (reproducible: the same tokens whatever the batch), else
+        fresh OS randomness (an unset seed never means the same samples for every request)."""
+        return int(params.seed) % 2 ** 63 if params.seed is not None else secrets.randbits(63)
+
+    def _generator(self, params: SamplingParams, seed: int) -> torch.Generator | None:
+        """A sampling request's generator for its drafter's sampled drafts, seeded from the request's seed."""
         if not params.do_sample:
             return None
         g = torch.Generator(device=self.pools.device)
-        if params.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(int(params.seed))
+        g.manual_seed(seed)
         return g
 
     def _enqueue(self, req: Request) -> None:
@@ -373,6 +389,8 @@ class Engine:
 
     def _free_resources(self, req: Request) -> None:
         """Give back ``req``'s private decode snapshot, running row and page references; off the running list."""
+        if req.row is not None:
+            self.sampling.release(req.row)
         self.cache.free(req)
         if req in self.running:
             self.running.remove(req)
@@ -417,7 +435,8 @@ class Engine:
             raise CacheFullError(f"adopt: request {rid!r} (prompt {len(prompt)} + {params.max_new_tokens} new "
                                  f"tokens) can never fit the pool of {self.pools.allocator.num_blocks} pages")
         req = Request(rid, prompt, params, status=RequestStatus.RUNNING, num_computed=num_computed)
-        req.generator = self._generator(params)
+        req.seed = self._seed(params)
+        req.generator = self._generator(params, req.seed)
         req.eos_ids = self._eos_ids(params)
         req.sampler = self._sampler(req)
         req.num_spec = 0  # the shipped pages carry no drafter context: an adopted request decodes plainly
@@ -460,38 +479,33 @@ class Engine:
               else GenerationConfig.from_model_config(self.mcfg))
         return gc.eos_ids
 
-    def _forward(self, reqs: Sequence[Request], num_new: Sequence[int], row0: int,
-                 snapshots: Sequence[Sequence[tuple[int, int]]] | None = None):
-        """One model forward over consecutive rows. Returns (the logits at each row's last new token [B, V],
-        the cache view, the final hidden states [B, T, d]); rows with drafts are verify windows (their KDA inputs
-        recorded for :class:`~k3nn.engine.speculative.KDAReplay`); with a drafter the tapped hidden states of every
-        fed token go into its paged context."""
-        if [r.row for r in reqs] != list(range(row0, row0 + len(reqs))):
-            raise RuntimeError(f"engine: rows {[r.row for r in reqs]} are not consecutive from {row0}")
-        cache = PagedHybridCache(self.pools, row0, [r.blocks for r in reqs], [r.num_computed for r in reqs],
-                                 num_new, snapshots)
-        ids = cache.input_ids([r.tokens_to_feed(n) for r, n in zip(reqs, num_new)], self.config.pad_token_id)
-        self.replay.begin(cache, [b for b, r in enumerate(reqs) if r.drafts])
-        taps = self.drafter.target_layers if self.drafter is not None else None
+    def _forward(self, rows: Sequence[RowWork]) -> ForwardOut:
+        """One model forward over ``rows`` (:meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`:
+        a replayed CUDA graph for decode / verify rows, eagerly otherwise); with a drafter the tapped hidden states
+        of every fed token go into its paged context. Advances each row's ``num_computed`` by what it fed."""
+        embeds_fn = None
+        if self.multimodal is not None and any(w.req.images is not None for w in rows):
+            reqs, nn = [w.req for w in rows], [w.num_new for w in rows]
+            embeds_fn = lambda ids: image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, nn,  # noqa: E731
+                                                 ids)
         with torch.inference_mode():
-            embeds = (image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, num_new, ids)
-                      if self.multimodal is not None else None)
-            out = self.model(ids if embeds is None else None, cache=cache, inputs_embeds=embeds,
-                             checkpoint_positions=cache.checkpoint_positions, logits_to_keep=1,
-                             output_hidden_layers=taps)
-            if cache.T == 1 or all(n == cache.T for n in num_new):
-                logits = out.logits[:, -1]
-            else:
-                h = out.last_hidden_state[torch.arange(len(reqs), device=ids.device), cache.last_index()]
-                logits = self.model.lm_head(h)
+            out = self.runner.forward(rows, embeds_fn)
             if self.drafter is not None:
-                self.drafter.write(out.hidden_states, cache.q_pos, cache.write_slots)
+                self.drafter.write(out.hidden, out.meta.positions[:len(rows)], out.meta.slot_mapping[:len(rows)])
         self.num_forwards += 1
-        for r, n in zip(reqs, num_new):
-            r.num_computed += n
-            if r.first_token_time is None:
-                r.num_forwards += 1
-        return logits, cache, out.last_hidden_state
+        for w in rows:
+            w.req.num_computed += w.num_new
+            if w.req.first_token_time is None:
+                w.req.num_forwards += 1
+        return out
+
+    def _bind_rows(self, reqs: Sequence[Request]) -> None:
+        """Load the sampling parameters of requests that took a row since their last step (admission, a
+        resumed preempted request, an adopted one) into the device sampling table."""
+        for r in reqs:
+            if r.sampling_row != r.row:
+                self.sampling.set_row(r.row, r.params, r.prompt, r.eos_ids or (), r.seed, r.output)
+                r.sampling_row = r.row
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run at most two forwards (decode batch, prefill batch), sample and commit.
@@ -500,25 +514,29 @@ class Engine:
         check, commit) fails that request alone; an error in a forward fails the requests of that forward. A
         failed request ends FAILED (``finish_reason="error"``, the reason in ``error``), its row, pages and
         snapshots are freed, and its :class:`RequestOutput` comes back from this step; the engine keeps serving
-        the others."""
+        the others. When requests wait that no step can ever admit (nothing runs or could free a row or pages),
+        raises :class:`EngineStalledError` instead of returning an empty step forever."""
         self.expire_leases()
+        before = (len(self.waiting), len(self.running))
         decodes, prefills = self.schedule()
         self.num_steps += 1
         outputs, self._failed_outputs = self._failed_outputs, []
         if not decodes and not prefills:
+            if not outputs and self.waiting and before == (len(self.waiting), len(self.running)) \
+                    and not any(r.status == RequestStatus.RUNNING for r in self.running):
+                raise self._stalled()
             return outputs
         if self.drafter is not None:
             draft(self.drafter, decodes, self.scheduler.draft_len, self.spec_options.confidence_threshold,
                   self.mcfg.vocab_size)
-        self.cache.layout([decodes, [r for r, _ in prefills]], self.running)
-        decodes.sort(key=lambda q: q.row)
-        prefills.sort(key=lambda x: x[0].row)
+        self._bind_rows(decodes + [r for r, _ in prefills])
+        dec = [RowWork(r, r.tokens_to_feed(1 + len(r.drafts)), decode=True, verify=bool(r.drafts), sample=True)
+               for r in decodes]
+        pre = [RowWork(r, r.tokens_to_feed(n), sample=r.remaining == n and not r.prefill_only) for r, n in prefills]
+        separate = self.runner.graphs.enabled or any(w.verify for w in dec) or \
+            (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
+        batches = [b for b in ([dec, pre] if separate else [dec + pre]) if b]
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
-        rows = [(r, 1 + len(r.drafts)) for r in decodes] + list(prefills)
-        if prefills and max(n for _, n in prefills) > self.config.mixed_forward_max_tokens and decodes:
-            batches = [rows[:len(decodes)], rows[len(decodes):]]  # decodes first, then the (long) prefills
-        else:
-            batches = [rows]  # one mixed forward: short chunks cost little padding
 
         def fail(r: Request, e: Exception, where: str) -> None:
             outputs.append(self._fail(r, e, where))
@@ -526,64 +544,37 @@ class Engine:
         for batch in batches:
             if self.multimodal is not None:
                 batch = self._encode_images(batch, fail)
-            snaps = []
-            for r, n in batch:
+            ok = []
+            for w in batch:
                 try:
-                    snaps.append(self.cache.plan_snapshots(r, n))
+                    w.snapshots = self.cache.plan_snapshots(w.req, w.num_new)
+                    ok.append(w)
                 except Exception as e:
-                    fail(r, e, "snapshot plan")
-                    snaps.append(None)
-            batch = [(rn, sn) for rn, sn in zip(batch, snaps) if sn is not None]
+                    fail(w.req, e, "snapshot plan")
+            batch = ok
             if not batch:
                 continue
-            if [r.row for (r, _), _ in batch] != list(range(batch[0][0][0].row, batch[0][0][0].row + len(batch))):
-                self.cache.layout([[r for (r, _), _ in batch]], self.running)  # a failed request left a gap
-            reqs = [r for (r, _), _ in batch]
-            ns = [n for (_, n), _ in batch]
-            snaps = [sn for _, sn in batch]
-            absolute = [[(r.num_computed + p, s) for p, s in sn] for r, sn in zip(reqs, snaps)]
+            absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
             try:
-                logits, cache, hidden = self._forward(reqs, ns, reqs[0].row, snaps)
+                out = self._forward(batch)
+                draws = self._draw(batch, out)
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
-                self.pools.snapshots.free([s for sn in snaps for _, s in sn])
-                for r in reqs:
-                    r.drafts, r.draft_probs = [], None
-                    fail(r, e, "forward")
+                self.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
+                for w in batch:
+                    w.req.drafts, w.req.draft_probs = [], None
+                    fail(w.req, e, "forward")
                 continue
-            verified = verify(self.model.lm_head, reqs, hidden, self.spec_options.synthetic_acceptance_length)
-            keep: dict[int, int] = {}
-            for b, res in verified.items():
-                r = reqs[b]
-                n = len(r.drafts)
-                r.drafts, r.draft_probs = [], None
+            for b, w in enumerate(batch):
+                r = w.req
+                res = draws[b]
                 if isinstance(res, Exception):
-                    fail(r, res, "verification")
+                    r.drafts, r.draft_probs = [], None
+                    fail(r, res, "verification" if w.verify else "sampling")
                     continue
-                m = len(res[0]) - 1
-                r.num_computed -= n - m  # keep the pending token + the accepted drafts
-                keep[b] = m + 1
-                r.spec_rounds += 1
-                r.spec_drafted += n
-                r.spec_accepted += m
-                self.spec_rounds, self.spec_drafted, self.spec_accepted = (
-                    self.spec_rounds + 1, self.spec_drafted + n, self.spec_accepted + m)
-                produced.append((r, *res))
-            if verified:
-                try:
-                    self.replay.commit(cache, keep)
-                except Exception as e:  # the rebuilt KDA states are not trustworthy: fail the windows' requests
-                    for b in keep:
-                        fail(reqs[b], e, "speculative rollback")
-            done = [b for b, r in enumerate(reqs)
-                    if b not in verified and r.remaining == 0 and not r.prefill_only]
-            if done:
-                toks = sample_next([reqs[b] for b in done], logits[done])
-                for b, t in zip(done, toks):
-                    if isinstance(t, Exception):
-                        fail(reqs[b], t, "sampling")
-                    else:
-                        produced.append((reqs[b], *t))
-            for r, sn in zip(reqs, absolute):
+                if res is not None:
+                    produced.append((r, *res))
+            for w, sn in zip(batch, absolute):
+                r = w.req
                 if r.status == RequestStatus.FAILED:
                     self.pools.snapshots.free([s for _, s in sn])
                     continue
@@ -607,19 +598,68 @@ class Engine:
                     r.first_token_time = now
         return outputs
 
-    def _encode_images(self, batch: list[tuple[Request, int]], fail) -> list[tuple[Request, int]]:
+    def _draw(self, batch: Sequence[RowWork], out: ForwardOut) -> list:
+        """Per row of a forward: (tokens, logprobs or None) to emit, None (nothing drawn: a prefill chunk that
+        does not end the prompt) or the exception that fails that request. Draws on the device
+        (:meth:`ModelRunner.sample <k3nn.engine.runner.ModelRunner.sample>`), one host copy; verify rows accept
+        their drafts and commit their KDA state there."""
+        probs = {b: w.req.draft_probs for b, w in enumerate(batch) if w.verify and w.req.draft_probs is not None}
+        want = {b: w.req.params.logprobs for b, w in enumerate(batch)
+                if w.sample and w.req.params.logprobs is not None}
+        d = self.runner.sample(out, batch, self.sampling, self.spec_options.synthetic_acceptance_length,
+                               probs or None, want or None)
+        res: list = []
+        for b, w in enumerate(batch):
+            r = w.req
+            row = d.packed[b]
+            if not w.sample:
+                res.append(None)
+                continue
+            if not w.verify:
+                if row[1]:
+                    res.append(FloatingPointError("the logits contain NaN or Inf"))
+                    continue
+                lp = d.logprobs.get(b)
+                res.append(([row[0]], None if lp is None else [_logprob(lp[0], r.params.logprobs)]))
+                continue
+            m, nxt, bad = row[2], row[3], row[4]
+            n = len(r.drafts)
+            if bad:
+                res.append(FloatingPointError("the logits of the verify window contain NaN or Inf"))
+                continue
+            toks = list(r.drafts[:m]) + [int(nxt)]
+            r.drafts, r.draft_probs = [], None
+            r.num_computed -= n - m  # keep the pending token + the accepted drafts
+            r.spec_rounds += 1
+            r.spec_drafted += n
+            r.spec_accepted += m
+            self.spec_rounds, self.spec_drafted, self.spec_accepted = (
+                self.spec_rounds + 1, self.spec_drafted + n, self.spec_accepted + m)
+            lp = d.logprobs.get(b)
+            res.append((toks, None if lp is None else [_logprob(x, r.params.logprobs) for x in lp[:m + 1]]))
+        return res
+
+    def _stalled(self) -> "EngineStalledError":
+        held = [r.request_id for r in self.running if r.status == RequestStatus.PREFILLED]
+        return EngineStalledError(
+            f"no progress possible: {len(self.waiting)} request(s) waiting "
+            f"({[r.request_id for r in self.waiting[:4]]}...), none can be admitted "
+            f"({self.scheduler.stall or 'no budget'}) and nothing is running"
+            + (f"; prefilled requests {held} hold rows and pages until release()" if held else ""))
+
+    def _encode_images(self, batch: list[RowWork], fail) -> list[RowWork]:
         """Run the vision tower for the requests of ``batch`` whose chunk feeds an image token of theirs for the
         first time, each request's images on their own, so a tower error fails that request alone (``fail``);
         the rest of ``batch``."""
         ready = []
-        for r, n in batch:
+        for w in batch:
             try:
-                if feeds_images(r, n):
-                    encode_images(self.multimodal, r.images)
+                if feeds_images(w.req, w.num_new):
+                    encode_images(self.multimodal, w.req.images)
             except Exception as e:  # noqa: BLE001 - this request's images: it alone fails
-                fail(r, e, "vision tower")
+                fail(w.req, e, "vision tower")
                 continue
-            ready.append((r, n))
+            ready.append(w)
         return ready
 
     def _append_tokens(self, r: Request, toks: Sequence[int], lps: list[TokenLogprobs] | None,
@@ -655,16 +695,7 @@ class Engine:
         Raises :class:`EngineStalledError` when requests are waiting but no step can make progress (nothing
         runs, nothing is admitted): the engine is left as it is (release or abort requests, then stream again)."""
         while self.has_unfinished():
-            before = (self.num_forwards, len(self.waiting), len(self.running))
-            outs = self.step()
-            yield from outs
-            if not outs and before == (self.num_forwards, len(self.waiting), len(self.running)):
-                held = [r.request_id for r in self.running if r.status == RequestStatus.PREFILLED]
-                raise EngineStalledError(
-                    f"no progress possible: {len(self.waiting)} request(s) waiting "
-                    f"({[r.request_id for r in self.waiting[:4]]}...), none can be admitted "
-                    f"({self.scheduler.stall or 'no budget'}) and nothing is running"
-                    + (f"; prefilled requests {held} hold rows and pages until release()" if held else ""))
+            yield from self.step()
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None,
                  progress: bool = False, *, pixel_values: Sequence[torch.Tensor | None] | None = None,
@@ -725,31 +756,34 @@ class Engine:
         return list(values)
 
     def warmup(self, prompt_len: int = 96, batch_sizes: Sequence[int] | None = None) -> float:
-        """Run the step shapes serving will meet before the first request: for every batch size (default
-        1 … ``max_num_seqs``) a prefill of ``prompt_len``-token prompts, then decode rows — verify windows of every
-        draft length with a drafter — so kernel compilation and autotuning happen here, not in the first users'
-        requests. The engine is left as it was (no requests, an empty prefix index, zeroed statistics). Returns
-        the seconds spent (also in ``metrics()["warmup_s"]``)."""
+        """Make serving meet no compile, autotune or capture: run the step shapes requests will bring, then
+        capture the decode graphs.
+
+        1. Real requests (then discarded): for a few batch sizes (default 1, 2 and ``max_num_seqs``) prompts of
+           ``prompt_len``, ``prompt_len + 1`` and ``prompt_len + 33`` tokens and a prefix hit of the first one,
+           decoded for a few steps (with a drafter, verify windows of every draft length): the eager prefill
+           kernels compile and tune for the shapes' buckets.
+        2. A CUDA graph for every padded batch size (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``) and
+           every window width (1; 1 + n drafts with a drafter), each captured over a batch of padding rows (no
+           request's state is touched), sharing one memory pool.
+
+        The engine is left as it was (no requests, an empty prefix index, zeroed statistics). Returns the seconds
+        spent (also in ``metrics()["warmup_s"]``)."""
         if self.requests or self.waiting or self.running:
             raise RuntimeError("warmup() runs on an idle engine (before any request is added)")
         t0 = time.perf_counter()
-        sizes = list(batch_sizes) if batch_sizes is not None else list(range(1, self.config.max_num_seqs + 1))
+        mx = self.config.max_num_seqs
+        sizes = sorted(set(batch_sizes)) if batch_sizes is not None else sorted({1, min(2, mx), mx})
         g = torch.Generator().manual_seed(0)
         gamma = self.default_num_spec if self.drafter is not None else 0
+        lens = [prompt_len, prompt_len + 1, prompt_len + 33]
         for b in sizes:
-            prompts = [torch.randint(0, self.mcfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
-            if self.multimodal is not None:  # text prompts: no image / video placeholders
-                ph = {self.multimodal.config.image_token_id, self.multimodal.config.video_token_id}
-                prompts = [[0 if t in ph else t for t in p] for p in prompts]
             for n_spec in sorted({0, gamma} | set(range(1, gamma + 1, max(1, gamma // 3)))):
                 if n_spec and self.drafter is None:
                     continue
-                ids = [self.add_request(p, max_new_tokens=n_spec + 3, ignore_eos=True,
-                                        num_speculative_tokens=n_spec if self.drafter is not None else None)
-                       for p in prompts]
-                list(self.stream())
-                for rid in ids:
-                    del self.requests[rid]
+                prompts = [self._warmup_prompt(lens[k % len(lens)], g) for k in range(b)]
+                self._warmup_run(prompts + prompts[:1], n_spec)  # the repeat: a prefix hit of the first prompt
+        self.capture_graphs()
         if self.prefix is not None:
             self.prefix.clear()
         self.num_steps = self.num_forwards = self.prompt_tokens = self.generated_tokens = 0
@@ -761,6 +795,34 @@ class Engine:
             torch.cuda.synchronize(self.pools.device)
         self.warmup_s = time.perf_counter() - t0
         return self.warmup_s
+
+    def _warmup_prompt(self, n: int, g: torch.Generator) -> list[int]:
+        p = torch.randint(0, self.mcfg.vocab_size, (n,), generator=g).tolist()
+        if self.multimodal is not None:  # text prompts: no image / video placeholders
+            ph = {self.multimodal.config.image_token_id, self.multimodal.config.video_token_id}
+            p = [0 if t in ph else t for t in p]
+        return p
+
+    def _warmup_run(self, prompts: list[list[int]], n_spec: int) -> None:
+        ids = [self.add_request(p, max_new_tokens=n_spec + 3, ignore_eos=True,
+                                num_speculative_tokens=n_spec if self.drafter is not None else None)
+               for p in prompts]
+        list(self.stream())
+        for rid in ids:
+            del self.requests[rid]
+
+    def capture_graphs(self) -> dict:
+        """Capture the decode / verify step of every padded batch size and window width (see :meth:`warmup`);
+        returns ``{"captured": n, "failed": {key: reason}}``. A no-op off CUDA or with graphs off."""
+        r = self.runner
+        if not r.graphs.enabled:
+            return {"captured": 0, "failed": {}}
+        widths = [1] + ([1 + n for n in range(1, self.default_num_spec + 1)] if self.drafter is not None else [])
+        with torch.inference_mode():
+            for B in reversed(r.batch_sizes):  # largest first: the shared pool is sized by the first capture
+                for T in widths:
+                    r.capture_padding(B, T, T > 1)
+        return {"captured": len(r.graphs.graphs), "failed": dict(r.graphs.failed)}
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -796,7 +858,7 @@ class Engine:
             count[r.status] += 1
         m = {"requests": len(self.requests), "finished": count[RequestStatus.FINISHED],
              "aborted": count[RequestStatus.ABORTED], "failed": count[RequestStatus.FAILED],
-             "steps": self.num_steps, "forwards": self.num_forwards, "rows_moved": self.cache.rows_moved,
+             "steps": self.num_steps, "forwards": self.num_forwards, 
              "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": pct(ttft, 0.5),
              "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
              "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,

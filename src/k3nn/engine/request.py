@@ -239,7 +239,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "exported" | "error"
     error: str | None = None  # why a FAILED request failed
     eos_ids: list[int] | None = None  # resolved when added (None: resolve on first use)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the drafter's sampled drafts
+    seed: int = 0  # the sampling seed (SamplingParams.seed, or drawn when the request is added)
+    sampling_row: int | None = None  # the row whose device sampling parameters are this request's
+    synced_blocks: int = 0  # blocks of ``blocks`` written to the device block table of ``row``
     logits_pipeline: Any = None  # k3nn.logits.LogitsPipeline of the sampling params (built on first use)
     sampler: Any = None  # k3nn.engine.sampling.RequestSampler of the sampling params (built when added)
     arrival_time: float = field(default_factory=time.perf_counter)

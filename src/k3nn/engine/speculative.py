@@ -9,10 +9,10 @@ sampling against the drafter's distribution), emits ``m`` drafts + the target's 
 
 * **MLA**: a request's latents live in its own pages at its own positions, so rejected entries need no mask:
   ``num_computed`` advances by ``a`` and the next forward overwrites the rejected tail (no holes).
-* **KDA** (ReplaySSM): before the forward the committed recurrent + conv state of every verify row is copied
-  aside and each KDA layer's input of the window is recorded; a row that rejected part of its window gets its
-  committed state back and the layer re-runs over the accepted inputs only (the same op, as a forward over the
-  accepted prefix would). Rows that accept the whole window keep the forward's state.
+* **KDA**: the verify forward reads each window row's committed state without writing it
+  (``ops.kda_fused_decode(write_state=...)``) and records the fused op's inputs; after acceptance one more call of
+  the op folds the first ``a`` window tokens into the committed state (:meth:`ModelRunner.commit_windows
+  <k3nn.engine.runner.ModelRunner.commit_windows>`): no state copies, one launch per KDA layer.
 * **Drafter context** (:class:`PagedDraftContext`): DSpark attends over its own K/V of the target's hidden
   states at every committed position. They are stored in pages parallel to the latent pages (same block ids,
   same 64-token pages), so prefix-cache hits share the drafter's context with the target's, a preempted request
@@ -30,14 +30,12 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..cache.hybrid import KDAState
-from ..cache.pages import gather_latents, write_latents
+from ..cache.pages import gather_latents
+from ..cache.paged import write_rows
 from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
-from ..spec.verify import rejection_accept
 from .request import Request
 
-__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "KDAReplay",
-           "as_engine_drafter", "draft", "verify"]
+__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,7 @@ class EngineDrafter(Protocol):
 
     ``target_layers``: target layer outputs the drafter reads (their hidden states are passed to :meth:`write`).
     :meth:`write`: after each target forward, store the context of the tokens it fed (``slots`` [B, T]: pool
-    slots, −1 for padding; ``positions`` [B, T] rope positions). :meth:`propose`: drafts for rows that share a
+    rows; padding tokens point at the trash row of the pools' last page; ``positions`` [B, T] rope positions). :meth:`propose`: drafts for rows that share a
     draft length ``n``, as a :class:`~k3nn.layers.dspark.DraftProposal` (``probs`` None for greedy drafts)."""
 
     target_layers: list[int]
@@ -78,14 +76,14 @@ class EngineDrafter(Protocol):
 
 
 class PagedDraftContext:
-    """DSpark's context K/V in pages: one pool per draft layer ``[num_pages, 64, 2·H·Dh]`` (k | v), indexed by
-    the engine's block ids."""
+    """DSpark's context K/V in pages: one pool per draft layer ``[num_pages + 1, 64, 2·H·Dh]`` (k | v), indexed
+    by the engine's block ids (the last page takes padding tokens' writes, as in the latent pools)."""
 
     def __init__(self, drafter: DSparkDrafter, num_pages: int, block_size: int, device, dtype=None):
         c = drafter.config
         self.H, self.Dh, self.block_size = c.num_heads, c.head_dim, block_size
         dtype = dtype or drafter.fc.weight.dtype
-        self.pools = [torch.zeros(num_pages, block_size, 2 * self.H * self.Dh, dtype=dtype, device=device)
+        self.pools = [torch.zeros(num_pages + 1, block_size, 2 * self.H * self.Dh, dtype=dtype, device=device)
                       for _ in drafter.layers]
 
     @property
@@ -94,7 +92,7 @@ class PagedDraftContext:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         B, T = slots.shape
-        write_latents(self.pools[layer], slots, k.reshape(B, T, -1), v.reshape(B, T, -1))
+        write_rows(self.pools[layer], slots, torch.cat([k.reshape(B, T, -1), v.reshape(B, T, -1)], -1))
 
     def state(self, rows: Sequence[DraftRow]) -> DraftState:
         """The committed context of ``rows`` as a :class:`DraftState` (keys past a row's cached length masked)."""
@@ -157,60 +155,6 @@ def as_engine_drafter(drafter, num_pages: int, block_size: int, device):
     return drafter
 
 
-class KDAReplay:
-    """ReplaySSM for the verify rows of one forward (see the module docstring).
-
-    ``begin(rows)`` before the forward: saves the committed state of the batch rows ``rows`` (absolute running
-    rows ``running_rows``) and asks the cache to record the KDA layers' inputs. ``commit(keep)`` after the
-    forward: for every batch row b with ``keep[b] < fed[b]`` the committed state is restored and the first
-    ``keep[b]`` recorded inputs are folded in by the layer itself."""
-
-    def __init__(self, model, pools):
-        self.pools = pools
-        self.layers = [l.self_attn for i, l in enumerate(model.model.layers) if not model.config.is_mla_layer(i)]
-        self.backend = getattr(model, "backend", None)
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.batch_rows: list[int] = []
-
-    def begin(self, cache, batch_rows: Sequence[int]) -> None:
-        self.batch_rows = list(batch_rows)
-        self.saved = []
-        if not self.batch_rows:
-            return
-        run = self.pools.running
-        idx = torch.tensor([cache.row0 + b for b in self.batch_rows], device=self.pools.device)
-        self.saved = [(run.recurrent[j].index_select(0, idx), run.conv[j].index_select(0, idx))
-                      for j in range(len(self.layers))]
-        cache.record_inputs = set(self.batch_rows)
-
-    @torch.no_grad()
-    def commit(self, cache, keep: dict[int, int]) -> None:
-        """keep: batch row → tokens kept (rows whose whole window was kept may be omitted)."""
-        from ..kernels.registry import backend as use_backend
-
-        groups: dict[int, list[int]] = {}
-        for k, b in enumerate(self.batch_rows):
-            a = keep.get(b)
-            if a is not None and a < cache.num_new[b]:
-                groups.setdefault(a, []).append(k)
-        run = self.pools.running
-        with use_backend(self.backend):
-            for j, mod in enumerate(self.layers):
-                x = cache.layers_kda[j].window_x
-                rec0, conv0 = self.saved[j]
-                for a, ks in groups.items():
-                    sel = torch.tensor(ks, device=rec0.device)
-                    bsel = torch.tensor([self.batch_rows[k] for k in ks], device=rec0.device)
-                    st = KDAState(rec0.index_select(0, sel).clone(), conv0.index_select(0, sel).clone())
-                    mod(x.index_select(0, bsel)[:, :a], st)
-                    dst = bsel + cache.row0
-                    run.recurrent[j].index_copy_(0, dst, st.recurrent.to(run.recurrent[j].dtype))
-                    run.conv[j].index_copy_(0, dst, st.conv.to(run.conv[j].dtype))
-        self.saved = []
-        for st in cache.layers_kda:
-            st.window_x = None
-
-
 def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callable[[Request], int],
           confidence_threshold: float, vocab_size: int) -> None:
     """Drafts for this step's decode rows (``req.drafts``, ``req.draft_probs``; at most ``draft_len(req)``, cut
@@ -248,59 +192,3 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
             r.drafts = toks_l[k][:lim[k]]
             if prop.probs is not None and r.drafts:
                 r.draft_probs = prop.probs[k, :lim[k]]
-
-
-def _padded(drafts: list[int], n: int) -> list[int]:
-    """A row's drafts padded to the window width of the batch (the pad columns' scores are never read)."""
-    return drafts + [0] * (n - len(drafts))
-
-
-def verify(lm_head: torch.nn.Module, reqs: Sequence[Request], hidden: torch.Tensor,
-           synthetic_acceptance_length: int | None = None) -> dict[int, tuple | Exception]:
-    """Accept the drafts of the verify rows of one forward (``hidden`` [B, T, d]: its final hidden states):
-    batch row → emitted tokens (accepted drafts + the target's token, their log-probabilities or None) or the
-    error that fails that request. Greedy: leading matches of the processed scores' argmax; sampling: lossless
-    rejection sampling with the request's generator; with ``synthetic_acceptance_length`` a fixed count
-    (benchmarks; not the target's output)."""
-    rows = [b for b, r in enumerate(reqs) if r.drafts]
-    if not rows:
-        return {}
-    Tw = 1 + max(len(reqs[b].drafts) for b in rows)
-    idx = torch.tensor(rows, device=hidden.device)
-    with torch.inference_mode():
-        wl = lm_head(hidden.index_select(0, idx)[:, :Tw]).float()  # [Bv, Tw, V]
-    scores = torch.stack([reqs[b].sampler.window_scores(wl[k], reqs[b].output, _padded(reqs[b].drafts, Tw - 1))
-                          for k, b in enumerate(rows)])
-    amax = torch.cat([scores.argmax(-1), (~torch.isfinite(wl).all(-1)).long()], 1).tolist()  # one sync
-    out: dict[int, tuple | Exception] = {}
-    L = synthetic_acceptance_length
-    for k, b in enumerate(rows):
-        r = reqs[b]
-        n = len(r.drafts)
-        row = amax[k]
-        tgt, nonfinite = row[:Tw], row[Tw:]
-        if any(nonfinite[:n + 1]):
-            out[b] = FloatingPointError("the logits of the verify window contain NaN or Inf")
-            continue
-        try:
-            limit = torch.tensor([n], device=wl.device)
-            if L is not None:
-                m = min(n, max(0, int(L) - 1))
-                nxt = (tgt[m] if not r.params.do_sample else
-                       int(r.sampler.pipeline.choose(scores[k, m:m + 1], r.generator)[0]))
-            elif r.params.do_sample:
-                d = torch.tensor([r.drafts], device=wl.device)
-                q = None if r.draft_probs is None else r.draft_probs[None]
-                mt, nt = rejection_accept(scores[k:k + 1, :n + 1], d, q, limit, None, r.generator)
-                m, nxt = int(mt[0]), int(nt[0])
-            else:
-                m = 0
-                while m < n and r.drafts[m] == tgt[m]:
-                    m += 1
-                nxt = tgt[m]
-            toks = list(r.drafts[:m]) + [int(nxt)]
-            lps = r.sampler.logprobs_of(wl[k, :m + 1], toks) if r.params.logprobs is not None else None
-            out[b] = (toks, lps)
-        except Exception as e:  # noqa: BLE001 - fails this request alone
-            out[b] = e
-    return out

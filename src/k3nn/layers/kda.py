@@ -144,19 +144,18 @@ class KimiDeltaAttention(nn.Module):
                 checkpoint_positions=None):
         """x [B, T, d]; state: :class:`k3nn.cache.KDAState` view for these B rows (updated in place) or None;
         attention_mask [B, T] (1 = token, 0 = padding: padded inputs are zeroed so they leave no trace when
-        the state starts at zero, as with left padding). A state with ``observe_input(layer, x)`` is shown the
-        layer's (masked) input first: the engine's paged state exports conv checkpoints from it, speculative
-        rollback records verify windows with it."""
+        the state starts at zero, as with left padding). The state is shown the layer's (masked) input first
+        (:meth:`~k3nn.cache.KDAState.observe_input`): the engine's paged state exports conv checkpoints from it,
+        speculative rollback records verify windows with it."""
         if attention_mask is not None:
             x = x * attention_mask[..., None].to(x.dtype)
-        observe = getattr(state, "observe_input", None)
-        if observe is not None:
-            observe(self, x)
+        if state is not None:
+            state.observe_input(self, x)
         B, T, _ = x.shape
         if state is not None and 0 < T <= self.fused_decode_max_tokens and checkpoint_positions is None:
             return self._fused_decode(x, state)
-        q, k, v, g, beta, conv_new = self.project(x, None if state is None else state.conv)
-        init = None if state is None else state.recurrent
+        conv_prev, init = (None, None) if state is None else state.read()
+        q, k, v, g, beta, conv_new = self.project(x, conv_prev)
         fn = ops.kda_recurrent if (state is not None and T == 1) else ops.kda_chunk
         res = fn(q, k, v, g, beta, initial_state=init, output_final_state=state is not None,
                  checkpoint_positions=checkpoint_positions)
@@ -166,12 +165,22 @@ class KimiDeltaAttention(nn.Module):
         y = self.o_norm(o, self.output_gate(x).reshape(B, T, self.num_heads, self.head_dim))
         return self.o_proj(y.reshape(B, T, -1))
 
+    def commit_window(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, recurrent: torch.Tensor,
+                      conv: torch.Tensor, state_indices: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Fold the first ``accepted[b]`` tokens of a verify window into the cached state of row b: the fused
+        decode op over the window's recorded inputs (``qkv``, ``f``, ``b`` as :meth:`record_decode` saw them)
+        with ``num_tokens = accepted``; rows with ``state_indices`` −1 are left alone. Graph-safe."""
+        ops.kda_fused_decode(qkv, f, b, f, self._conv_weight(), self.A_log, self.dt_bias, self.o_norm.weight,
+                             recurrent, conv, state_indices, gate_kind=self.gate_kind, lower_bound=self.lower_bound,
+                             norm_eps=self.o_norm.eps, num_tokens=accepted)
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self._decode_conv.get() if self._decode_conv is not None else self.conv_weight()
+
     def _fused_decode(self, x: torch.Tensor, state) -> torch.Tensor:
         """Decode / verify-window path: the projections, then one ``ops.kda_fused_decode`` (conv update, gate,
-        β, L2 norm, recurrence, gated RMSNorm) that updates the cache in place, then ``o_proj``.
-
-        ``state`` may expose ``state_indices`` ([B] int) with ``recurrent`` / ``conv`` holding every slot;
-        otherwise rows 0..B−1 of its tensors are this batch."""
+        β, L2 norm, recurrence, gated RMSNorm) that updates the cache in place, then ``o_proj``. The state's
+        ``state_indices`` / ``num_tokens`` / ``write_state`` (see :class:`~k3nn.cache.KDAState`) go to the op."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if self._decode_in is not None and not torch.is_grad_enabled():
@@ -182,8 +191,11 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             fa, b, gate, conv_w = self.f_a_proj(x), self.b_proj(x), self.output_gate(x), self.conv_weight()
         rec, conv = state.recurrent, state.conv
-        y = ops.kda_fused_decode(qkv, self.f_b_proj(fa), b, gate, conv_w, self.A_log, self.dt_bias,
-                                 self.o_norm.weight, rec, conv, getattr(state, "state_indices", None),
-                                 gate_kind=self.gate_kind, lower_bound=self.lower_bound, norm_eps=self.o_norm.eps)
-        state.update(rec, conv, None)  # no-op copy for views; lets gathered-copy states write back
+        f = self.f_b_proj(fa)
+        state.record_decode(qkv, f, b)
+        y = ops.kda_fused_decode(qkv, f, b, gate, conv_w, self.A_log, self.dt_bias, self.o_norm.weight, rec, conv,
+                                 state.state_indices, gate_kind=self.gate_kind, lower_bound=self.lower_bound,
+                                 norm_eps=self.o_norm.eps, num_tokens=state.num_tokens,
+                                 write_state=state.write_state)
+        state.update(rec, conv, None)  # a no-op for states updated in place; gathered copies write back
         return self.o_proj(y.reshape(B, T, H * D))

@@ -176,7 +176,9 @@ class MultiHeadLatentAttention(nn.Module):
         latent ``[B, L, r]``, rope key ``[B, L, dr]``, key mask ``[B, L]`` and the new queries' absolute
         indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions."""
         B, T, _ = x.shape
-        decode = state is not None and start > 0 and T <= self.absorb_max_tokens  # the absorbed form
+        # the absorbed form: a decode-shaped call with cached context, or any short call on a paged cache (its
+        # rows carry their own cached lengths; the decode kernel reads the pages in place)
+        decode = state is not None and T <= self.absorb_max_tokens and (start > 0 or state.paged)
         proj = [None, None, None]
         if decode and self._decode_in is not None and not torch.is_grad_enabled():
             proj = self._decode_in.split(x) + [None]  # q | kv_a (| g)

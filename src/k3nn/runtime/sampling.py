@@ -67,6 +67,7 @@ class SamplingTable:
         self.do_sample = torch.zeros(R, dtype=torch.bool, device=self.device)
         self.seed = torch.zeros(R, **i64)
         self.min_tokens = torch.zeros(R, **i64)
+        self.prompt_len = torch.zeros(R, **i64)
         # statistics and stop masks: [R, V], allocated on first use
         self.counts: torch.Tensor | None = None  # output token counts (fp32)
         self.prompt_seen: torch.Tensor | None = None  # the prompt's tokens (seen = prompt_seen | counts > 0)
@@ -78,21 +79,23 @@ class SamplingTable:
         return self.num_rows
 
     # -- rows -------------------------------------------------------------------------------------------------
-    def set_row(self, row: int, params, prompt, eos_ids=(), seed: int = 0) -> None:
-        """Load a request's parameters into ``row`` (a few small host-to-device copies; once per admission)."""
+    def set_row(self, row: int, params, prompt, eos_ids=(), seed: int = 0, output=()) -> None:
+        """Load a request's parameters into ``row`` (a few small host-to-device copies; once per admission).
+        ``output``: tokens the request generated already (a resumed request: they count for the penalties)."""
         p = params
         sample = bool(p.do_sample)
         vals = torch.tensor([p.temperature if sample else 1.0, p.top_p if sample else 1.0,
                              getattr(p, "min_p", 0.0) if sample else 0.0, p.repetition_penalty,
                              p.frequency_penalty, p.presence_penalty], dtype=torch.float32)
-        ints = torch.tensor([p.top_k if sample else 0, seed & (2 ** 63 - 1), p.min_tokens, int(sample)],
-                            dtype=torch.long)
+        ints = torch.tensor([p.top_k if sample else 0, seed & (2 ** 63 - 1), p.min_tokens, int(sample),
+                             len(prompt)], dtype=torch.long)
         vals, ints = vals.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         for t, v in zip((self.temperature, self.top_p, self.min_p, self.repetition, self.frequency,
                          self.presence), vals):
             t[row] = v
         self.top_k[row], self.seed[row], self.min_tokens[row] = ints[0], ints[1], ints[2]
         self.do_sample[row] = ints[3].bool()
+        self.prompt_len[row] = ints[4]
         pen = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         stops = sorted({int(t) for t in (p.stop_token_ids or ())} |
                        (set() if p.ignore_eos else {int(e) for e in eos_ids}))
@@ -104,6 +107,9 @@ class SamplingTable:
             if len(prompt):
                 ids = torch.as_tensor(list(prompt), dtype=torch.long).clamp_(0, self.vocab_size - 1)
                 self.prompt_seen[row].index_fill_(0, ids.to(self.device, non_blocking=True), True)
+            if len(output):
+                ids = torch.as_tensor(list(output), dtype=torch.long).clamp_(0, self.vocab_size - 1)
+                self.counts[row].index_add_(0, ids.to(self.device), torch.ones(len(ids), device=self.device))
         if mint:
             if self.stop_mask is None:
                 self.stop_mask = torch.zeros(self.num_rows + 1, self.vocab_size, dtype=torch.bool,

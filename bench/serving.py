@@ -1,0 +1,324 @@
+"""serving: the Engine under the serving reports' workloads, against generate() in the same process.
+
+For each (prompt, new) shape and concurrency C, C requests of random prompts (greedy, eos ignored) are submitted
+together to one warm Engine (``warmup()`` first: graphs captured, kernels compiled); reported per row:
+
+* ``per_user_tok_s``: mean over requests of (tokens after the first) / (finish − first token);
+* ``total_tok_s``: every new token / wall time of the batch; ``ttft_mean_ms`` / ``ttft_p99_ms``; ``tpot_ms``
+  (mean time per output token after the first); ``latency_ms`` (mean request latency);
+* anchors measured in the same run: ``generate()`` at batch 1 (per-user decode tok/s, CUDA graphs) for C = 1,
+  ``generate()`` on a static batch of C for C ≥ 4 (total tok/s), and the HBM bound of one decode step at B = 1
+  (weights a token touches over the measured copy bandwidth); ``speedup`` = Engine / anchor on per-user tok/s at
+  C = 1 and on total tok/s at C ≥ 4;
+* ``compiles``: Triton compilations during the timed batch (0 after a complete warmup).
+
+Rows with DSpark: ``--model DIR --drafter DIR`` (a trained pair, e.g. ``k3nn demo``'s: real acceptance) runs
+the plain and speculative Engine and ``generate()`` with and without the drafter on 96-token prompts; on the
+random-weight preset a drafter with synthetic acceptance (``--accept`` of γ = 7) against the plain Engine.
+
+    k3nn bench serving [--config k3_slice] [--conc 1,4,16,64] [--shapes 2048:256,8192:1024]
+    k3nn bench serving --model ~/.cache/k3nn/demo/model --drafter ~/.cache/k3nn/demo/drafter --conc 1,4
+    k3nn bench serving --allow-cpu --config tiny --conc 1,2 --shapes 16:8 --accept -1   (CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import print_table, write_results
+
+SUITE = "serving"
+GAMMA = 7
+
+
+class CompileCounter:
+    """Counts Triton compilations (the runtime's pre-compile hook) while active."""
+
+    def __init__(self):
+        self.count = 0
+        self._prev = None
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+
+            self._prev = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = self._hook
+        except (ImportError, AttributeError):
+            self._prev = None
+        return self
+
+    def _hook(self, *args, **kwargs):
+        self.count += 1
+        return False
+
+    def __exit__(self, *exc):
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = self._prev
+        except (ImportError, AttributeError):
+            pass
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def engine_batch(engine, prompts, new: int, dev) -> dict:
+    """One batch of requests submitted together, run to completion: the serving metrics of the docstring."""
+    with CompileCounter() as cc:
+        _sync(dev)
+        t0 = time.perf_counter()
+        ids = [engine.add_request(p, max_new_tokens=new, ignore_eos=True) for p in prompts]
+        list(engine.stream())
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    reqs = [engine.requests[i] for i in ids]
+    users = [(len(r.output) - 1) / (r.finish_time - r.first_token_time) for r in reqs
+             if r.finish_time and r.finish_time > r.first_token_time]
+    ttft = sorted(r.first_token_time - r.arrival_time for r in reqs)
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
+    rounds = sum(r.spec_rounds for r in reqs)
+    out = {"per_user_tok_s": statistics.mean(users) if users else 0.0,
+           "total_tok_s": sum(len(r.output) for r in reqs) / wall,
+           "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1,
+                                                                                         int(0.99 * len(ttft)))],
+           "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else 0.0,
+           "latency_ms": 1e3 * statistics.mean(r.finish_time - r.arrival_time for r in reqs),
+           "compiles": cc.count, "outputs": [list(r.output) for r in reqs],
+           "acceptance_length": (sum(r.spec_accepted for r in reqs) + rounds) / rounds if rounds else None}
+    for i in ids:
+        del engine.requests[i]
+    return out
+
+
+def generate_decode_tok_s(model, prompt: list[int], new: int, dev, drafter=None) -> tuple[float, list[int]]:
+    """generate() at batch 1: decode tokens/s (the time of ``new`` tokens minus that of one, per extra token)."""
+    ids = torch.tensor([prompt], device=dev)
+    kw = dict(drafter=drafter) if drafter is not None else {}
+    for _ in range(2):  # warm: graphs captured, kernels compiled
+        model.generate(ids, max_new_tokens=new, eos_token_id=[], **kw)
+    times = {}
+    for n in (1, new):
+        best = float("inf")
+        for _ in range(2):
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=n, eos_token_id=[], **kw)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        times[n] = best
+    return (new - 1) / max(times[new] - times[1], 1e-9), out[0, len(prompt):].tolist()
+
+
+def generate_batch_tok_s(model, prompts, new: int, dev) -> float:
+    """generate() on a static batch of the prompts (same length): total new tokens / wall."""
+    ids = torch.tensor(prompts, device=dev)
+    model.generate(ids, max_new_tokens=new, eos_token_id=[])
+    _sync(dev)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, eos_token_id=[])
+    _sync(dev)
+    return len(prompts) * new / (time.perf_counter() - t0)
+
+
+def hbm_bound_ms(model, copy_tbps: float | None) -> float | None:
+    """Weights one decode token touches at B = 1 (dense, lm_head, top-k routed experts per MoE layer) over the
+    copy bandwidth."""
+    if not copy_tbps:
+        return None
+    from k3nn.layers.moe import Experts
+
+    cfg = model.config
+    total = 0
+    for mod in model.modules():
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        nbytes = sum(t.numel() * t.element_size() for t in own)
+        if isinstance(mod, Experts):
+            nbytes = nbytes * cfg.num_experts_per_token // cfg.num_experts
+        total += nbytes
+    if cfg.tie_word_embeddings:
+        total -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()  # one row
+    return total / (copy_tbps * 1e12) * 1e3
+
+
+def _engine(model, drafter, max_seqs: int, prompt: int, new: int, synthetic: int | None):
+    from k3nn.engine import Engine, EngineConfig
+    from k3nn.spec import SpecOptions
+
+    pages = max_seqs * (-(-(prompt + new + GAMMA + 1) // 64)) + 16
+    cfg = EngineConfig(max_num_seqs=max_seqs, num_pages=pages, num_snapshots=max(4, max_seqs),
+                       max_num_batched_tokens=max(8192, prompt),
+                       spec=SpecOptions(synthetic_acceptance_length=synthetic) if synthetic else None)
+    return Engine(model, cfg, drafter=drafter)
+
+
+def _row(case: str, res: dict, anchor: str | None = None, anchor_val: float | None = None,
+         metric: str = "per_user_tok_s", **extra) -> dict:
+    row = {"case": case, **{k: round(v, 2) for k, v in res.items() if isinstance(v, float)},
+           "compiles": res.get("compiles", 0)}
+    if res.get("acceptance_length"):
+        row["acceptance_length"] = round(res["acceptance_length"], 3)
+    if anchor is not None and anchor_val:
+        row.update(anchor=anchor, anchor_value=round(anchor_val, 2), speedup_metric=metric,
+                   speedup=round(res[metric] / anchor_val, 3))
+    row.update(extra)
+    return row
+
+
+@torch.no_grad()
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="k3nn bench serving")
+    ap.add_argument("--config", default="k3_slice", help="KimiK3Config preset with random weights")
+    ap.add_argument("--model", default=None, help="a trained checkpoint (with --drafter: real acceptance rows)")
+    ap.add_argument("--drafter", default=None, help="a trained DSpark drafter directory (with --model)")
+    ap.add_argument("--conc", default="1,4,16,64")
+    ap.add_argument("--shapes", default="2048:256,8192:1024", help="prompt:new pairs")
+    ap.add_argument("--accept", type=int, default=6, help="synthetic accepted drafts of 7 for the preset's spec "
+                                                          "rows (-1: no spec rows)")
+    ap.add_argument("--budget-s", type=float, default=900.0)
+    ap.add_argument("--prepared", action="store_true", help="prepare_decode() the model (packed projections)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    conc = [int(c) for c in args.conc.split(",") if c]
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",") if s]
+    from bench.records import device_meta
+
+    meta = device_meta()
+    rows: list[dict] = []
+    path = None
+
+    def save():
+        nonlocal path
+        path = write_results(SUITE, rows, {"config": args.model or args.config, "prepared": args.prepared}, path=path)
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    if args.model:
+        _trained(args, dev, dtype, conc, rows, save, left)
+    else:
+        from bench.models import bench_model
+
+        cfg, model = bench_model(args.config, dev)
+        if args.prepared:
+            model.prepare_decode()
+        bound = hbm_bound_ms(model, meta.get("copy_tbps"))
+        name = args.config
+        for prompt, new in shapes:
+            if left() < 30:
+                break
+            eng = _engine(model, None, max(conc), prompt, new, None)
+            wu = eng.warmup(prompt_len=min(prompt, 512))
+            for c in conc:
+                if left() < 30:
+                    break
+                ps = _prompts(cfg.vocab_size, c, prompt, seed=prompt + c)
+                res = engine_batch(eng, ps, new, dev)
+                if c == 1:
+                    tok_s, ref = generate_decode_tok_s(model, ps[0], min(new, 256), dev)
+                    rows.append(_row(f"{name} C=1 prompt={prompt} new={new}", res, "generate() batch 1, CUDA graph",
+                                     tok_s, warmup_s=round(wu, 2),
+                                     hbm_bound_tok_s=round(1e3 / bound, 1) if bound else None))
+                else:
+                    tot = generate_batch_tok_s(model, ps, new, dev)
+                    rows.append(_row(f"{name} C={c} prompt={prompt} new={new}", res,
+                                     f"generate() static batch of {c}", tot, metric="total_tok_s"))
+                print(rows[-1], flush=True)
+                save()
+            del eng
+        if args.accept >= 0 and left() > 60:
+            from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+            dcfg = DSparkConfig.for_target(cfg, num_layers=1, num_heads=max(1, cfg.hidden_size // 128),
+                                           block_size=GAMMA, markov_rank=min(256, cfg.vocab_size))
+            drafter = DSparkDrafter(dcfg, model, device=dev, dtype=dtype).eval()
+            prompt, new = shapes[0]
+            for c in [c for c in conc if c <= 16]:
+                if left() < 60:
+                    break
+                plain = _engine(model, None, c, prompt, new, None)
+                plain.warmup(prompt_len=min(prompt, 512), batch_sizes=[c])
+                spec = _engine(model, drafter, c, prompt, new, args.accept + 1)
+                spec.warmup(prompt_len=min(prompt, 512), batch_sizes=[c])
+                ps = _prompts(cfg.vocab_size, c, prompt, seed=7 + c)
+                a = engine_batch(plain, ps, new, dev)
+                b = engine_batch(spec, ps, new, dev)
+                rows.append(_row(f"{name} C={c} prompt={prompt} new={new} spec", b,
+                                 f"the plain Engine (synthetic acceptance {args.accept} of {GAMMA})",
+                                 a["per_user_tok_s" if c == 1 else "total_tok_s"],
+                                 metric="per_user_tok_s" if c == 1 else "total_tok_s"))
+                print(rows[-1], flush=True)
+                save()
+    if rows:
+        save()
+        print_table([{k: r.get(k, "") for k in ("case", "per_user_tok_s", "total_tok_s", "ttft_mean_ms",
+                                                 "ttft_p99_ms", "tpot_ms", "anchor_value", "speedup", "compiles")}
+                     for r in rows],
+                    ["case", "per_user_tok_s", "total_tok_s", "ttft_mean_ms", "ttft_p99_ms", "tpot_ms",
+                     "anchor_value", "speedup", "compiles"])
+        print(f"results: {path}")
+    return rows
+
+
+def _trained(args, dev, dtype, conc, rows, save, left) -> None:
+    """A trained target + drafter (real acceptance): generate() with / without the drafter at batch 1, the
+    plain and speculative Engine at each concurrency, on 96-token prompts taken from the model's own greedy
+    continuation (in-distribution text for the drafter)."""
+    from k3nn.layers.dspark import DSparkDrafter
+    from k3nn.model import KimiK3
+
+    model = KimiK3.from_pretrained(args.model, dtype=dtype, device=str(dev)).eval()
+    drafter = DSparkDrafter.from_pretrained(args.drafter, model, device=dev, dtype=dtype).eval()
+    V = model.config.vocab_size
+    new, plen = 128, 96
+    seeds = _prompts(V, max(conc), 8, seed=11)
+    prompts = [model.generate(torch.tensor([s], device=dev), max_new_tokens=plen - 8, eos_token_id=[])[0].tolist()
+               for s in seeds]
+    plain_g, ref = generate_decode_tok_s(model, prompts[0], new, dev)
+    spec_g, out = generate_decode_tok_s(model, prompts[0], new, dev, drafter=drafter)
+    acc = drafter.last_stats.acceptance_length
+    rows.append({"case": f"demo generate() prompt={plen} new={new} spec", "per_user_tok_s": round(spec_g, 1),
+                 "anchor": "generate() without the drafter", "anchor_value": round(plain_g, 1),
+                 "speedup": round(spec_g / plain_g, 3), "acceptance_length": round(acc, 3),
+                 "same_tokens": out == ref})
+    print(rows[-1], flush=True)
+    save()
+    for c in conc:
+        if left() < 30:
+            break
+        plain = _engine(model, None, c, plen, new, None)
+        plain.warmup(prompt_len=plen, batch_sizes=[c])
+        spec = _engine(model, drafter, c, plen, new, None)
+        spec.warmup(prompt_len=plen, batch_sizes=[c])
+        a = engine_batch(plain, prompts[:c], new, dev)
+        b = engine_batch(spec, prompts[:c], new, dev)
+        metric = "per_user_tok_s" if c == 1 else "total_tok_s"
+        if c == 1:
+            rows.append(_row(f"demo C=1 prompt={plen} new={new}", a, "generate() batch 1, CUDA graph", plain_g))
+        else:
+            tot = generate_batch_tok_s(model, prompts[:c], new, dev)
+            rows.append(_row(f"demo C={c} prompt={plen} new={new}", a, f"generate() static batch of {c}", tot,
+                             metric="total_tok_s"))
+        rows.append(_row(f"demo C={c} prompt={plen} new={new} spec", b, "the plain Engine", a[metric],
+                         metric=metric, same_tokens=a["outputs"] == b["outputs"]))
+        print(rows[-2], rows[-1], flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()

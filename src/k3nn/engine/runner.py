@@ -1,0 +1,320 @@
+"""The engine's model runner: stages a step's rows, runs the forward (a replayed CUDA graph for decode and verify
+steps, eagerly otherwise), and commits verify windows' KDA state.
+
+Per forward the engine hands the runner its rows (:class:`RowWork`: the request, the tokens it feeds, whether it
+is a verify window). The runner
+
+1. writes them into :class:`~k3nn.runtime.metadata.StepInputs` (slots, cached counts, tokens, the pages granted
+   since the last step) and copies that staging buffer to the device once;
+2. for a batch of decode / verify rows only (on CUDA): pads it to the next captured batch size with padding rows
+   (slot −1: no KDA state touched, latents to the trash page) and replays the graph of ``(batch size, tokens,
+   verify)``, whose body derives the metadata on the device, runs the model and the LM head over every column;
+3. otherwise runs the same body eagerly with the step's :class:`~k3nn.runtime.metadata.StepPlan` (the KDA
+   checkpoints of right-padded rows on the chunk path and of planned prefix snapshots, the MLA gather length).
+
+Verify rows read their committed KDA state without writing it (``write_state``); after acceptance
+:meth:`ModelRunner.commit_windows` folds each row's accepted prefix into its state with the fused decode op over
+the inputs the forward recorded (one launch per KDA layer, graph-safe; a row that keeps nothing of its window
+past the pending token still folds that token). MLA pages need nothing: rejected entries lie past the row's
+length and are overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..cache.paged import HybridPools, PagedCache
+from ..kernels.registry import backend as use_backend
+from ..kernels.registry import current_backend
+from ..runtime.graphs import GraphRunner
+from ..runtime.metadata import RowInput, StepInputs, StepMetadata, StepPlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner", "RowWork", "ForwardOut", "graph_batch_sizes"]
+
+
+def graph_batch_sizes(max_rows: int) -> list[int]:
+    """Padded batch sizes with a captured decode graph: 1, 2, 4, 8, then steps of 8 up to ``max_rows``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(16, max_rows, 8)) + [max_rows]
+    return sorted(set(sizes))
+
+
+@dataclass
+class RowWork:
+    """One row of a forward: ``req`` feeds ``tokens`` (``len(tokens)`` ≥ 1) from ``req.num_computed``;
+    ``decode``: the row feeds its pending token (plus drafts); ``verify``: the tokens are a verify window (the
+    pending token + drafts); ``sample``: a token is drawn after the forward; ``snapshots``: (position in this
+    chunk, snapshot slot) pairs to export."""
+
+    req: object
+    tokens: list[int]
+    decode: bool = False
+    verify: bool = False
+    sample: bool = False
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ForwardOut:
+    """A forward's outputs: ``logits`` [B, V] at each row's last fed token; ``columns`` [B, T, V] every column's
+    logits; ``verify``: the forward has verify windows; ``hidden``: the drafter's tapped hidden states [B, T, d]
+    per tap; ``meta``: the step's metadata (device views); ``graphed``: the forward replayed a CUDA graph."""
+
+    logits: torch.Tensor
+    columns: torch.Tensor
+    verify: bool
+    hidden: list[torch.Tensor] | None
+    meta: StepMetadata
+    graphed: bool = False
+
+
+class ModelRunner:
+    """Runs ``model`` (a :class:`k3nn.KimiK3`) over the engine's ``pools``; see the module docstring.
+
+    ``max_rows``: rows per forward (the engine's ``max_num_seqs``); ``max_window``: the longest verify window
+    (1 + drafts); ``taps``: target layers whose outputs the drafter reads; ``cuda_graphs``: capture decode steps
+    (CUDA devices; the eager backend is never captured)."""
+
+    def __init__(self, model, pools: HybridPools, *, max_rows: int, max_window: int = 1,
+                 taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool = True,
+                 max_context: int | None = None):
+        self.model, self.pools = model, pools
+        self.cache = PagedCache(pools)
+        self.max_rows, self.max_window = max_rows, max(1, max_window)
+        self.taps = list(taps) if taps else None
+        ctx = max_context or model.config.max_position_embeddings
+        self.inputs = StepInputs(max_rows, self.max_window, pools.running.num_slots,
+                                 pools.max_blocks(ctx + self.max_window), pools.block_size, pools.trash_row,
+                                 pools.device, pad_id)
+        eager = (getattr(model, "backend", None) or current_backend()) == "eager"
+        self.graphs = GraphRunner(pools.device, enabled=cuda_graphs and not eager, name="engine decode")
+        self.batch_sizes = graph_batch_sizes(max_rows)
+        self.kda = [l.self_attn for i, l in enumerate(model.model.layers) if not model.config.is_mla_layer(i)]
+        self.fused_max = min((m.fused_decode_max_tokens for m in self.kda), default=0)
+        self._recorded: dict | None = None
+
+    # -- staging --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _new_pages(req) -> list[tuple[int, int]]:
+        """Block-table entries of ``req``'s row not yet on the device (``req.synced_blocks`` of them are; a row
+        change or a freed block list resets it)."""
+        done = req.synced_blocks if req.synced_blocks <= len(req.blocks) else 0
+        req.synced_blocks = len(req.blocks)
+        return [(c, req.blocks[c]) for c in range(done, len(req.blocks))]
+
+    def padded_size(self, n: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= n), None)
+
+    def graphable(self, rows: Sequence[RowWork]) -> bool:
+        """Decode / verify rows only (each feeds its pending token, plus drafts), within the captured shapes."""
+        return (self.graphs.enabled and 0 < len(rows) <= self.max_rows and all(w.decode for w in rows)
+                and max(w.num_new for w in rows) <= self.max_window)
+
+    # -- the forward ------------------------------------------------------------------------------------------
+    def _body(self, B: int, T: int, verify: bool, plan: StepPlan | None, embeds=None):
+        """Derive the metadata, run the model and the LM head over every column (graph-safe without a plan)."""
+        meta = self.inputs.derive(B, T, verify)
+        meta.plan = plan
+        self.cache.meta = meta
+        self.cache.recorder = {} if verify else None
+        with use_backend(self.model.backend):
+            h, hidden = self.model.model(None if embeds is not None else meta.input_ids, embeds, self.cache, None,
+                                         self.taps, plan.checkpoint_positions if plan is not None else None)
+            logits = self.model.lm_head(h)
+        return logits, hidden, meta, self.cache.recorder
+
+    @torch.no_grad()
+    def forward(self, rows: Sequence[RowWork], embeds_fn=None) -> ForwardOut:
+        """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
+        embeddings instead of ids (image tokens)."""
+        n = len(rows)
+        T = max(w.num_new for w in rows)
+        verify = any(w.verify for w in rows)
+        graph = embeds_fn is None and self.graphable(rows)
+        B = self.padded_size(n) if graph else n
+        self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
+                                    w.sample) for w in rows], B, T)
+        if graph:
+            key = (B, T, verify)
+            logits, hidden, meta, rec = self.graphs.run(key, lambda: self._body(B, T, verify, None))
+            self.cache.meta, self._recorded = meta, rec
+            last = logits[:n, 0] if T == 1 else logits[torch.arange(n, device=logits.device),
+                                                       self._last_index(rows, logits.device)]
+            return ForwardOut(last, logits[:n], verify, None if hidden is None else [x[:n] for x in hidden], meta,
+                              key in self.graphs)
+        plan = self._plan(rows, T)
+        self.cache.plan_rows = [w.req.row for w in rows]
+        embeds = None
+        if embeds_fn is not None:
+            embeds = embeds_fn(self.inputs.derive(B, T).input_ids)
+        logits, hidden, meta, rec = self._body(B, T, verify, plan, embeds)
+        self._recorded = rec
+        idx = self._last_index(rows, logits.device)
+        last = logits[:, -1] if all(w.num_new == T for w in rows) else logits[torch.arange(n, device=idx.device), idx]
+        return ForwardOut(last, logits, verify, hidden, meta, False)
+
+    @torch.no_grad()
+    def capture_padding(self, B: int, T: int, verify: bool) -> bool:
+        """Warm up and capture the graph of ``(B, T, verify)`` over a batch of padding rows (slot −1: no KDA
+        state is read or written, latents go to the trash page): no request is touched."""
+        self.inputs.stage([], B, T)
+        return self.graphs.capture((B, T, verify), lambda: self._body(B, T, verify, None))
+
+    @staticmethod
+    def _last_index(rows: Sequence[RowWork], device) -> torch.Tensor:
+        return torch.tensor([w.num_new - 1 for w in rows], device=device)
+
+    def _plan(self, rows: Sequence[RowWork], T: int) -> StepPlan:
+        """The eager step's host facts: checkpoints for planned snapshots, and (on the chunk path) for the rows
+        that feed fewer than T tokens."""
+        plan = StepPlan([w.req.num_computed for w in rows], [w.num_new for w in rows])
+        plan.gather_len = max(c + T for c in plan.num_cached)
+        chunk_path = T > self.fused_max or any(w.snapshots for w in rows)
+        targets, per_row = [], [[] for _ in rows]
+        for b, w in enumerate(rows):
+            for p, slot in w.snapshots:
+                if not 0 < p <= w.num_new:
+                    raise ValueError(f"snapshot position {p} of row {b} is outside (0, {w.num_new}]")
+                per_row[b].append(p)
+                targets.append((b, p, "snap", slot))
+            if chunk_path and w.num_new < T:
+                per_row[b].append(w.num_new)
+                targets.append((b, w.num_new, "row", b))
+        targets.sort(key=lambda t: t[0])  # the order the KDA op returns them: row-major, in the order given
+        if targets:
+            plan.ckpt_targets = targets
+            plan.ckpt_pairs = [(b, p) for b, p, _, _ in targets]
+            plan.checkpoint_positions = per_row
+        return plan
+
+    # -- verify windows ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def commit_windows(self, verify_rows: torch.Tensor, keep: torch.Tensor) -> None:
+        """After a verify forward: fold the first ``keep[b]`` window tokens of every verify row into its KDA state
+        (``verify_rows`` [B] bool, ``keep`` [B] long, device tensors; rows of the forward in order)."""
+        rec = self._recorded
+        if not rec:
+            return
+        meta = self.cache.meta
+        B = keep.shape[0]
+        slots = torch.where(verify_rows, meta.slots[:B], torch.full_like(meta.slots[:B], -1))
+        run = self.pools.running
+        with use_backend(self.model.backend):
+            for j, mod in enumerate(self.kda):
+                qkv, f, b = rec[j]
+                mod.commit_window(qkv[:B], f[:B], b[:B], run.recurrent[j], run.conv[j], slots, keep.to(torch.int32))
+        self._recorded = None
+
+    # -- drawing tokens -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, out: ForwardOut, rows: Sequence[RowWork], table, synthetic_length: int | None = None,
+               draft_probs: dict[int, torch.Tensor] | None = None, logprobs: dict[int, int] | None = None) -> "Draws":
+        """Draw every row's tokens on the device and bring them to the host in one copy (plus one for rows that
+        asked for log-probabilities).
+
+        Rows with ``sample``: the next token from the logits at the row's last fed token (``table``'s per-row
+        processing and warpers; counter = the token's position). Verify rows: the leading drafts equal to the
+        target's choice (greedy) or lossless rejection sampling (sampling rows, ``draft_probs`` b → [n_b, V] for
+        sampled drafts), or ``synthetic_length`` − 1 drafts (benchmarks); then their KDA state is committed
+        (:meth:`commit_windows`). ``logprobs``: row → k (raw-distribution log-probabilities of its tokens and its
+        k most likely tokens)."""
+        from ..runtime.rng import RowRNG
+        from ..runtime.sampling import greedy_accept, rejection_accept, token_logprobs
+
+        n = len(rows)
+        meta = out.meta
+        slots = meta.slots[:n]
+        nn = meta.num_new[:n].long()
+        ver = meta.verify[:n]
+        base = meta.num_cached[:n] + torch.where(ver, torch.ones_like(nn), nn)  # position of the first draw
+        out_len = base - table.prompt_len[slots]
+        variant = table.variant([w.req.row for w in rows if w.sample])
+        ids = table.choose(out.logits[:, None], slots, out_len, variant)[0][:, 0]
+        cols = [ids, (~torch.isfinite(out.logits).all(-1)).long()]
+        plain = meta.sample[:n] & ~ver
+        table.record(slots, ids[:, None], plain[:, None])
+        chosen = None
+        if out.verify:
+            W = out.columns
+            T = W.shape[1]
+            drafts = meta.input_ids[:n, 1:T]
+            limit = torch.where(ver, nn - 1, torch.zeros_like(nn)).clamp_min(0)
+            s = table.scores(W, slots, out_len, variant, drafts)
+            target = s.argmax(-1)  # [n, T]
+            if synthetic_length is not None:
+                m = limit.clamp(max=max(0, int(synthetic_length) - 1))
+            else:
+                m = greedy_accept(target, drafts, limit)
+            nxt = target.gather(1, m[:, None])[:, 0]
+            if variant.sampling:
+                w = table.warp(s, slots, variant)
+                rng = RowRNG(table.seed[slots], base)
+                if synthetic_length is not None:
+                    ms, ns = m, rng.gumbel_argmax(w.gather(1, m[:, None, None].expand(n, 1, w.shape[-1]))[:, 0],
+                                                  offset=m)
+                else:
+                    q = None
+                    if draft_probs:
+                        q = torch.zeros(n, T - 1, W.shape[-1], dtype=torch.float32, device=W.device)
+                        q.scatter_(2, drafts[..., None], 1.0)
+                        for b, pr in draft_probs.items():
+                            q[b, :pr.shape[0]] = pr.float()
+                    ms, ns = rejection_accept(w, drafts, q, limit, rng)
+                samp = table.do_sample[slots]
+                m, nxt = torch.where(samp, ms, m), torch.where(samp, ns, nxt)
+            m = torch.where(ver, m, torch.zeros_like(m))
+            self.commit_windows(ver, m + 1)
+            j = torch.arange(T, device=W.device)[None, :]
+            seen_cols = j <= limit[:, None]
+            bad = (~torch.isfinite(W).all(-1) & seen_cols).any(-1) & ver
+            chosen = torch.where(j[:, :T - 1] < m[:, None], drafts, nxt[:, None].expand(n, T - 1)) if T > 1 else None
+            chosen = torch.cat([chosen, nxt[:, None]], 1) if chosen is not None else nxt[:, None]  # [n, T]
+            table.record(slots, chosen, (j <= m[:, None]) & ver[:, None])
+            cols += [m, nxt, bad.long()]
+        packed = torch.stack(cols, 1).tolist()  # the one host copy of the step's draws
+        lps: dict[int, list] = {}
+        if logprobs:
+            idx = sorted(logprobs)
+            k = max(logprobs.values())
+            it = torch.tensor(idx, device=ids.device)
+            plain_rows = [b for b in idx if not rows[b].verify]
+            rows_lp = []
+            if plain_rows:
+                pr = torch.tensor(plain_rows, device=ids.device)
+                rows_lp.append(token_logprobs(out.logits[pr], ids[pr], k))
+            ver_rows = [b for b in idx if rows[b].verify]
+            if ver_rows:
+                vr = torch.tensor(ver_rows, device=ids.device)
+                Wv = out.columns[vr]
+                rows_lp.append(token_logprobs(Wv.reshape(-1, Wv.shape[-1]), chosen[vr].reshape(-1), k))
+            host = torch.cat(rows_lp).tolist() if rows_lp else []
+            del it
+            pos = 0
+            for b in plain_rows:
+                lps[b] = [host[pos]]
+                pos += 1
+            T = out.columns.shape[1]
+            for b in ver_rows:
+                lps[b] = host[pos:pos + T]
+                pos += T
+        return Draws(packed, lps, out.verify)
+
+
+@dataclass
+class Draws:
+    """One forward's draws on the host: per row, ``packed[b]`` = [token, logits non-finite] (+ [accepted drafts,
+    next token, window non-finite] in a verify forward); ``logprobs[b]``: rows of
+    :func:`~k3nn.runtime.sampling.token_logprobs` (one per window column for verify rows), trimmed by the caller."""
+
+    packed: list[list[int]]
+    logprobs: dict[int, list[list[float]]]
+    windowed: bool

@@ -1,0 +1,104 @@
+"""CUDA graphs of graph-safe steps, keyed by shape, one memory pool: the graph runner every decode loop shares.
+
+A *step* is a function of no arguments that reads persistent device tensors and returns device tensors (it may
+write persistent state in place). :meth:`GraphRunner.run` executes ``fn`` for ``key``:
+
+* the first call of a key runs ``fn`` eagerly on a side stream (Triton compilation, autotuning and cuBLAS
+  workspaces happen here; its effects are the step's real effects) and returns its outputs;
+* the second call captures ``fn`` into a CUDA graph (capture runs no kernel), then replays it once;
+* later calls replay it.
+
+So every call applies the step exactly once. :meth:`GraphRunner.capture` instead warms up and captures a step
+whose effects are harmless (a batch of padding rows), so serving never pays for a capture. All graphs share one
+memory pool (they never run concurrently; a step's outputs are read before the next step replays). A capture that
+fails (an op that syncs with the host, an eager kernel) is logged with its reason, remembered, and that key runs
+eagerly from then on: same results. ``enabled=False`` (CPU, or the eager backend on a GPU) runs every step
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphRunner"]
+
+
+class GraphRunner:
+    """Captured steps by key on ``device`` (see the module docstring). ``graphs`` / ``failed``: the keys captured
+    and the keys that run eagerly with why."""
+
+    def __init__(self, device: torch.device | str, enabled: bool = True, name: str = "step"):
+        self.device = torch.device(device)
+        self.enabled = bool(enabled) and self.device.type == "cuda"
+        self.name = name
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.failed: dict[Hashable, str] = {}
+        self._seen: set = set()
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.graphs
+
+    def run(self, key: Hashable, fn: Callable[[], Any], on_capture_failure: Callable[[], None] | None = None):
+        """Apply the step once (eagerly, by capture + replay, or by replay; see the module docstring)."""
+        if not self.enabled or key in self.failed:
+            return fn()
+        entry = self.graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            return entry[1]
+        if key not in self._seen:
+            self._seen.add(key)
+            return self._side_stream(fn)
+        outs = self._capture(key, fn, on_capture_failure)
+        if key in self.failed:
+            return fn()
+        self.graphs[key][0].replay()
+        return outs
+
+    def capture(self, key: Hashable, fn: Callable[[], Any], warmup: bool = True) -> bool:
+        """Warm up (unless ``warmup`` is False) and capture ``fn`` for ``key`` without a real step: ``fn`` must be
+        harmless to run (e.g. a batch of padding rows). Returns whether a graph was captured."""
+        if not self.enabled or key in self.graphs or key in self.failed:
+            return key in self.graphs
+        if warmup:
+            self._side_stream(fn)
+        self._seen.add(key)
+        self._capture(key, fn, None)
+        return key in self.graphs
+
+    def _side_stream(self, fn: Callable[[], Any]):
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            out = fn()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        return out
+
+    def _capture(self, key: Hashable, fn: Callable[[], Any], on_failure: Callable[[], None] | None):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self._pool):
+                outs = fn()
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run this key eagerly
+            reason = f"{type(e).__name__}: {e}"
+            self.failed[key] = reason
+            log.warning("%s: CUDA graph capture of %r failed (%s); that shape runs eagerly", self.name, key,
+                        reason.splitlines()[0])
+            torch.cuda.synchronize(self.device)
+            if on_failure is not None:
+                on_failure()
+            return None
+        self.graphs[key] = (g, outs)
+        return outs
+
+    def reset(self) -> None:
+        """Drop every graph (after the model's weights or the step's buffers were replaced)."""
+        self.graphs.clear()
+        self.failed.clear()
+        self._seen.clear()
