@@ -11,6 +11,16 @@ from k3nn import KimiK3, KimiK3Config  # noqa: E402
 from k3nn.demo import EOS, load_corpus, train_tokenizer  # noqa: E402
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Tiny models: one torch thread is as fast as two, and much faster when the cores are shared (two threads then
+    wait on each other at every small op). Restored for the tests after these."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def eager_kernels(request, monkeypatch):
     """These tests are about the integration, not the kernels (tested against eager elsewhere): on CPU the eager

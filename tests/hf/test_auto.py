@@ -2,6 +2,7 @@
 refusal."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -104,8 +105,9 @@ def test_import_k3nn_first_then_transformers(k3_dir, kl_dir):
     """In a fresh process: ``import k3nn`` does not import transformers; importing transformers' Auto classes later
     registers k3nn (the hook leaves no trace on the module and removes itself); ``kimi_linear=True`` opts in to
     k3nn's model for Kimi Linear checkpoints."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT, str(k3_dir), str(kl_dir)], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
