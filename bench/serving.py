@@ -40,6 +40,7 @@ class CompileCounter:
 
     def __init__(self):
         self.count = 0
+        self.names: list[str] = []
         self._prev = None
 
     def __enter__(self):
@@ -54,6 +55,8 @@ class CompileCounter:
 
     def _hook(self, *args, **kwargs):
         self.count += 1
+        fn = kwargs.get("fn")
+        self.names.append(str(getattr(getattr(fn, "jit_function", fn), "__name__", None) or kwargs.get("repr")))
         return False
 
     def __exit__(self, *exc):
@@ -96,7 +99,7 @@ def engine_batch(engine, prompts, new: int, dev) -> dict:
                                                                                          int(0.99 * len(ttft)))],
            "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else 0.0,
            "latency_ms": 1e3 * statistics.mean(r.finish_time - r.arrival_time for r in reqs),
-           "compiles": cc.count, "outputs": [list(r.output) for r in reqs],
+           "compiles": cc.count, "compiled": sorted(set(cc.names)), "outputs": [list(r.output) for r in reqs],
            "acceptance_length": (sum(r.spec_accepted for r in reqs) + rounds) / rounds if rounds else None}
     for i in ids:
         del engine.requests[i]
@@ -169,6 +172,8 @@ def _row(case: str, res: dict, anchor: str | None = None, anchor_val: float | No
          metric: str = "per_user_tok_s", **extra) -> dict:
     row = {"case": case, **{k: round(v, 2) for k, v in res.items() if isinstance(v, float)},
            "compiles": res.get("compiles", 0)}
+    if res.get("compiled"):
+        row["compiled"] = res["compiled"]
     if res.get("acceptance_length"):
         row["acceptance_length"] = round(res["acceptance_length"], 3)
     if anchor is not None and anchor_val:

@@ -108,7 +108,9 @@ class EngineConfig:
     pad_token_id: int = 0
     watermark: float = 0.01  # admission keeps this fraction of the pages free for running requests to grow
     num_speculative_tokens: int | None = None  # per-request default with a drafter (None: the drafter's block size)
-    cuda_graphs: bool = True  # decode / verify steps replay CUDA graphs on a GPU (captured by warmup())
+    #: decode / verify steps replay CUDA graphs on a GPU (captured by warmup()); "static": the same padded,
+    #: graph-safe steps without capture (any device); False: every step eager
+    cuda_graphs: bool | str = True
     spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
 
     def validate(self) -> None:
@@ -125,6 +127,8 @@ class EngineConfig:
                 raise TypeError(f"spec must be a k3nn.spec.SpecOptions, got {type(self.spec).__name__}")
             if self.spec.rollback != "replay":
                 raise ValueError(f"the engine rolls KDA back by replay only; got spec.rollback={self.spec.rollback!r}")
+        if self.cuda_graphs not in (True, False, "static"):
+            raise ValueError(f"cuda_graphs must be True, False or 'static', got {self.cuda_graphs!r}")
         if self.budget not in ("adaptive", "fixed"):
             raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
         if self.max_num_batched_tokens < 1 or self.reserve_per_seq < 1 or self.min_prefill_tokens < 1:
@@ -272,7 +276,7 @@ class Engine:
         """A validated, unregistered :class:`Request` for parameters :meth:`_make_requests` resolved and validated
         (no engine state changes except the id counter)."""
         if num_spec is not None:
-            num_spec = _int("num_speculative_tokens", num_spec, lo=0)
+            num_spec = _int("num_speculative_tokens", num_spec, lo=0, hi=self.runner.fused_max - 1)
             if num_spec > 0 and self.drafter is None:
                 raise ValueError("num_speculative_tokens > 0 needs an engine with a drafter (Engine(model, "
                                  "drafter=...))")
@@ -533,7 +537,7 @@ class Engine:
         dec = [RowWork(r, r.tokens_to_feed(1 + len(r.drafts)), decode=True, verify=bool(r.drafts), sample=True)
                for r in decodes]
         pre = [RowWork(r, r.tokens_to_feed(n), sample=r.remaining == n and not r.prefill_only) for r, n in prefills]
-        separate = self.runner.graphs.enabled or any(w.verify for w in dec) or \
+        separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
         batches = [b for b in ([dec, pre] if separate else [dec + pre]) if b]
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []

@@ -81,11 +81,12 @@ class ModelRunner:
     """Runs ``model`` (a :class:`k3nn.KimiK3`) over the engine's ``pools``; see the module docstring.
 
     ``max_rows``: rows per forward (the engine's ``max_num_seqs``); ``max_window``: the longest verify window
-    (1 + drafts); ``taps``: target layers whose outputs the drafter reads; ``cuda_graphs``: capture decode steps
-    (CUDA devices; the eager backend is never captured)."""
+    (1 + drafts); ``taps``: target layers whose outputs the drafter reads; ``cuda_graphs``: True captures decode
+    steps (CUDA devices; the eager backend is never captured), ``"static"`` runs the same padded, graph-safe
+    decode steps without capture (any device), False runs every step as the eager path does."""
 
     def __init__(self, model, pools: HybridPools, *, max_rows: int, max_window: int = 1,
-                 taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool = True,
+                 taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool | str = True,
                  max_context: int | None = None):
         self.model, self.pools = model, pools
         self.cache = PagedCache(pools)
@@ -96,7 +97,8 @@ class ModelRunner:
                                  pools.max_blocks(ctx + self.max_window), pools.block_size, pools.trash_row,
                                  pools.device, pad_id)
         eager = (getattr(model, "backend", None) or current_backend()) == "eager"
-        self.graphs = GraphRunner(pools.device, enabled=cuda_graphs and not eager, name="engine decode")
+        self.graphs = GraphRunner(pools.device, enabled=cuda_graphs is True and not eager, name="engine decode")
+        self.static = self.graphs.enabled or cuda_graphs == "static"  # decode steps take the padded graph body
         self.batch_sizes = graph_batch_sizes(max_rows)
         self.kda = [l.self_attn for i, l in enumerate(model.model.layers) if not model.config.is_mla_layer(i)]
         self.fused_max = min((m.fused_decode_max_tokens for m in self.kda), default=0)
@@ -116,7 +118,7 @@ class ModelRunner:
 
     def graphable(self, rows: Sequence[RowWork]) -> bool:
         """Decode / verify rows only (each feeds its pending token, plus drafts), within the captured shapes."""
-        return (self.graphs.enabled and 0 < len(rows) <= self.max_rows and all(w.decode for w in rows)
+        return (self.static and 0 < len(rows) <= self.max_rows and all(w.decode for w in rows)
                 and max(w.num_new for w in rows) <= self.max_window)
 
     # -- the forward ------------------------------------------------------------------------------------------

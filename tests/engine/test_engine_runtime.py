@@ -1,0 +1,141 @@
+"""The engine's runtime: the graph-shaped (padded, static) decode step equals the eager one, seeded sampling does
+not depend on the batch, a decode step's path reads nothing back to the host, stalls and pinned pages."""
+
+import pytest
+import torch
+
+from k3nn.engine import Engine, EngineConfig, EngineStalledError, RequestStatus
+
+from engine_helpers import CFG, model, rand_ids, reference  # noqa: F401 - fixture
+from test_engine_spec import GAMMA, OracleDrafter
+
+
+def _engine(model, drafter=None, **kw):
+    cfg = dict(max_num_seqs=4, num_pages=64, num_snapshots=8, max_num_batched_tokens=256)
+    cfg.update({k: kw.pop(k) for k in list(kw) if k in EngineConfig.__dataclass_fields__})
+    return Engine(model, EngineConfig(**cfg), drafter=drafter, **kw)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_static_steps_equal_eager_steps(model, spec):
+    """cuda_graphs="static" runs decode / verify rows as the captured steps do (padded to a graph batch size,
+    padding rows on slot −1, metadata derived on the device) without capture: the same tokens as the eager
+    steps and as generate(), greedy and seeded sampling."""
+    prompts = [rand_ids(11 + 7 * i, 300 + i) for i in range(3)]
+    refs = {tuple(p): reference(model, p, 9) for p in prompts}
+    outs = {}
+    for mode in (False, "static"):
+        d = OracleDrafter(refs, 2) if spec else None
+        e = _engine(model, d, cuda_graphs=mode, num_speculative_tokens=GAMMA if spec else None)
+        greedy = e.generate(prompts, max_new_tokens=9)
+        sampled = e.generate(prompts, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                             seed=5)
+        outs[mode] = (greedy, sampled)
+        assert greedy == [refs[tuple(p)] for p in prompts]
+        if spec:
+            assert e.metrics()["spec_rounds"] > 0
+    assert outs[False] == outs["static"]
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(model):
+    p = rand_ids(17, 310)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.0, top_p=0.95, seed=1234)
+    alone = _engine(model).generate([p], **kw)[0]
+    e = _engine(model)
+    others = [e.add_request(rand_ids(5 + i, 320 + i), max_new_tokens=3 + i, do_sample=True) for i in range(3)]
+    rid = e.add_request(p, **kw)
+    list(e.stream())
+    assert e.requests[rid].output == alone
+    assert all(e.requests[o].status == RequestStatus.FINISHED for o in others)
+    unseeded = [_engine(model).generate([p], max_new_tokens=8, do_sample=True)[0] for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1  # no seed: fresh randomness per request
+
+
+class _Reads:
+    """Counts the host reads of tensor values (item / tolist / bool / int / float / nonzero) made by the runtime,
+    the model, the layers and the caches while active. Op argument checks and eager kernels (``k3nn/ops``,
+    ``k3nn/kernels``) are left out: they read only CPU tensors, and on a GPU the captured step runs the device
+    kernels (tests/gpu checks the whole step under torch.cuda.set_sync_debug_mode("error"))."""
+
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero")
+
+    def __enter__(self):
+        import traceback
+
+        self.sites, self._orig = [], {}
+        for n in self.names:
+            orig = getattr(torch.Tensor, n)
+            self._orig[n] = orig
+
+            def wrap(*a, __o=orig, __n=n, **k):
+                for fr in reversed(traceback.extract_stack()[:-1]):
+                    if "/k3nn/" in fr.filename:
+                        if "/k3nn/kernels/" not in fr.filename and "/k3nn/ops/" not in fr.filename:
+                            self.sites.append((__n, fr.filename.split("/k3nn/")[-1], fr.lineno))
+                        break
+                return __o(*a, **k)
+
+            setattr(torch.Tensor, n, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._orig.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_a_decode_step_reads_nothing_back(model):
+    """The graph-shaped decode step (staging, metadata, the model, the LM head) has no host read: on a GPU it can
+    be captured and never waits for the device. (The step's one read is the draws, after the forward.)"""
+    from k3nn.engine.runner import RowWork
+
+    e = _engine(model, cuda_graphs="static")
+    ids = [e.add_request(rand_ids(9 + i, 330 + i), max_new_tokens=4) for i in range(2)]
+    e.step()  # prefill
+    reqs = [e.requests[i] for i in ids]
+    rows = [RowWork(r, r.tokens_to_feed(1), decode=True, sample=True) for r in reqs]
+    with torch.inference_mode(), _Reads() as reads:
+        out = e.runner.forward(rows)
+    assert reads.sites == []
+    assert out.logits.shape == (2, CFG.vocab_size)
+
+
+def test_step_reports_a_stall(model):
+    """A caller looping on step() / has_unfinished() gets an error, not a spin, when nothing can progress."""
+    e = _engine(model, num_pages=2)
+    rid = e.add_request(rand_ids(60, 340), prefill_only=True)
+    while e.requests[rid].status != RequestStatus.PREFILLED:
+        e.step()
+    e.add_request(rand_ids(100, 341), max_new_tokens=8)  # needs 2 pages, 1 is free while the export pins one
+    with pytest.raises(EngineStalledError, match="prefilled"):
+        for _ in range(5):
+            if not e.has_unfinished():
+                break
+            e.step()
+    e.release(rid)
+    assert len(list(e.stream())) > 0
+
+
+def test_pinned_pages_preempt_a_request_that_cannot_grow(model):
+    """6 pages, 4 pinned by an exported request: a long running request that cannot grow is preempted, so a short
+    one behind it still runs; the long one finishes once the export is released."""
+    e = _engine(model, num_pages=6, enable_prefix_caching=False)
+    pin = e.add_request(rand_ids(250, 350), prefill_only=True)  # 4 pages
+    while e.requests[pin].status != RequestStatus.PREFILLED:
+        e.step()
+    long_p, short_p = rand_ids(100, 351), rand_ids(10, 352)
+    big = e.add_request(long_p, max_new_tokens=60)
+    small = e.add_request(short_p, max_new_tokens=5)
+    for _ in range(200):
+        e.step()
+        if e.requests[small].status == RequestStatus.FINISHED:
+            break
+    assert e.requests[small].output == reference(model, short_p, 5)
+    e.release(pin)
+    list(e.stream())
+    assert e.requests[big].output == reference(model, long_p, 60)
+
+
+def test_speculative_tokens_are_bounded_by_the_fused_window(model):
+    e = _engine(model, OracleDrafter({}, 0))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        e.add_request([1, 2, 3], max_new_tokens=4, num_speculative_tokens=e.runner.fused_max)
