@@ -196,6 +196,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--budget-s", type=float, default=900.0)
     ap.add_argument("--prepared", action="store_true", help="prepare_decode() the model (packed projections)")
     args = ap.parse_args(argv)
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(30.0, args.budget_s - 20), exit=False)  # where a run past its budget is
     t_start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -220,6 +223,7 @@ def main(argv=None) -> list[dict]:
         from bench.models import bench_model
 
         cfg, model = bench_model(args.config, dev)
+        print(f"[{time.perf_counter() - t_start:.0f}s] model built", flush=True)
         if args.prepared:
             model.prepare_decode()
         bound = hbm_bound_ms(model, meta.get("copy_tbps"))
@@ -229,6 +233,8 @@ def main(argv=None) -> list[dict]:
                 break
             eng = _engine(model, None, max(conc), prompt, new, None)
             wu = eng.warmup(prompt_len=min(prompt, 512))
+            print(f"[{time.perf_counter() - t_start:.0f}s] warmup {wu:.1f}s, graphs "
+                  f"{len(eng.runner.graphs.graphs)}, failed {list(eng.runner.graphs.failed)}", flush=True)
             for c in conc:
                 if left() < 30:
                     break

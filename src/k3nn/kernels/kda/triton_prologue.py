@@ -63,7 +63,7 @@ def supports_kda_gate(f, A_log, dt_bias, kind, lower_bound, head_dim) -> str | N
     return None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEQ", "T"])  # per-request lengths: one compile for all
 def _short_conv_fwd(X, Wt, H0, Y, SEQ, CU, T, C, NORM_CH, eps,
                     s_xb, s_xt, s_xc, s_hn, s_hw, s_hc, s_yb, s_yt,
                     W: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -106,7 +106,7 @@ def _short_conv_fwd(X, Wt, H0, Y, SEQ, CU, T, C, NORM_CH, eps,
     tl.store(Y + b * s_yb + t64[:, None] * s_yt + c[None, :], y.to(DT), mask=in_t[:, None] & in_c[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _kda_gate_fwd(Fp, A, DTB, G, R, C, HD, s_fr, lower_bound,
                   BR: tl.constexpr, BC: tl.constexpr, SOFTPLUS: tl.constexpr):
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)

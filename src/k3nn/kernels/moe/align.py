@@ -55,7 +55,7 @@ def _align_kernel_src():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "S", "NB"])  # per-request counts: one compile for all
     def _moe_align_small(ids_ptr, sorted_ptr, eid_ptr, num_rows_ptr, P, E, S, NB,
                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
                          MAX_BPE: tl.constexpr):
@@ -137,7 +137,7 @@ def _chunked_kernels_src():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])
     def _align_count(ids_ptr, cnt_ptr, P, E, C: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
         """Program c: how many of pairs [c·C, (c+1)·C) each expert got → cnt[c, :] (comparisons, no atomics)."""
         c = tl.program_id(0)
@@ -150,7 +150,7 @@ def _chunked_kernels_src():
                 n += tl.sum((offs_e[:, None] == ids[None, :]).to(tl.int32), 1)
             tl.store(cnt_ptr + c * E + offs_e, n, mask=offs_e < E)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "S", "NC"])
     def _align_offsets(cnt_ptr, off_ptr, pend_ptr, sorted_ptr, num_rows_ptr, P, E, S, NC,
                        BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, CH: tl.constexpr, FILL: tl.constexpr):
         """One program: per expert (CH at a time, all chunks as one tile) the total, padded length and padded end
@@ -176,7 +176,7 @@ def _chunked_kernels_src():
             offs_f = f0 + tl.arange(0, FILL)
             tl.store(sorted_ptr + offs_f, tl.full([FILL], 0, tl.int32) + P, mask=offs_f < S)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "NB", "BPC"])
     def _align_scatter(ids_ptr, off_ptr, pend_ptr, num_rows_ptr, sorted_ptr, eid_ptr, P, E, NB, BPC,
                        C: tl.constexpr, CH: tl.constexpr, BLOCK_B: tl.constexpr, CHE: tl.constexpr,
                        BLOCK_M: tl.constexpr):

@@ -190,7 +190,7 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 def _make_up(kind):
     @triton.autotune(configs=_configs(kind, "up"), prune_configs_by={"early_config_prune": autotune_prune},
                      key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["NUM_BLOCKS", "num_pairs"])  # per-request counts: one compile for all
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                 NUM_BLOCKS, N, K, top_k, num_pairs,
                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
@@ -253,7 +253,7 @@ def _make_up(kind):
 def _make_down(kind):
     @triton.autotune(configs=_configs(kind, "down"), prune_configs_by={"early_config_prune": autotune_prune},
                      key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["NUM_BLOCKS", "num_pairs"])
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
                   NUM_BLOCKS, N, K, num_pairs,
                   stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
