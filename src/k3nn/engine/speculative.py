@@ -98,7 +98,10 @@ class PagedDraftContext:
         """The committed context of ``rows`` as a :class:`DraftState` (keys past a row's cached length masked)."""
         dev = self.pools[0].device
         U = self.block_size
+        # keys gathered: the longest row's, rounded up to a power of two (at least one page) so the attention
+        # meets a handful of shapes, not a new one every round; the key mask hides the rest
         L = max(max(r.num_computed for r in rows), 1)
+        L = max(U, 1 << (L - 1).bit_length())
         width = -(-L // U)
         table = torch.zeros(len(rows), width, dtype=torch.long)
         for b, r in enumerate(rows):

@@ -29,8 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..logits import process_logits
+
+#: the drafter's attention kernels: a masked block over a context whose length changes every round, so not cuDNN
+#: (it builds an execution plan per new shape: tens of ms each on the H200, more than the whole round)
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 from .mla import apply_rope
 from .norm import RMSNorm
 
@@ -162,7 +167,8 @@ class DraftAttention(nn.Module):
         kb, vb = self.keys_values(x, positions)
         k = torch.cat([ctx_k.to(kb.dtype), kb], 1).transpose(1, 2)
         v = torch.cat([ctx_v.to(vb.dtype), vb], 1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
