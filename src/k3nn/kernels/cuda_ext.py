@@ -16,8 +16,8 @@ import time
 
 import torch
 
-__all__ = ["PDL_SOURCE", "RAISE_SMEM_SOURCE", "load_inline_module", "read_source", "sm_count", "smem_per_block",
-           "toolchain_reason"]
+__all__ = ["PDL_SOURCE", "RAISE_SMEM_SOURCE", "clear_stale_build_lock", "load_inline_module", "read_source",
+           "sm_count", "smem_per_block", "toolchain_reason"]
 
 
 def toolchain_reason(min_capability: tuple[int, int] | None = None, why: str = "") -> str | None:
@@ -89,6 +89,26 @@ RAISE_SMEM_SOURCE = read_source("csrc/raise_smem.cuh")
 PDL_SOURCE = read_source("csrc/pdl.cuh")
 
 
+#: a build lock older than this is left by a process killed mid-build (these builds take a few minutes at most):
+#: torch would wait on it forever, so it is removed
+STALE_LOCK_S = 20 * 60
+
+
+def clear_stale_build_lock(name: str) -> bool:
+    """Remove the build lock of torch extension ``name`` when it is older than :data:`STALE_LOCK_S` (a build
+    killed before it released the lock); returns whether one was removed."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    lock = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            return True
+    except OSError:
+        pass
+    return False
+
+
 def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions: list[str],
                        arch_flags: tuple[str, ...] = ()):
     """Compile (cached on disk by torch under a hash of the sources and flags) and load a torch extension whose
@@ -101,6 +121,7 @@ def load_inline_module(prefix: str, cuda_source: str, cpp_source: str, functions
     if "no_implicit_headers" in inspect.signature(load_inline).parameters:  # keep torch headers out of the .cu
         kw["no_implicit_headers"] = True
     t0 = time.perf_counter()
+    clear_stale_build_lock(f"{prefix}_{tag}")
     mod = load_inline(name=f"{prefix}_{tag}", cpp_sources=[cpp_source], cuda_sources=[cuda_source],
                       functions=functions, extra_cflags=["-O2"], extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags],
                       verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)

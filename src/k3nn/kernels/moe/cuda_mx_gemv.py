@@ -65,8 +65,8 @@ from typing import NamedTuple
 import torch
 
 from ...quant.mxfp4 import MXFP4Weight
+from ..cuda_ext import clear_stale_build_lock, read_source, toolchain_reason
 from ..cuda_ext import smem_per_block as _smem_limit
-from ..cuda_ext import read_source, toolchain_reason
 from ..registry import current_tuning
 
 __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
@@ -166,6 +166,7 @@ def _build(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...]):
     kw = {}
     if "no_implicit_headers" in inspect.signature(load_inline).parameters:  # keep torch headers out of the .cu
         kw["no_implicit_headers"] = True
+    clear_stale_build_lock(f"k3nn_mx_gemv_{tag}")
     mod = load_inline(name=f"k3nn_mx_gemv_{tag}", cpp_sources=[_CPP_SOURCE + "\n" + _DECL], cuda_sources=[cu],
                       functions=["mx_gemv_launch"], extra_cflags=["-O2"], extra_cuda_cflags=["-O3"],
                       verbose=os.environ.get("K3NN_BUILD_VERBOSE") == "1", **kw)
