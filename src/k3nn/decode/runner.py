@@ -21,6 +21,7 @@ import torch
 
 from ..kernels.registry import backend as use_backend
 from ..kernels.registry import current_backend
+from ..runtime.graphs import GraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -43,70 +44,57 @@ def standard_step(model, cache) -> StepFn:
 
 class DecodeRunner:
     """Runs a decode step eagerly or as a replayed CUDA graph. ``mode``: ``"standard"`` | ``"static"`` |
-    ``"graph"``. ``fn`` must be graph-safe for ``"static"``/``"graph"`` (the cache is put in static mode)."""
+    ``"graph"``. ``fn`` must be graph-safe for ``"static"``/``"graph"`` (the cache is put in static mode). The
+    graph is a :class:`~k3nn.runtime.graphs.GraphRunner`'s (the runner the engine's steps use): the first call
+    runs eagerly on a side stream, the second captures and replays, later calls replay; a failed capture is logged
+    and the static step keeps running eagerly."""
 
     def __init__(self, fn: StepFn, cache, mode: str = "standard", name: str = "standard"):
         if mode not in ("standard", "static", "graph"):
             raise ValueError(f"DecodeRunner: mode must be 'standard', 'static' or 'graph', got {mode!r}")
         self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs = GraphRunner(cache.device, enabled=mode == "graph", name="decode step")
         self.calls = 0
-        self.fallback_reason: str | None = None
+        self._note: str | None = None
         self._ids: torch.Tensor | None = None
-        self._out: torch.Tensor | None = None
         cache.set_static(mode in ("static", "graph"))
 
     @property
     def uses_graph(self) -> bool:
-        """The step replays a captured CUDA graph (else it runs eagerly)."""
-        return self.graph is not None
+        return "step" in self.graphs
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self.graphs.failed.get("step", self._note)
+
+    @fallback_reason.setter
+    def fallback_reason(self, note: str | None) -> None:
+        self._note = note
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.mode != "graph":
+        if self.mode != "graph" or not self.graphs.enabled:
             return self.fn(ids)
-        if self.graph is not None:
+        if self._ids is None or self._ids.shape != ids.shape:
+            self._ids = ids.clone()  # the step's input: a static buffer the graph reads
+        else:
             self._ids.copy_(ids)
-            self.graph.replay()
-            self.cache.advance_host(ids.shape[1])
-            return self._out
-        if self.fallback_reason is not None:
-            return self.fn(ids)
-        if self.calls == 1:  # warm-up on a side stream, as torch.cuda.graphs asks
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                out = self.fn(ids)
-            torch.cuda.current_stream().wait_stream(s)
-            return out
-        return self._capture_and_replay(ids)
+        replay = "step" in self.graphs
+        seen = self.cache.seen_tokens  # a capture pass runs the step's host bookkeeping once, a replay does not
 
-    def _capture_and_replay(self, ids: torch.Tensor) -> torch.Tensor:
-        seen = self.cache.seen_tokens
-        self._ids = ids.clone()
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                self._out = self.fn(self._ids)
-        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            self.cache.seen_tokens = seen  # the Python side of the captured commit ran; the device side did not
-            self.fallback_reason = f"{type(e).__name__}: {e}"
-            self._ids = self._out = None
-            log.warning("decode graph capture failed (%s); continuing with the eager static step",
-                        self.fallback_reason.splitlines()[0])
-            torch.cuda.synchronize()
-            return self.fn(ids)
-        self.cache.seen_tokens = seen
-        self.graph = g
-        g.replay()
-        self.cache.advance_host(ids.shape[1])
-        return self._out
+        def undo() -> None:  # the aborted capture pass ran the Python side of the cache's commit
+            self.cache.seen_tokens = seen
+
+        out = self.graphs.run("step", lambda: self.fn(self._ids), on_capture_failure=undo)
+        if replay:
+            self.cache.advance_host(ids.shape[1])
+        return out
 
     def close(self) -> None:
         """Leave static mode (the cache stays valid for further standard forwards)."""
         self.cache.set_static(False)
         self.cache.pool_decode = False
-        self.graph = None
+        self.graphs.reset()
 
 
 def eager_backend_on_cuda(model, device: torch.device) -> bool:

@@ -39,7 +39,7 @@ class GraphRunner:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.failed: dict[Hashable, str] = {}
         self._seen: set = set()
-        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._pool = None  # the shared memory pool, made at the first capture
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.graphs
@@ -81,6 +81,8 @@ class GraphRunner:
         return out
 
     def _capture(self, key: Hashable, fn: Callable[[], Any], on_failure: Callable[[], None] | None):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, pool=self._pool):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RowRNG", "mix32", "TOKEN", "ACCEPT", "RESIDUAL", "DRAFT"]
+__all__ = ["RowRNG", "GeneratorRNG", "mix32", "TOKEN", "ACCEPT", "RESIDUAL", "DRAFT"]
 
 _MASK = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: (x < 2**32) * _MUL < 2**59, no int64 overflow
@@ -71,3 +71,20 @@ class RowRNG:
         argmax(p / E) = argmax(scores − log E), without a softmax."""
         e = self.exponential(stream, scores.shape[-1], offset)
         return (scores.float() - torch.log(e)).argmax(-1)
+
+
+class GeneratorRNG:
+    """:class:`RowRNG`'s interface over a ``torch.Generator`` (``generate()``'s seeded calls draw from one generator
+    for the whole batch): ``uniform`` is ``torch.rand``, ``gumbel_argmax`` the exponential race with
+    ``exponential_``; ``stream`` and ``offset`` are ignored (the generator's state orders the draws)."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+
+    def uniform(self, stream: int, n: int, offset=0, rows: int | None = None, device=None) -> torch.Tensor:
+        return torch.rand(rows, n, device=device, generator=self.generator)
+
+    def gumbel_argmax(self, scores: torch.Tensor, stream: int = TOKEN, offset=0) -> torch.Tensor:
+        p = scores.float().softmax(-1)
+        noise = torch.empty_like(p).exponential_(generator=self.generator)
+        return (p / noise).argmax(-1)

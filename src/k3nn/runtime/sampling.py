@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rng import ACCEPT, RESIDUAL, TOKEN, RowRNG
+from .rng import ACCEPT, RESIDUAL, TOKEN, GeneratorRNG, RowRNG
 
 __all__ = ["SamplingTable", "SamplingVariant", "apply_penalties", "greedy_accept", "rejection_accept",
            "token_logprobs"]
@@ -230,11 +230,13 @@ def greedy_accept(target: torch.Tensor, drafts: torch.Tensor, limit: torch.Tenso
 
 
 def rejection_accept(scores: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                     limit: torch.Tensor, rng: RowRNG) -> tuple[torch.Tensor, torch.Tensor]:
+                     limit: torch.Tensor, rng: RowRNG | GeneratorRNG) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling over warped scores [B, n+1, V] (log-weights): accept draft k with probability
     min(1, p_k(d_k) / q_k(d_k)); at the first rejection draw from norm(max(0, p − q)), after n accepted drafts
     from the bonus row. ``draft_probs`` [B, n, V] (None: greedy drafts, q one-hot). Draws from ``rng`` (streams
-    ACCEPT and RESIDUAL, counter offset = the window position). Returns (m [B], next token [B])."""
+    ACCEPT and RESIDUAL, counter offset = the window position) or a :class:`~k3nn.runtime.rng.GeneratorRNG`
+    (``generate()``'s generator: the same draws as before this routine was shared). Returns (m [B], next token
+    [B]). The one acceptance routine of ``generate(drafter=)`` and the Engine."""
     B, n = drafts.shape
     p = scores.float().softmax(-1)
     V = p.shape[-1]
@@ -244,7 +246,8 @@ def rejection_accept(scores: torch.Tensor, drafts: torch.Tensor, draft_probs: to
          else draft_probs.float())
     pd = p[:, :n].gather(-1, drafts[..., None])[..., 0]
     qd = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
-    u = rng.uniform(ACCEPT, n)
+    u = (rng.uniform(ACCEPT, n, rows=B, device=p.device) if isinstance(rng, GeneratorRNG)
+         else rng.uniform(ACCEPT, n))
     ok = (u * qd < pd) & (torch.arange(n, device=p.device)[None, :] < limit[:, None])
     m = ok.long().cumprod(1).sum(1)
     pm = p.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
@@ -253,6 +256,8 @@ def rejection_accept(scores: torch.Tensor, drafts: torch.Tensor, draft_probs: to
     mass = resid.sum(-1, keepdim=True)
     use_resid = (m < limit)[:, None] & (mass > 1e-12)
     dist = torch.where(use_resid, resid / mass.clamp_min(1e-30), pm)
+    if isinstance(rng, GeneratorRNG):
+        return m, rng.gumbel_argmax(torch.log(dist))
     return m, rng.gumbel_argmax(torch.log(dist), RESIDUAL, m)
 
 

@@ -30,6 +30,7 @@ from ..generation import loop_setup
 from ..logits import LogitsPipeline
 from ..kernels.registry import backend as use_backend
 from ..decode.runner import eager_backend_on_cuda
+from ..runtime.graphs import GraphRunner
 from .rollback import WindowRollback
 from .verify import greedy_accept, rejection_accept, synthetic_accept
 
@@ -372,14 +373,16 @@ def _emit(out: torch.Tensor, n_out: torch.Tensor, finished: torch.Tensor, tokens
 
 class _GraphStep:
     """A graph-safe function of no arguments (it reads and writes persistent device tensors) run eagerly, or
-    (``capture=True``) as a CUDA graph, like :class:`k3nn.decode.runner.DecodeRunner`: the first call warms up
-    on a side stream, the second captures and replays, later calls replay. A failed capture is logged, its
-    reason kept in ``fallback_reason``, and the function keeps running eagerly (same results).
-    ``on_capture_failure`` undoes host-side effects of the aborted capture pass."""
+    (``capture=True``) as a CUDA graph of a :class:`~k3nn.runtime.graphs.GraphRunner` (the runner ``generate()``'s
+    decode step and the engine's steps use): the first call warms up on a side stream, the second captures and
+    replays, later calls replay. A failed capture is logged, its reason kept in ``fallback_reason``, and the
+    function keeps running eagerly (same results). ``on_capture_failure`` undoes host-side effects of the aborted
+    capture pass. ``graph`` / ``out``: the captured graph and its static outputs once captured."""
 
     def __init__(self, fn: Callable, name: str, capture: bool, on_capture_failure: Callable | None = None):
         self.fn, self.name, self.capture = fn, name, capture
         self.on_capture_failure = on_capture_failure
+        self.runner = GraphRunner("cuda" if capture else "cpu", enabled=capture, name=f"speculative round {name}")
         self.graph = None
         self.out = None
         self.calls = 0
@@ -389,32 +392,14 @@ class _GraphStep:
         self.calls += 1
         if not self.capture or self.fallback_reason is not None:
             return self.fn()
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out
-        if self.calls == 1:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                out = self.fn()
-            torch.cuda.current_stream().wait_stream(s)
-            return out
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                self.out = self.fn()
-        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            self.fallback_reason = f"{self.name}: {type(e).__name__}: {e}"
-            self.out = None
-            log.warning("speculative round: graph capture of %s failed (%s); continuing eagerly", self.name,
-                        self.fallback_reason.splitlines()[0])
-            torch.cuda.synchronize()
-            if self.on_capture_failure is not None:
-                self.on_capture_failure()
-            return self.fn()
-        self.graph = g
-        g.replay()
-        return self.out
+        out = self.runner.run(self.name, self.fn, self.on_capture_failure)
+        entry = self.runner.graphs.get(self.name)
+        if entry is not None:
+            self.graph, self.out = entry
+        failed = self.runner.failed.get(self.name)
+        if failed is not None:
+            self.fallback_reason = f"{self.name}: {failed}"
+        return out
 
 
 @torch.no_grad()

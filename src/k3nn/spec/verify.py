@@ -24,17 +24,11 @@ from __future__ import annotations
 import torch
 
 from ..logits import LogitsPipeline, sample_from_scores
+from ..runtime.rng import GeneratorRNG
+from ..runtime.sampling import greedy_accept as _greedy
+from ..runtime.sampling import rejection_accept as _rejection
 
 __all__ = ["greedy_accept", "rejection_accept", "synthetic_accept", "target_probs"]
-
-
-def _leading(ok: torch.Tensor) -> torch.Tensor:
-    """ok [B, n] bool → length of the leading run of True [B]."""
-    return ok.long().cumprod(1).sum(1)
-
-
-def _limit_mask(limit: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.arange(n, device=limit.device)[None, :] < limit[:, None]
 
 
 def _scores(logits: torch.Tensor, cfg) -> torch.Tensor:
@@ -55,45 +49,19 @@ def target_probs(logits: torch.Tensor, cfg=None) -> torch.Tensor:
 
 
 def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor):
-    """scores [B, n+1, V], drafts [B, n], limit [B] → (accepted drafts m [B], next token [B])."""
+    """scores [B, n+1, V], drafts [B, n], limit [B] → (accepted drafts m [B], next token [B]) (the acceptance of
+    :func:`k3nn.runtime.sampling.greedy_accept`, the Engine's too)."""
     tgt = logits.argmax(-1)  # [B, n+1]
-    n = drafts.shape[1]
-    ok = (drafts == tgt[:, :n]) & _limit_mask(limit, n)
-    m = _leading(ok)
+    m = _greedy(tgt, drafts, limit)
     return m, tgt.gather(1, m[:, None])[:, 0]
-
-
-def _sample(probs: torch.Tensor, generator) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
 
 
 def rejection_accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
                      limit: torch.Tensor, cfg=None, generator=None):
     """Lossless rejection sampling. draft_probs [B, n, V] is q (None: one-hot q on the drafts, i.e. greedy
-    drafts under exact sampling). Returns (accepted drafts m [B], next token [B])."""
-    B, n = drafts.shape
-    p = target_probs(logits, cfg)  # [B, n+1, V]
-    V = p.shape[-1]
-    if n == 0:
-        return torch.zeros(B, dtype=torch.long, device=p.device), _sample(p[:, 0], generator)
-    if draft_probs is None:
-        q = torch.zeros(B, n, V, device=p.device).scatter_(-1, drafts[..., None], 1.0)
-    else:
-        q = draft_probs.float()
-    pd = p[:, :n].gather(-1, drafts[..., None])[..., 0]
-    qd = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
-    u = torch.rand(B, n, device=p.device, generator=generator)
-    ok = (u * qd < pd) & _limit_mask(limit, n)  # u < p/q  ⇔  accept with probability min(1, p/q)
-    m = _leading(ok)
-    pm = p.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]  # target row at the stop
-    qm = q.gather(1, m.clamp(max=n - 1)[:, None, None].expand(B, 1, V))[:, 0]
-    resid = (pm - qm).clamp_min(0)
-    mass = resid.sum(-1, keepdim=True)
-    rejected = (m < limit)[:, None]
-    use_resid = rejected & (mass > 1e-12)
-    dist = torch.where(use_resid, resid / mass.clamp_min(1e-30), pm)
-    return m, _sample(dist, generator)
+    drafts under exact sampling). Returns (accepted drafts m [B], next token [B]): the Engine's routine
+    (:func:`k3nn.runtime.sampling.rejection_accept`) drawing from ``generator``."""
+    return _rejection(_scores(logits, cfg), drafts, draft_probs, limit, GeneratorRNG(generator))
 
 
 def synthetic_accept(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor, length: int, cfg=None,
