@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..precision import dot_precision
 from ..registry import triton_interpreting, triton_ready
+from ..tuning_cache import AUTOTUNE_KW
 from .api import normalise_checkpoints, seq_lengths
 from .triton_common import BT, PRUNE
 from .triton_intra_g import intra_g_launch
@@ -105,10 +106,10 @@ def _kda_recur_kernel(qg, kg, w, u, A, egl, chunk_start, chunk_len, seq_lo, seq_
         tl.store(ht + soff, h, mask=mkv)
 
 
-_kda_recur = triton.autotune(configs=_recur_configs(), key=["K", "V", "H", "DOT_PREC"],
+_kda_recur = triton.autotune(**AUTOTUNE_KW, configs=_recur_configs(), key=["K", "V", "H", "DOT_PREC"],
                              prune_configs_by=PRUNE)(_kda_recur_kernel)
 # fp32 operands: pipelined stages do not fit in shared memory, so a separate tuner without them
-_kda_recur_f32 = triton.autotune(configs=_recur_configs((1,)), key=["K", "V", "H", "DOT_PREC"],
+_kda_recur_f32 = triton.autotune(**AUTOTUNE_KW, configs=_recur_configs((1,)), key=["K", "V", "H", "DOT_PREC"],
                                  prune_configs_by=PRUNE)(_kda_recur_kernel)
 
 

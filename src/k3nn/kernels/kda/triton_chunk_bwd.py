@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ..precision import dot_precision
 from ..registry import triton_interpreting
+from ..tuning_cache import AUTOTUNE_KW
 from .triton_chunk import build_chunk_plan, intra_fill, kda_chunk_triton_fwd
 from .triton_common import _SPAN, PRUNE
 
@@ -386,11 +387,11 @@ def _kda_bwd_chunk_kernel(q, k, v, g, beta, do, chunk_start, chunk_len, X, hs, d
     tl.store(dbeta + tok * H + pid_h, tl.load(pb + r64).to(dbeta.dtype.element_ty), mask=live)
 
 
-_kda_bwd_states = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
+_kda_bwd_states = triton.autotune(**AUTOTUNE_KW, configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
                                   prune_configs_by=PRUNE)(_kda_bwd_states_kernel)
-_kda_bwd_dh = triton.autotune(configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
+_kda_bwd_dh = triton.autotune(**AUTOTUNE_KW, configs=_state_configs(), key=["K", "V", "H", "DOT_PREC"],
                               prune_configs_by=PRUNE)(_kda_bwd_dh_kernel)
-_kda_bwd_chunk = triton.autotune(configs=_chunk_configs(), key=["K", "V", "DOT_PREC"],
+_kda_bwd_chunk = triton.autotune(**AUTOTUNE_KW, configs=_chunk_configs(), key=["K", "V", "DOT_PREC"],
                                  prune_configs_by=PRUNE)(_kda_bwd_chunk_kernel)
 
 

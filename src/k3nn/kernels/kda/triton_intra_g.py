@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning_cache import AUTOTUNE_KW
 from .triton_common import _SPAN, PRUNE, _interp, _ld, _st
 from .triton_intra_split import (
     _bst,
@@ -287,10 +288,10 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
                  mask=(rd < V)[None, :] & (r64 < 64)[:, None])
 
 
-_g_cumsum = triton.autotune(configs=_cumsum_configs(), key=["K", "QK"], prune_configs_by=PRUNE)(_g_cumsum_kernel)
-_g_scores_rows = triton.autotune(configs=_score_configs(), key=["K", "DOT_PREC"], prune_configs_by=PRUNE)(
+_g_cumsum = triton.autotune(**AUTOTUNE_KW, configs=_cumsum_configs(), key=["K", "QK"], prune_configs_by=PRUNE)(_g_cumsum_kernel)
+_g_scores_rows = triton.autotune(**AUTOTUNE_KW, configs=_score_configs(), key=["K", "DOT_PREC"], prune_configs_by=PRUNE)(
     _g_scores_rows_kernel)
-_g_wu = triton.autotune(configs=_wu_configs(), key=["K", "V", "QK", "DOT_PREC"], prune_configs_by=PRUNE)(
+_g_wu = triton.autotune(**AUTOTUNE_KW, configs=_wu_configs(), key=["K", "V", "QK", "DOT_PREC"], prune_configs_by=PRUNE)(
     _g_wu_kernel)
 
 

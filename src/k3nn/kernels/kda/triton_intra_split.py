@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from ..precision import dot_precision
 
+from ..tuning_cache import AUTOTUNE_KW
 from .triton_common import PRUNE, _interp, _inverse_offdiag, _store_inverse
 
 __all__: list[str] = []  # private pieces of :mod:`.triton_intra_g`
@@ -149,7 +150,7 @@ def _xcol(Xp, r64, s: tl.constexpr):
     return tl.load(Xp + r64[:, None] * 64 + s * 16 + r16[None, :], mask=(r64 >= s * 16)[:, None], other=0.0)
 
 
-_split_solve = triton.autotune(configs=_solve_configs(), key=[], restore_value=["X"], prune_configs_by=PRUNE)(
+_split_solve = triton.autotune(**AUTOTUNE_KW, configs=_solve_configs(), key=[], restore_value=["X"], prune_configs_by=PRUNE)(
     _split_solve_kernel)
 
 

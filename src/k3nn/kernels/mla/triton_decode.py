@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning_cache import TuningCache
 from ..registry import current_tuning, triton_interpreting
 
 log = logging.getLogger(__name__)
@@ -402,6 +403,7 @@ _GPU_TILES = [
 ]
 _INTERP_TILE = (16, 16, 4, 1, True)
 _TUNED: dict[tuple, tuple] = {}
+_DISK = TuningCache("mla-decode-plan")  # the same choices, kept on disk across processes
 LAST_PLAN: Plan | None = None  # the plan of the latest call
 MAX_SPLITS = 256  # automatic split counts stay at or below this (the merge kernel holds all splits of a row)
 
@@ -568,6 +570,13 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
            triton.next_power_of_2(max_blocks or 1))
     if key in _TUNED:
         return _TUNED[key]
+    saved = _DISK.get(dev, key)
+    if saved is not None:
+        try:
+            _TUNED[key] = Plan(*saved)
+            return _TUNED[key]
+        except TypeError:  # a file written by another version of the plan
+            pass
     if torch.cuda.is_current_stream_capturing() or not current_tuning().autotune:
         p = _default_plan(B, M, dev)
         return make_plan(p.tile, pin) if pin else p
@@ -588,6 +597,7 @@ def _plan(B, M, R, DR, vis, q_lat, num_splits, run, max_blocks=None):
         best = _default_plan(B, M, dev)
         best = make_plan(best.tile, pin) if pin else best
     _TUNED[key] = best
+    _DISK.put(dev, key, list(best))
     return best
 
 

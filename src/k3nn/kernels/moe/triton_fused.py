@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ...quant.mxfp4 import MXFP4Weight
 from ..registry import autotune_prune, current_tuning
+from ..tuning_cache import AUTOTUNE_KW
 from .align import MoEAlignment, align_for
 from .triton_common import _act, _e2m1_to_f32
 
@@ -188,7 +189,7 @@ def _pid_mn(num_rows_ptr, NUM_BLOCKS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 def _make_up(kind):
-    @triton.autotune(configs=_configs(kind, "up"), prune_configs_by={"early_config_prune": autotune_prune},
+    @triton.autotune(**AUTOTUNE_KW, configs=_configs(kind, "up"), prune_configs_by={"early_config_prune": autotune_prune},
                      key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M", "ACT"])
     @triton.jit(do_not_specialize=["NUM_BLOCKS", "num_pairs"])  # per-request counts: one compile for all
     def _moe_up(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
@@ -251,7 +252,7 @@ def _make_up(kind):
 
 
 def _make_down(kind):
-    @triton.autotune(configs=_configs(kind, "down"), prune_configs_by={"early_config_prune": autotune_prune},
+    @triton.autotune(**AUTOTUNE_KW, configs=_configs(kind, "down"), prune_configs_by={"early_config_prune": autotune_prune},
                      key=["N", "K", "MXFP4", "MX_MODE", "BLOCK_M"])
     @triton.jit(do_not_specialize=["NUM_BLOCKS", "num_pairs"])
     def _moe_down(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, eid_ptr, num_rows_ptr,
