@@ -5,26 +5,27 @@ One :meth:`Engine.step`:
 1. **Schedule** (:mod:`k3nn.engine.scheduler`): the decodes (1 token, or with a drafter a verify window of
    1 + n drafts) and their pages first, preempting the newest running request when the pool runs out; the prefill
    chunks within the token budget that remains (``adaptive`` or ``fixed``).
-2. **Admit** (:mod:`k3nn.engine.cache_manager`): each newly scheduled request gets a running row, its cached
-   prefix (pages + KDA snapshot, copy-on-write), the pages of what it feeds before its first sample (keeping
-   ``watermark`` of the pool free) and its planned snapshot positions (retention policy).
+2. **Admit** (:mod:`k3nn.engine.cache_manager`): each newly scheduled request gets a running slot (kept while it
+   runs: forwards address KDA state by slot, nothing is moved), its cached prefix (pages + KDA snapshot,
+   copy-on-write), the pages of what it feeds before its first sample (keeping ``watermark`` of the pool free) and
+   its planned snapshot positions (retention policy); its sampling parameters go to the device table.
 3. **Draft** (with a drafter): the decode rows' drafts (greedy rows batched, sampling rows each from its own
    generator; :mod:`k3nn.engine.speculative`).
-4. **Lay out** running rows so the decode batch is rows ``[0, D)`` and the prefill batch ``[D, D+P)``: the KDA
-   layers then read/write contiguous slices. Rows move only when the membership changes (arrivals,
-   completions), not per layer or per forward.
-5. **Run** one mixed forward ``[D + P, T]`` when the prefill chunks are short (≤ ``mixed_forward_max_tokens``),
-   else two (decodes and verify windows, then prefills ``[P, T]``); rows are right-padded and the KDA state of a
-   short row, like every planned snapshot, is exported inside the same pass. **Verify** the windows (accept,
-   rewind, replay the KDA state of partly rejected rows), sample the rest through each request's
-   :class:`~k3nn.engine.sampling.RequestSampler`, then **commit**: index the new full pages and snapshots
-   (visible to lookups from the next step on), check stop conditions, finish requests, free their rows and pages.
+4. **Run** (:mod:`k3nn.engine.runner`): the decode and verify rows as one forward — on a GPU a replayed CUDA graph
+   of the padded batch size, captured by :meth:`Engine.warmup` — and the prefill chunks as another (on the CPU,
+   short chunks share the decodes' forward); the step's metadata is staged with one host-to-device copy; right-
+   padded rows end in their exact KDA state, and planned snapshots are exported inside the same pass.
+5. **Draw** on the device for every row of a forward at once (per-row sampling parameters, counter-based seeds),
+   accept the verify windows (greedy matches or lossless rejection sampling) and commit their KDA state; one copy
+   brings the tokens to the host. Then **commit**: index the new full pages and snapshots (visible to lookups from
+   the next step on), check stop conditions (:class:`~k3nn.engine.sampling.RequestSampler`: eos, stop ids and
+   strings, length, the detokenised text), finish requests, free their rows and pages.
 
 Failures: :meth:`Engine.add_request` checks every argument (nothing is queued on error); inside a step, an error
 that belongs to one request (admission, its images in the vision tower, snapshot plan, sampling — NaN logits
 included —, stop check, commit) ends that request FAILED with its reason, an error in a forward ends the requests of
-that forward, and the engine keeps serving the rest; :meth:`Engine.stream` raises :class:`EngineStalledError` rather
-than spin when nothing can progress.
+that forward, and the engine keeps serving the rest; :meth:`Engine.step` (and so :meth:`Engine.stream`) raises
+:class:`EngineStalledError` rather than spin when nothing can progress.
 """
 
 from __future__ import annotations

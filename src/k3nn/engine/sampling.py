@@ -1,7 +1,13 @@
-"""Per-request sampling and stopping of the Engine: one :class:`RequestSampler` per request applies its
-:class:`~k3nn.engine.SamplingParams` with the logits pipeline ``generate()`` uses (:mod:`k3nn.logits`).
+"""Per-request stopping and text of the Engine, and the per-request form of its sampling: one
+:class:`RequestSampler` per request applies its :class:`~k3nn.engine.SamplingParams` with the logits pipeline
+``generate()`` uses (:mod:`k3nn.logits`).
 
-Interface for the Engine (build the sampler when the request is added, so bad parameters fail ``add_request``)::
+The Engine draws its tokens on the device for a whole batch at once (:class:`k3nn.runtime.sampling.SamplingTable`,
+the same processors per row); it uses a request's sampler for :meth:`RequestSampler.check_stop` and
+:attr:`RequestSampler.text`. ``choose`` / ``window_scores`` are the one-request form of the same math (host code,
+one sync per call), for callers that sample a request on their own.
+
+Interface (build the sampler when the request is added, so bad parameters fail ``add_request``)::
 
     s = RequestSampler(params, prompt, vocab_size=V, eos_ids=eos, device=dev, generator=g, tokenizer=tok)
     # plain decode: logits [V] or [1, V] of the request's next position
@@ -60,9 +66,9 @@ from typing import Any
 import torch
 
 from ..logits import LogitsPipeline, TokenCounts
-from .request import Request, SamplingParams, TokenLogprobs
+from .request import SamplingParams, TokenLogprobs
 
-__all__ = ["RequestSampler", "IncrementalDetokenizer", "sample_next"]
+__all__ = ["RequestSampler", "IncrementalDetokenizer"]
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, so its first token's text is right (leading spaces)
 
@@ -364,24 +370,3 @@ class RequestSampler:
         j, s = best
         self._text_end = j + len(s) if self.params.include_stop_str_in_output else j
         return s
-
-
-def sample_next(reqs: Sequence[Request], logits: torch.Tensor) -> list[tuple | Exception]:
-    """Each request's next token from ``logits`` [B, V] (row b: ``reqs[b]``'s next position) and its
-    log-probabilities when asked, through its own :class:`RequestSampler` (plain greedy rows: one batched argmax),
-    or the error that fails that request alone (NaN logits, a sampler error)."""
-    greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()  # one sync
-    out: list[tuple | Exception] = []
-    for b, r in enumerate(reqs):
-        if nan[b]:
-            out.append(FloatingPointError("the logits contain NaN"))
-            continue
-        try:
-            if r.sampler.plain_greedy:
-                out.append(([int(greedy[b])], None))
-            else:
-                tok, lp = r.sampler.choose(logits[b], r.output)
-                out.append(([tok], None if lp is None else [lp]))
-        except Exception as e:  # noqa: BLE001 - fails this request alone
-            out.append(e)
-    return out
