@@ -234,12 +234,17 @@ class ModelRunner:
 
         n = len(rows)
         meta = out.meta
+        variant = table.variant([w.req.row for w in rows if w.sample])
+        if not (out.verify or logprobs or variant.sampling or variant.penalties or variant.min_tokens):
+            # greedy rows only: the argmax and the non-finite flag, one copy (the decode loop's common case)
+            ids = out.logits.argmax(-1)
+            bad = (~torch.isfinite(out.logits).all(-1)).long()
+            return Draws(torch.stack([ids, bad], 1).tolist(), {}, False)
         slots = meta.slots[:n]
         nn = meta.num_new[:n].long()
         ver = meta.verify[:n]
         base = meta.num_cached[:n] + torch.where(ver, torch.ones_like(nn), nn)  # position of the first draw
         out_len = base - table.prompt_len[slots]
-        variant = table.variant([w.req.row for w in rows if w.sample])
         ids = table.choose(out.logits[:, None], slots, out_len, variant)[0][:, 0]
         cols = [ids, (~torch.isfinite(out.logits).all(-1)).long()]
         plain = meta.sample[:n] & ~ver
