@@ -4,16 +4,11 @@ not depend on the batch, a decode step's path reads nothing back to the host, st
 import pytest
 import torch
 
-from k3nn.engine import Engine, EngineConfig, EngineStalledError, RequestStatus
+from k3nn.engine import EngineStalledError, RequestStatus
 
 from engine_helpers import CFG, model, rand_ids, reference  # noqa: F401 - fixture
+from test_engine_sampling import _engine
 from test_engine_spec import GAMMA, OracleDrafter
-
-
-def _engine(model, drafter=None, **kw):
-    cfg = dict(max_num_seqs=4, num_pages=64, num_snapshots=8, max_num_batched_tokens=256)
-    cfg.update({k: kw.pop(k) for k in list(kw) if k in EngineConfig.__dataclass_fields__})
-    return Engine(model, EngineConfig(**cfg), drafter=drafter, **kw)
 
 
 @pytest.mark.parametrize("spec", [False, True])
