@@ -61,10 +61,13 @@ class DecodeRunner:
 
     @property
     def uses_graph(self) -> bool:
+        """The step replays a captured CUDA graph."""
         return "step" in self.graphs
 
     @property
     def fallback_reason(self) -> str | None:
+        """Why the step does not run as asked (a failed capture, or the note set by :func:`make_decode_runner`);
+        None when it does."""
         return self.graphs.failed.get("step", self._note)
 
     @fallback_reason.setter
