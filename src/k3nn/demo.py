@@ -521,7 +521,7 @@ def _out_arg(value: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import ArgumentParser, add_threads_argument, directory_arg, int_arg, nonempty_arg
+    from .cli_args import ArgumentParser, add_threads_argument, directory_arg, int_arg, nonempty_arg
 
     p = ArgumentParser(
         prog="k3nn demo",

@@ -157,3 +157,21 @@ def configure_threads(threads: "int | str" = "auto") -> int:
     n = auto_threads() if req == "auto" else req
     torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+#: dtype names ``from_pretrained`` and the CLI accept (transformers' spellings included)
+DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+               "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+               "float64": torch.float64, "double": torch.float64}
+
+
+def dtype_named(dtype) -> torch.dtype:
+    """A floating-point torch dtype from a dtype or its name (``"bfloat16"``, ``"torch.float16"``); ValueError
+    otherwise (``"auto"`` is the checkpoint's: :func:`k3nn.checkpoint.io.resolve_dtype`)."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.replace("torch.", "") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.replace("torch.", "")]
+    raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")

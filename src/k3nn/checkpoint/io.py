@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..config import DEEPSEEK_TYPES, KimiK3Config
 from ..generation_config import GenerationConfig
+from ..utils import DTYPE_NAMES, dtype_named
 from .formats import FORMATS, detect
 from .rope_layout import deinterleave_rope_, interleave_rope, text_config_of
 
@@ -218,38 +219,31 @@ def _keep_fp32(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-           "float64": torch.float64, "double": torch.float64}
-
-
 def resolve_dtype(dtype, checkpoint: Path | None = None) -> torch.dtype:
     """A torch dtype from a dtype, its name (``"bfloat16"``, ``"torch.float16"``) or ``"auto"`` (the checkpoint's:
     config.json ``dtype`` / ``torch_dtype``, else its first floating-point tensor; fp32 if none)."""
+    if isinstance(dtype, str) and dtype.replace("torch.", "") == "auto":
+        if checkpoint is None:
+            return torch.float32
+        raw = json.loads((checkpoint / "config.json").read_text())
+        name = raw.get("dtype") or raw.get("torch_dtype")
+        if name is None:
+            for shard in _shards(checkpoint)[:1]:
+                with _open(shard) as f:
+                    for key in f.keys():
+                        t = f.get_slice(key).get_dtype()
+                        if t in ("F32", "BF16", "F16", "F64"):
+                            return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                                    "F64": torch.float64}[t]
+            return torch.float32
+        return resolve_dtype(str(name))
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-        return dtype
-    if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
-        if name == "auto":
-            if checkpoint is None:
-                return torch.float32
-            raw = json.loads((checkpoint / "config.json").read_text())
-            name = raw.get("dtype") or raw.get("torch_dtype")
-            if name is None:
-                for shard in _shards(checkpoint)[:1]:
-                    with _open(shard) as f:
-                        for key in f.keys():
-                            t = f.get_slice(key).get_dtype()
-                            if t in ("F32", "BF16", "F16", "F64"):
-                                return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                                        "F64": torch.float64}[t]
-                return torch.float32
-            return resolve_dtype(str(name))
-        if name in _DTYPES:
-            return _DTYPES[name]
-    raise ValueError(f"dtype must be a torch dtype, one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+        return dtype_named(dtype)
+    try:
+        return dtype_named(dtype)
+    except ValueError:
+        raise ValueError(f"dtype must be a torch dtype, one of {sorted(DTYPE_NAMES)} or 'auto', got {dtype!r}") \
+            from None
 
 
 def resolve_device_map(device_map, device) -> torch.device:

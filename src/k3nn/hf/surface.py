@@ -144,9 +144,9 @@ class TransformersSurface:
             raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
         dtype = dtype if dtype is not None else torch_dtype
         if dtype is not None:
-            from ..checkpoint.io import resolve_dtype
+            from ..utils import dtype_named
 
-            dtype = resolve_dtype(dtype if dtype != "auto" else "float32")
+            dtype = dtype_named(dtype if dtype != "auto" else "float32")
         cfg = config if isinstance(config, KimiK3Config) else config_from_transformers(config)
         return cls(cfg, dtype=dtype, **kwargs)
 

@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Ctrl-C or SIGTERM: requests in flight get --shutdown-timeout seconds, then are aborted.",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", required=True, help="checkpoint directory or hub repo id")
-    from ..cli import add_threads_argument, directory_arg
+    from ..cli_args import add_threads_argument, directory_arg
 
     s.add_argument("--drafter", type=directory_arg,
                    help="DSpark drafter directory: speculative decoding inside the engine")

@@ -34,6 +34,7 @@ from ...utils import records_grad
 from ..precision import dot_precision
 from ..registry import current_tuning, triton_interpreting, triton_ready
 from .reference import MAX_SKINNY_ROWS, rows_of
+from .tuned import auto_reason, lookup, row_bucket
 
 __all__ = ["SkinnyConfig", "default_config", "config_for", "linear_skinny", "supports_skinny", "auto_skip_skinny",
            "row_bucket"]
@@ -55,11 +56,6 @@ class SkinnyConfig(NamedTuple):
 
     def name(self) -> str:
         return f"{self.kind} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} sk{self.split_k}"
-
-
-def row_bucket(m: int) -> int:
-    """Rows rounded up to a power of two (1, 2, 4, 8, 16): the key of the tuned table and the kernel's BM."""
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
 
 
 @triton.jit
@@ -170,7 +166,6 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132) -
 def config_for(m: int, n: int, k: int, dtype: torch.dtype, dev: torch.device) -> SkinnyConfig:
     """The measured launch shape of :data:`.tuned.TUNED` for (dtype, N, K, row bucket) (:func:`.tuned.lookup`: the
     nearest measured bucket that can serve these rows), else :func:`default_config`."""
-    from .tuned import lookup
 
     if triton_interpreting() and dev.type == "cpu":
         return SkinnyConfig("fma", min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(max(k, 16))),
@@ -221,7 +216,6 @@ def auto_skip_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str
         return "KernelTuning.skinny_linear = 'never'"
     if mode == "always":
         return None
-    from .tuned import auto_reason
 
     return auto_reason(x.dtype, rows_of(x), *weight.shape, weight.element_size())
 

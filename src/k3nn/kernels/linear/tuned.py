@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TUNED", "TORCH_FASTER", "AUTO_RULE", "lookup", "auto_reason"]
+__all__ = ["TUNED", "TORCH_FASTER", "AUTO_RULE", "lookup", "auto_reason", "row_bucket"]
+
+
+def row_bucket(m: int) -> int:
+    """Rows rounded up to a power of two (1, 2, 4, 8, 16): the key of the tuned table and the kernel's BM."""
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
 
 #: (dtype name, N, K, row bucket) -> SkinnyConfig fields (kind, block_n, block_k, warps, stages, split_k): the
 #: fastest launch shape measured for that projection shape
@@ -97,7 +103,6 @@ def lookup(dtype_name: str, n: int, k: int, bucket: int) -> tuple[tuple | None, 
 
 def auto_reason(dtype: torch.dtype, rows: int, n: int, k: int, elem_size: int) -> str | None:
     """None when ``auto`` takes the skinny GEMM for this call, else why torch's GEMM runs it."""
-    from .triton_skinny import row_bucket
 
     name = str(dtype).removeprefix("torch.")
     cfg, slower = lookup(name, n, k, row_bucket(rows))
