@@ -839,6 +839,8 @@ class Engine:
         - tokens: ``generated_tokens``, ``prompt_tokens``, ``computed_prompt_tokens`` (prompt tokens actually run:
           the rest came from the prefix cache), ``throughput_tok_s`` (generated tokens per second of wall time),
           ``preemptions``, ``recomputed_tokens``;
+        - CUDA graphs: ``graphs_captured`` (decode / verify step shapes captured), ``graph_capture_failures``
+          (shapes that run eagerly; the runner logged why);
         - with a drafter: ``spec_rounds``, ``spec_drafted``, ``spec_accepted``, ``spec_acceptance_rate``,
           ``spec_acceptance_length`` (tokens per verify window, bonus included);
         - with prefix caching: ``cache_hit_rate`` (fraction of prompt tokens served from the cache), ``cache_hits``,
@@ -870,7 +872,8 @@ class Engine:
              "computed_prompt_tokens": self.cache.computed_prompt_tokens,
              "throughput_tok_s": self.generated_tokens / wall if wall > 0 else 0.0,
              "preemptions": self.scheduler.num_preemptions, "recomputed_tokens": self.cache.recomputed_tokens,
-             "warmup_s": self.warmup_s}
+             "warmup_s": self.warmup_s, "graphs_captured": len(self.runner.graphs.graphs),
+             "graph_capture_failures": len(self.runner.graphs.failed)}
         if self.drafter is not None:
             m.update(spec_rounds=self.spec_rounds, spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
                      spec_acceptance_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0,
