@@ -292,7 +292,6 @@ class ModelRunner:
         if logprobs:
             idx = sorted(logprobs)
             k = max(logprobs.values())
-            it = torch.tensor(idx, device=ids.device)
             plain_rows = [b for b in idx if not rows[b].verify]
             rows_lp = []
             if plain_rows:
@@ -304,7 +303,6 @@ class ModelRunner:
                 Wv = out.columns[vr]
                 rows_lp.append(token_logprobs(Wv.reshape(-1, Wv.shape[-1]), chosen[vr].reshape(-1), k))
             host = torch.cat(rows_lp).tolist() if rows_lp else []
-            del it
             pos = 0
             for b in plain_rows:
                 lps[b] = [host[pos]]
