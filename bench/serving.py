@@ -41,6 +41,7 @@ class CompileCounter:
     def __init__(self):
         self.count = 0
         self.names: list[str] = []
+        self.reprs: list[str] = []  # the specialisation each compile was for (argument types, divisibility)
         self._prev = None
 
     def __enter__(self):
@@ -57,6 +58,7 @@ class CompileCounter:
         self.count += 1
         fn = kwargs.get("fn")
         self.names.append(str(getattr(getattr(fn, "jit_function", fn), "__name__", None) or kwargs.get("repr")))
+        self.reprs.append(str(kwargs.get("repr")))
         return False
 
     def __exit__(self, *exc):
@@ -99,7 +101,8 @@ def engine_batch(engine, prompts, new: int, dev) -> dict:
                                                                                          int(0.99 * len(ttft)))],
            "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else 0.0,
            "latency_ms": 1e3 * statistics.mean(r.finish_time - r.arrival_time for r in reqs),
-           "compiles": cc.count, "compiled": sorted(set(cc.names)), "outputs": [list(r.output) for r in reqs],
+           "compiles": cc.count, "compiled": sorted(set(cc.names)), "compiled_reprs": cc.reprs,
+           "outputs": [list(r.output) for r in reqs],
            "acceptance_length": (sum(r.spec_accepted for r in reqs) + rounds) / rounds if rounds else None}
     for i in ids:
         del engine.requests[i]
@@ -168,6 +171,16 @@ def _engine(model, drafter, max_seqs: int, prompt: int, new: int, synthetic: int
     return Engine(model, cfg, drafter=drafter)
 
 
+def _explain_compiles(res: dict, warm: CompileCounter) -> None:
+    """Print each specialisation compiled during a timed batch next to those warmup compiled of the same kernel."""
+    for r in res.get("compiled_reprs", []):
+        name = r.split("[", 1)[0]
+        print(f"compiled after warmup: {r}", flush=True)
+        for w in warm.reprs:
+            if w.split("[", 1)[0] == name:
+                print(f"    warmup had: {w}", flush=True)
+
+
 def _row(case: str, res: dict, anchor: str | None = None, anchor_val: float | None = None,
          metric: str = "per_user_tok_s", **extra) -> dict:
     row = {"case": case, **{k: round(v, 2) for k, v in res.items() if isinstance(v, float)},
@@ -232,7 +245,8 @@ def main(argv=None) -> list[dict]:
             if left() < 30:
                 break
             eng = _engine(model, None, max(conc), prompt, new, None)
-            wu = eng.warmup(prompt_len=min(prompt, 512))
+            with CompileCounter() as warm_cc:
+                wu = eng.warmup(prompt_len=min(prompt, 512))
             print(f"[{time.perf_counter() - t_start:.0f}s] warmup {wu:.1f}s, graphs "
                   f"{len(eng.runner.graphs.graphs)}, failed {list(eng.runner.graphs.failed)}", flush=True)
             for c in conc:
@@ -240,6 +254,7 @@ def main(argv=None) -> list[dict]:
                     break
                 ps = _prompts(cfg.vocab_size, c, prompt, seed=prompt + c)
                 res = engine_batch(eng, ps, new, dev)
+                _explain_compiles(res, warm_cc)
                 if c == 1:
                     tok_s, ref = generate_decode_tok_s(model, ps[0], min(new, 256), dev)
                     rows.append(_row(f"{name} C=1 prompt={prompt} new={new}", res, "generate() batch 1, CUDA graph",
@@ -286,10 +301,29 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
+def _heldout_prompts(model_dir: str, vocab: int, n: int, plen: int) -> list[list[int]] | None:
+    """``n`` prompts of ``plen`` tokens from the starts of the demo corpus' held-out files (the Python standard
+    library, the text ``k3nn demo`` trains on), or None where the checkpoint has no tokenizer or no such files."""
+    import os
+
+    from k3nn.demo import load_corpus
+    from k3nn.tokenizer import load_tokenizer
+
+    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    try:
+        docs = load_corpus(max_train_mb=0.01, max_heldout_mb=0.5).heldout
+    except SystemExit:
+        return None
+    tok = load_tokenizer(model_dir, vocab)
+    ids = [t for t in (tok.encode(text)[:plen] for _, text in docs) if len(t) == plen]
+    return ids[:n] if len(ids) >= n else None
+
+
 def _trained(args, dev, dtype, conc, rows, save, left) -> None:
     """A trained target + drafter (real acceptance): generate() with / without the drafter at batch 1, the
-    plain and speculative Engine at each concurrency, on 96-token prompts taken from the model's own greedy
-    continuation (in-distribution text for the drafter)."""
+    plain and speculative Engine at each concurrency, on 96-token prompts from held-out files of the text the
+    demo trains on (else the model's own greedy continuations)."""
     from k3nn.layers.dspark import DSparkDrafter
     from k3nn.model import KimiK3
 
@@ -297,9 +331,11 @@ def _trained(args, dev, dtype, conc, rows, save, left) -> None:
     drafter = DSparkDrafter.from_pretrained(args.drafter, model, device=dev, dtype=dtype).eval()
     V = model.config.vocab_size
     new, plen = 128, 96
-    seeds = _prompts(V, max(conc), 8, seed=11)
-    prompts = [model.generate(torch.tensor([s], device=dev), max_new_tokens=plen - 8, eos_token_id=[])[0].tolist()
-               for s in seeds]
+    prompts = _heldout_prompts(args.model, V, max(conc), plen)
+    if prompts is None:  # no tokenizer or no Python source here: the model's own greedy continuations
+        seeds = _prompts(V, max(conc), 8, seed=11)
+        prompts = [model.generate(torch.tensor([s], device=dev), max_new_tokens=plen - 8, eos_token_id=[])[0].tolist()
+                   for s in seeds]
     plain_g, ref = generate_decode_tok_s(model, prompts[0], new, dev)
     spec_g, out = generate_decode_tok_s(model, prompts[0], new, dev, drafter=drafter)
     acc = drafter.last_stats.acceptance_length

@@ -46,11 +46,13 @@ def test_chunked_equals_torch_alignment(n, e, k, bm, skew, seed):
     pool = torch.randperm(e, generator=g)[:k] if skew else None
     ids = torch.stack([pool[torch.randperm(k, generator=g)] if skew else torch.randperm(e, generator=g)[:k]
                        for _ in range(n)])
-    saved, align.CHUNK_PAIRS = align.CHUNK_PAIRS, 128
+    saved = align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE
+    # small chunks and tiles: several programs, offsets carried across chunk tiles, blocks in several tiles
+    align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE = 128, 2, 2
     try:
         a, b = align.moe_align(ids, e, bm), align.moe_align_chunked(ids, e, bm)
     finally:
-        align.CHUNK_PAIRS = saved
+        align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE = saved
     assert torch.equal(a.sorted_ids, b.sorted_ids)
     assert torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)
 

@@ -126,10 +126,12 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    # constants from the power-of-two bucket of P only (MAX_BPE bounds a loop whose stores are masked): a handful
+    # of compiles cover every decode and mixed step
     block_p = triton.next_power_of_2(max(P, 16))
     _KERNEL[(1,)](flat, sorted_ids, expert_ids, num_rows, P, num_experts, nb * block_m, nb,
                   BLOCK_M=block_m, BLOCK_P=block_p, CHUNK=max(8, min(128, 8192 // block_p)),
-                  MAX_BPE=-(-P // block_m), num_warps=4)
+                  MAX_BPE=-(-block_p // block_m), num_warps=4)
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 
@@ -153,23 +155,31 @@ def _chunked_kernels_src():
     @triton.jit(do_not_specialize=["P", "S", "NC"])
     def _align_offsets(cnt_ptr, off_ptr, pend_ptr, sorted_ptr, num_rows_ptr, P, E, S, NC,
                        BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, CH: tl.constexpr, FILL: tl.constexpr):
-        """One program: per expert (CH at a time, all chunks as one tile) the total, padded length and padded end
-        (a running prefix over the experts), and per (chunk, expert) the first destination row (an exclusive cumsum
-        over the chunks); the used rows, and the sentinel in every slot (the scatter launch writes the pairs and the
-        blocks' experts afterwards)."""
-        offs_c = tl.arange(0, BLOCK_NC)
-        cm = offs_c < NC
+        """One program: per expert (CH at a time) the total over the chunks, padded length and padded end (a
+        running prefix over the experts), and per (chunk, expert) the first destination row (an exclusive cumsum
+        over the chunks, BLOCK_NC chunks a tile, carried across tiles); the used rows, and the sentinel in every
+        slot (the scatter launch writes the pairs and the blocks' experts afterwards). Tiles of fixed size: one
+        compile for every number of chunks."""
         base = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
         for e0 in range(0, E, CH):
             offs_e = e0 + tl.arange(0, CH)
             em = offs_e < E
-            m2 = cm[:, None] & em[None, :]
-            tile = tl.load(cnt_ptr + offs_c[:, None] * E + offs_e[None, :], mask=m2, other=0)
-            pad = (tl.sum(tile, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            tot = tl.zeros([CH], dtype=tl.int32)
+            for c0 in range(0, NC, BLOCK_NC):
+                offs_c = c0 + tl.arange(0, BLOCK_NC)
+                m2 = (offs_c < NC)[:, None] & em[None, :]
+                tot += tl.sum(tl.load(cnt_ptr + offs_c[:, None] * E + offs_e[None, :], mask=m2, other=0), 0)
+            pad = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
             pend = base + tl.cumsum(pad, 0)
             tl.store(pend_ptr + offs_e, pend, mask=em)
-            off = (pend - pad)[None, :] + tl.cumsum(tile, 0) - tile
-            tl.store(off_ptr + offs_c[:, None] * E + offs_e[None, :], off, mask=m2)
+            run = pend - pad
+            for c0 in range(0, NC, BLOCK_NC):
+                offs_c = c0 + tl.arange(0, BLOCK_NC)
+                m2 = (offs_c < NC)[:, None] & em[None, :]
+                tile = tl.load(cnt_ptr + offs_c[:, None] * E + offs_e[None, :], mask=m2, other=0)
+                tl.store(off_ptr + offs_c[:, None] * E + offs_e[None, :], run[None, :] + tl.cumsum(tile, 0) - tile,
+                         mask=m2)
+                run += tl.sum(tile, 0)
             base += tl.sum(pad, 0)
         tl.store(num_rows_ptr, base)
         for f0 in range(0, S, FILL):
@@ -194,16 +204,17 @@ def _chunked_kernels_src():
             rank += tl.sum(((ids[:, None] == idq[None, :]) & (offs_q[None, :] < offs_p[:, None])).to(tl.int32), 1)
         dest = tl.load(off_ptr + c * E + ids, mask=pm, other=0) + rank
         tl.store(sorted_ptr + dest, offs_p, mask=pm)
-        offs_b = c * BPC + tl.arange(0, BLOCK_B)
-        bm_ = (offs_b < NB) & (offs_b < (c + 1) * BPC)
-        row = offs_b * BLOCK_M
-        n = tl.zeros([BLOCK_B], dtype=tl.int32)
-        for e0 in range(0, E, CHE):
-            offs_e = e0 + tl.arange(0, CHE)
-            pe = tl.load(pend_ptr + offs_e, mask=offs_e < E, other=2147483647)
-            n += tl.sum((pe[None, :] <= row[:, None]).to(tl.int32), 1)
         used = tl.load(num_rows_ptr)
-        tl.store(eid_ptr + offs_b, tl.where(row < used, n, -1), mask=bm_)
+        for b0 in range(0, BPC, BLOCK_B):  # fixed-size tiles of this chunk's blocks: one compile for every BPC
+            offs_b = c * BPC + b0 + tl.arange(0, BLOCK_B)
+            bm_ = (offs_b < NB) & (offs_b < (c + 1) * BPC)
+            row = offs_b * BLOCK_M
+            n = tl.zeros([BLOCK_B], dtype=tl.int32)
+            for e0 in range(0, E, CHE):
+                offs_e = e0 + tl.arange(0, CHE)
+                pe = tl.load(pend_ptr + offs_e, mask=offs_e < E, other=2147483647)
+                n += tl.sum((pe[None, :] <= row[:, None]).to(tl.int32), 1)
+            tl.store(eid_ptr + offs_b, tl.where(row < used, n, -1), mask=bm_)
 
     return _align_count, _align_offsets, _align_scatter
 
@@ -212,6 +223,9 @@ _CHUNKED = None
 #: pairs per program of the chunked alignment, and the most chunks its offsets program takes as one tile
 CHUNK_PAIRS = 512
 MAX_CHUNKS = 1024
+#: chunks per tile of the offsets program and blocks per tile of the scatter (fixed: no compile per batch size)
+CHUNK_TILE = 64
+BLOCK_TILE = 64
 
 
 def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -233,7 +247,6 @@ def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
         raise ValueError(f"moe_align_chunked: {P} pairs exceed {CHUNK_PAIRS * MAX_CHUNKS}; use moe_align")
     dev = flat.device
     nb = max_blocks(P, E, block_m)
-    block_nc = triton.next_power_of_2(nc)
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
@@ -242,12 +255,12 @@ def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
     pend = torch.empty(E, dtype=torch.int32, device=dev)
     ch = min(64, triton.next_power_of_2(E))
     count[(nc,)](flat, cnt, P, E, C=CHUNK_PAIRS, SUB=128, CH=ch, num_warps=4)
-    offsets[(1,)](cnt, off, pend, sorted_ids, num_rows, P, E, nb * block_m, nc, BLOCK_M=block_m, BLOCK_NC=block_nc,
-                  CH=max(1, min(ch, 8192 // block_nc)), FILL=1024, num_warps=4)
+    # every constant below depends on (E, block_m) alone, never on P: one compile per model serves every step
+    offsets[(1,)](cnt, off, pend, sorted_ids, num_rows, P, E, nb * block_m, nc, BLOCK_M=block_m,
+                  BLOCK_NC=CHUNK_TILE, CH=ch, FILL=1024, num_warps=4)
     bpc = -(-nb // nc)
-    block_b = triton.next_power_of_2(bpc)
     scatter[(nc,)](flat, off, pend, num_rows, sorted_ids, expert_ids, P, E, nb, bpc, C=CHUNK_PAIRS, CH=16,
-                   BLOCK_B=block_b, CHE=max(1, min(ch, 4096 // block_b)), BLOCK_M=block_m, num_warps=4)
+                   BLOCK_B=BLOCK_TILE, CHE=ch, BLOCK_M=block_m, num_warps=4)
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 
