@@ -58,7 +58,7 @@ class CompileCounter:
         self.count += 1
         fn = kwargs.get("fn")
         self.names.append(str(getattr(getattr(fn, "jit_function", fn), "__name__", None) or kwargs.get("repr")))
-        self.reprs.append(str(kwargs.get("repr")))
+        self.reprs.append(f"{kwargs.get('repr')} key={str(kwargs.get('key'))[:800]}")
         return False
 
     def __exit__(self, *exc):

@@ -67,7 +67,8 @@ class RowWork:
 class ForwardOut:
     """A forward's outputs: ``logits`` [B, V] at each row's last fed token; ``columns`` [B, T, V] every column's
     logits; ``verify``: the forward has verify windows; ``hidden``: the drafter's tapped hidden states [B, T, d]
-    per tap; ``meta``: the step's metadata (device views); ``graphed``: the forward replayed a CUDA graph."""
+    per tap; ``meta``: the step's metadata (device views); ``graphed``: the forward replayed a CUDA graph;
+    ``greedy`` [B, 2]: a replayed decode step's argmax and non-finite flag per row (computed inside the graph)."""
 
     logits: torch.Tensor
     columns: torch.Tensor
@@ -75,6 +76,7 @@ class ForwardOut:
     hidden: list[torch.Tensor] | None
     meta: StepMetadata
     graphed: bool = False
+    greedy: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -134,6 +136,16 @@ class ModelRunner:
             logits = self.model.lm_head(h)
         return logits, hidden, meta, self.cache.recorder
 
+    def _graph_body(self, B: int, T: int, verify: bool):
+        """The captured step: :meth:`_body`, plus for decode steps each row's argmax and non-finite flag [B, 2]
+        (greedy rows then need one copy of them, no launch after the replay)."""
+        logits, hidden, meta, rec = self._body(B, T, verify, None)
+        greedy = None
+        if T == 1 and not verify:
+            last = logits[:, 0]
+            greedy = torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long()], 1)
+        return logits, hidden, meta, rec, greedy
+
     @torch.no_grad()
     def forward(self, rows: Sequence[RowWork], embeds_fn=None) -> ForwardOut:
         """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
@@ -147,12 +159,12 @@ class ModelRunner:
                                     w.sample) for w in rows], B, T)
         if graph:
             key = (B, T, verify)
-            logits, hidden, meta, rec = self.graphs.run(key, lambda: self._body(B, T, verify, None))
+            logits, hidden, meta, rec, greedy = self.graphs.run(key, lambda: self._graph_body(B, T, verify))
             self.cache.meta, self._recorded = meta, rec
             last = logits[:n, 0] if T == 1 else logits[torch.arange(n, device=logits.device),
                                                        self._last_index(rows, logits.device)]
             return ForwardOut(last, logits[:n], verify, None if hidden is None else [x[:n] for x in hidden], meta,
-                              key in self.graphs)
+                              key in self.graphs, None if greedy is None else greedy[:n])
         plan = self._plan(rows, T)
         self.cache.plan_rows = [w.req.row for w in rows]
         embeds = None
@@ -169,7 +181,7 @@ class ModelRunner:
         """Warm up and capture the graph of ``(B, T, verify)`` over a batch of padding rows (slot −1: no KDA
         state is read or written, latents go to the trash page): no request is touched."""
         self.inputs.stage([], B, T)
-        return self.graphs.capture((B, T, verify), lambda: self._body(B, T, verify, None))
+        return self.graphs.capture((B, T, verify), lambda: self._graph_body(B, T, verify))
 
     @staticmethod
     def _last_index(rows: Sequence[RowWork], device) -> torch.Tensor:
@@ -237,6 +249,8 @@ class ModelRunner:
         variant = table.variant([w.req.row for w in rows if w.sample])
         if not (out.verify or logprobs or variant.sampling or variant.penalties or variant.min_tokens):
             # greedy rows only: the argmax and the non-finite flag, one copy (the decode loop's common case)
+            if out.greedy is not None:  # computed inside the replayed graph
+                return Draws(out.greedy.tolist(), {}, False)
             ids = out.logits.argmax(-1)
             bad = (~torch.isfinite(out.logits).all(-1)).long()
             return Draws(torch.stack([ids, bad], 1).tolist(), {}, False)

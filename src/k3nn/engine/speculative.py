@@ -94,39 +94,60 @@ class PagedDraftContext:
         B, T = slots.shape
         write_rows(self.pools[layer], slots, torch.cat([k.reshape(B, T, -1), v.reshape(B, T, -1)], -1))
 
-    def state(self, rows: Sequence[DraftRow]) -> DraftState:
-        """The committed context of ``rows`` as a :class:`DraftState` (keys past a row's cached length masked)."""
-        dev = self.pools[0].device
-        U = self.block_size
-        # keys gathered: the longest row's, rounded up to a power of two (at least one page) so the attention
-        # meets a handful of shapes, not a new one every round; the key mask hides the rest
+    def key_length(self, rows: Sequence[DraftRow]) -> int:
+        """Keys gathered for ``rows``: the longest row's, rounded up to a power of two (at least one page), so the
+        attention meets a handful of shapes, not a new one every round; the key mask hides the rest."""
         L = max(max(r.num_computed for r in rows), 1)
-        L = max(U, 1 << (L - 1).bit_length())
-        width = -(-L // U)
+        return max(self.block_size, 1 << (L - 1).bit_length())
+
+    def tables(self, rows: Sequence[DraftRow], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors of ``rows`` for a gather of ``L`` keys: the page table [B, L / page] and cached lengths
+        [B]."""
+        width = -(-L // self.block_size)
         table = torch.zeros(len(rows), width, dtype=torch.long)
         for b, r in enumerate(rows):
             n = min(len(r.blocks), width)
             table[b, :n] = torch.tensor(r.blocks[:n], dtype=torch.long)
-        table = table.to(dev)
-        HD = self.H * self.Dh
+        return table, torch.tensor([r.num_computed for r in rows], dtype=torch.long)
+
+    def gather(self, table: torch.Tensor, cached: torch.Tensor, L: int) -> DraftState:
+        """The committed context addressed by ``table`` [B, L / page] (device) as a :class:`DraftState` (keys past
+        each row's ``cached`` length masked). Graph-safe."""
+        B, HD = table.shape[0], self.H * self.Dh
         ks, vs = [], []
         for pool in self.pools:
             kv = gather_latents(pool, table, L)  # [B, L, 2·H·Dh]
-            ks.append(kv[..., :HD].reshape(len(rows), L, self.H, self.Dh))
-            vs.append(kv[..., HD:].reshape(len(rows), L, self.H, self.Dh))
-        cached = torch.tensor([r.num_computed for r in rows], device=dev)
-        mask = torch.arange(L, device=dev)[None, :] < cached[:, None]
+            ks.append(kv[..., :HD].reshape(B, L, self.H, self.Dh))
+            vs.append(kv[..., HD:].reshape(B, L, self.H, self.Dh))
+        mask = torch.arange(L, device=table.device)[None, :] < cached[:, None]
         return DraftState(ks, vs, mask, L)
+
+    def state(self, rows: Sequence[DraftRow]) -> DraftState:
+        """The committed context of ``rows`` as a :class:`DraftState` (keys past a row's cached length masked)."""
+        dev = self.pools[0].device
+        L = self.key_length(rows)
+        table, cached = self.tables(rows, L)
+        return self.gather(table.to(dev), cached.to(dev), L)
 
 
 class DSparkEngineDrafter:
     """A :class:`~k3nn.layers.dspark.DSparkDrafter` serving the engine: its context in
-    :class:`PagedDraftContext` pages, drafts through :meth:`DSparkDrafter.propose`."""
+    :class:`PagedDraftContext` pages, drafts through :meth:`DSparkDrafter.propose`.
+
+    Greedy proposals on CUDA run as CUDA graphs of a :class:`~k3nn.runtime.graphs.GraphRunner`, one per (rows,
+    draft length, key length bucket): the page tables, cached lengths, anchors and positions are copied into that
+    key's persistent buffers (one host-to-device copy), then the gather, backbone and Markov heads replay. The
+    first round of a key runs eagerly, the second captures. Sampled proposals draw from the request's generator
+    and run eagerly."""
 
     def __init__(self, drafter: DSparkDrafter, num_pages: int, block_size: int, device):
+        from ..runtime.graphs import GraphRunner
+
         self.drafter = drafter
         self.target_layers = list(drafter.target_layers)
         self.context = PagedDraftContext(drafter, num_pages, block_size, device)
+        self.graphs = GraphRunner(device, name="drafter proposal")
+        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def write(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -137,13 +158,34 @@ class DSparkEngineDrafter:
 
     @torch.no_grad()
     def propose(self, rows: Sequence[DraftRow], n: int) -> DraftProposal:
+        p = rows[0].params
+        if getattr(p, "do_sample", False):
+            return self._propose_eager(rows, n, p)
+        ctx = self.context
+        L = ctx.key_length(rows)
+        table, cached = ctx.tables(rows, L)
+        anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long)
+        host = torch.cat([table.flatten(), cached, anchor])  # anchor_pos = cached: the anchor is the next position
+        key = (len(rows), n, L)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(host.numel(), dtype=torch.long, device=ctx.pools[0].device)
+        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
+        B, W = table.shape
+
+        def step() -> DraftProposal:
+            tab = buf[:B * W].view(B, W)
+            cached_d, anchor_d = buf[B * W:B * W + B], buf[B * W + B:]
+            return self.drafter.propose(ctx.gather(tab, cached_d, L), anchor_d, cached_d, n)
+
+        return self.graphs.run(key, step)
+
+    def _propose_eager(self, rows: Sequence[DraftRow], n: int, params) -> DraftProposal:
         dev = self.context.pools[0].device
         state = self.context.state(rows)
         anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
         anchor_pos = torch.tensor([r.num_computed for r in rows], dtype=torch.long, device=dev)
-        p = rows[0].params
-        sample_cfg = p if getattr(p, "do_sample", False) else None
-        return self.drafter.propose(state, anchor, anchor_pos, n, sample_cfg, rows[0].generator)
+        return self.drafter.propose(state, anchor, anchor_pos, n, params, rows[0].generator)
 
 
 def as_engine_drafter(drafter, num_pages: int, block_size: int, device):
@@ -180,11 +222,12 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
             toks = prop.tokens[:, :n]
             if tuple(toks.shape) != (len(group), n):
                 raise ValueError(f"expected drafts of shape {(len(group), n)}, got {tuple(toks.shape)}")
-            lim = [n] * len(group)
             if confidence_threshold > 0 and prop.confidence is not None:
                 ok = (prop.confidence[:, :n] >= confidence_threshold).long().cumprod(1).sum(1)
-                lim = ok.tolist()
-            toks_l = toks.tolist()
+                both = torch.cat([toks, ok[:, None].to(toks.dtype)], 1).tolist()  # one host read
+                toks_l, lim = [row[:n] for row in both], [row[n] for row in both]
+            else:
+                toks_l, lim = toks.tolist(), [n] * len(group)
             if any(not 0 <= t < vocab_size for row in toks_l for t in row):
                 raise ValueError(f"draft token ids outside [0, vocab_size={vocab_size})")
         except Exception as e:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding

@@ -92,7 +92,10 @@ def _tile(acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, km_base, start_n, q
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["T", "L"])  # per-request lengths: one compile for all
+# per-request lengths, and the strides that scale with them (batch strides, the key mask's row stride = L): one
+# compile for every length, whatever its divisibility
+@triton.jit(do_not_specialize=["T", "L", "s_qn_b", "s_qr_b", "s_kn_b", "s_kr_b", "s_v_b", "s_o_b", "s_lse_b",
+                               "s_km_b"])
 def _mla_attn_fwd(Qn, Qr, Kn, Kr, V, O, LSE, KM, CUQ, CUK, QS,
                   s_qn_b, s_qn_t, s_qn_h, s_qr_b, s_qr_t, s_qr_h,
                   s_kn_b, s_kn_l, s_kn_h, s_kr_b, s_kr_l,
