@@ -34,6 +34,6 @@ def test_graph_rounds_equal_static_rounds(pair, B, synthetic):
     a, sa = _run(target, drafter, ids, "static", synthetic_acceptance_length=synthetic)
     b, sb = _run(target, drafter, ids, True, synthetic_acceptance_length=synthetic)
     assert sb.mode == "graph" and sb.fallback is None, (sb.graphs, sb.fallback)
-    assert sb.graphs.get("verify") and sb.graphs.get("draft"), sb.graphs
+    assert sb.graphs.get("round") or (sb.graphs.get("verify") and sb.graphs.get("draft")), sb.graphs
     assert torch.equal(a, b)
     assert (sa.rounds, sa.drafted, sa.accepted) == (sb.rounds, sb.drafted, sb.accepted)

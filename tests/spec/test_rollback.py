@@ -189,3 +189,39 @@ def test_commit_rejects_bad_counts():
             rb.commit(torch.tensor([4]))
     with pytest.raises(ValueError, match="strategy"):
         WindowRollback(model, model.new_cache(1, 4), "snapshot")
+
+
+@given(B=st.integers(1, 3), T=st.integers(1, 5), data=st.data(), seed=st.integers(0, 2**16))
+def test_read_only_window_fused_commit_equals_forward_over_kept_tokens(B, T, data, seed):
+    """The graph-safe window of the static speculative round: the fused op reads the committed state without
+    writing it, then :meth:`WindowRollback.fused_commit` folds each row's kept prefix (0 = row left alone) into it.
+    Every row ends where a forward over its kept tokens alone ends (the fused op in both, so close to rounding)."""
+    keep = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B), label="keep")
+    cfg = KimiK3Config.tiny(num_hidden_layers=1, mla_layers=[], use_attn_res=False)
+    model = KimiK3(cfg, backend="eager", seed=1)
+    kda = model.model.layers[0].self_attn
+    P, d = 3, cfg.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    x_pre, x_win = torch.randn(B, P, d, generator=g), torch.randn(B, T, d, generator=g)
+    cache = model.new_cache(B, P + T)
+    with WindowRollback(model, cache, "replay") as rb:
+        assert rb.fused_window(T)
+        state = cache.layers[0]
+        cache.begin(P, None)
+        kda(x_pre, state)
+        cache.commit(P, None)
+        rec0, conv0 = state.recurrent.clone(), state.conv.clone()
+        rb.begin_static(fused=True)
+        y = kda(x_win, state)
+        assert torch.equal(state.recurrent, rec0) and torch.equal(state.conv, conv0)  # read, not written
+        refs = rb.end_static()
+        rb.fused_commit(torch.tensor(keep), refs)
+    for b, a in enumerate(keep):
+        if a == 0:
+            assert torch.equal(state.recurrent[b], rec0[b]) and torch.equal(state.conv[b], conv0[b])
+            continue
+        fresh = KDAState(rec0[b:b + 1].clone(), conv0[b:b + 1].clone())
+        y_ref = kda(x_win[b:b + 1, :a], fresh)
+        torch.testing.assert_close(state.recurrent[b:b + 1], fresh.recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state.conv[b:b + 1], fresh.conv, rtol=1e-5, atol=1e-5)  # projections of 1 vs B rows
+        torch.testing.assert_close(y[b:b + 1, :a], y_ref, rtol=1e-5, atol=1e-5)

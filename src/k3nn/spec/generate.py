@@ -458,9 +458,16 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         stream()
         cache.set_static(True)
 
+        # a window every KDA layer runs through the fused op is read without writing and committed inside the
+        # acceptance step (one op call per layer, whatever the accepted counts): no per-count commit steps
+        fused = rb.fused_window(T)
+        # ... and then, greedy with a graph-safe drafter, the whole round (draft, verify, accept, commit, the
+        # drafter's extension) is one step: one capture per generate() call, one replay and one host read a round
+        fold_extend = fused and graph_draft and not cfg.do_sample
+
         def verify():
             wstart.copy_(cache.write_pos)
-            rb.begin_static()
+            rb.begin_static(fused)
             with use_backend(model.backend):
                 h, hid = model.model(window, None, cache, None, taps, None)
                 logits = model.lm_head(h)
@@ -480,6 +487,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             cache.key_mask.index_copy_(1, idx, cache.key_mask.index_select(1, idx) & (jT[None, :] < keep[:, None]))
             cache.valid_counts.sub_(T - keep)
             cache.write_pos.copy_(wstart + keep.max())
+            if fused:
+                rb.fused_commit(kacc, box["refs"])
             ext_pos.copy_(anchor_pos[:, None] + jT)
             ext_mask.copy_(jT[None, :] < keep[:, None])
             act = active.long()
@@ -496,6 +505,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             sync_buf[:B].copy_(kacc)
             sync_buf[B:2 * B].copy_(finished.long())
             sync_buf[2 * B].copy_((~torch.isfinite(logits).all()).long())
+            if fold_extend:
+                extend()
             return sync_buf
 
         def round_inputs():  # per-row verify budget and the pending token's rope position
@@ -532,9 +543,15 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         draft_step = _GraphStep(draft, "draft", graphs and graph_draft)
         extend_step = _GraphStep(extend, "extend", graphs and graph_draft)
         commit_steps: dict[int, _GraphStep] = {}
-        rounds = 0
-        done = bool(finished.all())
-        while not done:
+
+        def whole_round():
+            draft()
+            box["logits"], box["hid"] = verify()
+            return post()
+
+        round_step = _GraphStep(whole_round, "round", graphs, undo_verify_capture) if fold_extend else None
+
+        def split_round():  # the round as separate steps: (host read of the acceptance, graphed, hidden states)
             if graph_draft:
                 hb = draft_step()
                 if cfg.do_sample:
@@ -546,26 +563,35 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
                 prop = drafter.propose(dstate, pending, anchor_pos, gamma, cfg, gen)
                 set_window(prop)
                 box["q"] = prop.probs
-            start = box["start"] = cache.seen_tokens
             logits, hid = verify_step()
             box["logits"], box["hid"] = logits, hid
-            cache.seen_tokens = start + T
+            cache.seen_tokens = box["start"] + T
             # the later steps read the verify step's outputs: they are captured only once those are a graph's
             # static outputs (else a capture would keep one round's tensors)
             graphed = verify_step.graph is not None
-            vals = (post_step() if graphed else post()).tolist()  # the one host read of the round
+            return (post_step() if graphed else post()).tolist(), graphed, hid
+
+        rounds = 0
+        done = bool(finished.all())
+        while not done:
+            start = box["start"] = cache.seen_tokens
+            if round_step is not None:
+                vals, graphed, hid = round_step().tolist(), round_step.graph is not None, None  # one host read
+            else:
+                vals, graphed, hid = split_round()
             acc, fin = vals[:B], vals[B:2 * B]
             if vals[2 * B]:
                 _raise_nonfinite(rounds)
             cache.seen_tokens = start + max(1, max(acc))
-            for a in sorted(set(acc) - {0}):
+            for a in [] if fused else sorted(set(acc) - {0}):
                 if a not in commit_steps:
                     commit_steps[a] = _GraphStep(rb.static_commit_fn(a, T, kacc, lambda: box["refs"]),
                                                  f"commit[{a}]", graphs)
                 step = commit_steps[a]
                 step() if graphed else step.fn()
             if graph_draft:
-                extend_step() if graphed else extend()
+                if not fold_extend:
+                    extend_step() if graphed else extend()
                 dstate.length = cache.seen_tokens
             else:
                 drafter.extend(dstate, hid, ext_pos, ext_mask, start=start)
@@ -573,7 +599,8 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             done = all(fin)
             stream()
         cache.set_static(False)
-    steps = [draft_step, verify_step, post_step, extend_step, *commit_steps.values()]
+    steps = ([round_step] if round_step is not None
+             else [draft_step, verify_step, post_step, extend_step, *commit_steps.values()])
     stats.graphs = {s.name: s.graph is not None for s in steps if s.capture}
     reasons = [stats.fallback] if stats.fallback else []  # set before the round (e.g. eager backend)
     reasons += [s.fallback_reason for s in steps if s.fallback_reason]

@@ -59,6 +59,24 @@ class SpecKDAState(KDAState):
         self.window_final: torch.Tensor | None = None
         self.window_conv: torch.Tensor | None = None
         self.window_ckpts: torch.Tensor | None = None
+        self.window_ops: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._read_only: torch.Tensor | None = None
+
+    def begin_read_only_window(self) -> None:
+        """Open a verify window the fused decode op reads without writing (``write_state`` False for every row):
+        no scratch copies; the op's inputs are recorded (:meth:`record_decode`) for
+        :meth:`WindowRollback.fused_commit`. Graph-safe."""
+        if self._read_only is None:
+            self._read_only = torch.zeros(self.committed_recurrent.shape[0], dtype=torch.bool,
+                                          device=self.committed_recurrent.device)
+        self.write_state = self._read_only
+        self.in_window = True
+        self.window_x = self.window_final = self.window_conv = self.window_ckpts = self.window_ops = None
+
+    def record_decode(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor) -> None:
+        """Inside a window: keep the fused decode op's inputs (the read-only window commits from them)."""
+        if self.in_window:
+            self.window_ops = (qkv, f, b)
 
     def begin_window(self) -> None:
         """Open a verify window: the layer now works on scratch copies of the committed state, which stays
@@ -87,8 +105,9 @@ class SpecKDAState(KDAState):
     def end_window(self) -> None:
         """Close the window: point back at the committed state and drop what the window recorded."""
         self.in_window = False
+        self.write_state = None
         self.recurrent, self.conv = self.committed_recurrent, self.committed_conv
-        self.window_x = self.window_final = self.window_conv = self.window_ckpts = None
+        self.window_x = self.window_final = self.window_conv = self.window_ckpts = self.window_ops = None
 
 
 class WindowRollback:
@@ -160,23 +179,47 @@ class WindowRollback:
             cache.write_pos.fill_(cache.seen_tokens)
 
     # -- graph-safe (static) form ------------------------------------------------------------------------
-    def begin_static(self) -> None:
-        """Graph-safe :meth:`begin`: device copies of the committed KDA state into the window scratch."""
+    def fused_window(self, T: int) -> bool:
+        """Whether a window of ``T`` tokens runs every KDA layer through the fused decode op, so that it can be
+        read without writing and committed by :meth:`fused_commit` (one op call per layer, any accepted count)."""
+        return all(0 < T <= mod.fused_decode_max_tokens for mod, _ in self.kda)
+
+    def begin_static(self, fused: bool = False) -> None:
+        """Graph-safe :meth:`begin`: device copies of the committed KDA state into the window scratch, or with
+        ``fused`` (see :meth:`fused_window`) a window the fused op reads without writing."""
         if self.strategy != "replay":
             raise ValueError("the static (graph-safe) window rollback supports strategy='replay' only")
         for _, st in self.kda:
-            st.begin_window()
+            if fused:
+                st.begin_read_only_window()
+            else:
+                st.begin_window()
 
-    def end_static(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """After the window forward: per KDA layer (window inputs x [B, T, d], final recurrent, final conv). The
-        tensors are the forward's own (under a captured graph: its static outputs, refilled by each replay)."""
+    def end_static(self) -> list[tuple[torch.Tensor, ...]]:
+        """After the window forward: per KDA layer (window inputs x [B, T, d], final recurrent, final conv), or
+        after a read-only window the fused op's inputs (qkv, f, b). The tensors are the forward's own (under a
+        captured graph: its static outputs, refilled by each replay)."""
         refs = []
         for _, st in self.kda:
-            fin = st.window_final if st.window_final is not None else st.recurrent
-            fconv = st.window_conv if st.window_conv is not None else st.conv
-            refs.append((st.window_x, fin, fconv))
+            if st.window_ops is not None:
+                refs.append(st.window_ops)
+            else:
+                fin = st.window_final if st.window_final is not None else st.recurrent
+                fconv = st.window_conv if st.window_conv is not None else st.conv
+                refs.append((st.window_x, fin, fconv))
             st.end_window()
         return refs
+
+    def fused_commit(self, keep: torch.Tensor, refs) -> None:
+        """Fold the first ``keep[b]`` tokens of a read-only window (:meth:`begin_static` with ``fused``) into row
+        b's committed KDA state (``keep`` [B] long on the device; 0 leaves the row alone): the fused decode op over
+        the recorded inputs with ``num_tokens = keep``, one call per layer. ``refs``: what :meth:`end_static`
+        returned. Graph-safe; the result equals a forward over the kept tokens alone."""
+        rows = torch.arange(keep.shape[0], device=keep.device)
+        idx = torch.where(keep > 0, rows, torch.full_like(rows, -1))
+        with use_backend(getattr(self.model, "backend", None)):
+            for (mod, st), (qkv, f, b) in zip(self.kda, refs):
+                mod.commit_window(qkv, f, b, st.committed_recurrent, st.committed_conv, idx, keep.to(torch.int32))
 
     def static_commit_fn(self, a: int, T: int, kacc: torch.Tensor, refs):
         """A graph-safe function committing the rows b with ``kacc[b] == a`` (1 ≤ a ≤ T): a = T copies the
