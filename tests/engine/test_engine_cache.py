@@ -139,6 +139,17 @@ def test_eviction_under_pressure_never_touches_running_requests(model):
     assert e.pools.allocator.num_free == 8 - len(e.prefix.entries)
 
 
+def test_request_past_the_model_context_is_rejected(model):
+    """Prompt + max_new_tokens beyond max_position_embeddings: a ValueError naming both, nothing queued."""
+    e = engine(model, num_pages=512)
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        e.add_request(rand_ids(ctx - 4, 0), max_new_tokens=5)
+    assert not e.waiting and not e.requests
+    rid = e.add_request(rand_ids(ctx - 4, 0), max_new_tokens=4)  # exactly the context: accepted
+    assert e.requests[rid].params.max_new_tokens == 4
+
+
 def test_request_that_can_never_fit_is_rejected(model):
     e = engine(model, num_pages=2)
     with pytest.raises(CacheFullError, match="num_pages"):

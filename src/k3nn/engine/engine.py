@@ -292,7 +292,13 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests or rid in self.parents or rid in taken:
             raise ValueError(f"request id {rid!r} is already in use")
-        need = self.pools.pages_for(self._cache_tokens(len(prompt), params, prefill_only))
+        tokens = self._cache_tokens(len(prompt), params, prefill_only)
+        ctx = self.mcfg.max_position_embeddings
+        if tokens + 1 > ctx:  # the rope tables, block tables and graphs are sized for the model's context
+            raise ValueError(f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds the model's context "
+                             f"(max_position_embeddings={ctx})")
+        need = self.pools.pages_for(tokens)
         if need > self.pools.allocator.num_blocks:
             raise CacheFullError(f"request {rid!r} needs {need} latent pages (prompt {len(prompt)} + "
                                  f"{params.max_new_tokens} new tokens) but the pool has "
