@@ -79,7 +79,8 @@ BAD_REQUESTS = [  # (prompt, kwargs, error type, text the message must contain)
     (GOOD, dict(params=SamplingParams(), max_new_tokens=2), TypeError, "not both"),
     (GOOD, dict(params={"max_new_tokens": 2}), TypeError, "SamplingParams"),
     (GOOD, dict(nonsense=1), TypeError, "nonsense"),
-    (GOOD, dict(max_new_tokens=10_000), CacheFullError, "num_pages"),
+    (GOOD, dict(max_new_tokens=3_000), CacheFullError, "num_pages"),
+    (GOOD, dict(max_new_tokens=10_000), ValueError, "max_position_embeddings"),
 ]
 
 

@@ -188,9 +188,10 @@ class Engine:
                              cfg.max_num_seqs)
         self.scheduler = Scheduler(budget, self.cache, speculative=self.drafter is not None,
                                    share_prompts=self.prefix is not None)
+        sink = self.drafter.write if getattr(self.drafter, "graph_safe_write", False) else None
         self.runner = ModelRunner(model, self.pools, max_rows=cfg.max_num_seqs, max_window=1 + self.default_num_spec,
                                   taps=self.drafter.target_layers if self.drafter is not None else None,
-                                  pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs)
+                                  pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs, tap_sink=sink)
         self.sampling = SamplingTable(self.pools.running.num_slots, self.mcfg.vocab_size, device)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.warmup_s = 0.0
@@ -501,7 +502,7 @@ class Engine:
                                                  ids)
         with torch.inference_mode():
             out = self.runner.forward(rows, embeds_fn)
-            if self.drafter is not None:
+            if self.drafter is not None and self.runner.tap_sink is None:  # else written inside the step
                 self.drafter.write(out.hidden, out.meta.positions[:len(rows)], out.meta.slot_mapping[:len(rows)])
         self.num_forwards += 1
         for w in rows:

@@ -83,17 +83,20 @@ class ModelRunner:
     """Runs ``model`` (a :class:`k3nn.KimiK3`) over the engine's ``pools``; see the module docstring.
 
     ``max_rows``: rows per forward (the engine's ``max_num_seqs``); ``max_window``: the longest verify window
-    (1 + drafts); ``taps``: target layers whose outputs the drafter reads; ``cuda_graphs``: True captures decode
+    (1 + drafts); ``taps``: target layers whose outputs the drafter reads; ``tap_sink(hidden, positions,
+    slot_mapping)``: a graph-safe function the step calls with them (the drafter's context write), captured with the
+    step; ``cuda_graphs``: True captures decode
     steps (CUDA devices; the eager backend is never captured), ``"static"`` runs the same padded, graph-safe
     decode steps without capture (any device), False runs every step as the eager path does."""
 
     def __init__(self, model, pools: HybridPools, *, max_rows: int, max_window: int = 1,
                  taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool | str = True,
-                 max_context: int | None = None):
+                 max_context: int | None = None, tap_sink=None):
         self.model, self.pools = model, pools
         self.cache = PagedCache(pools)
         self.max_rows, self.max_window = max_rows, max(1, max_window)
         self.taps = list(taps) if taps else None
+        self.tap_sink = tap_sink if self.taps else None
         ctx = max_context or model.config.max_position_embeddings
         self.inputs = StepInputs(max_rows, self.max_window, pools.running.num_slots,
                                  pools.max_blocks(ctx + self.max_window), pools.block_size, pools.trash_row,
@@ -134,6 +137,8 @@ class ModelRunner:
             h, hidden = self.model.model(None if embeds is not None else meta.input_ids, embeds, self.cache, None,
                                          self.taps, plan.checkpoint_positions if plan is not None else None)
             logits = self.model.lm_head(h)
+            if self.tap_sink is not None:  # the drafter's context of every fed token, inside the step (graph too)
+                self.tap_sink(hidden, meta.positions, meta.slot_mapping)
         return logits, hidden, meta, self.cache.recorder
 
     def _graph_body(self, B: int, T: int, verify: bool):

@@ -138,7 +138,10 @@ class DSparkEngineDrafter:
     draft length, key length bucket): the page tables, cached lengths, anchors and positions are copied into that
     key's persistent buffers (one host-to-device copy), then the gather, backbone and Markov heads replay. The
     first round of a key runs eagerly, the second captures. Sampled proposals draw from the request's generator
-    and run eagerly."""
+    and run eagerly. :meth:`write` is graph-safe (``graph_safe_write``): the engine runs it inside each forward,
+    so a decode / verify step's graph stores the drafter's context too."""
+
+    graph_safe_write = True
 
     def __init__(self, drafter: DSparkDrafter, num_pages: int, block_size: int, device):
         from ..runtime.graphs import GraphRunner
