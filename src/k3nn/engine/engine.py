@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -41,13 +40,14 @@ import torch
 from ..cache.hybrid import CacheFullError
 from ..cache.paged import HybridPools, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache
-from ..cache.retention import EvictionPolicy, RetentionPolicy, make_retention
+from ..cache.retention import make_retention
 from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
+from .config import EngineConfig, EngineStalledError, RequestFailedError
 from .images import check_images, encode_images, feeds_images, image_block_keys, image_embeds
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
-                      token_ids)
+                      per_prompt, token_ids)
 from ..runtime.sampling import SamplingTable
 from .runner import ForwardOut, ModelRunner, RowWork
 from .sampling import RequestSampler
@@ -57,85 +57,6 @@ from .speculative import as_engine_drafter, draft
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
-
-
-class EngineStalledError(RuntimeError):
-    """:meth:`Engine.stream` found requests waiting that no step can ever admit (nothing running would free a
-    row or pages): e.g. every row or the pages are held by prefilled requests awaiting export."""
-
-
-class RequestFailedError(RuntimeError):
-    """:meth:`Engine.generate`: some of its requests failed inside ``step()`` (the others completed);
-    ``failures`` maps request id → reason."""
-
-    def __init__(self, failures: dict[str, str]):
-        self.failures = failures
-        super().__init__("request(s) failed: " + "; ".join(f"{k!r}: {v}" for k, v in failures.items()))
-
-
-def _logprob(row: list[float], k: int) -> TokenLogprobs:
-    """A :func:`~k3nn.runtime.sampling.token_logprobs` row → :class:`TokenLogprobs` with the top ``k``."""
-    vals, idx = row[3:3 + k], row[3 + len(row[3:]) // 2:][:k]
-    return TokenLogprobs(int(row[0]), row[1], int(row[2]), {int(i): v for i, v in zip(idx, vals)})
-
-
-@dataclass
-class EngineConfig:
-    """How an :class:`Engine` is sized and scheduled (every field also a keyword of ``Engine(model, ...)``).
-
-    Capacity: ``max_num_seqs`` running requests (each holds a KDA state row), ``num_pages`` latent pages of 64 tokens
-    per MLA layer (or ``cache_memory_bytes``, split between pages and snapshot slots), ``num_snapshots`` KDA snapshot
-    slots for the prefix cache. Scheduling: ``max_num_batched_tokens`` per step, ``budget`` "adaptive" (decodes first,
-    prefill gets the rest) or "fixed", ``min_prefill_tokens``, ``mixed_forward_max_tokens``, ``watermark`` (the
-    fraction of pages admission leaves free for running requests to grow). Prefix reuse: ``enable_prefix_caching``,
-    ``retention`` ("marconi", "replay", "interval:N", a policy object or None), ``eviction`` ("lru", "marconi", a
-    policy or None), ``retain_decode_state``. Speculation (with a drafter): ``num_speculative_tokens`` (None: the
-    drafter's block size), ``spec``. ``cuda_graphs``: replay captured decode / verify steps on a GPU. Errors name the
-    field (:meth:`validate`)."""
-
-    max_num_seqs: int = 8  # running rows (KDA running slots)
-    num_pages: int | None = 512  # latent pages of 64 tokens (None: from cache_memory_bytes)
-    num_snapshots: int | None = 32  # KDA snapshot slots for the prefix cache
-    cache_memory_bytes: int | None = None  # alternative sizing: split this budget (see pool_sizes_for_budget)
-    max_num_batched_tokens: int = 8192
-    budget: str = "adaptive"  # "adaptive" | "fixed"
-    reserve_per_seq: int = 1  # tokens reserved per decode (1 + speculative tokens)
-    min_prefill_tokens: int = 64  # the prefill budget never drops below this (no starvation)
-    mixed_forward_max_tokens: int = 16  # prefill chunks up to this run in the decodes' forward (right-padded)
-    retain_decode_state: bool = True  # index prompt + answer and the last 64-aligned decode state on finish
-    enable_prefix_caching: bool = True
-    retention: str | RetentionPolicy | None = "marconi"
-    eviction: str | EvictionPolicy | None = "lru"
-    pad_token_id: int = 0
-    watermark: float = 0.01  # admission keeps this fraction of the pages free for running requests to grow
-    num_speculative_tokens: int | None = None  # per-request default with a drafter (None: the drafter's block size)
-    #: decode / verify steps replay CUDA graphs on a GPU (captured by warmup()); "static": the same padded,
-    #: graph-safe steps without capture (any device); False: every step eager
-    cuda_graphs: bool | str = True
-    spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
-
-    def validate(self) -> None:
-        """Check every field (run by the Engine); a ValueError / TypeError naming the field."""
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
-                or not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
-        if self.num_speculative_tokens is not None:
-            _int("num_speculative_tokens", self.num_speculative_tokens, lo=0)
-        if self.spec is not None:
-            if not isinstance(self.spec, SpecOptions):
-                raise TypeError(f"spec must be a k3nn.spec.SpecOptions, got {type(self.spec).__name__}")
-            if self.spec.rollback != "replay":
-                raise ValueError(f"the engine rolls KDA back by replay only; got spec.rollback={self.spec.rollback!r}")
-        if self.cuda_graphs not in (True, False, "static"):
-            raise ValueError(f"cuda_graphs must be True, False or 'static', got {self.cuda_graphs!r}")
-        if self.budget not in ("adaptive", "fixed"):
-            raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
-        if self.max_num_batched_tokens < 1 or self.reserve_per_seq < 1 or self.min_prefill_tokens < 1:
-            raise ValueError("max_num_batched_tokens, reserve_per_seq and min_prefill_tokens must be >= 1")
-        if self.num_pages is None and self.cache_memory_bytes is None:
-            raise ValueError("give num_pages (and num_snapshots) or cache_memory_bytes")
 
 
 class Engine:
@@ -631,8 +552,8 @@ class Engine:
                 if row[1]:
                     res.append(FloatingPointError("the logits contain NaN or Inf"))
                     continue
-                lp = d.logprobs.get(b)
-                res.append(([row[0]], None if lp is None else [_logprob(lp[0], r.params.logprobs)]))
+                lp = d.logprobs.get(b, [])
+                res.append(([row[0]], [TokenLogprobs.from_row(x, r.params.logprobs) for x in lp[:1]] or None))
                 continue
             m, nxt, bad = row[2], row[3], row[4]
             n = len(r.drafts)
@@ -647,8 +568,8 @@ class Engine:
             r.spec_accepted += m
             self.spec_rounds, self.spec_drafted, self.spec_accepted = (
                 self.spec_rounds + 1, self.spec_drafted + n, self.spec_accepted + m)
-            lp = d.logprobs.get(b)
-            res.append((toks, None if lp is None else [_logprob(x, r.params.logprobs) for x in lp[:m + 1]]))
+            lp = d.logprobs.get(b, [])
+            res.append((toks, [TokenLogprobs.from_row(x, r.params.logprobs) for x in lp[:m + 1]] or None))
         return res
 
     def _stalled(self) -> "EngineStalledError":
@@ -720,8 +641,8 @@ class Engine:
         fail inside a step the others still run to completion, then :class:`RequestFailedError` names the failed
         ones; on any other error (a stall, an interrupt) this call's unfinished requests are aborted."""
         prompts = list(prompts)
-        pixels = self._per_prompt("pixel_values", pixel_values, len(prompts))
-        grids = self._per_prompt("image_grid_thw", image_grid_thw, len(prompts))
+        pixels = per_prompt("pixel_values", pixel_values, len(prompts))
+        grids = per_prompt("image_grid_thw", image_grid_thw, len(prompts))
         groups: list[list[Request]] = []
         for i, p in enumerate(prompts):
             try:
@@ -753,19 +674,6 @@ class Engine:
         if failed:
             raise RequestFailedError(failed)
         return [g[0].output if g[0].parent is None else [r.output for r in g] for g in groups]
-
-    @staticmethod
-    def _per_prompt(name: str, values, num_prompts: int) -> list:
-        """``generate()``'s per-prompt image argument as a list of ``num_prompts`` entries (None: no images)."""
-        if values is None:
-            return [None] * num_prompts
-        if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
-            raise TypeError(f"{name} must be a list with one entry (a tensor or None) per prompt, got "
-                            f"{type(values).__name__}")
-        if len(values) != num_prompts:
-            raise ValueError(f"{name} has {len(values)} entries for {num_prompts} prompts: give one per prompt "
-                             f"(None for a text prompt)")
-        return list(values)
 
     def warmup(self, prompt_len: int = 96, batch_sizes: Sequence[int] | None = None) -> float:
         """Make serving meet no compile, autotune or capture: run the step shapes requests will bring, then
@@ -872,7 +780,7 @@ class Engine:
             count[r.status] += 1
         m = {"requests": len(self.requests), "finished": count[RequestStatus.FINISHED],
              "aborted": count[RequestStatus.ABORTED], "failed": count[RequestStatus.FAILED],
-             "steps": self.num_steps, "forwards": self.num_forwards, 
+             "steps": self.num_steps, "forwards": self.num_forwards,
              "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0, "ttft_p50_s": pct(ttft, 0.5),
              "ttft_p95_s": pct(ttft, 0.95), "tpot_mean_s": sum(tpot) / len(tpot) if tpot else 0.0,
              "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,

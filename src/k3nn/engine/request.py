@@ -178,6 +178,19 @@ def token_ids(prompt: Any, vocab_size: int) -> list[int]:
     return ids
 
 
+def per_prompt(name: str, values, num_prompts: int) -> list:
+    """A per-prompt argument of ``Engine.generate()`` (images) as a list of ``num_prompts`` entries (None: none)."""
+    if values is None:
+        return [None] * num_prompts
+    if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a list with one entry (a tensor or None) per prompt, got "
+                        f"{type(values).__name__}")
+    if len(values) != num_prompts:
+        raise ValueError(f"{name} has {len(values)} entries for {num_prompts} prompts: give one per prompt "
+                         f"(None for a text prompt)")
+    return list(values)
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its life: WAITING (queued, or preempted to be recomputed), RUNNING (holds a row),
     PREFILLED (``prefill_only``: its state held for export), and the ends FINISHED, ABORTED, FAILED."""
@@ -299,6 +312,12 @@ class TokenLogprobs:
     logprob: float
     rank: int
     top: dict[int, float]
+
+    @classmethod
+    def from_row(cls, row: list[float], k: int) -> "TokenLogprobs":
+        """A :func:`~k3nn.runtime.sampling.token_logprobs` row → the position's log-probabilities, top ``k``."""
+        vals, idx = row[3:3 + k], row[3 + len(row[3:]) // 2:][:k]
+        return cls(int(row[0]), row[1], int(row[2]), {int(i): v for i, v in zip(idx, vals)})
 
 
 @dataclass

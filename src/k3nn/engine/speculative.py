@@ -150,7 +150,8 @@ class DSparkEngineDrafter:
         self.target_layers = list(drafter.target_layers)
         self.context = PagedDraftContext(drafter, num_pages, block_size, device)
         self.graphs = GraphRunner(device, name="drafter proposal")
-        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per graph key: the device buffer its graph reads and the pinned staging buffer copied into it
+        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def write(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -170,10 +171,13 @@ class DSparkEngineDrafter:
         anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long)
         host = torch.cat([table.flatten(), cached, anchor])  # anchor_pos = cached: the anchor is the next position
         key = (len(rows), n, L)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = torch.empty(host.numel(), dtype=torch.long, device=ctx.pools[0].device)
-        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
+        if key not in self._buffers:
+            dev = ctx.pools[0].device
+            self._buffers[key] = (torch.empty(host.numel(), dtype=torch.long, device=dev),
+                                  torch.empty(host.numel(), dtype=torch.long, pin_memory=dev.type == "cuda"))
+        buf, staging = self._buffers[key]
+        staging.copy_(host)  # the last round's copy out of it finished: its drafts were read since
+        buf.copy_(staging, non_blocking=True)
         B, W = table.shape
 
         def step() -> DraftProposal:

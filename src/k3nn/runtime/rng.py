@@ -56,8 +56,9 @@ class RowRNG:
         j = torch.arange(n, device=key.device, dtype=torch.long)
         return mix32(key[:, None] ^ mix32((j[None, :] + _GOLDEN) & _MASK))
 
-    def uniform(self, stream: int, n: int, offset: torch.Tensor | int = 0) -> torch.Tensor:
-        """[B, n] fp32 uniforms in (0, 1)."""
+    def uniform(self, stream: int, n: int, offset: torch.Tensor | int = 0, rows: int | None = None,
+                device=None) -> torch.Tensor:
+        """[B, n] fp32 uniforms in (0, 1) (``rows`` / ``device``: :class:`GeneratorRNG`'s; here the seeds' own)."""
         h = self.bits(stream, n, offset)
         return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 

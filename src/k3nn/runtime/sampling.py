@@ -246,8 +246,7 @@ def rejection_accept(scores: torch.Tensor, drafts: torch.Tensor, draft_probs: to
          else draft_probs.float())
     pd = p[:, :n].gather(-1, drafts[..., None])[..., 0]
     qd = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
-    u = (rng.uniform(ACCEPT, n, rows=B, device=p.device) if isinstance(rng, GeneratorRNG)
-         else rng.uniform(ACCEPT, n))
+    u = rng.uniform(ACCEPT, n, rows=B, device=p.device)
     ok = (u * qd < pd) & (torch.arange(n, device=p.device)[None, :] < limit[:, None])
     m = ok.long().cumprod(1).sum(1)
     pm = p.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
@@ -256,8 +255,6 @@ def rejection_accept(scores: torch.Tensor, drafts: torch.Tensor, draft_probs: to
     mass = resid.sum(-1, keepdim=True)
     use_resid = (m < limit)[:, None] & (mass > 1e-12)
     dist = torch.where(use_resid, resid / mass.clamp_min(1e-30), pm)
-    if isinstance(rng, GeneratorRNG):
-        return m, rng.gumbel_argmax(torch.log(dist))
     return m, rng.gumbel_argmax(torch.log(dist), RESIDUAL, m)
 
 

@@ -463,7 +463,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
         fused = rb.fused_window(T)
         # ... and then, greedy with a graph-safe drafter, the whole round (draft, verify, accept, commit, the
         # drafter's extension) is one step: one capture per generate() call, one replay and one host read a round
-        fold_extend = fused and graph_draft and not cfg.do_sample
+        one_step = fused and graph_draft and not cfg.do_sample
 
         def verify():
             wstart.copy_(cache.write_pos)
@@ -505,7 +505,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             sync_buf[:B].copy_(kacc)
             sync_buf[B:2 * B].copy_(finished.long())
             sync_buf[2 * B].copy_((~torch.isfinite(logits).all()).long())
-            if fold_extend:
+            if one_step:
                 extend()
             return sync_buf
 
@@ -549,7 +549,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
             box["logits"], box["hid"] = verify()
             return post()
 
-        round_step = _GraphStep(whole_round, "round", graphs, undo_verify_capture) if fold_extend else None
+        round_step = _GraphStep(whole_round, "round", graphs, undo_verify_capture) if one_step else None
 
         def split_round():  # the round as separate steps: (host read of the acceptance, graphed, hidden states)
             if graph_draft:
@@ -590,7 +590,7 @@ def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, stre
                 step = commit_steps[a]
                 step() if graphed else step.fn()
             if graph_draft:
-                if not fold_extend:
+                if not one_step:
                     extend_step() if graphed else extend()
                 dstate.length = cache.seen_tokens
             else:
