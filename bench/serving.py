@@ -160,13 +160,13 @@ def hbm_bound_ms(model, copy_tbps: float | None) -> float | None:
     return total / (copy_tbps * 1e12) * 1e3
 
 
-def _engine(model, drafter, max_seqs: int, prompt: int, new: int, synthetic: int | None):
+def _engine(model, drafter, max_seqs: int, prompt: int, new: int, synthetic: int | None, budget: int = 8192):
     from k3nn.engine import Engine, EngineConfig
     from k3nn.spec import SpecOptions
 
     pages = max_seqs * (-(-(prompt + new + GAMMA + 1) // 64)) + 16
     cfg = EngineConfig(max_num_seqs=max_seqs, num_pages=pages, num_snapshots=max(4, max_seqs),
-                       max_num_batched_tokens=max(8192, prompt),
+                       max_num_batched_tokens=max(budget, prompt),
                        spec=SpecOptions(synthetic_acceptance_length=synthetic) if synthetic else None)
     return Engine(model, cfg, drafter=drafter)
 
@@ -208,6 +208,8 @@ def main(argv=None) -> list[dict]:
                                                           "rows (-1: no spec rows)")
     ap.add_argument("--budget-s", type=float, default=900.0)
     ap.add_argument("--prepared", action="store_true", help="prepare_decode() the model (packed projections)")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192,
+                    help="the Engine's max_num_batched_tokens on the preset (at least the prompt length)")
     args = ap.parse_args(argv)
     import faulthandler
 
@@ -225,7 +227,8 @@ def main(argv=None) -> list[dict]:
 
     def save():
         nonlocal path
-        path = write_results(SUITE, rows, {"config": args.model or args.config, "prepared": args.prepared}, path=path)
+        path = write_results(SUITE, rows, {"config": args.model or args.config, "prepared": args.prepared,
+                                           "max_num_batched_tokens": args.max_batched_tokens}, path=path)
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)
@@ -244,7 +247,7 @@ def main(argv=None) -> list[dict]:
         for prompt, new in shapes:
             if left() < 30:
                 break
-            eng = _engine(model, None, max(conc), prompt, new, None)
+            eng = _engine(model, None, max(conc), prompt, new, None, args.max_batched_tokens)
             with CompileCounter() as warm_cc:
                 wu = eng.warmup(prompt_len=min(prompt, 512))
             print(f"[{time.perf_counter() - t_start:.0f}s] warmup {wu:.1f}s, graphs "

@@ -78,7 +78,7 @@ def forward(model, pools, rows, tokens, snapshots=None):
     work = [RowWork(r, list(t), snapshots=list((snapshots or {}).get(b, []))) for b, (r, t) in
             enumerate(zip(rows, tokens))]
     with torch.no_grad():
-        out = runner.forward(work)
+        out = runner.forward(work, all_columns=True)
     for r, t in zip(rows, tokens):
         r.num_computed += len(t)
     return out.columns

@@ -127,8 +127,9 @@ class ModelRunner:
                 and max(w.num_new for w in rows) <= self.max_window)
 
     # -- the forward ------------------------------------------------------------------------------------------
-    def _body(self, B: int, T: int, verify: bool, plan: StepPlan | None, embeds=None):
-        """Derive the metadata, run the model and the LM head over every column (graph-safe without a plan)."""
+    def _body(self, B: int, T: int, verify: bool, plan: StepPlan | None, embeds=None, last=None):
+        """Derive the metadata, run the model and the LM head over every column, or over each row's column
+        ``last[b]`` when given ([B, 1, V]: a prefill chunk needs no more); graph-safe without a plan."""
         meta = self.inputs.derive(B, T, verify)
         meta.plan = plan
         self.cache.meta = meta
@@ -136,6 +137,8 @@ class ModelRunner:
         with use_backend(self.model.backend):
             h, hidden = self.model.model(None if embeds is not None else meta.input_ids, embeds, self.cache, None,
                                          self.taps, plan.checkpoint_positions if plan is not None else None)
+            if last is not None:
+                h = h[torch.arange(h.shape[0], device=h.device), last][:, None]
             logits = self.model.lm_head(h)
             if self.tap_sink is not None:  # the drafter's context of every fed token, inside the step (graph too)
                 self.tap_sink(hidden, meta.positions, meta.slot_mapping)
@@ -152,9 +155,11 @@ class ModelRunner:
         return logits, hidden, meta, rec, greedy
 
     @torch.no_grad()
-    def forward(self, rows: Sequence[RowWork], embeds_fn=None) -> ForwardOut:
+    def forward(self, rows: Sequence[RowWork], embeds_fn=None, all_columns: bool = False) -> ForwardOut:
         """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
-        embeddings instead of ids (image tokens)."""
+        embeddings instead of ids (image tokens). The eager path's ``columns`` are every fed column's logits in a
+        verify forward or with ``all_columns``, else each row's last ([B, 1, V]: the LM head skips the rest of
+        a prefill chunk)."""
         n = len(rows)
         T = max(w.num_new for w in rows)
         verify = any(w.verify for w in rows)
@@ -175,10 +180,15 @@ class ModelRunner:
         embeds = None
         if embeds_fn is not None:
             embeds = embeds_fn(self.inputs.derive(B, T).input_ids)
-        logits, hidden, meta, rec = self._body(B, T, verify, plan, embeds)
+        idx = self._last_index(rows, self.inputs.device)
+        every = verify or all_columns
+        logits, hidden, meta, rec = self._body(B, T, verify, plan, embeds, None if every else idx)
         self._recorded = rec
-        idx = self._last_index(rows, logits.device)
-        last = logits[:, -1] if all(w.num_new == T for w in rows) else logits[torch.arange(n, device=idx.device), idx]
+        if not every:
+            last = logits[:, 0]
+        else:
+            last = logits[:, -1] if all(w.num_new == T for w in rows) else logits[torch.arange(n, device=idx.device),
+                                                                                   idx]
         return ForwardOut(last, logits, verify, hidden, meta, False)
 
     @torch.no_grad()
