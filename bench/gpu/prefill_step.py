@@ -18,17 +18,41 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def engine_prefill_s(eng, prompts) -> float:
-    """Wall seconds from submitting ``prompts`` (1 new token each) to the last first token."""
+def engine_prefill_s(eng, prompts, trace: bool = False) -> float:
+    """Wall seconds from submitting ``prompts`` (4 new tokens each, so the first ones decode while the others
+    prefill, as in serving) to the last first token; ``trace`` prints each step's work and wall ms."""
+    steps = []
+    if trace:
+        orig_schedule, orig_step = eng.schedule, eng.step
+
+        def schedule():
+            dec, pre = orig_schedule()
+            steps.append([len(dec), [n for _, n in pre]])
+            return dec, pre
+
+        def step():
+            _sync()
+            t = time.perf_counter()
+            out = orig_step()
+            _sync()
+            if steps:
+                steps[-1].append(round((time.perf_counter() - t) * 1e3, 1))
+            return out
+
+        eng.schedule, eng.step = schedule, step
     _sync()
     t = time.perf_counter()
-    ids = [eng.add_request(p, max_new_tokens=1, ignore_eos=True) for p in prompts]
+    ids = [eng.add_request(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
     list(eng.stream())
     _sync()
-    wall = time.perf_counter() - t
+    first = max(eng.requests[i].first_token_time for i in ids) - t
+    if trace:
+        del eng.schedule, eng.step
+        for s in steps:
+            print(f"    step: {s[0]} decode rows, prefill chunks {s[1]}, {s[2] if len(s) > 2 else '?'} ms", flush=True)
     for i in ids:
         del eng.requests[i]
-    return wall
+    return first
 
 
 def generate_prefill_s(model, prompts) -> float:
@@ -99,6 +123,10 @@ def main(argv=None) -> None:
             e = min(engine_prefill_s(eng, prompts(c)) for _ in range(3))
             line.append(f"engine[{bud}] {e * 1e3:.1f} ms ({gen / e:.3f}x)")
         print(" | ".join(line), flush=True)
+        if c == max(conc):
+            for bud, eng in engines.items():
+                print(f"  steps of C={c}, budget {bud}:", flush=True)
+                engine_prefill_s(eng, prompts(c), trace=True)
     if args.profile:
         eng = engines[budgets[0]]
         n = args.profile

@@ -15,14 +15,20 @@ from test_engine_spec import GAMMA, OracleDrafter
 def test_static_steps_equal_eager_steps(model, spec):
     """cuda_graphs="static" runs decode / verify rows as the captured steps do (padded to a graph batch size,
     padding rows on slot −1, metadata derived on the device) without capture: the same tokens as the eager
-    steps and as generate(), greedy and seeded sampling."""
+    steps and as generate(), greedy and seeded sampling; greedy verify windows accept through the graph-safe
+    acceptance step."""
     prompts = [rand_ids(11 + 7 * i, 300 + i) for i in range(3)]
     refs = {tuple(p): reference(model, p, 9) for p in prompts}
     outs = {}
     for mode in (False, "static"):
         d = OracleDrafter(refs, 2) if spec else None
         e = _engine(model, d, cuda_graphs=mode, num_speculative_tokens=GAMMA if spec else None)
+        accepts = []
+        body = e.runner._greedy_accept_body
+        e.runner._greedy_accept_body = lambda *a: accepts.append(1) or body(*a)
         greedy = e.generate(prompts, max_new_tokens=9)
+        # greedy verify windows of the graph-shaped steps accept as the captured acceptance step does
+        assert bool(accepts) == (spec and mode == "static")
         sampled = e.generate(prompts, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
                              seed=5)
         outs[mode] = (greedy, sampled)
@@ -134,3 +140,39 @@ def test_speculative_tokens_are_bounded_by_the_fused_window(model):
     e = _engine(model, OracleDrafter({}, 0))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         e.add_request([1, 2, 3], max_new_tokens=4, num_speculative_tokens=e.runner.fused_max)
+
+
+def test_prefill_rows_split_by_padding():
+    """Prefill rows of very different lengths run as separate forwards (a short row would pad to the long rows'
+    length); rows of near lengths share one; order kept within a group, groups in the order of their first row."""
+    from k3nn.engine.runner import RowWork, padding_groups
+
+    def rows(*ns):
+        return [RowWork(i, [0] * n) for i, n in enumerate(ns)]
+
+    def ids(groups):
+        return [[w.req for w in g] for g in groups]
+
+    assert ids(padding_groups(rows(2048, 2048, 2048, 4))) == [[0, 1, 2], [3]]
+    assert ids(padding_groups(rows(4, 2048, 1900, 2048))) == [[0], [1, 2, 3]]
+    assert ids(padding_groups(rows(100, 8000, 120, 3000))) == [[0, 2], [1], [3]]
+    assert ids(padding_groups(rows(7))) == [[0]]
+    assert padding_groups([]) == []
+    for ns in ([5, 1, 9, 9, 2, 30, 31], [64] * 5, [1, 2, 3, 4, 5, 6]):
+        groups = padding_groups(rows(*ns))
+        assert sorted(w.req for g in groups for w in g) == list(range(len(ns)))  # every row once
+        for g in groups:
+            assert len(g) * max(w.num_new for w in g) <= 1.25 * sum(w.num_new for w in g) or len(g) == 1
+
+
+def test_mixed_length_prefills_equal_generate(model):
+    """Prompts of 60, 5 and 58 tokens admitted in one step run as two prefill forwards ([60, 58] and [5]) and
+    decode as generate() does."""
+    prompts = [rand_ids(60, 410), rand_ids(5, 411), rand_ids(58, 412)]
+    e = _engine(model, cuda_graphs="static")
+    ids = [e.add_request(p, max_new_tokens=5) for p in prompts]
+    e.step()
+    assert e.num_forwards == 2
+    while e.has_unfinished():
+        e.step()
+    assert [e.requests[i].output for i in ids] == [reference(model, p, 5) for p in prompts]

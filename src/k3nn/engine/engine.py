@@ -49,7 +49,7 @@ from .images import check_images, encode_images, feeds_images, image_block_keys,
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       per_prompt, token_ids)
 from ..runtime.sampling import SamplingTable
-from .runner import ForwardOut, ModelRunner, RowWork
+from .runner import ForwardOut, ModelRunner, RowWork, padding_groups
 from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
 from .speculative import as_engine_drafter, draft
@@ -468,7 +468,7 @@ class Engine:
         pre = [RowWork(r, r.tokens_to_feed(n), sample=r.remaining == n and not r.prefill_only) for r, n in prefills]
         separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
-        batches = [b for b in ([dec, pre] if separate else [dec + pre]) if b]
+        batches = [b for b in ([dec, *padding_groups(pre)] if separate else [dec + pre]) if b]
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
 
         def fail(r: Request, e: Exception, where: str) -> None:

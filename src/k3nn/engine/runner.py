@@ -35,13 +35,30 @@ from ..runtime.metadata import RowInput, StepInputs, StepMetadata, StepPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelRunner", "RowWork", "ForwardOut", "graph_batch_sizes"]
+__all__ = ["ModelRunner", "RowWork", "ForwardOut", "graph_batch_sizes", "padding_groups"]
 
 
 def graph_batch_sizes(max_rows: int) -> list[int]:
     """Padded batch sizes with a captured decode graph: 1, 2, 4, 8, then steps of 8 up to ``max_rows``."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(16, max_rows, 8)) + [max_rows]
     return sorted(set(sizes))
+
+
+def padding_groups(rows: Sequence["RowWork"], slack: float = 1.25) -> list[list["RowWork"]]:
+    """Split prefill rows into forwards whose right padding stays small: a forward runs [B, T] token slots for
+    its rows' tokens, so rows join a group (longest first) while B·T ≤ ``slack`` × their tokens. E.g. chunks of
+    2048, 2048, 2048 and 4 tokens run as [2048 × 3] and [4] instead of 4 × 2048 slots for 6148 tokens. Rows keep
+    their order within a group; groups come in the order of their first row."""
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].num_new)
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        n = rows[i].num_new
+        if g is None or (len(g) + 1) * rows[g[0]].num_new > slack * (sum(rows[j].num_new for j in g) + n):
+            groups.append([i])
+        else:
+            g.append(i)
+    return [[rows[i] for i in sorted(g)] for g in sorted(groups, key=min)]
 
 
 @dataclass
@@ -68,7 +85,8 @@ class ForwardOut:
     """A forward's outputs: ``logits`` [B, V] at each row's last fed token; ``columns`` [B, T, V] every column's
     logits; ``verify``: the forward has verify windows; ``hidden``: the drafter's tapped hidden states [B, T, d]
     per tap; ``meta``: the step's metadata (device views); ``graphed``: the forward replayed a CUDA graph;
-    ``greedy`` [B, 2]: a replayed decode step's argmax and non-finite flag per row (computed inside the graph)."""
+    ``greedy`` [B, 2]: a replayed decode step's argmax and non-finite flag per row (computed inside the graph);
+    ``padded``: the graph body's logits over the padded batch (the acceptance step of a verify forward reads them)."""
 
     logits: torch.Tensor
     columns: torch.Tensor
@@ -77,6 +95,7 @@ class ForwardOut:
     meta: StepMetadata
     graphed: bool = False
     greedy: torch.Tensor | None = None
+    padded: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -174,7 +193,7 @@ class ModelRunner:
             last = logits[:n, 0] if T == 1 else logits[torch.arange(n, device=logits.device),
                                                        self._last_index(rows, logits.device)]
             return ForwardOut(last, logits[:n], verify, None if hidden is None else [x[:n] for x in hidden], meta,
-                              key in self.graphs, None if greedy is None else greedy[:n])
+                              key in self.graphs, None if greedy is None else greedy[:n], logits)
         plan = self._plan(rows, T)
         self.cache.plan_rows = [w.req.row for w in rows]
         embeds = None
@@ -196,7 +215,11 @@ class ModelRunner:
         """Warm up and capture the graph of ``(B, T, verify)`` over a batch of padding rows (slot −1: no KDA
         state is read or written, latents go to the trash page): no request is touched."""
         self.inputs.stage([], B, T)
-        return self.graphs.capture((B, T, verify), lambda: self._graph_body(B, T, verify))
+        ok = self.graphs.capture((B, T, verify), lambda: self._graph_body(B, T, verify))
+        if ok and verify:  # the greedy acceptance over that graph's outputs (padding rows: nothing committed)
+            logits, _, meta, rec, _ = self.graphs.graphs[(B, T, verify)][1]
+            ok = self.graphs.capture(("accept", B, T), lambda: self._greedy_accept_body(logits, meta, rec))
+        return ok
 
     @staticmethod
     def _last_index(rows: Sequence[RowWork], device) -> torch.Tensor:
@@ -227,13 +250,14 @@ class ModelRunner:
 
     # -- verify windows ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def commit_windows(self, verify_rows: torch.Tensor, keep: torch.Tensor) -> None:
+    def commit_windows(self, verify_rows: torch.Tensor, keep: torch.Tensor, rec=None, meta=None) -> None:
         """After a verify forward: fold the first ``keep[b]`` window tokens of every verify row into its KDA state
-        (``verify_rows`` [B] bool, ``keep`` [B] long, device tensors; rows of the forward in order)."""
-        rec = self._recorded
+        (``verify_rows`` [B] bool, ``keep`` [B] long, device tensors; rows of the forward in order). ``rec`` /
+        ``meta``: the forward's recorded inputs and metadata (default: the last forward's)."""
+        rec = self._recorded if rec is None else rec
         if not rec:
             return
-        meta = self.cache.meta
+        meta = self.cache.meta if meta is None else meta
         B = keep.shape[0]
         slots = torch.where(verify_rows, meta.slots[:B], torch.full_like(meta.slots[:B], -1))
         run = self.pools.running
@@ -242,6 +266,27 @@ class ModelRunner:
                 qkv, f, b = rec[j]
                 mod.commit_window(qkv[:B], f[:B], b[:B], run.recurrent[j], run.conv[j], slots, keep.to(torch.int32))
         self._recorded = None
+
+    def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec) -> torch.Tensor:
+        """Greedy draws of a padded verify forward, graph-safe (captured as the step after the forward's graph):
+        per row [token, logits non-finite, accepted drafts, next token, window non-finite] ([B, 5], the layout of
+        :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same choices as :meth:`sample`
+        for greedy rows without penalties or stop blocks (their processed scores are the logits)."""
+        from ..runtime.sampling import greedy_accept
+
+        B, T, _ = W.shape
+        nn = meta.num_new[:B].long()
+        ver = meta.verify[:B]
+        last = W[torch.arange(B, device=W.device), (nn - 1).clamp_min(0)]
+        target = W.argmax(-1)  # [B, T]
+        limit = torch.where(ver, nn - 1, torch.zeros_like(nn)).clamp_min(0)
+        m = greedy_accept(target, meta.input_ids[:B, 1:T], limit)
+        nxt = target.gather(1, m[:, None])[:, 0]
+        m = torch.where(ver, m, torch.zeros_like(m))
+        self.commit_windows(ver, m + 1, rec, meta)
+        seen = torch.arange(T, device=W.device)[None, :] <= limit[:, None]
+        bad = (~torch.isfinite(W).all(-1) & seen).any(-1) & ver
+        return torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long(), m, nxt, bad.long()], 1)
 
     # -- drawing tokens -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,6 +314,20 @@ class ModelRunner:
             ids = out.logits.argmax(-1)
             bad = (~torch.isfinite(out.logits).all(-1)).long()
             return Draws(torch.stack([ids, bad], 1).tolist(), {}, False)
+        if (out.verify and out.padded is not None and not (logprobs or draft_probs or variant.sampling
+                                                            or variant.penalties or variant.min_tokens)
+                and synthetic_length is None):
+            # greedy verify rows of a graph-shaped forward: acceptance and commit as one more replayed step
+            B, T = out.padded.shape[:2]
+            rec = self._recorded
+
+            def accept():
+                return self._greedy_accept_body(out.padded, meta, rec)
+
+            # captured only over a replayed forward's outputs (an eager forward's are new tensors every call)
+            packed = self.graphs.run(("accept", B, T), accept) if out.graphed else accept()
+            self._recorded = None
+            return Draws(packed[:n].tolist(), {}, True)
         slots = meta.slots[:n]
         nn = meta.num_new[:n].long()
         ver = meta.verify[:n]
