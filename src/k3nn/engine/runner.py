@@ -217,7 +217,8 @@ class ModelRunner:
         self.inputs.stage([], B, T)
         ok = self.graphs.capture((B, T, verify), lambda: self._graph_body(B, T, verify))
         if ok and verify:  # the greedy acceptance over that graph's outputs (padding rows: nothing committed)
-            logits, _, meta, rec, _ = self.graphs.graphs[(B, T, verify)][1]
+            graph, (logits, _, meta, rec, _) = self.graphs.graphs[(B, T, verify)]
+            graph.replay()  # a capture computes nothing: fill the outputs the acceptance's warm-up run reads
             ok = self.graphs.capture(("accept", B, T), lambda: self._greedy_accept_body(logits, meta, rec))
         return ok
 
@@ -277,7 +278,7 @@ class ModelRunner:
         B, T, _ = W.shape
         nn = meta.num_new[:B].long()
         ver = meta.verify[:B]
-        last = W[torch.arange(B, device=W.device), (nn - 1).clamp_min(0)]
+        last = W[torch.arange(B, device=W.device), (nn - 1).clamp(0, T - 1)]
         target = W.argmax(-1)  # [B, T]
         limit = torch.where(ver, nn - 1, torch.zeros_like(nn)).clamp_min(0)
         m = greedy_accept(target, meta.input_ids[:B, 1:T], limit)

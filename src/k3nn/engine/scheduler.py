@@ -8,7 +8,10 @@ recompute: what it fed is indexed for reuse, its row and pages are freed, and it
 recomputed from prompt + output with the same generator). Prefill chunks get what the decodes leave
 (:meth:`TokenBudget.prefill`): partial prefills first (FCFS), then waiting requests are admitted while rows, pages
 and budget last. A waiting request that does not fit the free pages does not block smaller ones behind it; after a
-preemption nothing new is admitted in the same step. A chunk that splits a prompt ends on a page boundary.
+preemption nothing new is admitted in the same step. A chunk that splits a prompt ends on a page boundary; a step
+that already prefills starts no split chunk below 1/16 of the budget (a sliver would cost a forward of its own, the
+rows of one forward being right-padded to its longest), and a prompt that overshoots the budget by at most 1/32
+is taken whole.
 
 The :class:`Scheduler` owns the queues (``waiting``, ``running``) and the policy; the pages and rows are the
 :class:`~k3nn.engine.cache_manager.CacheManager`'s.
@@ -87,8 +90,11 @@ class Scheduler:
 
     def chunk(self, req: Request, budget: int) -> int:
         """Tokens ``req`` feeds this step within ``budget``; a chunk that does not finish the prompt ends on a page
-        boundary when one lies inside it."""
+        boundary when one lies inside it. A prompt that overshoots the budget by at most 1/32 of it is taken
+        whole (rather than leaving a sliver of a few tokens for a forward of its own next step)."""
         rem = req.remaining
+        if rem <= budget + budget // 32:
+            return rem
         n = min(rem, budget)
         if n < rem:
             U = self.block_size
@@ -144,13 +150,23 @@ class Scheduler:
         active = [r for r in active if r.status == RequestStatus.RUNNING]
         out.decodes = [r for r in active if r.remaining == 1]
         budget = self.budget.prefill(len(out.decodes), sum(1 + self.draft_len(r) for r in out.decodes))
+        # a chunk that leaves its prompt unfinished is worth a forward slot only from this size on (a step that
+        # already prefills does not start one smaller: the next step gives it a full share)
+        floor = max(self.block_size, self.budget.max_num_batched_tokens // 16)
+
+        def worth(r: Request, n: int) -> bool:
+            return n >= r.remaining or n >= floor or not out.prefills
+
         for r in active:
             if r.remaining > 1 and budget > 0:
                 n = self.chunk(r, budget)
-                out.prefills.append((r, n))
-                budget -= n
+                if worth(r, n):
+                    out.prefills.append((r, n))
+                    budget -= n
         i = 0
         while i < len(self.waiting) and budget > 0 and self.num_preemptions == preempted:
+            if not worth(self.waiting[i], self.chunk(self.waiting[i], budget)):
+                break  # admitted next step with a useful chunk
             req = self.waiting[i]
             if self._sibling_prefilling(req):
                 i += 1  # a sibling sample is computing the same prompt: wait one step and share its pages
