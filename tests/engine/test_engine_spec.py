@@ -112,14 +112,18 @@ def dspark(model):
 def test_dspark_drafter_with_shared_prefixes_eviction_and_preemption(model, dspark):
     """A real (untrained) DSpark drafter: any acceptance; shared prefixes (prefix hits carry the drafter's
     context), a pool small enough to evict and preempt; output equals the non-speculative engine and
-    generate()."""
+    generate(). Its greedy drafts reach the verify step on the device."""
     base = rand_ids(140, 3)
     prompts = [base[:50 + 25 * i] + rand_ids(5 + i, 60 + i) for i in range(4)] + [rand_ids(30, 90)]
     n = 24
     spec = _engine(model, dspark, max_num_seqs=3, num_pages=5, num_snapshots=3, max_num_batched_tokens=96)
+    fed = []  # greedy DSpark drafts stay on the device and are copied into the verify step's inputs there
+    feed = spec.runner._feed_device_drafts
+    spec.runner._feed_device_drafts = lambda rows, B, T: (fed.append(sum(w.device_drafts is not None for w in rows)),
+                                                          feed(rows, B, T))
     assert spec.generate(prompts, max_new_tokens=n) == [reference(model, p, n) for p in prompts]
     m = spec.metrics()
-    assert m["spec_rounds"] > 0 and m["cache_hits"] > 0
+    assert m["spec_rounds"] > 0 and m["cache_hits"] > 0 and sum(fed) > 0
     _leak_free(spec)
 
 

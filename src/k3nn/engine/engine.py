@@ -463,8 +463,8 @@ class Engine:
             draft(self.drafter, decodes, self.scheduler.draft_len, self.spec_options.confidence_threshold,
                   self.mcfg.vocab_size)
         self._bind_rows(decodes + [r for r, _ in prefills])
-        dec = [RowWork(r, r.tokens_to_feed(1 + len(r.drafts)), decode=True, verify=bool(r.drafts), sample=True)
-               for r in decodes]
+        dec = [RowWork(r, r.tokens_to_feed(1 + len(r.drafts)), decode=True, verify=bool(r.drafts), sample=True,
+                       device_drafts=r.device_drafts if r.drafts else None) for r in decodes]
         pre = [RowWork(r, r.tokens_to_feed(n), sample=r.remaining == n and not r.prefill_only) for r, n in prefills]
         separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
@@ -494,14 +494,14 @@ class Engine:
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
                 self.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
                 for w in batch:
-                    w.req.drafts, w.req.draft_probs = [], None
+                    w.req.drafts, w.req.draft_probs, w.req.device_drafts = [], None, None
                     fail(w.req, e, "forward")
                 continue
             for b, w in enumerate(batch):
                 r = w.req
                 res = draws[b]
                 if isinstance(res, Exception):
-                    r.drafts, r.draft_probs = [], None
+                    r.drafts, r.draft_probs, r.device_drafts = [], None, None
                     fail(r, res, "verification" if w.verify else "sampling")
                     continue
                 if res is not None:
@@ -560,8 +560,8 @@ class Engine:
             if bad:
                 res.append(FloatingPointError("the logits of the verify window contain NaN or Inf"))
                 continue
-            toks = list(r.drafts[:m]) + [int(nxt)]
-            r.drafts, r.draft_probs = [], None
+            toks = row[5:5 + m] + [int(nxt)]  # the drafts as fed (device drafts come back here)
+            r.drafts, r.draft_probs, r.device_drafts = [], None, None
             r.num_computed -= n - m  # keep the pending token + the accepted drafts
             r.spec_rounds += 1
             r.spec_drafted += n

@@ -265,6 +265,7 @@ class Request:
     num_spec: int = 0  # drafts per verify window (0: plain decoding)
     drafts: list[int] = field(default_factory=list)  # this step's drafts (fed after the pending token)
     draft_probs: Any = None  # [n, V] draft distribution of sampled drafts (None: greedy drafts)
+    device_drafts: Any = None  # [n] the drafts on the device (``drafts`` then holds placeholders, fed as these)
     spec_rounds: int = 0  # verify windows with at least one draft
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -290,7 +291,12 @@ class Request:
 
     def tokens_to_feed(self, n: int) -> list[int]:
         """The next ``n`` tokens the model has not computed yet (prompt, output, then this step's drafts)."""
-        return (self.all_tokens() + self.drafts)[self.num_computed:self.num_computed + n]
+        i, out = self.num_computed, []
+        for part in (self.prompt, self.output, self.drafts):  # no copy of the whole context per step
+            if len(out) < n and i < len(part):
+                out += part[i:i + n - len(out)]
+            i = max(0, i - len(part))
+        return out
 
     @property
     def acceptance_length(self) -> float:

@@ -74,6 +74,7 @@ class RowWork:
     verify: bool = False
     sample: bool = False
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    device_drafts: torch.Tensor | None = None  # [n] drafts on the device: fed instead of tokens[1:1 + n]
 
     @property
     def num_new(self) -> int:
@@ -186,6 +187,7 @@ class ModelRunner:
         B = self.padded_size(n) if graph else n
         self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
                                     w.sample) for w in rows], B, T)
+        self._feed_device_drafts(rows, B, T)
         if graph:
             key = (B, T, verify)
             logits, hidden, meta, rec, greedy = self.graphs.run(key, lambda: self._graph_body(B, T, verify))
@@ -209,6 +211,24 @@ class ModelRunner:
             last = logits[:, -1] if all(w.num_new == T for w in rows) else logits[torch.arange(n, device=idx.device),
                                                                                    idx]
         return ForwardOut(last, logits, verify, hidden, meta, False)
+
+    def _feed_device_drafts(self, rows: Sequence[RowWork], B: int, T: int) -> None:
+        """Copy each row's device drafts into its token ids after the pending token (stream-ordered after the
+        staging copy; one copy per run of consecutive rows with drafts of one length)."""
+        ids = None
+        b = 0
+        while b < len(rows):
+            d = rows[b].device_drafts
+            if d is None:
+                b += 1
+                continue
+            e = b + 1
+            while e < len(rows) and rows[e].device_drafts is not None and rows[e].device_drafts.shape == d.shape:
+                e += 1
+            ids = self.inputs.ids(B, T) if ids is None else ids
+            n = d.shape[0]
+            ids[b:e, 1:1 + n].copy_(torch.stack([w.device_drafts for w in rows[b:e]]) if e - b > 1 else d[None])
+            b = e
 
     @torch.no_grad()
     def capture_padding(self, B: int, T: int, verify: bool) -> bool:
@@ -270,8 +290,8 @@ class ModelRunner:
 
     def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec) -> torch.Tensor:
         """Greedy draws of a padded verify forward, graph-safe (captured as the step after the forward's graph):
-        per row [token, logits non-finite, accepted drafts, next token, window non-finite] ([B, 5], the layout of
-        :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same choices as :meth:`sample`
+        per row [token, logits non-finite, accepted drafts, next token, window non-finite, the T − 1 fed drafts]
+        ([B, 4 + T], the layout of :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same choices as :meth:`sample`
         for greedy rows without penalties or stop blocks (their processed scores are the logits)."""
         from ..runtime.sampling import greedy_accept
 
@@ -287,7 +307,8 @@ class ModelRunner:
         self.commit_windows(ver, m + 1, rec, meta)
         seen = torch.arange(T, device=W.device)[None, :] <= limit[:, None]
         bad = (~torch.isfinite(W).all(-1) & seen).any(-1) & ver
-        return torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long(), m, nxt, bad.long()], 1)
+        return torch.cat([torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long(), m, nxt, bad.long()],
+                                      1), meta.input_ids[:B, 1:T]], 1)
 
     # -- drawing tokens -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -375,7 +396,7 @@ class ModelRunner:
             chosen = torch.where(j[:, :T - 1] < m[:, None], drafts, nxt[:, None].expand(n, T - 1)) if T > 1 else None
             chosen = torch.cat([chosen, nxt[:, None]], 1) if chosen is not None else nxt[:, None]  # [n, T]
             table.record(slots, chosen, (j <= m[:, None]) & ver[:, None])
-            cols += [m, nxt, bad.long()]
+            cols += [m, nxt, bad.long(), *drafts.unbind(1)]
         packed = torch.stack(cols, 1).tolist()  # the one host copy of the step's draws
         lps: dict[int, list] = {}
         if logprobs:
@@ -406,7 +427,7 @@ class ModelRunner:
 @dataclass
 class Draws:
     """One forward's draws on the host: per row, ``packed[b]`` = [token, logits non-finite] (+ [accepted drafts,
-    next token, window non-finite] in a verify forward); ``logprobs[b]``: rows of
+    next token, window non-finite, the fed drafts (T − 1 columns)] in a verify forward); ``logprobs[b]``: rows of
     :func:`~k3nn.runtime.sampling.token_logprobs` (one per window column for verify rows), trimmed by the caller."""
 
     packed: list[list[int]]

@@ -137,11 +137,13 @@ class DSparkEngineDrafter:
     Greedy proposals on CUDA run as CUDA graphs of a :class:`~k3nn.runtime.graphs.GraphRunner`, one per (rows,
     draft length, key length bucket): the page tables, cached lengths, anchors and positions are copied into that
     key's persistent buffers (one host-to-device copy), then the gather, backbone and Markov heads replay. The
-    first round of a key runs eagerly, the second captures. Sampled proposals draw from the request's generator
-    and run eagerly. :meth:`write` is graph-safe (``graph_safe_write``): the engine runs it inside each forward,
+    first round of a key runs eagerly, the second captures; their tokens stay on the device (``device_drafts``:
+    the engine writes them into the verify step's inputs and reads them back with the acceptance). Sampled
+    proposals draw from the request's generator and run eagerly. :meth:`write` is graph-safe (``graph_safe_write``): the engine runs it inside each forward,
     so a decode / verify step's graph stores the drafter's context too."""
 
     graph_safe_write = True
+    device_drafts = True  # greedy proposals from a drafter's own argmax: in range, kept on the device
 
     def __init__(self, drafter: DSparkDrafter, num_pages: int, block_size: int, device):
         from ..runtime.graphs import GraphRunner
@@ -176,7 +178,7 @@ class DSparkEngineDrafter:
             self._buffers[key] = (torch.empty(host.numel(), dtype=torch.long, device=dev),
                                   torch.empty(host.numel(), dtype=torch.long, pin_memory=dev.type == "cuda"))
         buf, staging = self._buffers[key]
-        staging.copy_(host)  # the last round's copy out of it finished: its drafts were read since
+        staging.copy_(host)  # the last round's copy out of it finished: the step's draws were read since
         buf.copy_(staging, non_blocking=True)
         B, W = table.shape
 
@@ -214,7 +216,7 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
     drafter call; a sampling row drafts alone, from its own generator. A drafter error costs only the speedup:
     those rows decode plainly this step (logged)."""
     for r in decodes:
-        r.drafts, r.draft_probs = [], None
+        r.drafts, r.draft_probs, r.device_drafts = [], None, None
     groups: dict[tuple, list[Request]] = {}
     for r in decodes:
         n = draft_len(r)
@@ -229,6 +231,13 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
             toks = prop.tokens[:, :n]
             if tuple(toks.shape) != (len(group), n):
                 raise ValueError(f"expected drafts of shape {(len(group), n)}, got {tuple(toks.shape)}")
+            if getattr(drafter, "device_drafts", False) and prop.probs is None and not (
+                    confidence_threshold > 0 and prop.confidence is not None):
+                # the count is known on the host: the drafts stay on the device and are written into the
+                # verify step's inputs there (no host read before the verify forward)
+                for k, r in enumerate(group):
+                    r.drafts, r.device_drafts = [0] * n, toks[k]
+                continue
             if confidence_threshold > 0 and prop.confidence is not None:
                 ok = (prop.confidence[:, :n] >= confidence_threshold).long().cumprod(1).sum(1)
                 both = torch.cat([toks, ok[:, None].to(toks.dtype)], 1).tolist()  # one host read

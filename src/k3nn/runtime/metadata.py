@@ -181,6 +181,12 @@ class StepInputs:
             t = self._tail[(B * T if big else 0):(B * T if big else 0) + 3 * upd].view(3, upd)
             self.tables.index_put_((t[0], t[1]), t[2].to(torch.int32))
 
+    def ids(self, B: int, T: int) -> torch.Tensor:
+        """The staged token ids [B, T] on the device (a view: writing it changes the step's inputs)."""
+        if T > self.Tg and self._big_ids is not None:
+            return self._big_ids
+        return self._dev[4 * self.R:4 * self.R + B * T].view(B, T)
+
     # -- derived ---------------------------------------------------------------------------------------------
     def derive(self, B: int, T: int, verify_rows: bool = False) -> StepMetadata:
         """The metadata of a staged (B, T) step as device tensors (graph-safe: device ops only). For a captured
@@ -191,7 +197,7 @@ class StepInputs:
         num_cached = self._dev[R:R + B]
         num_new = self._dev[2 * R:2 * R + B]
         flags = self._dev[3 * R:3 * R + B]
-        ids = self._big_ids if T > self.Tg and self._big_ids is not None else self._dev[4 * R:4 * R + B * T].view(B, T)
+        ids = self.ids(B, T)
         t = self._arange_t(T)
         positions = num_cached[:, None] + t[None, :]
         live = slots >= 0
