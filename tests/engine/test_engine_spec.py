@@ -204,3 +204,19 @@ def test_speculation_arguments_are_checked(model):
         _engine(model, spec=SpecOptions(rollback="slots"))
     with pytest.raises(TypeError, match="propose"):
         _engine(model, object())
+
+
+def test_context_tokens_view_reads_like_the_list():
+    """The drafter's view of prompt + output indexes, slices and iterates like the concatenated list."""
+    from k3nn.engine.speculative import ContextTokens
+
+    for a, b in (([1, 2, 3], [4, 5]), ([], [7]), ([8, 9], []), ([], [])):
+        v, ref = ContextTokens(a, b), a + b
+        assert len(v) == len(ref) and list(v) == ref
+        for i in range(-len(ref), len(ref)):
+            assert v[i] == ref[i]
+        for sl in (slice(None), slice(1, None), slice(None, -1), slice(-3, None), slice(0, 10), slice(None, None, 2),
+                   slice(2, 1), slice(-1, None, -1)):
+            assert v[sl] == ref[sl]
+        with pytest.raises(IndexError):
+            v[len(ref)]

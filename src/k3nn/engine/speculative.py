@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -35,9 +36,38 @@ from ..cache.paged import write_rows
 from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
 from .request import Request
 
-__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
+__all__ = ["ContextTokens", "DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
 
 log = logging.getLogger(__name__)
+
+
+class ContextTokens(Sequence):
+    """A request's prompt + output as one read-only sequence of ints, without copying them (a drafter reads the
+    last few; the whole context copied per row per round is O(context) host work). Indexing, slices (lists),
+    ``len`` and iteration."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]):
+        self._a, self._b = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._a) + len(self._b)
+
+    def __getitem__(self, i):
+        n, na = len(self), len(self._a)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return list(self._a[start:stop]) + list(self._b[max(0, start - na):max(0, stop - na)])
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"token index {i} out of range for {n} tokens")
+        return self._a[j] if j < na else self._b[j - na]
+
+    def __repr__(self) -> str:
+        return f"ContextTokens({len(self)} tokens)"
 
 
 @dataclass
@@ -46,7 +76,7 @@ class DraftRow:
     anchor, not yet in the cache), how many are cached (= the anchor's rope position), its page table, and its
     sampling parameters and generator (sampled drafts draw from the request's own generator)."""
 
-    tokens: list[int]
+    tokens: Sequence[int]  # a list, or a ContextTokens view
     num_computed: int
     blocks: list[int]
     params: object  # SamplingParams (do_sample, temperature, top_k, top_p)
@@ -224,7 +254,8 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
             groups.setdefault((n, r.request_id) if r.params.do_sample else (n,), []).append(r)
     for key, group in groups.items():
         n = key[0]
-        rows = [DraftRow(r.all_tokens(), r.num_computed, r.blocks, r.params, r.generator) for r in group]
+        rows = [DraftRow(ContextTokens(r.prompt, r.output), r.num_computed, r.blocks, r.params, r.generator)
+                for r in group]
         try:
             with torch.inference_mode():
                 prop = drafter.propose(rows, n)
