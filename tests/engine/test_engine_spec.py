@@ -207,11 +207,11 @@ def test_speculation_arguments_are_checked(model):
 
 
 def test_context_tokens_view_reads_like_the_list():
-    """The drafter's view of prompt + output indexes, slices and iterates like the concatenated list."""
-    from k3nn.engine.speculative import ContextTokens
+    """The view of prompt + output (+ drafts) indexes, slices and iterates like the concatenated list."""
+    from k3nn.engine.request import ContextTokens
 
-    for a, b in (([1, 2, 3], [4, 5]), ([], [7]), ([8, 9], []), ([], [])):
-        v, ref = ContextTokens(a, b), a + b
+    for parts in (([1, 2, 3], [4, 5]), ([], [7]), ([8, 9], []), ([], []), ([1, 2], [3], [4, 5, 6]), ([], [], [9])):
+        v, ref = ContextTokens(*parts), [t for p in parts for t in p]
         assert len(v) == len(ref) and list(v) == ref
         for i in range(-len(ref), len(ref)):
             assert v[i] == ref[i]

@@ -494,14 +494,14 @@ class Engine:
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
                 self.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
                 for w in batch:
-                    w.req.drafts, w.req.draft_probs, w.req.device_drafts = [], None, None
+                    w.req.clear_drafts()
                     fail(w.req, e, "forward")
                 continue
             for b, w in enumerate(batch):
                 r = w.req
                 res = draws[b]
                 if isinstance(res, Exception):
-                    r.drafts, r.draft_probs, r.device_drafts = [], None, None
+                    r.clear_drafts()
                     fail(r, res, "verification" if w.verify else "sampling")
                     continue
                 if res is not None:
@@ -561,7 +561,7 @@ class Engine:
                 res.append(FloatingPointError("the logits of the verify window contain NaN or Inf"))
                 continue
             toks = row[5:5 + m] + [int(nxt)]  # the drafts as fed (device drafts come back here)
-            r.drafts, r.draft_probs, r.device_drafts = [], None, None
+            r.clear_drafts()
             r.num_computed -= n - m  # keep the pending token + the accepted drafts
             r.spec_rounds += 1
             r.spec_drafted += n

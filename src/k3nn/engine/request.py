@@ -7,12 +7,13 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "Request", "RequestOutput", "RequestStatus", "token_ids"]
+__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "ContextTokens", "Request", "RequestOutput", "RequestStatus", "token_ids"]
 
 
 @dataclass
@@ -224,6 +225,42 @@ class ImageInputs:
         return len(self.sizes)
 
 
+class ContextTokens(Sequence):
+    """Token lists read as one concatenated, read-only sequence of ints without copying them (a request's prompt
+    + output: a drafter reads the last few, a step the next few). Indexing, slices (lists), ``len``, iteration."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts: Sequence[int]):
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._parts)
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            out: list[int] = []
+            for p in self._parts:
+                if start < stop:
+                    out += p[max(0, start):max(0, stop)]
+                start, stop = start - len(p), stop - len(p)
+            return out
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"token index {i} out of range for {n} tokens")
+        for p in self._parts:
+            if j < len(p):
+                return p[j]
+            j -= len(p)
+
+    def __repr__(self) -> str:
+        return f"ContextTokens({len(self)} tokens)"
+
+
 @dataclass(eq=False)
 class Request:
     """One request inside the Engine (``engine.requests[request_id]``): its prompt ids, :class:`SamplingParams`,
@@ -291,12 +328,11 @@ class Request:
 
     def tokens_to_feed(self, n: int) -> list[int]:
         """The next ``n`` tokens the model has not computed yet (prompt, output, then this step's drafts)."""
-        i, out = self.num_computed, []
-        for part in (self.prompt, self.output, self.drafts):  # no copy of the whole context per step
-            if len(out) < n and i < len(part):
-                out += part[i:i + n - len(out)]
-            i = max(0, i - len(part))
-        return out
+        return ContextTokens(self.prompt, self.output, self.drafts)[self.num_computed:self.num_computed + n]
+
+    def clear_drafts(self) -> None:
+        """Forget this step's drafts (host, device and their distribution)."""
+        self.drafts, self.draft_probs, self.device_drafts = [], None, None
 
     @property
     def acceptance_length(self) -> float:

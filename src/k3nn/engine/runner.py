@@ -291,8 +291,9 @@ class ModelRunner:
     def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec) -> torch.Tensor:
         """Greedy draws of a padded verify forward, graph-safe (captured as the step after the forward's graph):
         per row [token, logits non-finite, accepted drafts, next token, window non-finite, the T − 1 fed drafts]
-        ([B, 4 + T], the layout of :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same choices as :meth:`sample`
-        for greedy rows without penalties or stop blocks (their processed scores are the logits)."""
+        ([B, 4 + T], the layout of :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same
+        choices as :meth:`sample` for greedy rows without penalties or stop blocks (their processed scores are the
+        logits)."""
         from ..runtime.sampling import greedy_accept
 
         B, T, _ = W.shape

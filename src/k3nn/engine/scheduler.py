@@ -132,7 +132,8 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed = req.indexed_blocks = 0
-        req.plan, req.drafts, req.draft_probs = [], [], None
+        req.plan = []
+        req.clear_drafts()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)

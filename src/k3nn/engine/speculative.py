@@ -34,40 +34,11 @@ import torch
 from ..cache.pages import gather_latents
 from ..cache.paged import write_rows
 from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
-from .request import Request
+from .request import ContextTokens, Request
 
-__all__ = ["ContextTokens", "DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
+__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
 
 log = logging.getLogger(__name__)
-
-
-class ContextTokens(Sequence):
-    """A request's prompt + output as one read-only sequence of ints, without copying them (a drafter reads the
-    last few; the whole context copied per row per round is O(context) host work). Indexing, slices (lists),
-    ``len`` and iteration."""
-
-    __slots__ = ("_a", "_b")
-
-    def __init__(self, prompt: Sequence[int], output: Sequence[int]):
-        self._a, self._b = prompt, output
-
-    def __len__(self) -> int:
-        return len(self._a) + len(self._b)
-
-    def __getitem__(self, i):
-        n, na = len(self), len(self._a)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(n)
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            return list(self._a[start:stop]) + list(self._b[max(0, start - na):max(0, stop - na)])
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise IndexError(f"token index {i} out of range for {n} tokens")
-        return self._a[j] if j < na else self._b[j - na]
-
-    def __repr__(self) -> str:
-        return f"ContextTokens({len(self)} tokens)"
 
 
 @dataclass
@@ -169,8 +140,9 @@ class DSparkEngineDrafter:
     key's persistent buffers (one host-to-device copy), then the gather, backbone and Markov heads replay. The
     first round of a key runs eagerly, the second captures; their tokens stay on the device (``device_drafts``:
     the engine writes them into the verify step's inputs and reads them back with the acceptance). Sampled
-    proposals draw from the request's generator and run eagerly. :meth:`write` is graph-safe (``graph_safe_write``): the engine runs it inside each forward,
-    so a decode / verify step's graph stores the drafter's context too."""
+    proposals draw from the request's generator and run eagerly. :meth:`write` is graph-safe
+    (``graph_safe_write``): the engine runs it inside each forward, so a decode / verify step's graph stores the
+    drafter's context too."""
 
     graph_safe_write = True
     device_drafts = True  # greedy proposals from a drafter's own argmax: in range, kept on the device
@@ -246,7 +218,7 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
     drafter call; a sampling row drafts alone, from its own generator. A drafter error costs only the speedup:
     those rows decode plainly this step (logged)."""
     for r in decodes:
-        r.drafts, r.draft_probs, r.device_drafts = [], None, None
+        r.clear_drafts()
     groups: dict[tuple, list[Request]] = {}
     for r in decodes:
         n = draft_len(r)
