@@ -193,7 +193,9 @@ class MultiHeadLatentAttention(nn.Module):
                 q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).to(pool.dtype)
                 o_lat, _ = ops.mla_decode(q_lat, q_rope.to(pool.dtype).contiguous(), pool, table, seq_lens,
                                           self.scale, check=False)
-                o = torch.einsum("bthr,hvr->bthv", upcast(o_lat), upcast(w_uv)).to(x.dtype)
+                # the latent output is in the pool's dtype already: W_UV in that dtype too (a 16-bit GEMM accumulates
+                # in fp32 and rounds once, as the fp32 product would), never an fp32 copy of the weight per step
+                o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.to(o_lat.dtype)).to(x.dtype)
                 return self.finish(x, o, gate)
         if state is not None:
             c_all, kr_all, key_mask, q_pos = state.append(c, k_r, attention_mask, start)
