@@ -32,7 +32,7 @@ print = functools.partial(print, flush=True)
 
 D, I, TOPK = 3584, 3072, 16
 BETA, LIN = 4.0, 25.0
-CONFIGS = ["4,2,2,1,1", "4,2,4,1,1", "4,2,3,1,1", "4,2,4,0,1", "4,2,6,0,1", "2,4,3,1,1", "2,2,4,1,1", "4,4,3,1,1"]
+CONFIGS = ["4,2,2,1,1,1", "4,2,2,1,1,2", "4,2,2,1,1,3", "4,2,2,1,1,8", "4,2,4,1,1,4", "2,2,2,1,1,4", "2,2,2,1,1,8"]
 
 
 def make_weights(E, dev):
@@ -48,7 +48,7 @@ def make_weights(E, dev):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC")
+    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC[,PASSES]")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")

@@ -122,14 +122,17 @@ def test_default_splits():
     assert cd.default_num_splits(1, 64, 32768, 132) == 64
     assert cd.default_num_splits(64, 64, 8192, 132) == 2
     assert cd.default_num_splits(64, 96, 8192, 132) == 1
-    assert cd.default_num_splits(1, 64, 1000, 132) == 2  # short table: at least 8 tiles per split
+    assert cd.default_num_splits(1, 64, 1000, 132) == 8  # short table: about two tiles per split
+    assert cd.default_num_splits(1, 96, 8192, 132) == 16  # the 8-tile rule
+    assert cd.default_num_splits(1, 96, 512, 132) == 4
+    assert cd.default_num_splits(1, 96, 2048, 132) == 16
     assert cd.default_num_splits(1, 64, 10 ** 7, 132, ctas_per_sm=2) == cd.MAX_SPLITS  # 264 CTAs would fit
     assert cd.default_num_splits(1, 96, 10 ** 7, 132, ctas_per_sm=2) == 132
     assert cd.default_num_splits(1, 1, 10 ** 7, 1000) == cd.MAX_SPLITS
     assert cd.default_num_splits(500, 96, 4096, 132) == 1
     # the generic rule: rows / key tile / tiles per split
     assert cd.default_num_splits(1, 64, 32768, 132, rows=16, block_n=32, min_tiles=4) == 33
-    assert cd.default_num_splits(1, 64, 256, 132, rows=16, block_n=32, min_tiles=4) == 2
+    assert cd.default_num_splits(1, 64, 256, 132, rows=16, block_n=32, min_tiles=4) == 4  # short: two tiles each
 
 
 def test_generated_source_has_the_entry_points():
