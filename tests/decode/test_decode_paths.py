@@ -147,6 +147,7 @@ def test_runner_arguments(k3):
     # graphs requested on CPU: the static step (no capture) runs
     run = make_decode_runner(k3, cache, cuda_graph=True)
     assert run.mode == "static" and cache.static
+    assert run.graph is None and not run.uses_graph  # nothing captured (the roofline bench replays run.graph)
     run.close()
     assert not cache.static
 

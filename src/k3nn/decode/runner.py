@@ -65,6 +65,13 @@ class DecodeRunner:
         return "step" in self.graphs
 
     @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step (replaying it advances the device state only: the caller advances the cache's host
+        bookkeeping), or None before the capture or without one."""
+        entry = self.graphs.graphs.get("step")
+        return None if entry is None else entry[0]
+
+    @property
     def fallback_reason(self) -> str | None:
         """Why the step does not run as asked (a failed capture, or the note set by :func:`make_decode_runner`);
         None when it does."""

@@ -74,29 +74,25 @@ __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supp
 
 
 class CudaGemvConfig(NamedTuple):
-    """Launch shape: ``row_tiles`` 16-row tiles per CTA pass, ``k_split`` warps sharing each tile's K (CTA =
+    """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
     row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+),
-    ``passes`` at most this many consecutive row passes per CTA (the launcher picks about one wave of resident
-    CTAs): the activations are staged once for all of them, and each next pass's first weight loads and scales
-    go out before the current pass's epilogue."""
+    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
 
     row_tiles: int = 1
     k_split: int = 2
     unroll: int = 2
     prefetch: bool = True
     decode: int = 0
-    passes: int = 1
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{' e4m3' if self.decode else ''}{f' x{self.passes}' if self.passes != 1 else ''}")
+                f"{' e4m3' if self.decode else ''}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
 #: measured at 1, 4 and 16 tokens (``docs/perf.md``). Below sm_89 (no e4m3 convert) :func:`supports` declines
 #: decode 1 and the Triton GEMV runs.
-DEFAULT_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=True, decode=1, passes=4)
+DEFAULT_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=True, decode=1)
 
 _NTS = (1, 2, 4)  # n8 tiles of the mma = ceil(block_m / 2)
 _DTYPES = {torch.bfloat16: ("bf16", "__nv_bfloat16"), torch.float16: ("fp16", "__half")}
@@ -123,7 +119,7 @@ def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...
             for nt in _NTS:
                 if tname in dtypes:
                     f = [f"&launch<{ctype}, {nt}, {c.row_tiles}, {c.k_split}, {c.unroll}, {int(c.prefetch)}, "
-                         f"{c.decode}, {glu}, {c.passes}>" for glu in ("false", "true")]
+                         f"{c.decode}, {glu}>" for glu in ("false", "true")]
                 else:
                     f = ["nullptr", "nullptr"]
                 nts.append("{" + ", ".join(f) + "}")
@@ -144,9 +140,9 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1) and 1 <= cfg.passes <= 16):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1, passes 1-16)")
+                         f"≤ 16 warps, decode 0/1)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -48,7 +48,6 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
   p.cap = cap;
   p.scale_vec = scale_vec;
   p.pdl = pdl;
-  p.tpc = 1;  // the launcher sets it from the grid
   p.beta = (float)beta;
   p.linear_beta = (float)linear_beta;
   TORCH_CHECK(bm == 1 || bm == 2 || bm == 4 || bm == 8, "mx_gemv_launch: block_m must be 1, 2, 4 or 8");

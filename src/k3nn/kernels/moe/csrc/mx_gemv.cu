@@ -237,10 +237,58 @@ struct MinBlocks {
 //      the group's 8 mmas (one FFMA each), then a shuffle with lane q^1 adds the other two blocks.
 // PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
 // griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
-// E8M0 bytes of rows [n0, n0 + ROWS) of expert e -> shared memory (rows past N and blocks past K read as 1 = 127).
-template <int NM, int ROWS, int NTHR>
-__device__ __forceinline__ void stage_scales(const Args& p, int e, int n0, int N, int NBLK, int G, int SSTR, int tid,
-                                             uint8_t* scl) {
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
+__global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
+mx_gemv_kernel(const Args p) {
+  using S = Smem<NT, RT, KS, GLU>;
+  constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
+  constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
+  if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
+  const int nb = p.nb, bm = p.bm;
+  const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
+  if (blk * bm >= __ldg(p.num_rows)) return;
+  const int e = __ldg(p.eid + blk);
+  if (e < 0) return;
+  const int K = p.K, N = p.N, G = (K + 127) >> 7, NBLK = K >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rt = warp % RT, ks = warp / RT, g = lane >> 2, q = lane & 3;
+  const int n0 = tile * ROWS;
+  const int r0 = n0 + rt * 16 + g, r1 = r0 + 8;
+  const int J = (G - ks + KS - 1) / KS;  // groups of this warp
+  const int IT = (J + U - 1) / U;
+  const int ASTR = S::astr(G), SSTR = S::sstr(G);
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* act = reinterpret_cast<__half*>(smem);                              // [BMX][ASTR], permuted, scaled
+  uint8_t* scl = smem + S::act_bytes(G);                                       // [NM][ROWS][SSTR] E8M0 bytes
+  float* red = reinterpret_cast<float*>(scl + S::scl_bytes(G));               // [KS][RT][NM][BMX][16]
+  unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);  // [BMX] max |a| bits
+
+  // 1. first weight loads in flight before anything else
+  const uint4* wr[NM][2];
+  {
+    const uint8_t* b0 = p.w1 + (long long)e * p.wse;
+    wr[0][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * p.wsn);
+    wr[0][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * p.wsn);
+    if constexpr (GLU) {
+      const uint8_t* b3 = p.w3 + (long long)e * p.wse;
+      wr[NM - 1][0] = reinterpret_cast<const uint4*>(b3 + (long long)r0 * p.wsn);
+      wr[NM - 1][1] = reinterpret_cast<const uint4*>(b3 + (long long)r1 * p.wsn);
+    }
+  }
+  const bool ok0 = r0 < N, ok1 = r1 < N;
+  uint4 cur[U][NM][2];
+  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
+
+  // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
+  const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
+  const int nv = 32 - __clz(vb);
+  if (nv == 0) return;
+  const int nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);  // n8 tiles this CTA runs
+  const int rows2 = 2 * nr;                                              // activation rows staged
+
+  // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127)
+  if (tid < BMX) amx[tid] = 0u;
 #pragma unroll 1
   for (int m = 0; m < NM; ++m) {
     const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
@@ -269,84 +317,6 @@ __device__ __forceinline__ void stage_scales(const Args& p, int e, int n0, int N
       scl[(m * ROWS + rr) * SSTR + NBLK + (i - rr * (4 * G - NBLK))] = (uint8_t)127;
     }
   }
-}
-
-// Row pointers of the lane's rows r0, r1 (each matrix) in expert e.
-template <int NM, bool GLU>
-__device__ __forceinline__ void row_ptrs(const uint8_t* w1, const uint8_t* w3, long long wse, long long wsn, int e,
-                                         int r0, int r1, const uint4* (&wr)[NM][2]) {
-  const uint8_t* b0 = w1 + (long long)e * wse;
-  wr[0][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * wsn);
-  wr[0][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * wsn);
-  if constexpr (GLU) {
-    const uint8_t* b3 = w3 + (long long)e * wse;
-    wr[NM - 1][0] = reinterpret_cast<const uint4*>(b3 + (long long)r0 * wsn);
-    wr[NM - 1][1] = reinterpret_cast<const uint4*>(b3 + (long long)r1 * wsn);
-  }
-}
-
-// One CTA: up to p.tpc consecutive row tiles (16*RT rows each) of one expert, for the valid rows (at most bm <= 2*NT)
-// of one alignment block; the activations are staged once and serve every tile, and each next tile's first weight
-// loads and scales are in flight while the current tile's epilogue runs.
-// Warp w: row tile w % RT (16 rows), K slice w / RT (groups ks, ks + KS, ...; a group = 4 MX blocks = 128 k).
-// The n8 tile count NR (1, 2 or 4, at most NT) follows the block's valid rows at run time: a block holding one
-// or two pairs costs one mma per 16 k whatever bm is, and only its 2*NR rows are staged.
-// Tensor-core mapping (mma m16n8k16, f16 in, f32 accumulate), lane = 4*g + q:
-//   A: rows g and g+8 of the tile; lane q holds block 4*gr + q of the group (one 16-byte load per row), so the
-//      k-slots of quad lane q in every mma are elements of block q only.
-//   B: column c = 4*t + j (token t of the tile pair, block j); only lanes with q == g % 4 load activations,
-//      the others hold 0, so C[row, 4t + j] = the partial dot product of block j alone.
-//   C: lane holds columns 2q, 2q+1 = blocks 2(q&1), 2(q&1)+1 of token q>>1, which get their E8M0 scales after
-//      the group's 8 mmas (one FFMA each), then a shuffle with lane q^1 adds the other two blocks.
-// PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
-// griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-__global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
-mx_gemv_kernel(const Args p) {
-  using S = Smem<NT, RT, KS, GLU>;
-  constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
-  constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
-  if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
-  const int nb = p.nb, bm = p.bm;
-  const int blk = blockIdx.x % nb;
-  if (blk * bm >= __ldg(p.num_rows)) return;
-  const int e = __ldg(p.eid + blk);
-  if (e < 0) return;
-  const int K = p.K, N = p.N, G = (K + 127) >> 7, NBLK = K >> 5;
-  const int tiles = (N + ROWS - 1) / ROWS;
-  int tile = (blockIdx.x / nb) * p.tpc;
-  const int tile_end = min(tile + p.tpc, tiles);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rt = warp % RT, ks = warp / RT, g = lane >> 2, q = lane & 3;
-  int n0 = tile * ROWS;
-  int r0 = n0 + rt * 16 + g, r1 = r0 + 8;
-  const int J = (G - ks + KS - 1) / KS;  // groups of this warp
-  const int IT = (J + U - 1) / U;
-  const int ASTR = S::astr(G), SSTR = S::sstr(G);
-
-  extern __shared__ __align__(16) unsigned char smem[];
-  __half* act = reinterpret_cast<__half*>(smem);                              // [BMX][ASTR], permuted, scaled
-  uint8_t* scl = smem + S::act_bytes(G);                                       // [NM][ROWS][SSTR] E8M0 bytes
-  float* red = reinterpret_cast<float*>(scl + S::scl_bytes(G));               // [KS][RT][NM][BMX][16]
-  unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);  // [BMX] max |a| bits
-
-  // 1. first weight loads in flight before anything else
-  const uint4* wr[NM][2];
-  row_ptrs<NM, GLU>(p.w1, p.w3, p.wse, p.wsn, e, r0, r1, wr);
-  bool ok0 = r0 < N, ok1 = r1 < N;
-  uint4 cur[U][NM][2];
-  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
-
-  // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
-  const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
-  const int nv = 32 - __clz(vb);
-  if (nv == 0) return;
-  const int nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);  // n8 tiles this CTA runs
-  const int rows2 = 2 * nr;                                              // activation rows staged
-
-  // 2. E8M0 bytes of the first tile's rows -> shared memory
-  if (tid < BMX) amx[tid] = 0u;
-  stage_scales<NM, ROWS, NTHR>(p, e, n0, N, NBLK, G, SSTR, tid, scl);
   if constexpr (!GLU) pdl_wait();  // h (the up kernel's output) is read from here on
   __syncthreads();
 
@@ -401,92 +371,52 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
 
-#pragma unroll 1
-  for (;;) {
-    // 5-6. stream the tile's weights with the CTA's n8 tile count (uniform per CTA)
-    if (nr == 1) {
-      stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                  act, scl, red);
-    } else if (nr == 2) {
-      if constexpr (NT >= 2)
-        stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                    act, scl, red);
+  // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
+  if (nr == 1) {
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
+  } else if (nr == 2) {
+    if constexpr (NT >= 2)
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
+  } else {
+    if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                            act, scl, red);
+  }
+  __syncthreads();
+
+  // 7. K-slice reduction and epilogue over the valid rows
+  for (int i = tid; i < RT * nv * 16; i += NTHR) {
+    const int rr = i & 15, t = (i >> 4) % nv, rti = i / (16 * nv);
+    const int orow = blk * bm + t;
+    const int flat = __ldg(p.sorted + orow);
+    const int n = n0 + rti * 16 + rr;
+    if (flat >= p.num_pairs || n >= N) continue;
+    const unsigned mb = amx[t];
+    const float am = Io<T>::f(mb);
+    int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
+    et = max(et, -100);
+    const float qt = mb >= Io<T>::kBad ? __uint_as_float(0x7FC00000u) : __uint_as_float((unsigned)(et + 127) << 23);
+    float s[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < KS; ++k) v += red[(((k * RT + rti) * NM + m) * BMX + t) * 16 + rr];
+      s[m] = v * qt;
+    }
+    if constexpr (GLU) {
+      Io<T>::st(p.out, (long long)orow * p.stride_o + n, glu(s[0], s[NM - 1], p.act, p.cap, p.beta, p.linear_beta));
     } else {
-      if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-        stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                   act, scl, red);
+      Io<T>::st(p.out, (long long)flat * p.stride_o + n, s[0]);
     }
-    __syncthreads();  // red complete; scl free
-
-    // the next tile's first weight loads and scales go out before this tile's epilogue
-    const int c0 = n0;
-    const bool more = ++tile < tile_end;
-    if (more) {
-      n0 = tile * ROWS;
-      r0 = n0 + rt * 16 + g;
-      r1 = r0 + 8;
-      ok0 = r0 < N;
-      ok1 = r1 < N;
-      stage_scales<NM, ROWS, NTHR>(p, e, n0, N, NBLK, G, SSTR, tid, scl);
-    }
-
-    // 7. K-slice reduction and epilogue over the valid rows
-    for (int i = tid; i < RT * nv * 16; i += NTHR) {
-      const int rr = i & 15, t = (i >> 4) % nv, rti = i / (16 * nv);
-      const int orow = blk * bm + t;
-      const int flat = __ldg(p.sorted + orow);
-      const int n = c0 + rti * 16 + rr;
-      if (flat >= p.num_pairs || n >= N) continue;
-      const unsigned mb = amx[t];
-      const float am = Io<T>::f(mb);
-      int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
-      et = max(et, -100);
-      const float qt = mb >= Io<T>::kBad ? __uint_as_float(0x7FC00000u)
-                                         : __uint_as_float((unsigned)(et + 127) << 23);
-      float s[NM];
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        float v = 0.f;
-#pragma unroll
-        for (int k = 0; k < KS; ++k) v += red[(((k * RT + rti) * NM + m) * BMX + t) * 16 + rr];
-        s[m] = v * qt;
-      }
-      if constexpr (GLU) {
-        Io<T>::st(p.out, (long long)orow * p.stride_o + n,
-                  glu(s[0], s[NM - 1], p.act, p.cap, p.beta, p.linear_beta));
-      } else {
-        Io<T>::st(p.out, (long long)flat * p.stride_o + n, s[0]);
-      }
-    }
-    if (!more) break;
-    row_ptrs<NM, GLU>(p.w1, p.w3, p.wse, p.wsn, e, r0, r1, wr);
-    load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
-    __syncthreads();  // red read by every thread; the next tile's scales staged
   }
 }
 
-// SMs of the current device (cached per device)
-inline int sm_count() {
-  static int counts[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  if (!counts[dev]) cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev);
-  return counts[dev] > 0 ? counts[dev] : 132;
-}
-
-// Row tiles per CTA: enough that the grid is about one wave of resident CTAs, at most MAXT (from the grid's
-// shapes only: capturable).
-template <int MAXT>
-inline int tiles_per_cta(long long tiles, long long nb, int resident) {
-  if (MAXT <= 1) return 1;
-  const long long want = (tiles * nb + resident - 1) / resident;
-  return (int)(want < 1 ? 1 : (want > MAXT ? MAXT : want));
-}
-
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU, int MAXT>
-cudaError_t launch(const Args& p_in, cudaStream_t stream) {
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
+cudaError_t launch(const Args& p, cudaStream_t stream) {
   using S = Smem<NT, RT, KS, GLU>;
-  Args p = p_in;
   const int G = (p.K + 127) >> 7;
   const size_t smem = S::bytes(G);
   auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
@@ -499,9 +429,7 @@ cudaError_t launch(const Args& p_in, cudaStream_t stream) {
     }
   }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
-  p.tpc = tiles_per_cta<MAXT>(tiles, p.nb, sm_count() * MinBlocks<32 * RT * KS>::value);
-  const long long groups = (tiles + p.tpc - 1) / p.tpc;
-  const dim3 grid((unsigned)(groups * p.nb)), block(32 * RT * KS);
+  const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
   if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);  // may start while the up GEMV finishes
   kern<<<grid, block, smem, stream>>>(p);
   return cudaGetLastError();

@@ -14,6 +14,5 @@ struct Args {
   int nb, bm, N, K, top_k, num_pairs;
   int a_by_token, act, cap, scale_vec;
   int pdl;                  // launch as a programmatic dependent of the previous kernel (down after up)
-  int tpc;                  // row tiles per CTA (set by the launcher)
   float beta, linear_beta;
 };
