@@ -108,8 +108,12 @@ def test_no_compile_after_warmup_on_random_lengths():
 
     from bench.serving import CompileCounter
 
+    import time
+
     model, eng = _k3_tiny_engine(max_position_embeddings=8192 + 8)  # the preset's 4096 refuses the longest
+    t0 = time.perf_counter()
     eng.warmup(prompt_len=256)
+    print(f"warmup {time.perf_counter() - t0:.1f} s", flush=True)
     rng = random.Random(0)
     V = model.config.vocab_size
     base = [rng.randrange(V) for _ in range(8192)]
@@ -130,9 +134,12 @@ def test_no_compile_after_warmup_on_random_lengths():
             k += c
         return ttft
 
+    t0 = time.perf_counter()
     with CompileCounter() as cc:
         first = run()
+    t1 = time.perf_counter()
     again = run()
+    print(f"first pass {t1 - t0:.1f} s, again {time.perf_counter() - t1:.1f} s", flush=True)
     assert cc.count == 0, sorted(set(cc.names))
     p99 = sorted(first)[int(0.99 * len(first))]
     p99_warm = sorted(again)[int(0.99 * len(again))]
