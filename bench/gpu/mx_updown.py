@@ -24,6 +24,7 @@ import torch
 from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
+from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
 from k3nn.quant.mxfp4 import MXFP4Weight
 
 from bench.common import device_meta, graph_bench_ms, rel_err
@@ -52,6 +53,7 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")
+    ap.add_argument("--grouped", action="store_true", help="also time the grouped tensor-core GEMMs per token count")
     args = ap.parse_args()
     t0 = time.time()
     E, dev = args.experts, "cuda"
@@ -119,6 +121,21 @@ def main():
             rows.append((c, *us))
             print(f"   {c.name():18s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
                   f"pair(def up) {us[2]:6.1f} us {fp:6.1%} | pair(def down) {us[3]:6.1f} us | rel_err {err:.1e}")
+        if args.grouped:  # the grouped tensor-core GEMMs (tl.dot_scaled), what batches above the GEMV limit take
+            ala = align_for(ids, E, pick_block_m(P, E))
+            y3 = y.view(T, TOPK, D)
+
+            def grouped():
+                fused_expert_outputs(z, q1, q3, q2, ids, "situ", BETA, LIN, align=ala, out=y3, mx_mode="scaled")
+
+            grouped()
+            torch.cuda.synchronize()
+            err = rel_err(y.float(), ref)
+            us = graph_bench_ms(grouped, inner=5, rep=5) * 1e3
+            fp = touched * (up_b + dn_b) / us / 1e6 / copy
+            print(f"   {'grouped dot_scaled':18s} pair {us:7.1f} us {fp:6.1%} of copy | rel_err {err:.1e}")
+            if rows:
+                print(f"   GEMV pair / grouped: {rows[0][3] / us:.2f}x the time ({cfgs[0].name()})")
         if rows:
             bu, bd = min(rows, key=lambda r: r[1]), min(rows, key=lambda r: r[2])
             bp = min(rows, key=lambda r: r[3])
