@@ -59,6 +59,14 @@ __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
 
+def warmup_prompt_lengths(max_batched_tokens: int, max_positions: int) -> list[int]:
+    """Prompt lengths :meth:`Engine.warmup` runs on CUDA besides its batches: every power of two up to the step
+    budget, and the budget itself, each leaving room for the warm-up's few decode steps in the context."""
+    top = min(int(max_batched_tokens), int(max_positions) - 8)
+    lens = [1 << i for i in range(max(0, top).bit_length()) if (1 << i) <= top]
+    return lens + ([top] if top > 0 and top not in lens else [])
+
+
 class Engine:
     """Continuous-batching generation for a :class:`k3nn.KimiK3` on one device.
 
@@ -683,6 +691,10 @@ class Engine:
            ``prompt_len``, ``prompt_len + 1`` and ``prompt_len + 33`` tokens and a prefix hit of the first one,
            decoded for a few steps (with a drafter, verify windows of every draft length): the eager prefill
            kernels compile and tune for the shapes' buckets.
+           On CUDA, also one prompt of each power of two from 1 token up to ``max_num_batched_tokens`` (within
+           the model's context, :func:`warmup_prompt_lengths`): the MoE kernels specialise on the power-of-two
+           bucket of a step's (token, expert) pairs and on the block size those imply, so every step size a
+           request can bring meets a compiled kernel.
         2. A CUDA graph for every padded batch size (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``) and
            every window width (1; 1 + n drafts with a drafter), each captured over a batch of padding rows (no
            request's state is touched), sharing one memory pool.
@@ -703,6 +715,9 @@ class Engine:
                     continue
                 prompts = [self._warmup_prompt(lens[k % len(lens)], g) for k in range(b)]
                 self._warmup_run(prompts + prompts[:1], n_spec)  # the repeat: a prefix hit of the first prompt
+        if self.pools.device.type == "cuda":  # the interpreter compiles nothing: no need to sweep there
+            for n in warmup_prompt_lengths(self.config.max_num_batched_tokens, self.mcfg.max_position_embeddings):
+                self._warmup_run([self._warmup_prompt(n, g)], 0)
         self.capture_graphs()
         if self.prefix is not None:
             self.prefix.clear()

@@ -96,7 +96,9 @@ class KernelTuning:
             kernel cannot run; ``"triton"`` the Triton one always.
         moe_gemv_pairs: MXFP4 experts with at most this many (token, slot) pairs take the Triton weight-streaming
             GEMV instead of the grouped GEMMs (0: never).
-        moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never).
+        moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never). 1024: on the H200 at K3's expert
+            shape (128 experts, top-16) the CUDA GEMV took 0.61× the grouped GEMMs' time at 512 pairs and 0.95× at
+            1024, 1.17× at 2048 (``bench/results/logs/mx-gemv-vs-grouped-2026-12-03.log``).
         moe_cuda_pdl: the CUDA GEMV launches its down kernel as a programmatic dependent of the up kernel
             (sm_90+ only; False: plain stream order).
         skinny_linear: the Triton skinny GEMM of ``ops.linear`` (at most 16 rows) under ``auto``: ``"auto"`` where
@@ -110,7 +112,7 @@ class KernelTuning:
     mla_cluster: int | None = None
     moe_gemv: str = "auto"
     moe_gemv_pairs: int = 64
-    moe_cuda_gemv_pairs: int = 256
+    moe_cuda_gemv_pairs: int = 1024
     moe_cuda_pdl: bool = True
     skinny_linear: str = "auto"
 

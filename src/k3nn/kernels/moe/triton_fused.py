@@ -48,8 +48,8 @@ MX_DEFAULT = "scaled"
 # tokens (256 pairs) the grouped kernel is faster (docs/perf.md). (The end-to-end first-step logits of k3_slice
 # differ from eager by 0.1-0.6 in bf16 with or without the GEMV: MoE routing flips on near-tied router scores,
 # bench/gpu/diag_decode.py; the op agrees with eager to 4e-3.) 0 turns it off.
-# ``KernelTuning.moe_cuda_gemv_pairs`` (default 256): the same limit for the CUDA GEMV (cuda_mx_gemv), which is
-# still faster than the grouped kernel and the Triton GEMV at 16 tokens (256 pairs; docs/perf.md).
+# ``KernelTuning.moe_cuda_gemv_pairs`` (default 1024): the same limit for the CUDA GEMV (cuda_mx_gemv), which is
+# faster than the grouped kernel up to 64 tokens (1024 pairs: 0.95× its time; 0.61× at 512 pairs; docs/perf.md).
 # ``KernelTuning.moe_gemv`` (read at each call) picks the implementation of that GEMV: "auto" (the default: the
 # CUDA GEMV where it builds and takes the inputs, else the Triton one, silently), "triton" (triton_mx_gemv) or
 # "cuda" (cuda_mx_gemv; where it is unavailable or does not take the inputs — no GPU/nvcc, fp32 activations,
