@@ -101,12 +101,14 @@ def elapsed() -> float:
     return time.time() - T_START
 
 
-def make_weights(dev):
+def make_weights(dev, experts: int | None = None):
+    """Random MXFP4 w1, w3 [experts, I, D] and w2 [experts, D, I] (default: the ``--experts`` count)."""
     g = torch.Generator(device=dev).manual_seed(0)
+    n_exp = experts or E
 
     def mx(n, k):  # random codes, scales 2^-9..2^-6: O(1) outputs for O(1) inputs
-        packed = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
-        scale = torch.randint(118, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+        packed = torch.randint(0, 256, (n_exp, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
+        scale = torch.randint(118, 122, (n_exp, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
         return MXFP4Weight(packed, scale)
 
     return mx(I, D), mx(I, D), mx(D, I)

@@ -25,31 +25,18 @@ from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
-from k3nn.quant.mxfp4 import MXFP4Weight
 
 from bench.common import device_meta, graph_bench_ms, rel_err
+from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
 
 print = functools.partial(print, flush=True)
 
-D, I, TOPK = 3584, 3072, 16
-BETA, LIN = 4.0, 25.0
-CONFIGS = ["4,2,2,1,1,1", "4,2,2,1,1,2", "4,2,2,1,1,3", "4,2,2,1,1,8", "4,2,4,1,1,4", "2,2,2,1,1,4", "2,2,2,1,1,8"]
-
-
-def make_weights(E, dev):
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def mx(n, k):  # random codes, scales 2^-9..2^-6: O(1) outputs for O(1) inputs
-        packed = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
-        scale = torch.randint(118, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
-        return MXFP4Weight(packed, scale)
-
-    return mx(I, D), mx(I, D), mx(D, I)
+CONFIGS = ["4,2,2,1,1", "4,2,4,1,1", "4,2,3,1,1", "4,2,4,0,1", "4,2,6,0,1", "2,4,3,1,1", "2,2,4,1,1", "4,4,3,1,1"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC[,PASSES]")
+    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")
@@ -66,7 +53,7 @@ def main():
     print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
     cmx.build(configs, ("bf16",))
     print(f"{len(configs)} configs built in {cmx.last_build_seconds:.1f}s  [t={time.time() - t0:.0f}s]")
-    q1, q3, q2 = make_weights(E, dev)
+    q1, q3, q2 = make_weights(dev, E)
     up_b = q1[0].nbytes() + q3[0].nbytes()
     dn_b = q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)

@@ -53,18 +53,11 @@ from .runner import ForwardOut, ModelRunner, RowWork, padding_groups
 from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
 from .speculative import as_engine_drafter, draft
+from .warmup import run_warmup_requests
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
-
-
-def warmup_prompt_lengths(max_batched_tokens: int, max_positions: int) -> list[int]:
-    """Prompt lengths :meth:`Engine.warmup` runs on CUDA besides its batches: every power of two up to the step
-    budget, and the budget itself, each leaving room for the warm-up's few decode steps in the context."""
-    top = min(int(max_batched_tokens), int(max_positions) - 8)
-    lens = [1 << i for i in range(max(0, top).bit_length()) if (1 << i) <= top]
-    return lens + ([top] if top > 0 and top not in lens else [])
 
 
 class Engine:
@@ -692,9 +685,9 @@ class Engine:
            decoded for a few steps (with a drafter, verify windows of every draft length): the eager prefill
            kernels compile and tune for the shapes' buckets.
            On CUDA, also one prompt of each power of two from 1 token up to ``max_num_batched_tokens`` (within
-           the model's context, :func:`warmup_prompt_lengths`): the MoE kernels specialise on the power-of-two
-           bucket of a step's (token, expert) pairs and on the block size those imply, so every step size a
-           request can bring meets a compiled kernel.
+           the model's context, :func:`~k3nn.engine.warmup.warmup_prompt_lengths`): the MoE kernels specialise
+           on the power-of-two bucket of a step's (token, expert) pairs and on the block size those imply, so
+           every step size a request can bring meets a compiled kernel.
         2. A CUDA graph for every padded batch size (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``) and
            every window width (1; 1 + n drafts with a drafter), each captured over a batch of padding rows (no
            request's state is touched), sharing one memory pool.
@@ -704,20 +697,7 @@ class Engine:
         if self.requests or self.waiting or self.running:
             raise RuntimeError("warmup() runs on an idle engine (before any request is added)")
         t0 = time.perf_counter()
-        mx = self.config.max_num_seqs
-        sizes = sorted(set(batch_sizes)) if batch_sizes is not None else sorted({1, min(2, mx), mx})
-        g = torch.Generator().manual_seed(0)
-        gamma = self.default_num_spec if self.drafter is not None else 0
-        lens = [prompt_len, prompt_len + 1, prompt_len + 33]
-        for b in sizes:
-            for n_spec in sorted({0, gamma} | set(range(1, gamma + 1, max(1, gamma // 3)))):
-                if n_spec and self.drafter is None:
-                    continue
-                prompts = [self._warmup_prompt(lens[k % len(lens)], g) for k in range(b)]
-                self._warmup_run(prompts + prompts[:1], n_spec)  # the repeat: a prefix hit of the first prompt
-        if self.pools.device.type == "cuda":  # the interpreter compiles nothing: no need to sweep there
-            for n in warmup_prompt_lengths(self.config.max_num_batched_tokens, self.mcfg.max_position_embeddings):
-                self._warmup_run([self._warmup_prompt(n, g)], 0)
+        run_warmup_requests(self, prompt_len, batch_sizes)
         self.capture_graphs()
         if self.prefix is not None:
             self.prefix.clear()
@@ -730,21 +710,6 @@ class Engine:
             torch.cuda.synchronize(self.pools.device)
         self.warmup_s = time.perf_counter() - t0
         return self.warmup_s
-
-    def _warmup_prompt(self, n: int, g: torch.Generator) -> list[int]:
-        p = torch.randint(0, self.mcfg.vocab_size, (n,), generator=g).tolist()
-        if self.multimodal is not None:  # text prompts: no image / video placeholders
-            ph = {self.multimodal.config.image_token_id, self.multimodal.config.video_token_id}
-            p = [0 if t in ph else t for t in p]
-        return p
-
-    def _warmup_run(self, prompts: list[list[int]], n_spec: int) -> None:
-        ids = [self.add_request(p, max_new_tokens=n_spec + 3, ignore_eos=True,
-                                num_speculative_tokens=n_spec if self.drafter is not None else None)
-               for p in prompts]
-        list(self.stream())
-        for rid in ids:
-            del self.requests[rid]
 
     def capture_graphs(self) -> dict:
         """Capture the decode / verify step of every padded batch size and window width (see :meth:`warmup`);

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "ContextTokens", "Request", "RequestOutput", "RequestStatus", "token_ids"]
+__all__ = ["SamplingParams", "TokenLogprobs", "ImageInputs", "ContextTokens", "Request", "RequestOutput",
+           "RequestStatus", "token_ids"]
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The requests :meth:`k3nn.engine.Engine.warmup` runs (then discards) so that serving meets no compile or autotune:
+the step shapes requests will bring, before the decode graphs are captured."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["run_warmup_requests", "warmup_prompt_lengths"]
+
+
+def warmup_prompt_lengths(max_batched_tokens: int, max_positions: int) -> list[int]:
+    """Prompt lengths :meth:`Engine.warmup` runs on CUDA besides its batches: every power of two up to the step
+    budget, and the budget itself, each leaving room for the warm-up's few decode steps in the context."""
+    top = min(int(max_batched_tokens), int(max_positions) - 8)
+    lens = [1 << i for i in range(max(0, top).bit_length()) if (1 << i) <= top]
+    return lens + ([top] if top > 0 and top not in lens else [])
+
+
+def run_warmup_requests(engine: Engine, prompt_len: int, batch_sizes: Sequence[int] | None) -> None:
+    """Step 1 of :meth:`Engine.warmup`: for each batch size, prompts of ``prompt_len``, ``+ 1`` and ``+ 33`` tokens
+    and a prefix hit of the first one, plain and with every warmed draft length; on CUDA, one prompt of each length
+    :func:`warmup_prompt_lengths` gives. Each batch runs to the end and its requests are dropped."""
+    mx = engine.config.max_num_seqs
+    sizes = sorted(set(batch_sizes)) if batch_sizes is not None else sorted({1, min(2, mx), mx})
+    g = torch.Generator().manual_seed(0)
+    gamma = engine.default_num_spec if engine.drafter is not None else 0
+    lens = [prompt_len, prompt_len + 1, prompt_len + 33]
+    for b in sizes:
+        for n_spec in sorted({0, gamma} | set(range(1, gamma + 1, max(1, gamma // 3)))):
+            if n_spec and engine.drafter is None:
+                continue
+            prompts = [_prompt(engine, lens[k % len(lens)], g) for k in range(b)]
+            _run(engine, prompts + prompts[:1], n_spec)  # the repeat: a prefix hit of the first prompt
+    if engine.pools.device.type == "cuda":  # the interpreter compiles nothing: no need to sweep there
+        for n in warmup_prompt_lengths(engine.config.max_num_batched_tokens, engine.mcfg.max_position_embeddings):
+            _run(engine, [_prompt(engine, n, g)], 0)
+
+
+def _prompt(engine: Engine, n: int, g: torch.Generator) -> list[int]:
+    p = torch.randint(0, engine.mcfg.vocab_size, (n,), generator=g).tolist()
+    if engine.multimodal is not None:  # text prompts: no image / video placeholders
+        ph = {engine.multimodal.config.image_token_id, engine.multimodal.config.video_token_id}
+        p = [0 if t in ph else t for t in p]
+    return p
+
+
+def _run(engine: Engine, prompts: list[list[int]], n_spec: int) -> None:
+    ids = [engine.add_request(p, max_new_tokens=n_spec + 3, ignore_eos=True,
+                              num_speculative_tokens=n_spec if engine.drafter is not None else None)
+           for p in prompts]
+    list(engine.stream())
+    for rid in ids:
+        del engine.requests[rid]
