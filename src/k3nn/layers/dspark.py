@@ -206,6 +206,12 @@ class DraftState:
         """Context positions the state can hold per row."""
         return self.key_mask.shape[1]
 
+    def reset(self) -> None:
+        """Empty the state in place (zeros, no reallocation) for a new batch of the same shape."""
+        for t in (*self.k, *self.v, self.key_mask):
+            t.zero_()
+        self.length = 0
+
 
 @dataclass
 class DraftProposal:

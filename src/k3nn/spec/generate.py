@@ -21,18 +21,15 @@ tokens, single-token bad words, the sampling warpers), the same processors plain
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..generation import loop_setup
 from ..logits import LogitsPipeline
-from ..kernels.registry import backend as use_backend
 from ..decode.runner import eager_backend_on_cuda
-from ..runtime.graphs import GraphRunner
 from .rollback import WindowRollback
-from .verify import greedy_accept, rejection_accept, synthetic_accept
+from .session import accept, capacity_bucket, emit, leading_confident, session_for
 
 __all__ = ["SpecOptions", "SpecStats", "speculative_generate"]
 
@@ -77,6 +74,7 @@ class SpecStats:
     graphs: dict = field(default_factory=dict)  # graph mode: step name → captured (True) / not (False)
     fallback: str | None = None  # why a capture failed or the graph path was not taken (None: no fallback)
     compactions: int = 0  # times the eager loop packed away the holes of rejected drafts
+    session_calls: int = 0  # graph-safe rounds: calls served by this call's session (1: it was made for this call)
 
     @property
     def acceptance_length(self) -> float:
@@ -102,13 +100,7 @@ class SpecStats:
                 "acceptance_rate": round(self.acceptance_rate, 4),
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance],
                 "mode": self.mode, "graphs": dict(self.graphs), "fallback": self.fallback,
-                "compactions": self.compactions}
-
-
-def _leading_confident(conf: torch.Tensor | None, threshold: float, n: int, B: int, device) -> torch.Tensor:
-    if conf is None or threshold <= 0:
-        return torch.full((B,), n, dtype=torch.long, device=device)
-    return (conf[:, :n] >= threshold).long().cumprod(1).sum(1)
+                "compactions": self.compactions, "session_calls": self.session_calls}
 
 
 @torch.no_grad()
@@ -161,8 +153,17 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     gen, eos, pad = setup
     if mode != "eager":
         stats.mode = mode
-        return _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts, stats,
-                                gen, eos, pad, pipe, graphs=mode == "graph")
+        # a call without logits processors reuses the drafter's session of its shape (graphs captured once);
+        # processors' parameters would be baked into the captured steps, so such a call gets a session of its own
+        session = session_for(model, drafter, batch_size=B, capacity=capacity_bucket(T0, n_new, B, gamma),
+                              gamma=gamma, eos=eos, opts=opts, do_sample=bool(cfg.do_sample),
+                              graphs=mode == "graph", keep=len(pipe) == 0)
+        try:
+            out, streamed = session.run(input_ids, attention_mask, cfg, n_new, streamer, stats, gen, pad, pipe,
+                                        _prefill)
+        finally:
+            session.busy = False
+        return _finish(input_ids, out, n_new, eos, streamer, streamed)
     taps = list(drafter.target_layers)
     # the shared write position advances by the longest kept prefix per round: rows that kept fewer tokens
     # leave masked holes, which _reclaim_holes packs away whenever the next window would not fit (the cache
@@ -175,8 +176,8 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     streamed = 0
 
-    def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        _emit(out, n_out, finished, tokens, counts, eos, n_new)
+    def emit_(tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        emit(out, n_out, finished, tokens, counts, eos, n_new)
 
     def stream() -> None:
         nonlocal streamed
@@ -193,7 +194,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     pos_acc = torch.zeros(gamma, dtype=torch.long, device=dev)
     with WindowRollback(model, cache, opts.rollback) as rb:
         pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe, gen)
-        emit(pending[:, None], torch.ones(B, dtype=torch.long, device=dev))
+        emit_(pending[:, None], torch.ones(B, dtype=torch.long, device=dev))
         stream()
         done = bool(finished.all())
         while not done:
@@ -204,7 +205,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             if n > 0:
                 prop = drafter.propose(dstate, pending, anchor_pos, n, cfg, gen)
                 drafts, q, conf = prop.tokens[:, :n], prop.probs, prop.confidence
-                n_b = torch.minimum(n_b, _leading_confident(conf, opts.confidence_threshold, n, B, dev))
+                n_b = torch.minimum(n_b, leading_confident(conf, opts.confidence_threshold, n, B, dev))
                 n = int(n_b.max())
                 drafts = drafts[:, :n]
                 q = None if q is None else q[:, :n]
@@ -222,7 +223,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             logits = res.logits
             nonfinite = ~torch.isfinite(logits).all()
             scores = pipe.window(logits.float(), T0 + n_out)  # row j scores new token n_out + j
-            m, nxt = _accept(scores, drafts, q, n_b, opts, pipe, gen)
+            m, nxt = accept(scores, drafts, q, n_b, opts, pipe, gen)
             active = ~finished
             keep = torch.where(active, m + 1, torch.ones_like(m))  # finished rows: keep only the pending token
             rb.commit(keep)
@@ -245,7 +246,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             # emit d_1..d_m then next
             toks = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
             toks.scatter_(1, m[:, None], nxt[:, None])
-            emit(toks, m + 1)
+            emit_(toks, m + 1)
             pending = nxt
             done, bad = torch.stack([finished.all(), nonfinite]).tolist()
             if bad:
@@ -337,276 +338,6 @@ def _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pip
     return pipe.choose(scores, gen)
 
 
-def _accept(scores, drafts, q, n_b, opts: SpecOptions, pipe: LogitsPipeline, gen):
-    """Acceptance of one window over processed scores [B, n+1, V]: synthetic, rejection sampling or greedy."""
-    if opts.synthetic_acceptance_length is not None:
-        return synthetic_accept(scores, drafts, n_b, opts.synthetic_acceptance_length, None, gen,
-                                do_sample=pipe.do_sample)
-    if pipe.do_sample:
-        return rejection_accept(scores, drafts, q, n_b, None, gen)
-    return greedy_accept(scores, drafts, n_b)
-
-
 def _raise_nonfinite(round_index: int) -> None:
     raise FloatingPointError(f"speculative decoding: the target's logits contain NaN or Inf in verify round "
                              f"{round_index} (0-based)")
-
-
-def _emit(out: torch.Tensor, n_out: torch.Tensor, finished: torch.Tensor, tokens: torch.Tensor,
-          counts: torch.Tensor, eos: torch.Tensor, n_new: int) -> None:
-    """Append tokens [B, k] (the first counts[b] of row b) to ``out``, cut at eos and the budget; ``n_out`` and
-    ``finished`` are updated in place (graph-safe: no host sync). ``out`` has a spare last column that takes
-    the invalid writes."""
-    k = tokens.shape[1]
-    j = torch.arange(k, device=tokens.device)[None, :]
-    valid = (j < counts[:, None]) & ~finished[:, None]
-    if eos.numel():
-        is_eos = torch.isin(tokens, eos) & valid
-        first = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(counts, k))
-        valid &= j <= first[:, None]
-        finished.logical_or_(is_eos.any(1))
-    valid &= (n_out[:, None] + j) < n_new
-    out.scatter_(1, torch.where(valid, n_out[:, None] + j, n_new), tokens)
-    n_out.add_(valid.sum(1))
-    finished.logical_or_(n_out >= n_new)
-
-
-class _GraphStep:
-    """A graph-safe function of no arguments (it reads and writes persistent device tensors) run eagerly, or
-    (``capture=True``) as a CUDA graph of a :class:`~k3nn.runtime.graphs.GraphRunner` (the runner ``generate()``'s
-    decode step and the engine's steps use): the first call warms up on a side stream, the second captures and
-    replays, later calls replay. A failed capture is logged, its reason kept in ``fallback_reason``, and the
-    function keeps running eagerly (same results). ``on_capture_failure`` undoes host-side effects of the aborted
-    capture pass. ``graph`` / ``out``: the captured graph and its static outputs once captured."""
-
-    def __init__(self, fn: Callable, name: str, capture: bool, on_capture_failure: Callable | None = None):
-        self.fn, self.name, self.capture = fn, name, capture
-        self.on_capture_failure = on_capture_failure
-        self.runner = GraphRunner("cuda" if capture else "cpu", enabled=capture, name=f"speculative round {name}")
-        self.graph = None
-        self.out = None
-        self.calls = 0
-        self.fallback_reason: str | None = None
-
-    def __call__(self):
-        self.calls += 1
-        if not self.capture or self.fallback_reason is not None:
-            return self.fn()
-        out = self.runner.run(self.name, self.fn, self.on_capture_failure)
-        entry = self.runner.graphs.get(self.name)
-        if entry is not None:
-            self.graph, self.out = entry
-        failed = self.runner.failed.get(self.name)
-        if failed is not None:
-            self.fallback_reason = f"{self.name}: {failed}"
-        return out
-
-
-@torch.no_grad()
-def _static_generate(model, drafter, input_ids, attention_mask, cfg, n_new, streamer, opts: SpecOptions,
-                     stats: SpecStats, gen, eos, pad, pipe: LogitsPipeline, graphs: bool) -> torch.Tensor:
-    """The graph-safe round: every window has T = γ + 1 tokens, the cache is in static mode, acceptance, emission,
-    statistics and the MLA rewind run on device tensors; the host reads [B] acceptance + finished flags once per
-    round (termination, which KDA commit functions to run, the host write position). A graph-safe drafter
-    (``draft_logits``, ``markov_draft``, ``extend_at``) drafts and extends from the same persistent buffers."""
-    gamma = int(cfg.num_assistant_tokens)
-    T = gamma + 1
-    dev = model.device
-    B, T0 = input_ids.shape
-    taps = list(drafter.target_layers)
-    graph_draft = all(callable(getattr(drafter, a, None)) for a in ("draft_logits", "markov_draft", "extend_at"))
-    # fixed windows write T slots past the shared position even in the last rounds: room for B + 1 more windows
-    cap = T0 + min(B, T) * n_new + (B + 2) * (T + 1)
-    cache = model.new_cache(B, cap)
-    dstate = drafter.new_state(B, cap)
-    out = torch.full((B, n_new + 1), pad, dtype=torch.long, device=dev)
-    n_out = torch.zeros(B, dtype=torch.long, device=dev)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    long0 = {"dtype": torch.long, "device": dev}
-    # persistent round buffers (read / written in place by the graph-safe steps)
-    window = torch.zeros(B, T, **long0)
-    n_b = torch.zeros(B, **long0)
-    anchor_pos = torch.zeros(B, **long0)
-    wstart = torch.zeros((), **long0)
-    kacc = torch.zeros(B, **long0)
-    ext_pos = torch.zeros(B, T, **long0)
-    ext_mask = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    sync_buf = torch.zeros(2 * B + 1, **long0)  # kept tokens, finished flags, non-finite logits flag
-    counters = torch.zeros(4, **long0)  # row_rounds, drafted, accepted, (unused)
-    pos_tried = torch.zeros(gamma, **long0)
-    pos_acc = torch.zeros(gamma, **long0)
-    jT = torch.arange(T, device=dev)
-    kG = torch.arange(gamma, device=dev)[None, :]
-    box: dict = {}  # host-side references written by the steps' Python (window refs, draft probs)
-    streamed = 0
-
-    def stream() -> None:
-        nonlocal streamed
-        if streamer is None or bool(finished.all()):
-            return
-        ready = int(torch.where(finished, torch.full_like(n_out, n_new), n_out).min())
-        for c in range(streamed, ready):
-            streamer.put(out[:, c].cpu())
-        streamed = max(streamed, ready)
-
-    def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        _emit(out, n_out, finished, tokens, counts, eos, n_new)
-
-    with WindowRollback(model, cache, "replay") as rb:
-        pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe, gen)
-        emit(pending[:, None], torch.ones(B, **long0))
-        stream()
-        cache.set_static(True)
-
-        # a window every KDA layer runs through the fused op is read without writing and committed inside the
-        # acceptance step (one op call per layer, whatever the accepted counts): no per-count commit steps
-        fused = rb.fused_window(T)
-        # ... and then, greedy with a graph-safe drafter, the whole round (draft, verify, accept, commit, the
-        # drafter's extension) is one step: one capture per generate() call, one replay and one host read a round
-        one_step = fused and graph_draft and not cfg.do_sample
-
-        def verify():
-            wstart.copy_(cache.write_pos)
-            rb.begin_static(fused)
-            with use_backend(model.backend):
-                h, hid = model.model(window, None, cache, None, taps, None)
-                logits = model.lm_head(h)
-            box["refs"] = rb.end_static()
-            return logits, hid
-
-        def post():
-            logits = verify_step.out[0] if verify_step.graph is not None else box["logits"]  # (logits, hid)
-            drafts = window[:, 1:]
-            scores = pipe.window(logits.float(), T0 + n_out)  # row j scores new token n_out + j
-            m, nxt = _accept(scores, drafts, box.get("q"), n_b, opts, pipe, gen)
-            active = ~finished
-            keep = torch.where(active, m + 1, torch.ones_like(m))
-            kacc.copy_(torch.where(active, keep, torch.zeros_like(keep)))  # finished rows: KDA state untouched
-            # MLA / shared bookkeeping: mask the rejected tail, count only kept tokens, rewind the write position
-            idx = wstart + jT
-            cache.key_mask.index_copy_(1, idx, cache.key_mask.index_select(1, idx) & (jT[None, :] < keep[:, None]))
-            cache.valid_counts.sub_(T - keep)
-            cache.write_pos.copy_(wstart + keep.max())
-            if fused:
-                rb.fused_commit(kacc, box["refs"])
-            ext_pos.copy_(anchor_pos[:, None] + jT)
-            ext_mask.copy_(jT[None, :] < keep[:, None])
-            act = active.long()
-            counters[0] += act.sum()
-            counters[1] += (n_b * act).sum()
-            counters[2] += (m * act).sum()
-            tried = (n_b[:, None] > kG) & (m[:, None] >= kG) & active[:, None]
-            pos_tried.add_(tried.long().sum(0))
-            pos_acc.add_((tried & (m[:, None] > kG)).long().sum(0))
-            toks = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
-            toks.scatter_(1, m[:, None], nxt[:, None])
-            emit(toks, m + 1)
-            pending.copy_(nxt)
-            sync_buf[:B].copy_(kacc)
-            sync_buf[B:2 * B].copy_(finished.long())
-            sync_buf[2 * B].copy_((~torch.isfinite(logits).all()).long())
-            if one_step:
-                extend()
-            return sync_buf
-
-        def round_inputs():  # per-row verify budget and the pending token's rope position
-            remaining = n_new - n_out
-            n_b.copy_(torch.where(finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, gamma)))
-            anchor_pos.copy_(cache.valid_counts)
-
-        def set_window(prop) -> None:
-            n_b.copy_(torch.minimum(n_b, _leading_confident(prop.confidence, opts.confidence_threshold, gamma, B,
-                                                            dev)))
-            window[:, 0].copy_(pending)
-            window[:, 1:].copy_(prop.tokens[:, :gamma])
-
-        def draft():  # graph-safe drafter: backbone (+ the greedy Markov heads) on persistent buffers
-            round_inputs()
-            h, base = drafter.draft_logits(dstate, pending, anchor_pos, gamma)
-            if cfg.do_sample:
-                return h, base  # the sampling heads run eagerly on these
-            set_window(drafter.markov_draft(h, base, pending))
-            return None
-
-        def extend():  # reads the verify step's hidden states (its static outputs once it is a graph)
-            hid = verify_step.out[1] if verify_step.graph is not None else box["hid"]
-            drafter.extend_at(dstate, hid, ext_pos, ext_mask, wstart)
-
-        def undo_verify_capture():  # the aborted capture pass ran the Python side of begin/commit
-            cache.seen_tokens = box["start"]
-            for _, st in rb.kda:
-                st.end_window()
-
-        verify_step = _GraphStep(verify, "verify", graphs, undo_verify_capture)
-        # sampling draws from a host generator inside acceptance: keep that step eager
-        post_step = _GraphStep(post, "accept", graphs and not cfg.do_sample)
-        draft_step = _GraphStep(draft, "draft", graphs and graph_draft)
-        extend_step = _GraphStep(extend, "extend", graphs and graph_draft)
-        commit_steps: dict[int, _GraphStep] = {}
-
-        def whole_round():
-            draft()
-            box["logits"], box["hid"] = verify()
-            return post()
-
-        round_step = _GraphStep(whole_round, "round", graphs, undo_verify_capture) if one_step else None
-
-        def split_round():  # the round as separate steps: (host read of the acceptance, graphed, hidden states)
-            if graph_draft:
-                hb = draft_step()
-                if cfg.do_sample:
-                    prop = drafter.markov_draft(hb[0], hb[1], pending, cfg, gen)
-                    set_window(prop)
-                    box["q"] = prop.probs
-            else:
-                round_inputs()
-                prop = drafter.propose(dstate, pending, anchor_pos, gamma, cfg, gen)
-                set_window(prop)
-                box["q"] = prop.probs
-            logits, hid = verify_step()
-            box["logits"], box["hid"] = logits, hid
-            cache.seen_tokens = box["start"] + T
-            # the later steps read the verify step's outputs: they are captured only once those are a graph's
-            # static outputs (else a capture would keep one round's tensors)
-            graphed = verify_step.graph is not None
-            return (post_step() if graphed else post()).tolist(), graphed, hid
-
-        rounds = 0
-        done = bool(finished.all())
-        while not done:
-            start = box["start"] = cache.seen_tokens
-            if round_step is not None:
-                vals, graphed, hid = round_step().tolist(), round_step.graph is not None, None  # one host read
-            else:
-                vals, graphed, hid = split_round()
-            acc, fin = vals[:B], vals[B:2 * B]
-            if vals[2 * B]:
-                _raise_nonfinite(rounds)
-            cache.seen_tokens = start + max(1, max(acc))
-            for a in [] if fused else sorted(set(acc) - {0}):
-                if a not in commit_steps:
-                    commit_steps[a] = _GraphStep(rb.static_commit_fn(a, T, kacc, lambda: box["refs"]),
-                                                 f"commit[{a}]", graphs)
-                step = commit_steps[a]
-                step() if graphed else step.fn()
-            if graph_draft:
-                if not one_step:
-                    extend_step() if graphed else extend()
-                dstate.length = cache.seen_tokens
-            else:
-                drafter.extend(dstate, hid, ext_pos, ext_mask, start=start)
-            rounds += 1
-            done = all(fin)
-            stream()
-        cache.set_static(False)
-    steps = ([round_step] if round_step is not None
-             else [draft_step, verify_step, post_step, extend_step, *commit_steps.values()])
-    stats.graphs = {s.name: s.graph is not None for s in steps if s.capture}
-    reasons = [stats.fallback] if stats.fallback else []  # set before the round (e.g. eager backend)
-    reasons += [s.fallback_reason for s in steps if s.fallback_reason]
-    stats.fallback = "; ".join(reasons) if reasons else None
-    c = counters.tolist()
-    stats.rounds, stats.row_rounds, stats.drafted, stats.accepted = rounds, c[0], c[1], c[2]
-    stats.emitted = int(n_out.sum()) - B
-    stats.position_tried, stats.position_accepted = pos_tried.tolist(), pos_acc.tolist()
-    return _finish(input_ids, out, n_new, eos, streamer, streamed)
