@@ -211,3 +211,27 @@ def test_warmup_prompt_lengths_cover_every_step_size_bucket():
         lens = warmup_prompt_lengths(budget, 10 ** 6)
         # every step size n <= budget has a warmed length in its power-of-two bucket
         assert all(any(n <= m < 2 * n for m in lens) for n in range(1, budget + 1))
+    # the page pool bounds them too (a longer prompt could never be admitted)
+    assert warmup_prompt_lengths(8192, 8200, pool_tokens=45 * 64)[-2:] == [2048, 45 * 64 - 8]
+
+
+def test_warmup_prompt_lengths_meet_every_moe_kernel_specialisation():
+    """The MoE kernels also specialise on the alignment block size and on one-launch vs chunked alignment, whose
+    boundaries are not powers of two: k3-tiny (8 experts, top-2) steps of 257-384 tokens take the chunked
+    alignment with 32-row blocks, which no power-of-two step reaches (a compile on a request's path, seen on the
+    GPU). The warm-up lengths include one step of every specialisation."""
+    from k3nn.engine.warmup import warmup_prompt_lengths
+    from k3nn.kernels.moe.align import ONE_LAUNCH_PAIRS
+    from k3nn.kernels.moe.triton_fused import block_m_for, use_gemv
+
+    for E, k, mx in [(8, 2, False), (128, 16, True), (896, 16, True), (64, 6, False)]:
+        lens = warmup_prompt_lengths(8192, 10 ** 6, moe=(E, k, mx))
+        assert lens == sorted(set(lens)) and lens[-1] == 8192
+
+        def key(t):
+            P = t * k
+            return use_gemv(P, mx), block_m_for(P, E, mx), P <= ONE_LAUNCH_PAIRS, 1 << (P - 1).bit_length()
+
+        warmed = {key(t) for t in lens}
+        assert all(key(t) in warmed for t in range(1, 8193)), (E, k, mx)
+    assert any(257 <= t <= 384 for t in warmup_prompt_lengths(8192, 10 ** 6, moe=(8, 2, False)))

@@ -140,7 +140,7 @@ def test_no_compile_after_warmup_on_random_lengths():
     t1 = time.perf_counter()
     again = run()
     print(f"first pass {t1 - t0:.1f} s, again {time.perf_counter() - t1:.1f} s", flush=True)
-    assert cc.count == 0, sorted(set(cc.names))
+    assert cc.count == 0, (sorted(set(cc.names)), cc.reprs)
     p99 = sorted(first)[int(0.99 * len(first))]
     p99_warm = sorted(again)[int(0.99 * len(again))]
     print(f"TTFT p99 first {p99 * 1e3:.1f} ms, again {p99_warm * 1e3:.1f} ms")

@@ -14,12 +14,23 @@ if TYPE_CHECKING:
 __all__ = ["run_warmup_requests", "warmup_prompt_lengths"]
 
 
-def warmup_prompt_lengths(max_batched_tokens: int, max_positions: int) -> list[int]:
+def warmup_prompt_lengths(max_batched_tokens: int, max_positions: int, pool_tokens: int | None = None,
+                          moe: tuple[int, int, bool] | None = None) -> list[int]:
     """Prompt lengths :meth:`Engine.warmup` runs on CUDA besides its batches: every power of two up to the step
-    budget, and the budget itself, each leaving room for the warm-up's few decode steps in the context."""
+    budget, the budget itself, and with ``moe`` = (experts, experts per token, MXFP4) one step size of each MoE
+    kernel specialisation (:func:`~k3nn.kernels.moe.triton_fused.step_token_counts`); each within the context
+    and the page pool (``pool_tokens``), leaving room for the warm-up's few decode steps."""
     top = min(int(max_batched_tokens), int(max_positions) - 8)
-    lens = [1 << i for i in range(max(0, top).bit_length()) if (1 << i) <= top]
-    return lens + ([top] if top > 0 and top not in lens else [])
+    if pool_tokens is not None:
+        top = min(top, int(pool_tokens) - 8)
+    if top < 1:
+        return []
+    lens = {1 << i for i in range(top.bit_length()) if (1 << i) <= top} | {top}
+    if moe is not None:
+        from ..kernels.moe.triton_fused import step_token_counts
+
+        lens |= set(step_token_counts(*moe, top))
+    return sorted(lens)
 
 
 def run_warmup_requests(engine: Engine, prompt_len: int, batch_sizes: Sequence[int] | None) -> None:
@@ -38,7 +49,10 @@ def run_warmup_requests(engine: Engine, prompt_len: int, batch_sizes: Sequence[i
             prompts = [_prompt(engine, lens[k % len(lens)], g) for k in range(b)]
             _run(engine, prompts + prompts[:1], n_spec)  # the repeat: a prefix hit of the first prompt
     if engine.pools.device.type == "cuda":  # the interpreter compiles nothing: no need to sweep there
-        for n in warmup_prompt_lengths(engine.config.max_num_batched_tokens, engine.mcfg.max_position_embeddings):
+        c = engine.mcfg
+        pool = engine.pools.allocator.num_blocks * engine.pools.block_size
+        moe = (c.num_experts, c.num_experts_per_token, bool(c.mxfp4_experts)) if c.num_experts else None
+        for n in warmup_prompt_lengths(engine.config.max_num_batched_tokens, c.max_position_embeddings, pool, moe):
             _run(engine, [_prompt(engine, n, g)], 0)
 
 

@@ -33,7 +33,7 @@ from .align import MoEAlignment, align_for
 from .triton_common import _act, _e2m1_to_f32
 
 __all__ = ["fused_expert_outputs", "fused_moe_experts", "moe_finalize_triton", "pick_block_m", "block_m_for",
-           "use_gemv"]
+           "step_token_counts", "use_gemv"]
 
 log = logging.getLogger(__name__)
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -380,6 +380,26 @@ def block_m_for(num_pairs: int, num_experts: int, mxfp4: bool, mx_mode: str | No
 
         return gemv_block_m(num_pairs, num_experts)
     return pick_block_m(num_pairs, num_experts)
+
+
+def step_token_counts(num_experts: int, top_k: int, mxfp4: bool, max_tokens: int) -> list[int]:
+    """Token counts (≤ ``max_tokens``) of MoE steps that together meet every kernel specialisation a step of
+    up to ``max_tokens`` tokens can bring: the first count of each distinct (GEMV or grouped GEMMs, alignment
+    block size, one-launch or chunked alignment, power-of-two bucket of the pairs). Running one step of each
+    compiles (and tunes) everything ``fused_expert_outputs`` will need; what changes between two counts of one
+    class are launch arguments only."""
+    from .align import ONE_LAUNCH_PAIRS
+
+    seen: set = set()
+    counts = []
+    for t in range(1, int(max_tokens) + 1):
+        P = t * top_k
+        key = (use_gemv(P, mxfp4), block_m_for(P, num_experts, mxfp4), P <= ONE_LAUNCH_PAIRS,
+               triton.next_power_of_2(P))
+        if key not in seen:
+            seen.add(key)
+            counts.append(t)
+    return counts
 
 
 def _wparts(w):
