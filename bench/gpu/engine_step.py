@@ -115,10 +115,17 @@ def main(argv=None) -> None:
                 eng.step()
             for _ in range(3):
                 eng.step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(8):
+                eng.step()
+            torch.cuda.synchronize()
+            free_ms = (time.perf_counter() - t) / 8 * 1e3  # the real step: no profiler, no syncs between phases
             prof = profile_steps(eng)
             ph = phase_times(eng)
             print(f"C={c} drafter={d is not None} warmup {wu:.1f}s graphs {len(eng.runner.graphs.graphs)} "
                   f"failed {list(eng.runner.graphs.failed.items())[:2]}", flush=True)
+            print(f"  step (unprofiled): {free_ms:.3f} ms", flush=True)
             print("  profile:", prof, flush=True)
             print("  phases :", ph, flush=True)
             for rid in list(eng.requests):

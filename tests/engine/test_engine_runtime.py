@@ -198,6 +198,41 @@ def test_a_speculative_step_reads_the_host_once(model):
     assert [e.requests[i].output for i in ids] == [reference(model, p, 12) for p in prompts]
 
 
+def test_greedy_rounds_draft_on_the_device(model, monkeypatch):
+    """Greedy decode rows with a DSpark drafter run as rounds: the drafter's step (from the staged step's block
+    tables, cached counts and pending tokens) writes the drafts into the verify step's inputs, no host-side
+    drafting; rows with fewer drafts (near their budget) or none (num_speculative_tokens=0) share the round;
+    the output equals generate(). A sampling request drafts through the host path."""
+    import k3nn.engine.engine as engine_mod
+    from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+    d = DSparkDrafter(DSparkConfig.for_target(model.config, num_layers=1, num_heads=2, block_size=GAMMA), model,
+                      dtype=torch.float64)
+    e = _engine(model, d, cuda_graphs="static", num_speculative_tokens=GAMMA)
+    host_drafts, rounds = [], []
+    host_draft = engine_mod.draft
+
+    def counted(drafter, decodes, draft_len, *a):
+        host_drafts.extend(r.request_id for r in decodes if draft_len(r))
+        return host_draft(drafter, decodes, draft_len, *a)
+
+    monkeypatch.setattr(engine_mod, "draft", counted)
+    body = e.runner._draft_body
+    e.runner._draft_body = lambda B, T, L: rounds.append((B, T, L)) or body(B, T, L)
+    prompts = [rand_ids(15 + 6 * i, 350 + i) for i in range(3)]
+    news = [11, 7, 9]
+    ids = [e.add_request(p, max_new_tokens=n, num_speculative_tokens=0 if i == 2 else None)
+           for i, (p, n) in enumerate(zip(prompts, news))]
+    while e.has_unfinished():
+        e.step()
+    assert [e.requests[i].output for i in ids] == [reference(model, p, n) for p, n in zip(prompts, news)]
+    assert rounds and not host_drafts
+    assert {T for _, T, _ in rounds} == {1 + GAMMA}  # every round is as wide as the longest window
+    assert e.requests[ids[0]].spec_rounds > 0 and e.requests[ids[2]].spec_rounds == 0
+    e.generate([prompts[0]], max_new_tokens=4, do_sample=True, seed=3)
+    assert host_drafts
+
+
 def test_warmup_prompt_lengths_cover_every_step_size_bucket():
     """warmup() on CUDA runs one prompt per power of two up to the step budget (the MoE kernels specialise on the
     power-of-two bucket of a step's pairs), within the model's context."""

@@ -113,7 +113,8 @@ class Engine:
         sink = self.drafter.write if getattr(self.drafter, "graph_safe_write", False) else None
         self.runner = ModelRunner(model, self.pools, max_rows=cfg.max_num_seqs, max_window=1 + self.default_num_spec,
                                   taps=self.drafter.target_layers if self.drafter is not None else None,
-                                  pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs, tap_sink=sink)
+                                  pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs, tap_sink=sink,
+                                  drafter=self.drafter)
         self.sampling = SamplingTable(self.pools.running.num_slots, self.mcfg.vocab_size, device)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.warmup_s = 0.0
@@ -413,17 +414,18 @@ class Engine:
               else GenerationConfig.from_model_config(self.mcfg))
         return gc.eos_ids
 
-    def _forward(self, rows: Sequence[RowWork]) -> ForwardOut:
+    def _forward(self, rows: Sequence[RowWork], draft_keys: int | None = None) -> ForwardOut:
         """One model forward over ``rows`` (:meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`:
-        a replayed CUDA graph for decode / verify rows, eagerly otherwise); with a drafter the tapped hidden states
-        of every fed token go into its paged context. Advances each row's ``num_computed`` by what it fed."""
+        a replayed CUDA graph for decode / verify rows, eagerly otherwise; ``draft_keys``: a greedy round, drafted
+        on the device); with a drafter the tapped hidden states of every fed token go into its paged context.
+        Advances each row's ``num_computed`` by what it fed."""
         embeds_fn = None
         if self.multimodal is not None and any(w.req.images is not None for w in rows):
             reqs, nn = [w.req for w in rows], [w.num_new for w in rows]
             embeds_fn = lambda ids: image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, nn,  # noqa: E731
                                                  ids)
         with torch.inference_mode():
-            out = self.runner.forward(rows, embeds_fn)
+            out = self.runner.forward(rows, embeds_fn, draft_keys=draft_keys)
             if self.drafter is not None and self.runner.tap_sink is None:  # else written inside the step
                 self.drafter.write(out.hidden, out.meta.positions[:len(rows)], out.meta.slot_mapping[:len(rows)])
         self.num_forwards += 1
@@ -460,10 +462,11 @@ class Engine:
                     and not any(r.status == RequestStatus.RUNNING for r in self.running):
                 raise self._stalled()
             return outputs
-        if self.drafter is not None:
+        self._bind_rows(decodes + [r for r, _ in prefills])
+        draft_keys = self._greedy_round(decodes) if self.drafter is not None else None
+        if self.drafter is not None and draft_keys is None:
             draft(self.drafter, decodes, self.scheduler.draft_len, self.spec_options.confidence_threshold,
                   self.mcfg.vocab_size)
-        self._bind_rows(decodes + [r for r, _ in prefills])
         dec = [RowWork(r, r.tokens_to_feed(1 + len(r.drafts)), decode=True, verify=bool(r.drafts), sample=True,
                        device_drafts=r.device_drafts if r.drafts else None) for r in decodes]
         pre = [RowWork(r, r.tokens_to_feed(n), sample=r.remaining == n and not r.prefill_only) for r, n in prefills]
@@ -490,7 +493,7 @@ class Engine:
                 continue
             absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
             try:
-                out = self._forward(batch)
+                out = self._forward(batch, draft_keys if batch and batch[0].decode else None)
                 draws = self._draw(batch, out)
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
                 self.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
@@ -531,6 +534,29 @@ class Engine:
                 if r.first_token_time is None:
                     r.first_token_time = now
         return outputs
+
+    def _greedy_round(self, decodes: Sequence[Request]) -> int | None:
+        """When this step's decode rows can run as one greedy round (drafts written on the device by the
+        drafter's graph, then the verify forward, acceptance and KDA commit in one graph; see
+        :meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`): give each row its draft count (as
+        placeholder drafts) and return the drafter's key bucket; else None (:func:`draft` proposes). Needs a
+        drafter with ``step_drafts``, graph-shaped greedy rows without penalties, stop blocks, log-probabilities
+        or images, and no confidence cut or synthetic acceptance."""
+        opts, runner = self.spec_options, self.runner
+        if (runner.drafter is None or not runner.static or not decodes or len(decodes) > runner.max_rows
+                or opts.confidence_threshold > 0 or opts.synthetic_acceptance_length is not None):
+            return None
+        ns = [self.scheduler.draft_len(r) for r in decodes]
+        if not 0 < max(ns) < runner.max_window or any(r.params.logprobs is not None or (self.multimodal is not None and r.images is not None)
+                               for r in decodes):
+            return None
+        v = self.sampling.variant([r.row for r in decodes])
+        if v.sampling or v.penalties or v.min_tokens:
+            return None
+        for r, n in zip(decodes, ns):
+            r.clear_drafts()
+            r.drafts = [0] * n  # fed by the round's draft graph
+        return runner.drafter.context.key_length(max(r.num_computed for r in decodes))
 
     def _draw(self, batch: Sequence[RowWork], out: ForwardOut) -> list:
         """Per row of a forward: (tokens, logprobs or None) to emit, None (nothing drawn: a prefill chunk that

@@ -87,7 +87,8 @@ class ForwardOut:
     logits; ``verify``: the forward has verify windows; ``hidden``: the drafter's tapped hidden states [B, T, d]
     per tap; ``meta``: the step's metadata (device views); ``graphed``: the forward replayed a CUDA graph;
     ``greedy`` [B, 2]: a replayed decode step's argmax and non-finite flag per row (computed inside the graph);
-    ``padded``: the graph body's logits over the padded batch (the acceptance step of a verify forward reads them)."""
+    ``padded``: the graph body's logits over the padded batch (the acceptance step of a verify forward reads them);
+    ``packed``: a greedy round's draws, computed inside its graph (:meth:`ModelRunner.sample`'s packed layout)."""
 
     logits: torch.Tensor
     columns: torch.Tensor
@@ -97,6 +98,7 @@ class ForwardOut:
     graphed: bool = False
     greedy: torch.Tensor | None = None
     padded: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -107,12 +109,15 @@ class ModelRunner:
     slot_mapping)``: a graph-safe function the step calls with them (the drafter's context write), captured with the
     step; ``cuda_graphs``: True captures decode
     steps (CUDA devices; the eager backend is never captured), ``"static"`` runs the same padded, graph-safe
-    decode steps without capture (any device), False runs every step as the eager path does."""
+    decode steps without capture (any device), False runs every step as the eager path does. ``drafter``: an
+    engine drafter with ``step_drafts`` (:class:`~k3nn.engine.speculative.DSparkEngineDrafter`): greedy rounds
+    (:meth:`forward` with ``draft_keys``) draft from the staged step's own buffers."""
 
     def __init__(self, model, pools: HybridPools, *, max_rows: int, max_window: int = 1,
                  taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool | str = True,
-                 max_context: int | None = None, tap_sink=None):
+                 max_context: int | None = None, tap_sink=None, drafter=None):
         self.model, self.pools = model, pools
+        self.drafter = drafter if hasattr(drafter, "step_drafts") else None
         self.cache = PagedCache(pools)
         self.max_rows, self.max_window = max_rows, max(1, max_window)
         self.taps = list(taps) if taps else None
@@ -174,19 +179,56 @@ class ModelRunner:
             greedy = torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long()], 1)
         return logits, hidden, meta, rec, greedy
 
+    def _round_body(self, B: int, T: int):
+        """The verify forward of a greedy round and its acceptance (with the KDA commit) in one graph-safe step:
+        :meth:`_body`, then :meth:`_greedy_accept_body` over its logits."""
+        logits, hidden, meta, rec = self._body(B, T, True, None)
+        return logits, hidden, meta, self._greedy_accept_body(logits, meta, rec)
+
+    def _draft_body(self, B: int, T: int, L: int) -> None:
+        """The drafter's greedy drafts for a staged (B, T) step, written into its token columns 1 .. T − 1
+        (graph-safe; ``L`` keys of drafter context)."""
+        tables, cached, ids = self.inputs.draft_view(B, T)
+        ids[:, 1:].copy_(self.drafter.step_drafts(tables, cached, ids[:, 0], T - 1, L))
+
+    def round_width(self) -> int:
+        """The token columns of every greedy round: the longest verify window (rows with fewer drafts feed fewer
+        tokens), so a round's graphs depend on the batch size and the drafter's key bucket alone."""
+        return self.max_window
+
     @torch.no_grad()
-    def forward(self, rows: Sequence[RowWork], embeds_fn=None, all_columns: bool = False) -> ForwardOut:
+    def forward(self, rows: Sequence[RowWork], embeds_fn=None, all_columns: bool = False,
+                draft_keys: int | None = None) -> ForwardOut:
         """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
         embeddings instead of ids (image tokens). The eager path's ``columns`` are every fed column's logits in a
         verify forward or with ``all_columns``, else each row's last ([B, 1, V]: the LM head skips the rest of
-        a prefill chunk)."""
+        a prefill chunk).
+
+        ``draft_keys``: run the rows as a *greedy round* (greedy decode rows whose drafts are placeholders): the
+        step is staged with :meth:`round_width` columns, the drafter's graph (per batch size and ``draft_keys``,
+        the drafter's key bucket) writes every row's drafts into it on the device, then one graph runs the verify
+        forward, the greedy acceptance and the KDA commit; the draws come back in ``packed`` (no host step
+        between drafting and acceptance)."""
         n = len(rows)
         T = max(w.num_new for w in rows)
         verify = any(w.verify for w in rows)
         graph = embeds_fn is None and self.graphable(rows)
+        if draft_keys is not None:
+            if not (graph and self.drafter is not None):
+                raise ValueError("ModelRunner.forward: draft_keys needs graph-shaped decode rows and a drafter with "
+                                 "step_drafts")
+            T = self.round_width()
         B = self.padded_size(n) if graph else n
         self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
                                     w.sample) for w in rows], B, T)
+        if draft_keys is not None:
+            self.graphs.run(("draft", B, T, draft_keys), lambda: self._draft_body(B, T, draft_keys))
+            key = (B, T, "round")
+            logits, hidden, meta, packed = self.graphs.run(key, lambda: self._round_body(B, T))
+            self.cache.meta, self._recorded = meta, None  # committed inside the round
+            last = logits[torch.arange(n, device=logits.device), self._last_index(rows, logits.device)]
+            return ForwardOut(last, logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
+                              key in self.graphs, packed=packed[:n])
         self._feed_device_drafts(rows, B, T)
         if graph:
             key = (B, T, verify)
@@ -240,6 +282,8 @@ class ModelRunner:
             graph, (logits, _, meta, rec, _) = self.graphs.graphs[(B, T, verify)]
             graph.replay()  # a capture computes nothing: fill the outputs the acceptance's warm-up run reads
             ok = self.graphs.capture(("accept", B, T), lambda: self._greedy_accept_body(logits, meta, rec))
+        if ok and verify and self.drafter is not None and T == self.round_width():
+            ok = self.graphs.capture((B, T, "round"), lambda: self._round_body(B, T))
         return ok
 
     @staticmethod
@@ -329,6 +373,8 @@ class ModelRunner:
 
         n = len(rows)
         meta = out.meta
+        if out.packed is not None:  # a greedy round: drawn and committed inside its graph
+            return Draws(out.packed.tolist(), {}, True)
         variant = table.variant([w.req.row for w in rows if w.sample])
         if not (out.verify or logprobs or variant.sampling or variant.penalties or variant.min_tokens):
             # greedy rows only: the argmax and the non-finite flag, one copy (the decode loop's common case)

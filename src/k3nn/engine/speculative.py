@@ -95,10 +95,11 @@ class PagedDraftContext:
         B, T = slots.shape
         write_rows(self.pools[layer], slots, torch.cat([k.reshape(B, T, -1), v.reshape(B, T, -1)], -1))
 
-    def key_length(self, rows: Sequence[DraftRow]) -> int:
-        """Keys gathered for ``rows``: the longest row's, rounded up to a power of two (at least one page), so the
-        attention meets a handful of shapes, not a new one every round; the key mask hides the rest."""
-        L = max(max(r.num_computed for r in rows), 1)
+    def key_length(self, num_cached: int) -> int:
+        """Keys gathered for rows whose longest cached context is ``num_cached`` tokens: that, rounded up to a
+        power of two (at least one page), so the attention meets a handful of shapes, not a new one every round;
+        the key mask hides the rest."""
+        L = max(num_cached, 1)
         return max(self.block_size, 1 << (L - 1).bit_length())
 
     def tables(self, rows: Sequence[DraftRow], L: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +127,7 @@ class PagedDraftContext:
     def state(self, rows: Sequence[DraftRow]) -> DraftState:
         """The committed context of ``rows`` as a :class:`DraftState` (keys past a row's cached length masked)."""
         dev = self.pools[0].device
-        L = self.key_length(rows)
+        L = self.key_length(max(r.num_computed for r in rows))
         table, cached = self.tables(rows, L)
         return self.gather(table.to(dev), cached.to(dev), L)
 
@@ -170,7 +171,7 @@ class DSparkEngineDrafter:
         if getattr(p, "do_sample", False):
             return self._propose_eager(rows, n, p)
         ctx = self.context
-        L = ctx.key_length(rows)
+        L = ctx.key_length(max(r.num_computed for r in rows))
         table, cached = ctx.tables(rows, L)
         anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long)
         host = torch.cat([table.flatten(), cached, anchor])  # anchor_pos = cached: the anchor is the next position
@@ -190,6 +191,17 @@ class DSparkEngineDrafter:
             return self.drafter.propose(ctx.gather(tab, cached_d, L), anchor_d, cached_d, n)
 
         return self.graphs.run(key, step)
+
+    @torch.no_grad()
+    def step_drafts(self, tables: torch.Tensor, cached: torch.Tensor, anchor: torch.Tensor, n: int,
+                    L: int) -> torch.Tensor:
+        """Greedy drafts [B, n] for the rows of a staged step, graph-safe (what the engine's greedy rounds
+        replay): each row's committed context through its latent block table ``tables`` [B, ≥ L / page] (the
+        drafter's pages share the latents' block ids) over ``L`` keys, past ``cached`` [B] masked, anchored at
+        the pending token ``anchor`` [B] at position ``cached``."""
+        W = min(-(-L // self.context.block_size), tables.shape[1])
+        state = self.context.gather(tables[:, :W], cached, L)
+        return self.drafter.propose(state, anchor, cached, n).tokens[:, :n]
 
     def _propose_eager(self, rows: Sequence[DraftRow], n: int, params) -> DraftProposal:
         dev = self.context.pools[0].device

@@ -187,6 +187,13 @@ class StepInputs:
             return self._big_ids
         return self._dev[4 * self.R:4 * self.R + B * T].view(B, T)
 
+    def draft_view(self, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a drafter reads of a staged (B, T) step, graph-safe: each row's block table [B, max_blocks]
+        (int32; padding rows read slot 0's, masked by their zero cached count), cached counts [B] and the token
+        ids [B, T] (a view: column 0 is each row's pending token, the drafts go after it)."""
+        slots = self._dev[0:B]
+        return self.tables.index_select(0, slots.clamp_min(0)), self._dev[self.R:self.R + B], self.ids(B, T)
+
     # -- derived ---------------------------------------------------------------------------------------------
     def derive(self, B: int, T: int, verify_rows: bool = False) -> StepMetadata:
         """The metadata of a staged (B, T) step as device tensors (graph-safe: device ops only). For a captured
