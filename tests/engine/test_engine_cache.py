@@ -18,10 +18,10 @@ class RecordingEngine(Engine):
         super().__init__(*a, **kw)
         self.log = []
 
-    def _forward(self, rows):
+    def _forward(self, rows, *args):
         self.log.append(([w.req.row for w in rows], [w.num_new for w in rows], [w.req.num_computed for w in rows],
                          None))
-        return super()._forward(rows)
+        return super()._forward(rows, *args)
 
 
 def engine(model, **kw):

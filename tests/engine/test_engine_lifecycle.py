@@ -125,12 +125,12 @@ class PoisonEngine(Engine):
     crash_ids: set = set()
     commit_ids: set = set()
 
-    def _forward(self, rows):
+    def _forward(self, rows, *args):
         hit = [w.req for w in rows if w.req.request_id in self.crash_ids]
         if hit:
             self.crash_ids = self.crash_ids - {r.request_id for r in hit}
             raise RuntimeError("injected forward failure")
-        out = super()._forward(rows)
+        out = super()._forward(rows, *args)
         logits = out.logits.clone()  # an inference tensor
         for b, w in enumerate(rows):
             if w.req.request_id in self.nan_ids:

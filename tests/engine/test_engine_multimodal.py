@@ -64,9 +64,9 @@ class RecordingEngine(Engine):
         super().__init__(*a, **kw)
         self.log = []
 
-    def _forward(self, rows):
+    def _forward(self, rows, *args):
         self.log.append([(w.req.request_id, w.req.num_computed, w.num_new) for w in rows])
-        return super()._forward(rows)
+        return super()._forward(rows, *args)
 
 
 def engine(mm, drafter=None, **kw):
