@@ -128,6 +128,8 @@ def test_graph_safe_extend_and_propose_match_the_eager_ones(target, batch, causa
         st = d.markov_draft(h, base, anchor)
         assert torch.equal(eg.tokens, st.tokens) and torch.equal(eg.confidence, st.confidence), r
         assert eg.probs is None and st.probs is None
+        nc = d.markov_draft(h, base, anchor, confidence=False)  # no confidence head: the same drafts
+        assert torch.equal(nc.tokens, st.tokens) and nc.confidence is None
         ge, gs = (torch.Generator().manual_seed(r) for _ in range(2))
         pe = d.propose(se, anchor, valid.clone(), G, sample, ge)
         ps = d.markov_draft(h, base, anchor, sample, gs)

@@ -183,7 +183,8 @@ class ModelRunner:
         """The verify forward of a greedy round and its acceptance (with the KDA commit) in one graph-safe step:
         :meth:`_body`, then :meth:`_greedy_accept_body` over its logits."""
         logits, hidden, meta, rec = self._body(B, T, True, None)
-        return logits, hidden, meta, self._greedy_accept_body(logits, meta, rec)
+        last = logits[torch.arange(B, device=logits.device), (meta.num_new.long() - 1).clamp(0, T - 1)]
+        return logits, hidden, meta, last, self._greedy_accept_body(logits, meta, rec)
 
     def _draft_body(self, B: int, T: int, L: int) -> None:
         """The drafter's greedy drafts for a staged (B, T) step, written into its token columns 1 .. T − 1
@@ -224,10 +225,9 @@ class ModelRunner:
         if draft_keys is not None:
             self.graphs.run(("draft", B, T, draft_keys), lambda: self._draft_body(B, T, draft_keys))
             key = (B, T, "round")
-            logits, hidden, meta, packed = self.graphs.run(key, lambda: self._round_body(B, T))
+            logits, hidden, meta, last, packed = self.graphs.run(key, lambda: self._round_body(B, T))
             self.cache.meta, self._recorded = meta, None  # committed inside the round
-            last = logits[torch.arange(n, device=logits.device), self._last_index(rows, logits.device)]
-            return ForwardOut(last, logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
+            return ForwardOut(last[:n], logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
                               key in self.graphs, packed=packed[:n])
         self._feed_device_drafts(rows, B, T)
         if graph:

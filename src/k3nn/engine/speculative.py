@@ -201,7 +201,7 @@ class DSparkEngineDrafter:
         the pending token ``anchor`` [B] at position ``cached``."""
         W = min(-(-L // self.context.block_size), tables.shape[1])
         state = self.context.gather(tables[:, :W], cached, L)
-        return self.drafter.propose(state, anchor, cached, n).tokens[:, :n]
+        return self.drafter.propose(state, anchor, cached, n, confidence=False).tokens[:, :n]
 
     def _propose_eager(self, rows: Sequence[DraftRow], n: int, params) -> DraftProposal:
         dev = self.context.pools[0].device

@@ -443,19 +443,21 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def markov_draft(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, sample_cfg=None,
-                     generator: torch.Generator | None = None) -> DraftProposal:
+                     generator: torch.Generator | None = None, confidence: bool = True) -> DraftProposal:
         """The serial Markov / confidence heads of :meth:`propose` over :meth:`draft_logits`' outputs.
-        Graph-safe when greedy (``sample_cfg`` None or not sampling); sampling draws from ``generator``."""
+        Graph-safe when greedy (``sample_cfg`` None or not sampling); sampling draws from ``generator``.
+        ``confidence=False`` skips the confidence head (``confidence`` None)."""
         B, n = base.shape[:2]
         dev = anchor.device
         sampling = sample_cfg is not None and sample_cfg.do_sample
         toks = torch.empty(B, n, dtype=torch.long, device=dev)
         probs = torch.empty_like(base) if sampling else None
-        conf = torch.empty(B, n, device=dev)
+        conf = torch.empty(B, n, device=dev) if confidence else None
         prev = anchor
         for k in range(n):
             z = base[:, k] + self.markov_bias(prev).float()
-            conf[:, k] = torch.sigmoid(self.confidence_logit(h[:, k], prev).float())
+            if conf is not None:
+                conf[:, k] = torch.sigmoid(self.confidence_logit(h[:, k], prev).float())
             if sampling:
                 p = process_logits(z, sample_cfg.temperature, sample_cfg.top_k, sample_cfg.top_p).softmax(-1)
                 probs[:, k] = p
@@ -468,13 +470,14 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchor: torch.Tensor, anchor_pos: torch.Tensor, n: int,
-                sample_cfg=None, generator: torch.Generator | None = None) -> DraftProposal:
+                sample_cfg=None, generator: torch.Generator | None = None, confidence: bool = True) -> DraftProposal:
         """Draft ``n`` tokens after ``anchor`` [B] (at rope position ``anchor_pos`` [B]) in one backbone pass,
         then the serial Markov sampling. ``sample_cfg``: a GenerationConfig (``do_sample``, temperature,
         top-k/p; None or greedy → argmax drafts and ``probs=None``). Graph-safe when greedy
-        (:meth:`draft_logits` then :meth:`markov_draft`)."""
+        (:meth:`draft_logits` then :meth:`markov_draft`). ``confidence=False``: no confidence estimates (a
+        caller that cuts nothing saves the head's launches)."""
         h, base = self.draft_logits(state, anchor, anchor_pos, n)
-        return self.markov_draft(h, base, anchor, sample_cfg, generator)
+        return self.markov_draft(h, base, anchor, sample_cfg, generator, confidence)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> None:

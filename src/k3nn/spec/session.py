@@ -290,6 +290,10 @@ class SpecSession:
         self.n_b.copy_(torch.where(self.finished, torch.zeros_like(remaining), (remaining - 1).clamp(0, self.gamma)))
         self.anchor_pos.copy_(self.cache.valid_counts)
 
+    @property
+    def _cut(self) -> bool:  # drafts are cut by confidence: the confidence head runs
+        return self.opts.confidence_threshold > 0
+
     def _set_window(self, prop) -> None:
         self.n_b.copy_(torch.minimum(self.n_b, leading_confident(prop.confidence, self.opts.confidence_threshold,
                                                                  self.gamma, self.B, self.dev)))
@@ -301,7 +305,7 @@ class SpecSession:
         h, base = self.drafter.draft_logits(self.dstate, self.pending, self.anchor_pos, self.gamma)
         if self.do_sample:
             return h, base  # the sampling heads run eagerly on these
-        self._set_window(self.drafter.markov_draft(h, base, self.pending))
+        self._set_window(self.drafter.markov_draft(h, base, self.pending, confidence=self._cut))
         return None
 
     def _extend(self) -> None:  # reads the verify step's hidden states (its static outputs once it is a graph)
@@ -324,7 +328,7 @@ class SpecSession:
         if self.graph_draft:
             hb = self.draft_step()
             if self.do_sample:
-                prop = self.drafter.markov_draft(hb[0], hb[1], self.pending, call.cfg, call.gen)
+                prop = self.drafter.markov_draft(hb[0], hb[1], self.pending, call.cfg, call.gen, self._cut)
                 self._set_window(prop)
                 box["q"] = prop.probs
         else:
