@@ -231,6 +231,13 @@ def test_greedy_rounds_draft_on_the_device(model, monkeypatch):
     assert e.requests[ids[0]].spec_rounds > 0 and e.requests[ids[2]].spec_rounds == 0
     e.generate([prompts[0]], max_new_tokens=4, do_sample=True, seed=3)
     assert host_drafts
+    # warmup() captures each batch size's draft graphs for every key bucket a request can reach
+    pool = e.pools.allocator.num_blocks * e.pools.block_size
+    buckets = e.runner.draft_key_buckets(1)
+    assert buckets[0] == e.pools.block_size and buckets[-1] >= min(pool, CFG.max_position_embeddings)
+    assert all(b == 2 * a for a, b in zip(buckets, buckets[1:]))
+    assert all(4 * L <= 2 * pool for L in e.runner.draft_key_buckets(4))
+    assert _engine(model, cuda_graphs="static").runner.draft_key_buckets(1) == []
 
 
 def test_warmup_prompt_lengths_cover_every_step_size_bucket():

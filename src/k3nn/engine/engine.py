@@ -52,7 +52,7 @@ from ..runtime.sampling import SamplingTable
 from .runner import ForwardOut, ModelRunner, RowWork, padding_groups
 from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
-from .speculative import as_engine_drafter, draft
+from .speculative import as_engine_drafter, draft, greedy_round
 from .warmup import run_warmup_requests
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
@@ -463,7 +463,7 @@ class Engine:
                 raise self._stalled()
             return outputs
         self._bind_rows(decodes + [r for r, _ in prefills])
-        draft_keys = self._greedy_round(decodes) if self.drafter is not None else None
+        draft_keys = greedy_round(self, decodes) if self.drafter is not None else None
         if self.drafter is not None and draft_keys is None:
             draft(self.drafter, decodes, self.scheduler.draft_len, self.spec_options.confidence_threshold,
                   self.mcfg.vocab_size)
@@ -534,29 +534,6 @@ class Engine:
                 if r.first_token_time is None:
                     r.first_token_time = now
         return outputs
-
-    def _greedy_round(self, decodes: Sequence[Request]) -> int | None:
-        """When this step's decode rows can run as one greedy round (drafts written on the device by the
-        drafter's graph, then the verify forward, acceptance and KDA commit in one graph; see
-        :meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`): give each row its draft count (as
-        placeholder drafts) and return the drafter's key bucket; else None (:func:`draft` proposes). Needs a
-        drafter with ``step_drafts``, graph-shaped greedy rows without penalties, stop blocks, log-probabilities
-        or images, and no confidence cut or synthetic acceptance."""
-        opts, runner = self.spec_options, self.runner
-        if (runner.drafter is None or not runner.static or not decodes or len(decodes) > runner.max_rows
-                or opts.confidence_threshold > 0 or opts.synthetic_acceptance_length is not None):
-            return None
-        ns = [self.scheduler.draft_len(r) for r in decodes]
-        if not 0 < max(ns) < runner.max_window or any(r.params.logprobs is not None or (self.multimodal is not None and r.images is not None)
-                               for r in decodes):
-            return None
-        v = self.sampling.variant([r.row for r in decodes])
-        if v.sampling or v.penalties or v.min_tokens:
-            return None
-        for r, n in zip(decodes, ns):
-            r.clear_drafts()
-            r.drafts = [0] * n  # fed by the round's draft graph
-        return runner.drafter.context.key_length(max(r.num_computed for r in decodes))
 
     def _draw(self, batch: Sequence[RowWork], out: ForwardOut) -> list:
         """Per row of a forward: (tokens, logprobs or None) to emit, None (nothing drawn: a prefill chunk that
@@ -716,7 +693,9 @@ class Engine:
            every step size a request can bring meets a compiled kernel.
         2. A CUDA graph for every padded batch size (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``) and
            every window width (1; 1 + n drafts with a drafter), each captured over a batch of padding rows (no
-           request's state is touched), sharing one memory pool.
+           request's state is touched), sharing one memory pool; with a DSpark drafter also each batch size's
+           greedy round (verify, acceptance and commit) and its draft graphs for the key buckets of
+           :meth:`ModelRunner.draft_key_buckets <k3nn.engine.runner.ModelRunner.draft_key_buckets>`.
 
         The engine is left as it was (no requests, an empty prefix index, zeroed statistics). Returns the seconds
         spent (also in ``metrics()["warmup_s"]``)."""
@@ -748,6 +727,9 @@ class Engine:
             for B in reversed(r.batch_sizes):  # largest first: the shared pool is sized by the first capture
                 for T in widths:
                     r.capture_padding(B, T, T > 1)
+            for B in reversed(r.batch_sizes):
+                for L in r.draft_key_buckets(B):
+                    r.capture_draft(B, L)
         return {"captured": len(r.graphs.graphs), "failed": dict(r.graphs.failed)}
 
     # -- metrics ------------------------------------------------------------------------------------------------

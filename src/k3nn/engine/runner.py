@@ -286,6 +286,30 @@ class ModelRunner:
             ok = self.graphs.capture((B, T, "round"), lambda: self._round_body(B, T))
         return ok
 
+    def draft_key_buckets(self, batch_size: int) -> list[int]:
+        """The drafter's key buckets whose draft graphs ``Engine.warmup()`` captures at a padded batch size:
+        powers of two from one page up to the bucket of the longest context a request can hold (the model's
+        context, the page pool), while the batch gathers at most twice the pool's tokens (a longer one is captured
+        when a round first needs it). Empty without a drafter that drafts in rounds."""
+        if self.drafter is None:
+            return []
+        pool = self.pools.allocator.num_blocks * self.pools.block_size
+        ctx = self.drafter.context
+        top = ctx.key_length(min(self.model.config.max_position_embeddings, pool))
+        out, L = [], ctx.key_length(1)
+        while L <= top and batch_size * L <= 2 * pool:
+            out.append(L)
+            L *= 2
+        return out
+
+    @torch.no_grad()
+    def capture_draft(self, B: int, L: int) -> bool:
+        """Warm up and capture the drafter's graph of a greedy round of ``B`` rows over ``L`` keys, on a batch of
+        padding rows (it writes only the staged token ids). Returns whether a graph was captured."""
+        T = self.round_width()
+        self.inputs.stage([], B, T)
+        return self.graphs.capture(("draft", B, T, L), lambda: self._draft_body(B, T, L))
+
     @staticmethod
     def _last_index(rows: Sequence[RowWork], device) -> torch.Tensor:
         return torch.tensor([w.num_new - 1 for w in rows], device=device)

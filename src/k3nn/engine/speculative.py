@@ -36,7 +36,8 @@ from ..cache.paged import write_rows
 from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
 from .request import ContextTokens, Request
 
-__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft"]
+__all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft",
+           "greedy_round"]
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +270,29 @@ def draft(drafter: EngineDrafter, decodes: Sequence[Request], draft_len: Callabl
             r.drafts = toks_l[k][:lim[k]]
             if prop.probs is not None and r.drafts:
                 r.draft_probs = prop.probs[k, :lim[k]]
+
+
+def greedy_round(engine, decodes: Sequence[Request]) -> int | None:
+    """Whether ``engine``'s decode rows of this step run as one greedy round (drafts written on the device by the
+    drafter's graph, then the verify forward, acceptance and KDA commit in one graph; see
+    :meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`). If so, give each row its draft count
+    (as placeholder drafts) and return the drafter's key bucket; else None (:func:`draft` proposes). Needs a
+    drafter with ``step_drafts``, graph-shaped greedy rows without penalties, stop blocks, log-probabilities or
+    images, and no confidence cut or synthetic acceptance."""
+    opts, runner = engine.spec_options, engine.runner
+    if (runner.drafter is None or not runner.static or not decodes or len(decodes) > runner.max_rows
+            or opts.confidence_threshold > 0 or opts.synthetic_acceptance_length is not None):
+        return None
+    ns = [engine.scheduler.draft_len(r) for r in decodes]
+    if not 0 < max(ns) < runner.max_window:
+        return None
+    if any(r.params.logprobs is not None or (engine.multimodal is not None and r.images is not None)
+           for r in decodes):
+        return None
+    v = engine.sampling.variant([r.row for r in decodes])
+    if v.sampling or v.penalties or v.min_tokens:
+        return None
+    for r, n in zip(decodes, ns):
+        r.clear_drafts()
+        r.drafts = [0] * n  # fed by the round's draft graph
+    return runner.drafter.context.key_length(max(r.num_computed for r in decodes))
