@@ -183,8 +183,13 @@ class ModelRunner:
         """The verify forward of a greedy round and its acceptance (with the KDA commit) in one graph-safe step:
         :meth:`_body`, then :meth:`_greedy_accept_body` over its logits."""
         logits, hidden, meta, rec = self._body(B, T, True, None)
-        last = logits[torch.arange(B, device=logits.device), (meta.num_new.long() - 1).clamp(0, T - 1)]
-        return logits, hidden, meta, last, self._greedy_accept_body(logits, meta, rec)
+        return logits, hidden, meta, self._last_columns(logits, meta), self._greedy_accept_body(logits, meta, rec)
+
+    @staticmethod
+    def _last_columns(W: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """Each row's logits at its last fed column, [B, V] of ``W`` [B, T, V] (graph-safe)."""
+        B, T = W.shape[:2]
+        return W[torch.arange(B, device=W.device), (meta.num_new[:B].long() - 1).clamp(0, T - 1)]
 
     def _draft_body(self, B: int, T: int, L: int) -> None:
         """The drafter's greedy drafts for a staged (B, T) step, written into its token columns 1 .. T − 1
@@ -367,7 +372,7 @@ class ModelRunner:
         B, T, _ = W.shape
         nn = meta.num_new[:B].long()
         ver = meta.verify[:B]
-        last = W[torch.arange(B, device=W.device), (nn - 1).clamp(0, T - 1)]
+        last = self._last_columns(W, meta)
         target = W.argmax(-1)  # [B, T]
         limit = torch.where(ver, nn - 1, torch.zeros_like(nn)).clamp_min(0)
         m = greedy_accept(target, meta.input_ids[:B, 1:T], limit)
