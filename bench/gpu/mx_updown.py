@@ -31,15 +31,12 @@ from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
 
 print = functools.partial(print, flush=True)
 
-#: the default shape with 0-8 batches requested into L2 ahead (8 ≥ the up kernel's 7 batches per warp: the whole
-#: slab at the start), without the register prefetch, with one group per batch, and with 32-row CTAs
-CONFIGS = ["4,2,2,1,1,1", "4,2,2,1,1,2", "4,2,2,1,1,4", "4,2,2,1,1,8", "4,2,2,0,1,2", "4,2,2,0,1,4", "4,2,1,1,1,4",
-           "2,2,2,1,1,4"]
+CONFIGS = ["4,2,2,1,1", "4,2,4,1,1", "4,2,3,1,1", "4,2,4,0,1", "4,2,6,0,1", "2,4,3,1,1", "2,2,4,1,1", "4,4,3,1,1"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC[,L2]")
+    ap.add_argument("--configs", nargs="*", default=CONFIGS, metavar="RT,KS,U,PF,DEC")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")

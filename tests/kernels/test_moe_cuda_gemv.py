@@ -150,7 +150,7 @@ def test_generated_source_has_the_entry_points():
     assert '#include "' not in cu and '#include "' not in cm._CPP_SOURCE  # csrc/ includes spliced in
     assert cu.count("struct Args {") == 1 and "struct Args {" in cm._CPP_SOURCE
     assert f"kTable[{len(cfgs)}][2][3][2]" in cu
-    assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, 0, true>" in cu and "&launch<__half" not in cu
+    assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, true>" in cu and "&launch<__half" not in cu
     assert braces_balanced(cu) and braces_balanced(cm._CPP_SOURCE)
     decl = cm._DECL.rstrip(";")
     assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cm._CPP_SOURCE)  # binding matches its declaration

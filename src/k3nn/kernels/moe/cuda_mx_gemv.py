@@ -76,20 +76,17 @@ __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supp
 class CudaGemvConfig(NamedTuple):
     """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
     row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+),
-    ``l2_ahead``: batches requested into L2 ahead of the register loads (``prefetch.global.L2``, no registers
-    held; the first ones before the prologue's staging), 0 for none."""
+    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
 
     row_tiles: int = 1
     k_split: int = 2
     unroll: int = 2
     prefetch: bool = True
     decode: int = 0
-    l2_ahead: int = 0
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{' e4m3' if self.decode else ''}{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}")
+                f"{' e4m3' if self.decode else ''}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
@@ -122,7 +119,7 @@ def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...
             for nt in _NTS:
                 if tname in dtypes:
                     f = [f"&launch<{ctype}, {nt}, {c.row_tiles}, {c.k_split}, {c.unroll}, {int(c.prefetch)}, "
-                         f"{c.decode}, {c.l2_ahead}, {glu}>" for glu in ("false", "true")]
+                         f"{c.decode}, {glu}>" for glu in ("false", "true")]
                 else:
                     f = ["nullptr", "nullptr"]
                 nts.append("{" + ", ".join(f) + "}")
@@ -143,9 +140,9 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1) and 0 <= cfg.l2_ahead <= 16):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1, l2_ahead 0-16)")
+                         f"≤ 16 warps, decode 0/1)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -116,28 +116,9 @@ __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&
   }
 }
 
-// The same addresses as load_batch, requested into L2 only (no registers held): lanes with even q cover each
-// quad's 64 contiguous bytes (two 32-byte sectors) per row and matrix.
-template <int U, int NM, int KS>
-__device__ __forceinline__ void prefetch_batch(const uint4* (&wr)[NM][2], int it, int ks, int J, int NBLK, int q,
-                                               bool ok0, bool ok1) {
-  if (q & 1) return;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = it * U + u, b = 4 * (ks + KS * j) + q;
-    if (j < J && b < NBLK) {
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        if (ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[m][0] + b));
-        if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[m][1] + b));
-      }
-    }
-  }
-}
-
 // Steps 5-6 for NR n8 tiles (the block's first 2*NR staged rows): stream the warp's groups, then the quad
 // reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
-template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, int L2A>
+template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC>
 __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
                                             bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
@@ -156,7 +137,6 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
 
 #pragma unroll 1
   for (int it = 0; it < IT; ++it) {
-    if (L2A > 0 && it + 1 + L2A < IT) prefetch_batch<U, NM, KS>(wr, it + 1 + L2A, ks, J, NBLK, q, ok0, ok1);
     if (PF) {
       if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
     } else if (it > 0) {
@@ -257,7 +237,7 @@ struct MinBlocks {
 //      the group's 8 mmas (one FFMA each), then a shuffle with lane q^1 adds the other two blocks.
 // PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
 // griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, int L2A, bool GLU>
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
 __global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
@@ -299,8 +279,6 @@ mx_gemv_kernel(const Args p) {
   const bool ok0 = r0 < N, ok1 = r1 < N;
   uint4 cur[U][NM][2];
   load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
-#pragma unroll 1
-  for (int a = 1; a <= L2A && a < IT; ++a) prefetch_batch<U, NM, KS>(wr, a, ks, J, NBLK, q, ok0, ok1);
 
   // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
   const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
@@ -395,15 +373,15 @@ mx_gemv_kernel(const Args p) {
 
   // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
   if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC, L2A>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else if (nr == 2) {
     if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC, L2A>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else {
     if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC, L2A>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   }
   __syncthreads();
@@ -436,12 +414,12 @@ mx_gemv_kernel(const Args p) {
   }
 }
 
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, int L2A, bool GLU>
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
 cudaError_t launch(const Args& p, cudaStream_t stream) {
   using S = Smem<NT, RT, KS, GLU>;
   const int G = (p.K + 127) >> 7;
   const size_t smem = S::bytes(G);
-  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, L2A, GLU>;
+  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
   if (smem > 48 * 1024) {
     static size_t set = 0;  // raise the opt-in limit once per instantiation (and again for a larger K)
     if (smem > set) {
