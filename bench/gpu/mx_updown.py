@@ -42,7 +42,6 @@ def main():
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")
     ap.add_argument("--layouts", default="rows,tiled", help="weight layouts: rows, tiled (cmx.tile_rows)")
-    ap.add_argument("--block-m", type=int, default=None, help="alignment rows per CTA (default cmx.cuda_block_m)")
     ap.add_argument("--grouped", action="store_true", help="also time the grouped tensor-core GEMMs per token count")
     args = ap.parse_args()
     t0 = time.time()
@@ -70,13 +69,13 @@ def main():
         ids = torch.randn(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices
         touched = torch.unique(ids).numel()
         P = T * TOPK
-        al = align_for(ids, E, args.block_m or cmx.cuda_block_m(P, E))
+        al = align_for(ids, E, cmx.cuda_block_m(P, E))
         nb = al.expert_ids.numel()
         h = torch.empty(nb * al.block_m, I, dtype=z.dtype, device=dev)
         y = torch.empty(P, D, dtype=z.dtype, device=dev)
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float().reshape(P, D)
         mc = (configs, ("bf16",))
-        print(f"-- T={T}, block_m {al.block_m}: {touched} experts, up {touched * up_b / 1e6:.1f} MB, down {touched * dn_b / 1e6:.1f} MB")
+        print(f"-- T={T}: {touched} experts, up {touched * up_b / 1e6:.1f} MB, down {touched * dn_b / 1e6:.1f} MB")
         rows = []
         for c, lay in ((c, lay) for lay in layouts for c in cfgs):
             if time.time() - t0 > args.budget:

@@ -223,12 +223,10 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
     }
 }
 
-// Registers: at most 128 per thread wherever two 256-thread CTAs (or more smaller ones) fit an SM; the
-// one-tile instance (block_m <= 2) at most 80, for three.
-template <int NTHR, int NT>
+// Registers: at most 128 per thread wherever two 256-thread CTAs (or more smaller ones) fit an SM.
+template <int NTHR>
 struct MinBlocks {
-  static constexpr int per_sm = NT == 1 ? 768 : 512;
-  static constexpr int value = (per_sm / NTHR) > 0 ? per_sm / NTHR : 1;
+  static constexpr int value = (512 / NTHR) > 0 ? 512 / NTHR : 1;
 };
 
 // One CTA: rows [n0, n0 + 16*RT) of one expert for the valid rows (at most bm <= 2*NT) of one alignment block.
@@ -245,7 +243,7 @@ struct MinBlocks {
 // PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
 // griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
 template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-__global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS, NT>::value)
+__global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
