@@ -24,7 +24,6 @@ import torch
 from k3nn.kernels.moe import cuda_mx_gemv as cmx
 from k3nn.kernels.moe.align import align_for
 from k3nn.kernels.moe.reference import moe_expert_outputs_reference
-from k3nn.quant.mxfp4 import MXFP4Weight
 from k3nn.kernels.moe.triton_fused import fused_expert_outputs, pick_block_m
 
 from bench.common import device_meta, graph_bench_ms, rel_err
@@ -32,7 +31,7 @@ from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
 
 print = functools.partial(print, flush=True)
 
-CONFIGS = ["4,2,4,1,1", "4,2,3,1,1", "4,2,4,0,1", "2,2,2,1,1"]
+CONFIGS = ["4,2,2,1,1", "4,2,4,1,1", "4,2,3,1,1", "4,2,4,0,1", "4,2,6,0,1", "2,4,3,1,1", "2,2,4,1,1", "4,4,3,1,1"]
 
 
 def main():
@@ -41,7 +40,6 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--budget", type=float, default=150.0, help="stop starting new cases after this many s")
-    ap.add_argument("--layouts", default="rows,tiled", help="weight layouts: rows, tiled (cmx.tile_rows)")
     ap.add_argument("--grouped", action="store_true", help="also time the grouped tensor-core GEMMs per token count")
     args = ap.parse_args()
     t0 = time.time()
@@ -56,10 +54,6 @@ def main():
     cmx.build(configs, ("bf16",))
     print(f"{len(configs)} configs built in {cmx.last_build_seconds:.1f}s  [t={time.time() - t0:.0f}s]")
     q1, q3, q2 = make_weights(dev, E)
-    layouts = args.layouts.split(",")
-    tiled_w = {"rows": (q1, q3, q2)}
-    if "tiled" in layouts:
-        tiled_w["tiled"] = tuple(MXFP4Weight(cmx.tile_rows(q.packed), q.scale) for q in (q1, q3, q2))
     up_b = q1[0].nbytes() + q3[0].nbytes()
     dn_b = q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)
@@ -77,26 +71,24 @@ def main():
         mc = (configs, ("bf16",))
         print(f"-- T={T}: {touched} experts, up {touched * up_b / 1e6:.1f} MB, down {touched * dn_b / 1e6:.1f} MB")
         rows = []
-        for c, lay in ((c, lay) for lay in layouts for c in cfgs):
+        for c in cfgs:
             if time.time() - t0 > args.budget:
-                print(f"   {c.name()} {lay}: skipped (budget)")
+                print(f"   {c.name()}: skipped (budget)")
                 continue
-            w1, w3, w2 = tiled_w[lay]
-            tl = lay == "tiled"
 
-            def up(c=c, w1=w1, w3=w3, tl=tl):
-                cmx._launch(mc, c, True, z, w1, w3, h, al, TOPK, P, True, 1, True, BETA, LIN, tiled=tl)
+            def up(c=c):
+                cmx._launch(mc, c, True, z, q1, q3, h, al, TOPK, P, True, 1, True, BETA, LIN)
 
-            def down(c=c, w2=w2, tl=tl):
-                cmx._launch(mc, c, False, h, w2, w2, y, al, TOPK, P, False, 1, True, BETA, LIN, False, tl)
+            def down(c=c):
+                cmx._launch(mc, c, False, h, q2, q2, y, al, TOPK, P, False, 1, True, BETA, LIN, False)
 
-            def pair_dn(c=c, w1=w1, w3=w3, w2=w2, tl=tl):
-                cmx.mx_gemv_experts_cuda(z, w1, w3, w2, al, y, P, TOPK, 1, True, BETA, LIN, cmx.DEFAULT_CONFIG, c,
-                                         configs=configs, dtypes=("bf16",), tiled=tl)
+            def pair_dn(c=c):
+                cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y, P, TOPK, 1, True, BETA, LIN, cmx.DEFAULT_CONFIG, c,
+                                         configs=configs, dtypes=("bf16",))
 
-            def pair_up(c=c, w1=w1, w3=w3, w2=w2, tl=tl):
-                cmx.mx_gemv_experts_cuda(z, w1, w3, w2, al, y, P, TOPK, 1, True, BETA, LIN, c, cmx.DEFAULT_CONFIG,
-                                         configs=configs, dtypes=("bf16",), tiled=tl)
+            def pair_up(c=c):
+                cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y, P, TOPK, 1, True, BETA, LIN, c, cmx.DEFAULT_CONFIG,
+                                         configs=configs, dtypes=("bf16",))
 
             try:
                 y.fill_(float("nan"))
@@ -105,17 +97,16 @@ def main():
                 torch.cuda.synchronize()
                 err = rel_err(y.float(), ref)
                 if not err < 2e-2:
-                    print(f"   {c.name()} {lay}: MISMATCH rel_err {err:.2e}")
+                    print(f"   {c.name()}: MISMATCH rel_err {err:.2e}")
                     continue
                 us = [graph_bench_ms(f, inner=20, rep=10) * 1e3 for f in (up, down, pair_dn, pair_up)]
             except Exception as ex:
-                msg = str(ex).splitlines()[0] if str(ex) else ""
-                print(f"   {c.name()} {lay}: FAILED {type(ex).__name__}: {msg}")
+                print(f"   {c.name()}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
                 continue
             fu, fd = touched * up_b / us[0] / 1e6 / copy, touched * dn_b / us[1] / 1e6 / copy
             fp = touched * (up_b + dn_b) / us[2] / 1e6 / copy
-            rows.append((f"{c.name()} {lay}", *us))
-            print(f"   {c.name() + ' ' + lay:24s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
+            rows.append((c, *us))
+            print(f"   {c.name():18s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
                   f"pair(def up) {us[2]:6.1f} us {fp:6.1%} | pair(def down) {us[3]:6.1f} us | rel_err {err:.1e}")
         if args.grouped:  # the grouped tensor-core GEMMs (tl.dot_scaled), what batches above the GEMV limit take
             ala = align_for(ids, E, pick_block_m(P, E))
@@ -131,12 +122,12 @@ def main():
             fp = touched * (up_b + dn_b) / us / 1e6 / copy
             print(f"   {'grouped dot_scaled':18s} pair {us:7.1f} us {fp:6.1%} of copy | rel_err {err:.1e}")
             if rows:
-                print(f"   GEMV pair / grouped: {rows[0][3] / us:.2f}x the time ({rows[0][0]})")
+                print(f"   GEMV pair / grouped: {rows[0][3] / us:.2f}x the time ({cfgs[0].name()})")
         if rows:
             bu, bd = min(rows, key=lambda r: r[1]), min(rows, key=lambda r: r[2])
             bp = min(rows, key=lambda r: r[3])
-            best.append(f"best T={T} E={E}: up {bu[0]} {bu[1]:.1f} us; down {bd[0]} {bd[2]:.1f} us; "
-                        f"pair with default up: {bp[0]} {bp[3]:.1f} us (default {rows[0][3]:.1f})")
+            best.append(f"best T={T} E={E}: up {bu[0].name()} {bu[1]:.1f} us; down {bd[0].name()} {bd[2]:.1f} us; "
+                        f"pair with default up: {bp[0].name()} {bp[3]:.1f} us (default {rows[0][3]:.1f})")
     print("\n".join(best))
     print(f"done in {time.time() - t0:.0f}s")
 

@@ -105,7 +105,7 @@ _CPP_SOURCE = read_source("moe/csrc/mx_gemv.cpp")
 _DECL = ("void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, "
          "torch::Tensor w3, torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid, "
          "torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token, int64_t act, "
-         "bool cap, bool scale_vec, double beta, double linear_beta, bool pdl, bool tiled);")
+         "bool cap, bool scale_vec, double beta, double linear_beta, bool pdl);")
 
 
 def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...]) -> str:
@@ -257,26 +257,15 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
     return None
 
 
-def tile_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 weights [E, N, K/2] (row layout) → the same shape in the GEMV's tiled layout: each 16-row tile
-    group by group (128 k = 64 bytes of 16 rows, the 8-row halves in turn), so a warp's load reads 512 contiguous
-    bytes. Needs N % 16 == 0 and K % 128 == 0."""
-    E, N, kb = packed.shape
-    if N % 16 or kb % 64:
-        raise ValueError(f"tile_rows: needs N % 16 == 0 and K % 128 == 0, got N={N}, K={2 * kb}")
-    return (packed.reshape(E, N // 16, 2, 8, kb // 64, 4, 16).permute(0, 1, 4, 2, 3, 5, 6).contiguous()
-            .view(E, N, kb))
-
-
 def _launch(mod_cfg, cfg, glu, a, w, w3, out, al, top_k, num_pairs, a_by_token, act, cap, beta, linear_beta,
-            pdl=False, tiled=False):
+            pdl=False):
     configs, dtypes = mod_cfg
     mod = build(configs, dtypes)
     idx = configs.index(cfg)
     svec = (w.shape[2] // 32) % 16 == 0 and _aligned16(w.scale) and _aligned16(w3.scale)
     mod.mx_gemv_launch(idx, glu, a, w.packed, w.scale, w3.packed, w3.scale, out, al.sorted_ids, al.expert_ids,
                        al.num_rows, al.block_m, top_k, num_pairs, a_by_token, act, cap, svec, beta, linear_beta,
-                       pdl, tiled)
+                       pdl)
 
 
 def pdl_enabled(dev) -> bool:
@@ -297,7 +286,7 @@ def _module_for(cfg: CudaGemvConfig, configs, dtypes):
 def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4Weight, al, y2: torch.Tensor,
                          num_pairs: int, top_k: int, act: int, cap: bool, beta: float, linear_beta: float,
                          cfg_up: CudaGemvConfig | None = None, cfg_down: CudaGemvConfig | None = None,
-                         configs=None, dtypes=("bf16", "fp16"), pdl: bool | None = None, tiled: bool = False) -> None:
+                         configs=None, dtypes=("bf16", "fp16"), pdl: bool | None = None) -> None:
     """Up (w1/w3 + GLU, act 0 SiLU / 1 SiTU, ``cap``: linear_beta·tanh(u/linear_beta)) and down (w2) over the
     alignment ``al`` (block_m ∈ {1, 2, 4, 8}); writes y2 [P, D] at flat pair ids (x.dtype). ``configs``: the
     built set the two configs belong to (default: the defaults / the two configs themselves). ``pdl``: launch
@@ -319,11 +308,11 @@ def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: 
     nb = al.expert_ids.numel()
     I = w1.packed.shape[1]
     h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)
-    _launch(mc, cu, True, x, w1, w3, h, al, top_k, num_pairs, True, act, cap, beta, linear_beta, tiled=tiled)
+    _launch(mc, cu, True, x, w1, w3, h, al, top_k, num_pairs, True, act, cap, beta, linear_beta)
     if pdl is None:
         pdl = pdl_enabled(x.device)
     pdl = bool(pdl) and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    _launch(mc, cd, False, h, w2, w2, y2, al, top_k, num_pairs, False, act, cap, beta, linear_beta, pdl, tiled)
+    _launch(mc, cd, False, h, w2, w2, y2, al, top_k, num_pairs, False, act, cap, beta, linear_beta, pdl)
 
 
 def mx_gemv_linear_cuda(a: torch.Tensor, w: MXFP4Weight, cfg: CudaGemvConfig | None = None, block_m: int = 2,

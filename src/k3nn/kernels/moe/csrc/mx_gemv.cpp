@@ -16,8 +16,7 @@ cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, cudaStr
 void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, torch::Tensor w3,
                     torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid,
                     torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token,
-                    int64_t act, bool cap, bool scale_vec, double beta, double linear_beta, bool pdl,
-                    bool tiled) {
+                    int64_t act, bool cap, bool scale_vec, double beta, double linear_beta, bool pdl) {
   TORCH_CHECK(a.is_cuda() && a.stride(-1) == 1 && a.stride(0) % 8 == 0, "mx_gemv_launch: bad activations");
   TORCH_CHECK(w1.scalar_type() == torch::kUInt8 && s1.scalar_type() == torch::kUInt8, "mx_gemv_launch: u8 weights");
   TORCH_CHECK(sorted.scalar_type() == torch::kInt && eid.scalar_type() == torch::kInt &&
@@ -49,9 +48,6 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
   p.cap = cap;
   p.scale_vec = scale_vec;
   p.pdl = pdl;
-  p.tiled = tiled;
-  TORCH_CHECK(!tiled || (p.N % 16 == 0 && p.K % 128 == 0),
-              "mx_gemv_launch: tiled weights need N % 16 == 0 and K % 128 == 0");
   p.beta = (float)beta;
   p.linear_beta = (float)linear_beta;
   TORCH_CHECK(bm == 1 || bm == 2 || bm == 4 || bm == 8, "mx_gemv_launch: block_m must be 1, 2, 4 or 8");

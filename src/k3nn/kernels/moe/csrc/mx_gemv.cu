@@ -101,22 +101,17 @@ struct Smem {
 };
 
 // One batch of U groups of weight loads (one 16-byte MX block per lane, row and matrix).
-// Row layout: wr points at the row, block b is uint4 b. Tiled layout (``tiled``): the 16 rows of a row tile are
-// stored group by group, [G][2 halves][8 rows][4 blocks] uint4 (one 1 KB chunk per 128-k group, the two halves
-// in the order a warp's two loads read them), wr points at half h, row g of the tile, and block b = 4·gr + q is
-// uint4 64·gr + q = 16·b − 15·q: each warp-wide load reads 512 contiguous bytes.
 template <int U, int NM, int KS>
 __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&wr)[NM][2], int it, int ks,
-                                           int J, int NBLK, int q, bool ok0, bool ok1, bool tiled) {
+                                           int J, int NBLK, int q, bool ok0, bool ok1) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int j = it * U + u, b = 4 * (ks + KS * j) + q;
     const bool v = j < J && b < NBLK;
-    const int o = tiled ? 16 * b - 15 * q : b;
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
-      d[u][m][0] = (v && ok0) ? ld_stream(wr[m][0] + o) : make_uint4(0u, 0u, 0u, 0u);
-      d[u][m][1] = (v && ok1) ? ld_stream(wr[m][1] + o) : make_uint4(0u, 0u, 0u, 0u);
+      d[u][m][0] = (v && ok0) ? ld_stream(wr[m][0] + b) : make_uint4(0u, 0u, 0u, 0u);
+      d[u][m][1] = (v && ok1) ? ld_stream(wr[m][1] + b) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 }
@@ -125,7 +120,7 @@ __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&
 // reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
 template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC>
 __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
-                                            bool ok1, bool tiled, int ks, int rt, int g, int q, int J, int IT, int NBLK,
+                                            bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
   constexpr int ROWS = 16 * RT;
   const bool diag = (g & 3) == q;
@@ -143,9 +138,9 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
 #pragma unroll 1
   for (int it = 0; it < IT; ++it) {
     if (PF) {
-      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1, tiled);
+      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
     } else if (it > 0) {
-      load_batch<U, NM, KS>(cur, wr, it, ks, J, NBLK, q, ok0, ok1, tiled);
+      load_batch<U, NM, KS>(cur, wr, it, ks, J, NBLK, q, ok0, ok1);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -271,21 +266,19 @@ mx_gemv_kernel(const Args p) {
 
   // 1. first weight loads in flight before anything else
   const uint4* wr[NM][2];
-#pragma unroll
-  for (int m = 0; m < NM; ++m) {
-    const uint8_t* b0 = (m == 0 ? p.w1 : p.w3) + (long long)e * p.wse;
-    if (p.tiled) {  // see load_batch
-      const uint4* t = reinterpret_cast<const uint4*>(b0 + (long long)(r0 - g) * p.wsn) + 4 * g;
-      wr[m][0] = t;
-      wr[m][1] = t + 32;
-    } else {
-      wr[m][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * p.wsn);
-      wr[m][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * p.wsn);
+  {
+    const uint8_t* b0 = p.w1 + (long long)e * p.wse;
+    wr[0][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * p.wsn);
+    wr[0][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * p.wsn);
+    if constexpr (GLU) {
+      const uint8_t* b3 = p.w3 + (long long)e * p.wse;
+      wr[NM - 1][0] = reinterpret_cast<const uint4*>(b3 + (long long)r0 * p.wsn);
+      wr[NM - 1][1] = reinterpret_cast<const uint4*>(b3 + (long long)r1 * p.wsn);
     }
   }
   const bool ok0 = r0 < N, ok1 = r1 < N;
   uint4 cur[U][NM][2];
-  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1, p.tiled);
+  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
 
   // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
   const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
@@ -380,15 +373,15 @@ mx_gemv_kernel(const Args p) {
 
   // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
   if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, p.tiled, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else if (nr == 2) {
     if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, p.tiled, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else {
     if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, p.tiled, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   }
   __syncthreads();

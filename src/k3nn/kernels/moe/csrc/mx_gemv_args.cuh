@@ -14,6 +14,5 @@ struct Args {
   int nb, bm, N, K, top_k, num_pairs;
   int a_by_token, act, cap, scale_vec;
   int pdl;                  // launch as a programmatic dependent of the previous kernel (down after up)
-  int tiled;                // packed weights in 16-row tiles, group-major (cuda_mx_gemv.tile_rows)
   float beta, linear_beta;
 };
