@@ -90,3 +90,9 @@ def test_route_edge_cases():
     with backend("triton"):
         ids, _ = ops.moe_route(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0)
     assert sorted(ids[0].tolist()) == [0, 1, 2]
+    # negative and mixed-sign biased scores keep the float order (the kernel compares integer keys)
+    bias = torch.tensor([-5.0, -3.0, 0.25, -1.0, -4.0, -0.5, -3.0, 2.0])
+    with backend("triton"):
+        ids, w = ops.moe_route(torch.zeros(2, 8), bias, 5, False, 1.0)
+    assert ids[0].tolist() == [7, 2, 5, 3, 1] and ids[1].tolist() == [7, 2, 5, 3, 1]  # by score, ties: lowest
+    assert torch.equal(w, torch.full((2, 5), 0.5))

@@ -1,6 +1,11 @@
 """Triton router (:func:`.routing.route_reference` for sigmoid scores without expert groups): one program per
 token does the sigmoid, the biased top-k selection, the raw-score weights, the renormalisation and the scaling in
-one launch (the eager form is ~10 launches). Ties pick the lowest expert index; the top-k order is by score."""
+one launch (the eager form is ~10 launches). Ties pick the lowest expert index; the top-k order is by score.
+
+The selection is K rounds of one max-reduction over 64-bit keys (the biased score's bits, mapped to an order-
+preserving signed integer, above ``BLOCK_E − 1 − expert``): one reduction yields both the best score and its lowest
+index. The program is one warp up to 1024 experts, so every reduction stays in shuffles (no shared memory, no
+barrier); the weights are the sigmoid recomputed at the chosen ids."""
 
 from __future__ import annotations
 
@@ -23,21 +28,25 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling, K: tl.constex
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
     x = tl.load(logit_ptr + row * E + offs, mask=m, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-x))
-    choice = tl.where(m, s + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32), float("-inf"))
+    choice = 1.0 / (1.0 + tl.exp(-x)) + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 ties with +0.0, as in a float comparison
+    bits = choice.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed-int order == float order
+    key = order.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs)
+    lowest = -9223372036854775807 - 1
+    key = tl.where(m, key, lowest)
     ks = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(choice, 0)
-        idx = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
-        sj = tl.sum(tl.where(offs == idx, s, 0.0), 0)
-        ids = tl.where(ks == j, idx.to(tl.int64), ids)
-        w = tl.where(ks == j, sj, w)
-        choice = tl.where(offs == idx, float("-inf"), choice)
+        best = tl.max(key, 0)
+        idx = (BLOCK_E - 1) - (best & 4294967295)
+        ids = tl.where(ks == j, idx, ids)
+        key = tl.where(offs == idx, lowest, key)
+    km = ks < K
+    xs = tl.load(logit_ptr + row * E + ids, mask=km, other=0.0).to(tl.float32)
+    w = tl.where(km, 1.0 / (1.0 + tl.exp(-xs)), 0.0)
     if RENORM:
         w = w / (tl.sum(w, 0) + 1e-20)
-    km = ks < K
     tl.store(ids_ptr + row * K + ks, ids, mask=km)
     tl.store(w_ptr + row * K + ks, w * scaling, mask=km)
 
@@ -61,7 +70,8 @@ def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_gr
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     if N:
+        block_e = triton.next_power_of_2(E)
         _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, float(scaling),
-                            K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_K=triton.next_power_of_2(top_k))
+                            K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=block_e,
+                            BLOCK_K=triton.next_power_of_2(top_k), num_warps=max(1, block_e // 1024))
     return ids, w
