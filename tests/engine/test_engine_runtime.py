@@ -240,6 +240,37 @@ def test_greedy_rounds_draft_on_the_device(model, monkeypatch):
     assert _engine(model, cuda_graphs="static").runner.draft_key_buckets(1) == []
 
 
+def test_draft_gathers_stay_within_the_key_budget(model):
+    """The drafter's context gather is [B, L, 2·H·Dh] per layer (L: the bucket of the batch's longest row). Past
+    ``context.max_keys`` keys (B · L; twice the pool's tokens) the step is no device round; the host path drafts
+    the rows in runs by length that fit, and the output still equals generate()."""
+    from k3nn.engine.speculative import PagedDraftContext
+    from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+    d = DSparkDrafter(DSparkConfig.for_target(model.config, num_layers=1, num_heads=2, block_size=GAMMA), model,
+                      dtype=torch.float64)
+    e = _engine(model, d, cuda_graphs="static", num_speculative_tokens=GAMMA)
+    ctx = e.drafter.context
+    assert isinstance(ctx, PagedDraftContext)
+    assert ctx.max_keys == 2 * e.pools.allocator.num_blocks * e.pools.block_size
+    page = e.pools.block_size
+    ctx.max_keys = 2 * page  # two pages of keys per gather: three rows of one page never share one
+    assert ctx.batches([5, 30]) == [[0, 1]]
+    assert ctx.batches([30, 5, 20]) == [[1, 2], [0]]  # by length, runs of two one-page rows
+    assert ctx.batches([page + 1, 3]) == [[1], [0]]  # a two-page row alone
+    rounds, sizes = [], []
+    body, one = e.runner._draft_body, e.drafter._propose
+    e.runner._draft_body = lambda B, T, L: rounds.append((B, T, L)) or body(B, T, L)
+    e.drafter._propose = lambda rows, n: sizes.append(len(rows)) or one(rows, n)
+    prompts = [rand_ids(9 + 5 * i, 410 + i) for i in range(3)]
+    ids = [e.add_request(p, max_new_tokens=8) for p in prompts]
+    while e.has_unfinished():
+        e.step()
+    assert [e.requests[i].output for i in ids] == [reference(model, p, 8) for p in prompts]
+    assert not rounds and sizes and max(sizes) <= 2  # no device round (4 padded rows x one page), gathers of <= 2
+    assert all(e.requests[i].spec_rounds > 0 for i in ids)
+
+
 def test_warmup_prompt_lengths_cover_every_step_size_bucket():
     """warmup() on CUDA runs one prompt per power of two up to the step budget (the MoE kernels specialise on the
     power-of-two bucket of a step's pairs), within the model's context."""

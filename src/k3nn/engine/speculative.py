@@ -87,6 +87,24 @@ class PagedDraftContext:
         dtype = dtype or drafter.fc.weight.dtype
         self.pools = [torch.zeros(num_pages + 1, block_size, 2 * self.H * self.Dh, dtype=dtype, device=device)
                       for _ in drafter.layers]
+        #: the most keys one gather holds over its rows (B · L): twice the pool's tokens. A gather is [B, L, 2·H·Dh]
+        #: per layer, so one long row among short ones would otherwise cost B × the long row's bucket.
+        self.max_keys = 2 * num_pages * block_size
+
+    def batches(self, num_computed: Sequence[int]) -> list[list[int]]:
+        """Indices of rows (their cached lengths ``num_computed``) in gathers of at most :attr:`max_keys` keys:
+        one batch when they fit, else the rows by length in runs that fit (a row alone always does: its bucket
+        is at most twice the pool)."""
+        if len(num_computed) * self.key_length(max(num_computed)) <= self.max_keys:
+            return [list(range(len(num_computed)))]
+        out: list[list[int]] = []
+        for i in sorted(range(len(num_computed)), key=lambda i: num_computed[i]):
+            cur = out[-1] if out else None
+            if cur is not None and (len(cur) + 1) * self.key_length(num_computed[i]) <= self.max_keys:
+                cur.append(i)
+            else:
+                out.append([i])
+        return out
 
     @property
     def memory_bytes(self) -> int:
@@ -168,6 +186,24 @@ class DSparkEngineDrafter:
 
     @torch.no_grad()
     def propose(self, rows: Sequence[DraftRow], n: int) -> DraftProposal:
+        """Drafts for ``rows``, in gathers of at most ``context.max_keys`` keys (:meth:`PagedDraftContext.batches`;
+        one call when they fit)."""
+        parts = self.context.batches([r.num_computed for r in rows])
+        if len(parts) == 1:
+            return self._propose(rows, n)
+        props = []
+        for part in parts:  # copied at once: parts of one shape replay one graph into the same outputs
+            p = self._propose([rows[i] for i in part], n)
+            props.append(DraftProposal(*(None if t is None else t.clone() for t in (p.tokens, p.probs, p.confidence))))
+        order = torch.tensor([i for part in parts for i in part], device=props[0].tokens.device).argsort()
+
+        def join(xs):
+            return None if xs[0] is None else torch.cat(xs)[order]
+
+        return DraftProposal(join([p.tokens for p in props]), join([p.probs for p in props]),
+                             join([p.confidence for p in props]))
+
+    def _propose(self, rows: Sequence[DraftRow], n: int) -> DraftProposal:
         p = rows[0].params
         if getattr(p, "do_sample", False):
             return self._propose_eager(rows, n, p)
@@ -292,7 +328,11 @@ def greedy_round(engine, decodes: Sequence[Request]) -> int | None:
     v = engine.sampling.variant([r.row for r in decodes])
     if v.sampling or v.penalties or v.min_tokens:
         return None
+    ctx = runner.drafter.context
+    L = ctx.key_length(max(r.num_computed for r in decodes))
+    if runner.padded_size(len(decodes)) * L > ctx.max_keys:  # the host path drafts it in bounded gathers
+        return None
     for r, n in zip(decodes, ns):
         r.clear_drafts()
         r.drafts = [0] * n  # fed by the round's draft graph
-    return runner.drafter.context.key_length(max(r.num_computed for r in decodes))
+    return L
