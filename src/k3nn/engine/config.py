@@ -39,8 +39,10 @@ class EngineConfig:
     fraction of pages admission leaves free for running requests to grow). Prefix reuse: ``enable_prefix_caching``,
     ``retention`` ("marconi", "replay", "interval:N", a policy object or None), ``eviction`` ("lru", "marconi", a
     policy or None), ``retain_decode_state``. Speculation (with a drafter): ``num_speculative_tokens`` (None: the
-    drafter's block size), ``spec``. ``cuda_graphs``: replay captured decode / verify steps on a GPU. Errors name the
-    field (:meth:`validate`)."""
+    drafter's block size), ``spec``. ``cuda_graphs``: replay captured decode / verify steps on a GPU.
+    ``async_scheduling``: launch each pure decode step before reading the previous one's tokens
+    (:mod:`~k3nn.engine.overlap`; outputs come back one ``step()`` later). Errors name the field
+    (:meth:`validate`)."""
 
     max_num_seqs: int = 8  # running rows (KDA running slots)
     num_pages: int | None = 512  # latent pages of 64 tokens (None: from cache_memory_bytes)
@@ -62,6 +64,7 @@ class EngineConfig:
     #: graph-safe steps without capture (any device); False: every step eager
     cuda_graphs: bool | str = True
     spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
+    async_scheduling: bool = False  # launch a decode step before reading the last one's tokens (engine.overlap)
 
     def validate(self) -> None:
         """Check every field (run by the Engine); a ValueError / TypeError naming the field."""
@@ -77,6 +80,8 @@ class EngineConfig:
                 raise TypeError(f"spec must be a k3nn.spec.SpecOptions, got {type(self.spec).__name__}")
             if self.spec.rollback != "replay":
                 raise ValueError(f"the engine rolls KDA back by replay only; got spec.rollback={self.spec.rollback!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.cuda_graphs not in (True, False, "static"):
             raise ValueError(f"cuda_graphs must be True, False or 'static', got {self.cuda_graphs!r}")
         if self.budget not in ("adaptive", "fixed"):

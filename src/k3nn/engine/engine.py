@@ -45,6 +45,7 @@ from ..generation import GenerationConfig
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
 from .config import EngineConfig, EngineStalledError, RequestFailedError
+from . import overlap
 from .images import check_images, encode_images, feeds_images, image_block_keys, image_embeds
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       per_prompt, token_ids)
@@ -126,6 +127,7 @@ class Engine:
         self.prompt_tokens = self.generated_tokens = 0
         self.start_time: float | None = None
         self._failed_outputs: list[RequestOutput] = []  # failures outside a forward, reported by the next step()
+        self._ahead: overlap.Deferred | None = None  # a launched decode step whose draws are not read yet
 
     @property
     def waiting(self) -> list[Request]:
@@ -278,7 +280,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Some request is still waiting or running (``step()`` has work to do)."""
-        return bool(self.waiting) or any(r.status == RequestStatus.RUNNING for r in self.running)
+        return (bool(self.waiting) or self._ahead is not None
+                or any(r.status == RequestStatus.RUNNING for r in self.running))
 
     def _get(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
@@ -414,7 +417,8 @@ class Engine:
               else GenerationConfig.from_model_config(self.mcfg))
         return gc.eos_ids
 
-    def _forward(self, rows: Sequence[RowWork], draft_keys: int | None = None) -> ForwardOut:
+    def _forward(self, rows: Sequence[RowWork], draft_keys: int | None = None,
+                 feed: torch.Tensor | None = None) -> ForwardOut:
         """One model forward over ``rows`` (:meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`:
         a replayed CUDA graph for decode / verify rows, eagerly otherwise; ``draft_keys``: a greedy round, drafted
         on the device); with a drafter the tapped hidden states of every fed token go into its paged context.
@@ -425,7 +429,7 @@ class Engine:
             embeds_fn = lambda ids: image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, nn,  # noqa: E731
                                                  ids)
         with torch.inference_mode():
-            out = self.runner.forward(rows, embeds_fn, draft_keys=draft_keys)
+            out = self.runner.forward(rows, embeds_fn, draft_keys=draft_keys, feed=feed)
             if self.drafter is not None and self.runner.tap_sink is None:  # else written inside the step
                 self.drafter.write(out.hidden, out.meta.positions[:len(rows)], out.meta.slot_mapping[:len(rows)])
         self.num_forwards += 1
@@ -453,6 +457,8 @@ class Engine:
         the others. When requests wait that no step can ever admit (nothing runs or could free a row or pages),
         raises :class:`EngineStalledError` instead of returning an empty step forever."""
         self.expire_leases()
+        if self._ahead is not None:  # asynchronous decoding: launch the next step, then read the last one
+            return overlap.advance(self)
         before = (len(self.waiting), len(self.running))
         decodes, prefills = self.schedule()
         self.num_steps += 1
@@ -473,6 +479,10 @@ class Engine:
         separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
         batches = [b for b in ([dec, *padding_groups(pre)] if separate else [dec + pre]) if b]
+        if overlap.deferrable(self, batches):  # its tokens are read by the next step(), after the next launch
+            self._ahead = overlap.launch(self, batches[0])
+            outputs, self._failed_outputs = outputs + self._failed_outputs, []
+            return outputs
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
 
         def fail(r: Request, e: Exception, where: str) -> None:

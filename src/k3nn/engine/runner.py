@@ -204,7 +204,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, rows: Sequence[RowWork], embeds_fn=None, all_columns: bool = False,
-                draft_keys: int | None = None) -> ForwardOut:
+                draft_keys: int | None = None, feed: torch.Tensor | None = None) -> ForwardOut:
         """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
         embeddings instead of ids (image tokens). The eager path's ``columns`` are every fed column's logits in a
         verify forward or with ``all_columns``, else each row's last ([B, 1, V]: the LM head skips the rest of
@@ -214,7 +214,8 @@ class ModelRunner:
         step is staged with :meth:`round_width` columns, the drafter's graph (per batch size and ``draft_keys``,
         the drafter's key bucket) writes every row's drafts into it on the device, then one graph runs the verify
         forward, the greedy acceptance and the KDA commit; the draws come back in ``packed`` (no host step
-        between drafting and acceptance)."""
+        between drafting and acceptance). ``feed`` [n]: each row's first token on the device, copied over its
+        staged id (an asynchronous step fed the previous step's draws, :mod:`~k3nn.engine.overlap`)."""
         n = len(rows)
         T = max(w.num_new for w in rows)
         verify = any(w.verify for w in rows)
@@ -235,6 +236,8 @@ class ModelRunner:
             return ForwardOut(last[:n], logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
                               key in self.graphs, packed=packed[:n])
         self._feed_device_drafts(rows, B, T)
+        if feed is not None:
+            self.inputs.ids(B, T)[:n, 0].copy_(feed[:n])
         if graph:
             key = (B, T, verify)
             logits, hidden, meta, rec, greedy = self.graphs.run(key, lambda: self._graph_body(B, T, verify))
@@ -387,7 +390,8 @@ class ModelRunner:
     # -- drawing tokens -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, out: ForwardOut, rows: Sequence[RowWork], table, synthetic_length: int | None = None,
-               draft_probs: dict[int, torch.Tensor] | None = None, logprobs: dict[int, int] | None = None) -> "Draws":
+               draft_probs: dict[int, torch.Tensor] | None = None, logprobs: dict[int, int] | None = None,
+               defer: bool = False):
         """Draw every row's tokens on the device and bring them to the host in one copy (plus one for rows that
         asked for log-probabilities).
 
@@ -396,7 +400,8 @@ class ModelRunner:
         target's choice (greedy) or lossless rejection sampling (sampling rows, ``draft_probs`` b → [n_b, V] for
         sampled drafts), or ``synthetic_length`` − 1 drafts (benchmarks); then their KDA state is committed
         (:meth:`commit_windows`). ``logprobs``: row → k (raw-distribution log-probabilities of its tokens and its
-        k most likely tokens)."""
+        k most likely tokens). ``defer``: plain rows without log-probabilities only; return the ``[n, 2]`` draws
+        (token, logits non-finite) on the device instead of reading them."""
         from ..runtime.rng import RowRNG
         from ..runtime.sampling import greedy_accept, rejection_accept, token_logprobs
 
@@ -405,13 +410,16 @@ class ModelRunner:
         if out.packed is not None:  # a greedy round: drawn and committed inside its graph
             return Draws(out.packed.tolist(), {}, True)
         variant = table.variant([w.req.row for w in rows if w.sample])
+        if defer and (out.verify or logprobs):
+            raise ValueError("ModelRunner.sample: defer takes plain rows without log-probabilities")
         if not (out.verify or logprobs or variant.sampling or variant.penalties or variant.min_tokens):
             # greedy rows only: the argmax and the non-finite flag, one copy (the decode loop's common case)
             if out.greedy is not None:  # computed inside the replayed graph
-                return Draws(out.greedy.tolist(), {}, False)
+                return out.greedy if defer else Draws(out.greedy.tolist(), {}, False)
             ids = out.logits.argmax(-1)
             bad = (~torch.isfinite(out.logits).all(-1)).long()
-            return Draws(torch.stack([ids, bad], 1).tolist(), {}, False)
+            packed = torch.stack([ids, bad], 1)
+            return packed if defer else Draws(packed.tolist(), {}, False)
         if (out.verify and out.padded is not None and not (logprobs or draft_probs or variant.sampling
                                                             or variant.penalties or variant.min_tokens)
                 and synthetic_length is None):
@@ -473,6 +481,8 @@ class ModelRunner:
             chosen = torch.cat([chosen, nxt[:, None]], 1) if chosen is not None else nxt[:, None]  # [n, T]
             table.record(slots, chosen, (j <= m[:, None]) & ver[:, None])
             cols += [m, nxt, bad.long(), *drafts.unbind(1)]
+        if defer:
+            return torch.stack(cols, 1)
         packed = torch.stack(cols, 1).tolist()  # the one host copy of the step's draws
         lps: dict[int, list] = {}
         if logprobs:

@@ -114,6 +114,7 @@ class StepInputs:
         self._dev = torch.zeros(self._fixed, dtype=torch.long, device=self.device)
         self._tail = torch.zeros(0, dtype=torch.long, device=self.device)  # long ids, table updates
         self._arange: dict[int, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None  # after the last staging copy (the host buffer is reused)
 
     def _alloc_host(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.long, pin_memory=self.pinned)
@@ -137,6 +138,8 @@ class StepInputs:
         if n > B or B > self.R:
             raise ValueError(f"StepInputs.stage: {n} rows padded to B={B}, at most max_rows={self.R}")
         upd = sum(len(r.new_pages) for r in rows)
+        if self._copied is not None:  # the previous step's copy has left the pinned buffer (an asynchronous
+            self._copied.synchronize()  # engine stages the next step before reading the last one's draws)
         big = T > self.Tg
         tail = (B * T if big else 0) + 3 * upd
         need = self._fixed + tail
@@ -176,6 +179,9 @@ class StepInputs:
             self._tail[:tail].copy_(src[self._fixed:need], non_blocking=True)
         else:
             self._dev.copy_(src[:self._fixed], non_blocking=True)
+        if self.pinned and not torch.cuda.is_current_stream_capturing():
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self._big_ids = self._tail[:B * T].view(B, T) if big else None
         if upd:
             t = self._tail[(B * T if big else 0):(B * T if big else 0) + 3 * upd].view(3, upd)

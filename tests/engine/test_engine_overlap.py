@@ -1,0 +1,103 @@
+"""Asynchronous decoding (``EngineConfig.async_scheduling``, ``engine/overlap.py``): a pure decode step is launched
+before the previous one's tokens are read, fed those tokens on the device. The tokens equal the synchronous
+engine's and generate()'s; requests that stop at an eos while the next step is in flight, aborts and the prefix
+cache stay correct."""
+
+import pytest
+import torch
+
+import k3nn.engine.overlap as overlap
+from k3nn.engine import RequestStatus
+
+from engine_helpers import model, rand_ids, reference  # noqa: F401 - fixture
+from test_engine_sampling import _engine
+
+
+def _run(e, prompts, news, **params):
+    ids = [e.add_request(p, max_new_tokens=n, **params) for p, n in zip(prompts, news)]
+    streamed = {i: [] for i in ids}
+    while e.has_unfinished():
+        for o in e.step():
+            streamed[o.request_id] += o.new_token_ids
+    assert all(streamed[i] == e.requests[i].output for i in ids)  # every token reached the caller once
+    return [e.requests[i].output for i in ids]
+
+
+@pytest.fixture
+def lookaheads(monkeypatch):
+    """The lookahead launches (steps fed the previous step's tokens on the device)."""
+    seen = []
+    launch = overlap.launch
+
+    def counted(engine, batch, feed=None):
+        if feed is not None:
+            seen.append(len(batch))
+        return launch(engine, batch, feed)
+
+    monkeypatch.setattr(overlap, "launch", counted)
+    return seen
+
+
+def test_async_decoding_equals_generate(model, lookaheads):
+    prompts = [rand_ids(13 + 6 * i, 500 + i) for i in range(3)]
+    news = [9, 4, 12]
+    e = _engine(model, cuda_graphs="static", async_scheduling=True)
+    assert _run(e, prompts, news) == [reference(model, p, n) for p, n in zip(prompts, news)]
+    assert lookaheads and max(lookaheads) == 3  # steps launched before the previous step's tokens were read
+    assert e._ahead is None and not e.running
+    # seeded sampling with penalties draws on the device from per-row seeds: the same tokens as without overlap
+    kw = dict(do_sample=True, temperature=0.9, top_k=30, repetition_penalty=1.3, seed=11)
+    sync = _engine(model, cuda_graphs="static")
+    assert _run(e, prompts, news, **kw) == _run(sync, prompts, news, **kw)
+    with pytest.raises(TypeError, match="async_scheduling"):
+        _engine(model, async_scheduling=1)
+
+
+def test_a_stop_while_the_next_step_is_in_flight(model, lookaheads):
+    """A request that ends at an eos had its next token computed already: the token is dropped and the prefix
+    cache indexes only what the request kept (a follow-up turn over prompt + answer equals uncached
+    generation)."""
+    prompt = rand_ids(52, 510)
+    full = reference(model, prompt, 30)
+    eos = next(t for i, t in enumerate(full) if full.index(t) == i >= 14)  # prompt + answer cross a page (64)
+    cut = full[:full.index(eos) + 1]
+    other = rand_ids(22, 511)
+    e = _engine(model, cuda_graphs="static", async_scheduling=True)
+    outs = _run(e, [prompt, other], [30, 30], eos_token_id=eos)
+    sync = _engine(model, cuda_graphs="static")
+    assert outs == _run(sync, [prompt, other], [30, 30], eos_token_id=eos)
+    assert outs[0] == cut and lookaheads and len(prompt) + len(cut) > 64
+    turn = prompt + cut + rand_ids(9, 512)
+    hits = [x.metrics()["cache_hits"] for x in (e, sync)]
+    assert _run(e, [turn], [6]) == _run(sync, [turn], [6]) == [reference(model, turn, 6)]
+    # the answer's page and decode state were kept as without overlap: the follow-up turn hits the same way
+    gained = [x.metrics()["cache_hits"] - h for x, h in zip((e, sync), hits)]
+    assert gained[0] == gained[1] > 0
+    # an abort while a step is in flight: the other request goes on unchanged
+    e2 = _engine(model, cuda_graphs="static", async_scheduling=True)
+    a = e2.add_request(prompt, max_new_tokens=20)
+    b = e2.add_request(other, max_new_tokens=20)
+    for _ in range(4):
+        e2.step()
+    assert e2._ahead is not None
+    e2.abort(a)
+    while e2.has_unfinished():
+        e2.step()
+    assert e2.requests[b].output == reference(model, other, 20)
+    assert e2.requests[a].status == RequestStatus.ABORTED
+
+
+def test_steps_that_are_not_pure_decodes_run_as_before(model, lookaheads):
+    """A request arriving while decodes are in flight is scheduled after the deferred step is read (no lookahead
+    while anything waits), and runs to the same tokens."""
+    e = _engine(model, cuda_graphs="static", async_scheduling=True)
+    p, q = rand_ids(17, 520), rand_ids(29, 521)
+    a = e.add_request(p, max_new_tokens=10)
+    for _ in range(3):
+        e.step()
+    b = e.add_request(q, max_new_tokens=7)
+    while e.has_unfinished():
+        e.step()
+    assert e.requests[a].output == reference(model, p, 10)
+    assert e.requests[b].output == reference(model, q, 7)
+    assert torch.is_tensor(e.sampling.seed)  # the sampling table kept its rows
