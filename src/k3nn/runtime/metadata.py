@@ -180,7 +180,7 @@ class StepInputs:
         else:
             self._dev.copy_(src[:self._fixed], non_blocking=True)
         if self.pinned and not torch.cuda.is_current_stream_capturing():
-            self._copied = torch.cuda.Event()
+            self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
         self._big_ids = self._tail[:B * T].view(B, T) if big else None
         if upd:
