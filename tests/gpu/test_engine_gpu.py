@@ -145,3 +145,39 @@ def test_no_compile_after_warmup_on_random_lengths():
     p99_warm = sorted(again)[int(0.99 * len(again))]
     print(f"TTFT p99 first {p99 * 1e3:.1f} ms, again {p99_warm * 1e3:.1f} ms")
     assert p99 <= 2 * p99_warm
+
+
+def test_async_scheduling_equals_the_synchronous_engine():
+    """EngineConfig.async_scheduling on the GPU (captured decode graphs, pinned copies of the draws): a workload
+    with staggered lengths, an eos stop, seeded sampling and an abort in flight gives every request the tokens of
+    the synchronous engine, and steps were launched before the previous step's tokens were read."""
+    import k3nn.engine.overlap as overlap
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = KimiK3Config.tiny()
+    model = KimiK3(cfg, seed=0).to("cuda").eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 33, 120, 5, 64)]
+    lookaheads = []
+    launch = overlap.launch
+    overlap.launch = lambda e, b, feed=None: (feed is not None and lookaheads.append(len(b))) or launch(e, b, feed)
+    try:
+        outs = {}
+        for mode in (False, True):
+            eng = Engine(model, EngineConfig(max_num_seqs=4, num_pages=64, num_snapshots=4,
+                                             async_scheduling=mode))
+            eng.warmup(prompt_len=32)
+            ids = [eng.add_request(p, max_new_tokens=8 + 5 * i, seed=i, do_sample=bool(i % 2), temperature=0.9,
+                                   eos_token_id=[7])
+                   for i, p in enumerate(prompts)]
+            steps = 0
+            while eng.has_unfinished():
+                eng.step()
+                steps += 1
+                if steps == 6:
+                    eng.abort(ids[1])
+            outs[mode] = [eng.requests[i].output for i in ids if i != ids[1]]  # the aborted one: a timing matter
+    finally:
+        overlap.launch = launch
+    assert outs[True] == outs[False]
+    assert lookaheads
