@@ -55,8 +55,8 @@ def _plain(engine: "Engine", reqs: Sequence) -> bool:
 def deferrable(engine: "Engine", batches: Sequence[Sequence[RowWork]]) -> bool:
     """This step is one forward of decode rows only (every row feeds its pending token and samples) that can be
     deferred."""
-    if not engine.config.async_scheduling or len(batches) != 1:
-        return False
+    if not engine.config.async_scheduling or len(batches) != 1 or engine.waiting:
+        return False  # with requests waiting the next step schedules anyway: no lookahead to gain
     rows = batches[0]
     return (all(w.decode and not w.verify and w.sample and w.num_new == 1 for w in rows)
             and _plain(engine, [w.req for w in rows]))
