@@ -4,7 +4,6 @@ engine's and generate()'s; requests that stop at an eos while the next step is i
 cache stay correct."""
 
 import pytest
-import torch
 
 import k3nn.engine.overlap as overlap
 from k3nn.engine import RequestStatus
@@ -100,4 +99,4 @@ def test_steps_that_are_not_pure_decodes_run_as_before(model, lookaheads):
         e.step()
     assert e.requests[a].output == reference(model, p, 10)
     assert e.requests[b].output == reference(model, q, 7)
-    assert torch.is_tensor(e.sampling.seed)  # the sampling table kept its rows
+    assert lookaheads  # steps ran ahead (the first request alone, then both)

@@ -228,6 +228,32 @@ class CacheManager:
             if not self.prefix.add_snapshot(req.keys[p // self.pools.block_size - 1], slot):
                 self.pools.snapshots.free([slot])
 
+    def plan_rows(self, batch: Sequence, fail) -> list:
+        """Plan each forward row's prefix snapshots (:meth:`plan_snapshots` into ``row.snapshots``); a row whose
+        plan raises is failed (``fail(req, exc, where)``) and left out. Returns the rest."""
+        ok = []
+        for w in batch:
+            try:
+                w.snapshots = self.plan_snapshots(w.req, w.num_new)
+                ok.append(w)
+            except Exception as e:
+                fail(w.req, e, "snapshot plan")
+        return ok
+
+    def commit_rows(self, batch: Sequence, absolute: Sequence[list[tuple[int, int]]], fail) -> None:
+        """After a forward: index each row's new prompt pages and written snapshots (``absolute``: (position,
+        slot) pairs per row) and keep its decode state; a failed row's snapshots are freed."""
+        for w, sn in zip(batch, absolute):
+            r = w.req
+            if r.status == RequestStatus.FAILED:
+                self.pools.snapshots.free([s for _, s in sn])
+                continue
+            try:
+                self.commit_prefix(r, sn)
+                self.track_decode_state(r)
+            except Exception as e:
+                fail(r, e, "cache commit")
+
     def track_decode_state(self, req: Request) -> None:
         """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding
         request completes a 64-token block past its prompt; it is indexed when the request finishes, so the

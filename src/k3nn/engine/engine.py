@@ -50,7 +50,7 @@ from .images import check_images, encode_images, feeds_images, image_block_keys,
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       per_prompt, token_ids)
 from ..runtime.sampling import SamplingTable
-from .runner import ForwardOut, ModelRunner, RowWork, padding_groups
+from .runner import Draws, ForwardOut, ModelRunner, RowWork, padding_groups
 from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
 from .speculative import as_engine_drafter, draft, greedy_round
@@ -491,14 +491,7 @@ class Engine:
         for batch in batches:
             if self.multimodal is not None:
                 batch = self._encode_images(batch, fail)
-            ok = []
-            for w in batch:
-                try:
-                    w.snapshots = self.cache.plan_snapshots(w.req, w.num_new)
-                    ok.append(w)
-                except Exception as e:
-                    fail(w.req, e, "snapshot plan")
-            batch = ok
+            batch = self.cache.plan_rows(batch, fail)
             if not batch:
                 continue
             absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
@@ -520,16 +513,7 @@ class Engine:
                     continue
                 if res is not None:
                     produced.append((r, *res))
-            for w, sn in zip(batch, absolute):
-                r = w.req
-                if r.status == RequestStatus.FAILED:
-                    self.pools.snapshots.free([s for _, s in sn])
-                    continue
-                try:
-                    self.cache.commit_prefix(r, sn)
-                    self.cache.track_decode_state(r)
-                except Exception as e:
-                    fail(r, e, "cache commit")
+            self.cache.commit_rows(batch, absolute, fail)
         now = time.perf_counter()
         for r, toks, lps in produced:
             if r.status == RequestStatus.FAILED:
@@ -555,6 +539,10 @@ class Engine:
                 if w.sample and w.req.params.logprobs is not None}
         d = self.runner.sample(out, batch, self.sampling, self.spec_options.synthetic_acceptance_length,
                                probs or None, want or None)
+        return self._emissions(batch, d)
+
+    def _emissions(self, batch: Sequence[RowWork], d: Draws) -> list:
+        """:meth:`_draw`'s per-row results from a forward's draws on the host."""
         res: list = []
         for b, w in enumerate(batch):
             r = w.req

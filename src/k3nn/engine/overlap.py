@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .request import RequestStatus
-from .runner import RowWork
+from .runner import Draws, RowWork
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -66,23 +66,22 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
     """Run ``batch``'s forward and draws without reading them (``feed`` [n]: the rows' tokens on the device,
     instead of their staged ids). A forward error fails the batch's requests (reported by the next step) and
     returns None."""
+    def fail(r, e: Exception, where: str) -> None:
+        engine._failed_outputs.append(engine._fail(r, e, where))
+
+    batch = engine.cache.plan_rows(batch, fail)
+    if not batch:
+        return None
+    absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
     try:
-        for w in batch:
-            w.snapshots = engine.cache.plan_snapshots(w.req, w.num_new)
         out = engine._forward(batch, None, feed)
         draws = engine.runner.sample(out, batch, engine.sampling, defer=True)
     except Exception as e:  # noqa: BLE001 - the whole forward: its requests fail, the engine goes on
+        engine.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
         for w in batch:
-            engine.pools.snapshots.free([s for _, s in w.snapshots])
-            engine._failed_outputs.append(engine._fail(w.req, e, "forward"))
+            fail(w.req, e, "forward")
         return None
-    for w in batch:
-        r = w.req
-        try:
-            engine.cache.commit_prefix(r, [(r.num_computed - w.num_new + p, s) for p, s in w.snapshots])
-            engine.cache.track_decode_state(r)
-        except Exception as e:  # noqa: BLE001
-            engine._failed_outputs.append(engine._fail(r, e, "cache commit"))
+    engine.cache.commit_rows(batch, absolute, fail)
     cuda = draws.device.type == "cuda"
     host = torch.empty(draws.shape, dtype=draws.dtype, pin_memory=cuda)
     host.copy_(draws, non_blocking=cuda)
@@ -102,8 +101,7 @@ def _lookahead(engine: "Engine", d: Deferred) -> list[RowWork] | None:
     running = [r for r in engine.running if r.status == RequestStatus.RUNNING]
     if len(running) != len(reqs) or {id(r) for r in running} != {id(r) for r in reqs}:
         return None
-    if any(r.status != RequestStatus.RUNNING or r.remaining != 0
-           or len(r.output) + 2 > r.params.max_new_tokens for r in reqs):
+    if any(r.remaining != 0 or len(r.output) + 2 > r.params.max_new_tokens for r in reqs):
         return None
     if not all(engine.scheduler.cache.grow(r, r.num_computed + 1) for r in reqs):
         return None
@@ -123,19 +121,20 @@ def advance(engine: "Engine") -> list:
         d.done.synchronize()
     outputs, engine._failed_outputs = engine._failed_outputs, []
     now = time.perf_counter()
-    for w, (tok, bad) in zip(d.batch, d.host.tolist()):
+    for w, res in zip(d.batch, engine._emissions(d.batch, Draws(d.host.tolist(), {}, False))):
         r = w.req
         if r.status != RequestStatus.RUNNING:  # finished at the step before, aborted or failed since
             continue
         extra = id(r) in ahead
         if extra:  # the lookahead fed one more token: out of the cache's view until this token is kept
             r.num_computed -= 1
-        try:
-            if bad:
-                raise FloatingPointError("the logits contain NaN or Inf")
-            outputs.append(engine._append_tokens(r, [tok], None, now))
-        except Exception as e:  # noqa: BLE001 - this request alone fails
-            outputs.append(engine._fail(r, e, "sampling" if bad else "stop check"))
+        if isinstance(res, Exception):
+            outputs.append(engine._fail(r, res, "sampling"))
+        else:
+            try:
+                outputs.append(engine._append_tokens(r, *res, now))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                outputs.append(engine._fail(r, e, "stop check"))
         if extra and r.status == RequestStatus.RUNNING:
             r.num_computed += 1
     engine._ahead = nxt

@@ -297,15 +297,15 @@ class ModelRunner:
     def draft_key_buckets(self, batch_size: int) -> list[int]:
         """The drafter's key buckets whose draft graphs ``Engine.warmup()`` captures at a padded batch size:
         powers of two from one page up to the bucket of the longest context a request can hold (the model's
-        context, the page pool), while the batch gathers at most twice the pool's tokens (a longer one is captured
-        when a round first needs it). Empty without a drafter that drafts in rounds."""
+        context, the page pool), while the batch's gather fits the context's key budget (``fits``: twice the pool's
+        tokens; a larger round drafts on the host path). Empty without a drafter that drafts in rounds."""
         if self.drafter is None:
             return []
         pool = self.pools.allocator.num_blocks * self.pools.block_size
         ctx = self.drafter.context
         top = ctx.key_length(min(self.model.config.max_position_embeddings, pool))
         out, L = [], ctx.key_length(1)
-        while L <= top and batch_size * L <= 2 * pool:
+        while L <= top and ctx.fits(batch_size, L):
             out.append(L)
             L *= 2
         return out
@@ -481,9 +481,10 @@ class ModelRunner:
             chosen = torch.cat([chosen, nxt[:, None]], 1) if chosen is not None else nxt[:, None]  # [n, T]
             table.record(slots, chosen, (j <= m[:, None]) & ver[:, None])
             cols += [m, nxt, bad.long(), *drafts.unbind(1)]
+        packed = torch.stack(cols, 1)
         if defer:
-            return torch.stack(cols, 1)
-        packed = torch.stack(cols, 1).tolist()  # the one host copy of the step's draws
+            return packed
+        packed = packed.tolist()  # the one host copy of the step's draws
         lps: dict[int, list] = {}
         if logprobs:
             idx = sorted(logprobs)

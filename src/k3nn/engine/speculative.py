@@ -91,16 +91,20 @@ class PagedDraftContext:
         #: per layer, so one long row among short ones would otherwise cost B × the long row's bucket.
         self.max_keys = 2 * num_pages * block_size
 
+    def fits(self, rows: int, L: int) -> bool:
+        """Whether a gather of ``rows`` rows over ``L`` keys stays within :attr:`max_keys`."""
+        return rows * L <= self.max_keys
+
     def batches(self, num_computed: Sequence[int]) -> list[list[int]]:
         """Indices of rows (their cached lengths ``num_computed``) in gathers of at most :attr:`max_keys` keys:
         one batch when they fit, else the rows by length in runs that fit (a row alone always does: its bucket
         is at most twice the pool)."""
-        if len(num_computed) * self.key_length(max(num_computed)) <= self.max_keys:
+        if self.fits(len(num_computed), self.key_length(max(num_computed))):
             return [list(range(len(num_computed)))]
         out: list[list[int]] = []
         for i in sorted(range(len(num_computed)), key=lambda i: num_computed[i]):
             cur = out[-1] if out else None
-            if cur is not None and (len(cur) + 1) * self.key_length(num_computed[i]) <= self.max_keys:
+            if cur is not None and self.fits(len(cur) + 1, self.key_length(num_computed[i])):
                 cur.append(i)
             else:
                 out.append([i])
@@ -330,7 +334,7 @@ def greedy_round(engine, decodes: Sequence[Request]) -> int | None:
         return None
     ctx = runner.drafter.context
     L = ctx.key_length(max(r.num_computed for r in decodes))
-    if runner.padded_size(len(decodes)) * L > ctx.max_keys:  # the host path drafts it in bounded gathers
+    if not ctx.fits(runner.padded_size(len(decodes)), L):  # the host path drafts it in bounded gathers
         return None
     for r, n in zip(decodes, ns):
         r.clear_drafts()
