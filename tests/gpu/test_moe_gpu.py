@@ -115,10 +115,9 @@ from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize
 
 # a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
-# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch, the mixed decode
-_CUDA_CFGS = tuple(dict.fromkeys((
-    cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, False, 0),
-    cmx.CudaGemvConfig(1, 4, 1, False, 0), cmx.CudaGemvConfig(4, 2, 2, True, 2), cmx.CudaGemvConfig(2, 1, 3, False, 2))))
+# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch
+_CUDA_CFGS = (cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, False, 0),
+              cmx.CudaGemvConfig(1, 4, 1, False, 0))
 
 
 def _cuda_cfgs():

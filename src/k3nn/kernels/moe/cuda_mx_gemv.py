@@ -23,8 +23,6 @@ Per CTA::
                DEC 0  bit placement into fp16 (value · 2^-14; code 1 is the fp16 subnormal 2^-15)
                       x_m = ((w << s_m) & 0x0E000E00) | ((w << s_m + 3) & 0x80008000), s = 9, 5, 1, -3
                DEC 1  bit placement into e4m3 bytes (value · 2^-6), then the sm_89+ e4m3x2 → f16x2 convert
-               DEC 2  words 0-1 of a block as DEC 1, words 2-3 as DEC 0: the convert pipe and the integer pipe
-                      share the decode (each activation chunk is scaled and ordered for its word's decode)
     mma        m16n8k16 f16 → f32 (tensor cores, exact products): A = rows g and g+8 of the warp's tile, the
                k-slots of quad lane q hold block q of the group; B column 4t + j = token t, block j, non-zero only
                on lanes with q = g mod 4 — so each accumulator column is the dot product of ONE MX block
@@ -78,8 +76,7 @@ __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supp
 class CudaGemvConfig(NamedTuple):
     """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
     row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement), 1 (e4m3 bytes + hardware convert, sm_89+) or 2
-    (half of each block's words one way, half the other, sm_89+)."""
+    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
 
     row_tiles: int = 1
     k_split: int = 2
@@ -89,7 +86,7 @@ class CudaGemvConfig(NamedTuple):
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{('', ' e4m3', ' mixed')[self.decode]}")
+                f"{' e4m3' if self.decode else ''}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
@@ -143,9 +140,9 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1, 2)):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1/2)")
+                         f"≤ 16 warps, decode 0/1)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -250,8 +247,8 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
             return "packed weights need 16-byte aligned rows (base and expert/row strides)"
     if w1.packed.stride() != w3.packed.stride() or w1.scale.stride() != w3.scale.stride():
         return "w1 and w3 must share strides"
-    if cfg.decode and torch.cuda.get_device_capability(x.device) < (8, 9):
-        return f"decode={cfg.decode} (e4m3 convert) needs sm_89+"
+    if cfg.decode == 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "decode=1 (e4m3 convert) needs sm_89+"
     lim = _smem_limit(x.device)
     for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):
         need = smem_bytes(cfg, block_m, K, glu)

@@ -59,13 +59,11 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t (&x)[4]) {
   }
 }
 
-// DEC 2 splits the work between two pipes: words 0 and 1 of each 16-byte block take the e4m3 convert (DEC 1),
-// words 2 and 3 the integer bit placement (DEC 0). Either alone keeps one pipe busy at the GEMV's byte rate.
-__device__ __forceinline__ constexpr bool word_cvt(int dec, int i) { return dec == 2 ? i < 2 : dec == 1; }
-
 // Position of the activation that pairs with half h (0 low, 1 high) of x[m] inside a group of 8.
-__device__ __forceinline__ constexpr int perm(bool cvt, int m, int h) {
-  return cvt ? (m >> 1) + 4 * (m & 1) + 2 * h : m + 4 * h;
+template <int DEC>
+__device__ __forceinline__ int perm(int m, int h) {
+  if constexpr (DEC == 0) return m + 4 * h;
+  else return (m >> 1) + 4 * (m & 1) + 2 * h;
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -167,13 +165,8 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             uint32_t x0[4], x1[4];
-            if (word_cvt(DEC, i)) {
-              decode<1>(word(cur[u][m][0], i), x0);
-              decode<1>(word(cur[u][m][1], i), x1);
-            } else {
-              decode<0>(word(cur[u][m][0], i), x0);
-              decode<0>(word(cur[u][m][1], i), x1);
-            }
+            decode<DEC>(word(cur[u][m][0], i), x0);
+            decode<DEC>(word(cur[u][m][1], i), x1);
 #pragma unroll
             for (int nt = 0; nt < NR; ++nt) {
               mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
@@ -249,6 +242,7 @@ __global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
+  constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
   if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
   const int nb = p.nb, bm = p.bm;
   const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
@@ -351,10 +345,7 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
   // 4. scale each row by 2^(BIAS - e_t) (max |a| -> [2^BIAS, 2^(BIAS+1)), exact for bf16/fp16 values in the
-  //    fp16 normal range), convert to fp16 in the decode's pair order, in place (same thread, same chunks).
-  //    Chunk c (8 k) meets word c % 4 of its MX block, so its decode, pair order and BIAS follow tid % 4.
-  const bool cvt = word_cvt(DEC, tid & 3);
-  const int BIAS = cvt ? 6 : 14;  // decoded weight = E2M1 value * 2^-BIAS
+  //    fp16 normal range), convert to fp16 in the decode's pair order, in place (same thread, same chunks)
 #pragma unroll 1
   for (int t = 0; t < rows2; ++t) {
     const unsigned mb = amx[t];
@@ -372,8 +363,7 @@ mx_gemv_kernel(const Args p) {
       uint32_t o[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const __half2 h = cvt ? __floats2half2_rn(f[perm(true, m, 0)], f[perm(true, m, 1)])
-                              : __floats2half2_rn(f[perm(false, m, 0)], f[perm(false, m, 1)]);
+        const __half2 h = __floats2half2_rn(f[perm<DEC>(m, 0)], f[perm<DEC>(m, 1)]);
         o[m] = *reinterpret_cast<const uint32_t*>(&h);
       }
       dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
