@@ -64,7 +64,7 @@ class EngineConfig:
     #: graph-safe steps without capture (any device); False: every step eager
     cuda_graphs: bool | str = True
     spec: SpecOptions | None = None  # confidence_threshold, synthetic_acceptance_length (rollback is replay)
-    async_scheduling: bool = False  # launch a decode step before reading the last one's tokens (engine.overlap)
+    async_scheduling: bool = True  # launch a decode step before reading the last one's tokens (engine.overlap)
 
     def validate(self) -> None:
         """Check every field (run by the Engine); a ValueError / TypeError naming the field."""
