@@ -384,9 +384,9 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty (seq_len 0)")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids has ids outside [0, vocab_size={self.config.vocab_size}): "
-                             f"min {int(input_ids.min())}, max {int(input_ids.max())}")
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)  # one host read
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"input_ids has ids outside [0, vocab_size={self.config.vocab_size}): min {lo}, max {hi}")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must match input_ids' shape {tuple(input_ids.shape)} "
                              f"(mask for the new tokens), got {tuple(attention_mask.shape)}")
