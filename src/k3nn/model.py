@@ -215,8 +215,8 @@ class KimiK3Model(nn.Module):
             start, positions = cache.begin(T, attention_mask)
         else:
             start = 0
-            m = torch.ones(B, T, dtype=torch.long, device=h.device) if attention_mask is None else attention_mask.long()
-            positions = (m.cumsum(1) - 1).clamp_min(0)
+            positions = (torch.arange(T, device=h.device).expand(B, T) if attention_mask is None
+                         else (attention_mask.long().cumsum(1) - 1).clamp_min(0))
         if self._use_two_phase(h):
             out, captured = self._two_phase(h, cache, attention_mask, positions, start, output_layers,
                                             checkpoint_positions)

@@ -108,7 +108,7 @@ class MLAState:
 
     def write_static(self, c: torch.Tensor, k_r: torch.Tensor) -> torch.Tensor:
         """Graph-safe store of T new tokens at the device write position; returns their indices [T]."""
-        idx = self.owner.write_pos + torch.arange(c.shape[1], device=c.device)
+        idx = self.owner.write_indices(c.shape[1])
         self.latent.index_copy_(1, idx, c.to(self.latent.dtype))
         self.rope.index_copy_(1, idx, k_r.to(self.rope.dtype))
         return idx
@@ -183,6 +183,16 @@ class HybridCache:
         #: (MLAState.paged_decode); mla_decode masks by length only, so left-padded rows must stay off
         self.pool_decode = False
         self.decode_seq_lens: torch.Tensor | None = None  # [B] key count of the current step (pool_decode)
+        self._write_idx: torch.Tensor | None = None  # static mode: the slots of the open forward's tokens [T]
+
+    def write_indices(self, T: int) -> torch.Tensor:
+        """Static mode: the slots [T] of the T tokens being written (``write_pos`` onward), computed once per forward
+        by :meth:`begin` and shared by the key mask and every MLA layer (a decode step's is a view of
+        ``write_pos``: no kernel)."""
+        idx = self._write_idx
+        if idx is None or idx.numel() != T:
+            idx = self.write_pos.view(1) if T == 1 else self.write_pos + torch.arange(T, device=self.device)
+        return idx
 
     def set_static(self, on: bool = True) -> None:
         """Enter (or leave) graph-safe mode; entering syncs the device write position from ``seen_tokens``."""
@@ -217,15 +227,23 @@ class HybridCache:
         start = self.seen_tokens
         if start + T > self.max_length:
             raise CacheFullError(f"cache exhausted: {start} tokens cached + {T} new > max_length {self.max_length}")
-        m = (torch.ones(self.batch_size, T, dtype=torch.bool, device=self.device) if attention_mask is None
-             else attention_mask.to(self.device).bool())
+        m = None if attention_mask is None else attention_mask.to(self.device).bool()
         if self.static:
-            self.key_mask.index_copy_(1, self.write_pos + torch.arange(T, device=self.device), m)
+            self._write_idx = None
+            self._write_idx = idx = self.write_indices(T)
+            if m is None:
+                self.key_mask.index_fill_(1, idx, True)
+            else:
+                self.key_mask.index_copy_(1, idx, m)
             if self.pool_decode:
                 self.decode_seq_lens = (self.write_pos + T).expand(self.batch_size)
         else:
-            self.key_mask[:, start:start + T] = m
-        positions = (self.valid_counts[:, None] + m.long().cumsum(1) - 1).clamp_min(0)
+            self.key_mask[:, start:start + T] = True if m is None else m
+        if m is None:  # every new token is real: the rows continue at their counts
+            positions = (self.valid_counts[:, None].clone() if T == 1
+                         else self.valid_counts[:, None] + torch.arange(T, device=self.device))
+        else:
+            positions = (self.valid_counts[:, None] + m.long().cumsum(1) - 1).clamp_min(0)
         return start, positions
 
     def commit(self, T: int, attention_mask: torch.Tensor | None) -> None:
@@ -236,6 +254,7 @@ class HybridCache:
         self.seen_tokens += T
         if self.static:
             self.write_pos += T
+        self._write_idx = None
 
     def memory_bytes(self) -> int:
         """Bytes held by the cache's tensors (KDA states, MLA latents, the key mask)."""
