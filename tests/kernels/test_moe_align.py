@@ -46,13 +46,14 @@ def test_chunked_equals_torch_alignment(n, e, k, bm, skew, seed):
     pool = torch.randperm(e, generator=g)[:k] if skew else None
     ids = torch.stack([pool[torch.randperm(k, generator=g)] if skew else torch.randperm(e, generator=g)[:k]
                        for _ in range(n)])
-    saved = align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE
-    # small chunks and tiles: several programs, offsets carried across chunk tiles, blocks in several tiles
-    align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE = 128, 2, 2
+    saved = align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE, align.SCATTER_PAIRS
+    # small chunks and tiles: several programs, offsets carried across chunk tiles, blocks in several tiles, a
+    # chunk ranked by four scatter programs
+    align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE, align.SCATTER_PAIRS = 128, 2, 2, 32
     try:
         a, b = align.moe_align(ids, e, bm), align.moe_align_chunked(ids, e, bm)
     finally:
-        align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE = saved
+        align.CHUNK_PAIRS, align.CHUNK_TILE, align.BLOCK_TILE, align.SCATTER_PAIRS = saved
     assert torch.equal(a.sorted_ids, b.sorted_ids)
     assert torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.num_rows, b.num_rows)
 

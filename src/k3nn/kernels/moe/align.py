@@ -188,24 +188,26 @@ def _chunked_kernels_src():
 
     @triton.jit(do_not_specialize=["P", "NB", "BPC"])
     def _align_scatter(ids_ptr, off_ptr, pend_ptr, num_rows_ptr, sorted_ptr, eid_ptr, P, E, NB, BPC,
-                       C: tl.constexpr, CH: tl.constexpr, BLOCK_B: tl.constexpr, CHE: tl.constexpr,
-                       BLOCK_M: tl.constexpr):
-        """Program c: each pair of its chunk goes to its (chunk, expert) offset + its rank among the chunk's earlier
-        pairs of that expert (moe_align's stable order); blocks [c·BPC, (c+1)·BPC) get their expert (the number of
-        experts whose padded segment ends at or before the block), -1 past the used rows."""
+                       C: tl.constexpr, SC: tl.constexpr, CH: tl.constexpr, BLOCK_B: tl.constexpr,
+                       CHE: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Program (c, s): pairs [c·C + s·SC, +SC) of chunk c go to their (chunk, expert) offset + their rank among
+        the chunk's earlier pairs of that expert (moe_align's stable order: only the chunk's first (s+1)·SC pairs
+        can be earlier); the chunk's blocks [c·BPC, (c+1)·BPC), tiles strided over its C / SC programs, get their
+        expert (the number of experts whose padded segment ends at or before the block), -1 past the used rows."""
         c = tl.program_id(0)
-        offs_p = c * C + tl.arange(0, C)
+        s = tl.program_id(1)
+        offs_p = c * C + s * SC + tl.arange(0, SC)
         pm = offs_p < P
         ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)
-        rank = tl.zeros([C], dtype=tl.int32)
-        for q0 in tl.static_range(0, C, CH):
+        rank = tl.zeros([SC], dtype=tl.int32)
+        for q0 in range(0, (s + 1) * SC, CH):
             offs_q = c * C + q0 + tl.arange(0, CH)
             idq = tl.load(ids_ptr + offs_q, mask=offs_q < P, other=-2).to(tl.int32)
             rank += tl.sum(((ids[:, None] == idq[None, :]) & (offs_q[None, :] < offs_p[:, None])).to(tl.int32), 1)
         dest = tl.load(off_ptr + c * E + ids, mask=pm, other=0) + rank
         tl.store(sorted_ptr + dest, offs_p, mask=pm)
         used = tl.load(num_rows_ptr)
-        for b0 in range(0, BPC, BLOCK_B):  # fixed-size tiles of this chunk's blocks: one compile for every BPC
+        for b0 in range(s * BLOCK_B, BPC, (C // SC) * BLOCK_B):  # fixed-size tiles: one compile for every BPC
             offs_b = c * BPC + b0 + tl.arange(0, BLOCK_B)
             bm_ = (offs_b < NB) & (offs_b < (c + 1) * BPC)
             row = offs_b * BLOCK_M
@@ -226,6 +228,9 @@ MAX_CHUNKS = 1024
 #: chunks per tile of the offsets program and blocks per tile of the scatter (fixed: no compile per batch size)
 CHUNK_TILE = 64
 BLOCK_TILE = 64
+#: pairs per scatter program: a chunk's pairs are ranked by CHUNK_PAIRS / SCATTER_PAIRS programs, each comparing its
+#: pairs with the chunk's earlier ones only
+SCATTER_PAIRS = 64
 
 
 def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -259,8 +264,9 @@ def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
     offsets[(1,)](cnt, off, pend, sorted_ids, num_rows, P, E, nb * block_m, nc, BLOCK_M=block_m,
                   BLOCK_NC=CHUNK_TILE, CH=ch, FILL=1024, num_warps=4)
     bpc = -(-nb // nc)
-    scatter[(nc,)](flat, off, pend, num_rows, sorted_ids, expert_ids, P, E, nb, bpc, C=CHUNK_PAIRS, CH=16,
-                   BLOCK_B=BLOCK_TILE, CHE=ch, BLOCK_M=block_m, num_warps=4)
+    sc = min(SCATTER_PAIRS, CHUNK_PAIRS)
+    scatter[(nc, CHUNK_PAIRS // sc)](flat, off, pend, num_rows, sorted_ids, expert_ids, P, E, nb, bpc, C=CHUNK_PAIRS,
+                                     SC=sc, CH=64, BLOCK_B=BLOCK_TILE, CHE=ch, BLOCK_M=block_m, num_warps=4)
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 
