@@ -96,3 +96,47 @@ def test_route_edge_cases():
         ids, w = ops.moe_route(torch.zeros(2, 8), bias, 5, False, 1.0)
     assert ids[0].tolist() == [7, 2, 5, 3, 1] and ids[1].tolist() == [7, 2, 5, 3, 1]  # by score, ties: lowest
     assert torch.equal(w, torch.full((2, 5), 0.5))
+
+
+@settings(deadline=None, max_examples=8)
+@given(n=st.integers(1, 5), e_k=st.sampled_from([(8, 2), (32, 4), (130, 16)]), d=st.sampled_from([64, 256, 288]),
+       split=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2 ** 16), renorm=st.booleans())
+def test_gate_route_adds_the_split_k_partials_like_the_reduce_launch(n, e_k, d, split, seed, renorm):
+    """ops.moe_gate_route on the Triton path (the route kernel sums the skinny GEMM's split-K partials) == the two
+    ops it replaces, linear(out fp32) + moe_route, bit for bit (fp16 under the interpreter), and == the reference's
+    experts; each split count a fixed skinny config."""
+    from k3nn.kernels.linear import triton_skinny
+
+    E, k = e_k
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).half()
+    w = (torch.randn(E, d, generator=g) * d ** -0.5).half()
+    bias = torch.randn(E, generator=g) * 0.1
+    cfg = triton_skinny.SkinnyConfig("fma", 16, 64, 4, 1, split)
+    saved, triton_skinny.config_for = triton_skinny.config_for, lambda *a, **kw: cfg
+    try:
+        with backend("triton"):
+            ids_f, w_f = ops.moe_gate_route(x, w, bias, k, renorm, 2.5)
+            ids_t, w_t = ops.moe_route(ops.linear(x, w, out_dtype=torch.float32), bias, k, renorm, 2.5)
+    finally:
+        triton_skinny.config_for = saved
+    assert torch.equal(ids_f, ids_t) and torch.equal(w_f, w_t)
+    ids_r, w_r = route_reference(x.float() @ w.float().T, bias, k, renorm, 2.5)
+    for a, b in zip(_as_dict(ids_r, w_r), _as_dict(ids_f, w_f)):
+        assert a.keys() == b.keys()
+
+
+def test_gate_route_falls_back_to_the_two_ops():
+    """Rows above the skinny limit, grouped routing, the eager backend: the same result as linear + moe_route."""
+    g = torch.Generator().manual_seed(1)
+    x, w, bias = torch.randn(20, 64, generator=g).half(), torch.randn(16, 64, generator=g).half(), torch.zeros(16)
+    want = route_reference(ops.linear(x, w, out_dtype=torch.float32), bias, 4, True, 1.0)
+    assert _as_dict(*ops.moe_gate_route(x, w, bias, 4, True, 1.0)) == _as_dict(*want)
+    with backend("triton"):
+        want = route_reference(ops.linear(x[:2], w, out_dtype=torch.float32), bias, 4, True, 1.0, 4, 2)
+        got = ops.moe_gate_route(x[:2], w, bias, 4, True, 1.0, num_group=4, topk_group=2)
+    assert _as_dict(*got) == _as_dict(*want)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.moe_gate_route(x[:2], w, bias, 17, True, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        ops.moe_gate_route(x[:2], w, torch.zeros(3), 2, True, 1.0)

@@ -6,7 +6,7 @@ from .attnres import AttnResPhase2Output, attnres_mix, attnres_phase1, attnres_p
 from .linear import linear
 from .kda import kda_chunk, kda_fused_decode, kda_gate, kda_recurrent, short_conv
 from .mla import mla_attention, mla_decode, mla_prefill
-from .moe import moe_expert_outputs, moe_experts, moe_latent_finalize, moe_route
+from .moe import moe_expert_outputs, moe_experts, moe_gate_route, moe_latent_finalize, moe_route
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from .norm import gated_rmsnorm, rms_norm
 
@@ -17,5 +17,5 @@ __all__ += ["attnres_phase1", "attnres_phase2", "AttnResPhase2Output"]
 __all__ += ["kda_fused_decode"]
 __all__ += ["short_conv", "kda_gate", "gated_rmsnorm", "rms_norm"]
 __all__ += ["glu", "sigmoid_gate"]
-__all__ += ["moe_route"]
+__all__ += ["moe_route", "moe_gate_route"]
 __all__ += ["linear"]

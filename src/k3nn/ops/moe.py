@@ -6,11 +6,15 @@ from __future__ import annotations
 import torch
 
 from ..kernels import moe as _moe  # noqa: F401  (registers the backends)
+from ..kernels.linear.reference import MAX_SKINNY_ROWS, check_linear, rows_of
 from ..kernels.moe.routing import check_finite_on_device, check_route, route_kernel_applies, route_reference
-from ..kernels.registry import dispatch
+from ..kernels.registry import BackendUnavailableError, dispatch, resolve
 from ..quant.mxfp4 import MXFP4Weight, check_mxfp4
+from ..utils import records_grad
+from .linear import linear
 
-__all__ = ["moe_experts", "moe_expert_outputs", "moe_latent_finalize", "moe_route", "check_finite_on_device"]
+__all__ = ["moe_experts", "moe_expert_outputs", "moe_latent_finalize", "moe_route", "moe_gate_route",
+           "check_finite_on_device"]
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
@@ -24,6 +28,37 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
     if not route_kernel_applies(num_group, topk_group, score_func):
         return route_reference(*args)
     return dispatch("moe_route", *args)
+
+
+def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                   scaling: float, num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
+    """The router in one call: :func:`moe_route` on the fp32 logits ``linear(x, weight, out_dtype=float32)``.
+
+    Args:
+        x: ``[N, d]`` fp16 / bf16; weight: ``[E, d]`` in x's dtype; the rest as :func:`moe_route`.
+    Returns:
+        ``(topk_ids [N, k] int64, topk_weights [N, k] fp32)``.
+
+    Where the Triton skinny GEMM and the Triton router both take the call (at most 16 rows, sigmoid scores without
+    expert groups), the route kernel adds the GEMM's split-K partial sums itself, in the order the reduce launch
+    would: the same logits and routing as the two ops, one launch fewer. Otherwise it is exactly those two ops.
+    """
+    check_linear(x, weight, None, None, torch.float32)
+    args = (x, weight, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+    if rows_of(x) <= MAX_SKINNY_ROWS and route_kernel_applies(num_group, topk_group, score_func) \
+            and not records_grad(x, weight):
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"route: bias must be [E={weight.shape[0]}], got {tuple(bias.shape)}")
+        if not 1 <= top_k <= weight.shape[0]:
+            raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={weight.shape[0]}]")
+        try:
+            impl = resolve("moe_gate_route", args)
+        except BackendUnavailableError:
+            impl = None  # the two ops below say why, if they cannot run either
+        if impl is not None and impl.backend != "eager":
+            return impl.fn(*args)
+    return moe_route(linear(x, weight, out_dtype=torch.float32), bias, top_k, renormalize, scaling, num_group,
+                     topk_group, score_func)
 
 
 def _check_weight(name: str, w, shape: tuple[int, ...]) -> None:

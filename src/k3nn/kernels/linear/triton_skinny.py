@@ -222,14 +222,19 @@ def auto_skip_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str
 
 def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
-    """See :func:`k3nn.ops.linear`; at most 16 rows. ``config``: an explicit :class:`SkinnyConfig`."""
+                  config: SkinnyConfig | None = None, partials: bool = False) -> torch.Tensor:
+    """See :func:`k3nn.ops.linear`; at most 16 rows. ``config``: an explicit :class:`SkinnyConfig`.
+    ``partials`` (no bias or residual, fp32 out): the split-K partial sums ``[S, rows, N]`` fp32 unreduced, for a
+    consumer that adds them itself in the fixed order ``0 … S-1`` (the reduce launch's order); ``[1, rows, N]``
+    without a split."""
     N, K = weight.shape
     x2 = _rows2d(x, K)
     M = x2.shape[0]
+    if partials and (bias is not None or residual is not None or out_dtype != torch.float32):
+        raise ValueError("linear_skinny: partials take no bias or residual and an fp32 output")
     y = torch.empty(*x.shape[:-1], N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
-        return y
+        return y.view(1, M, N) if partials else y
     y2 = y.view(M, N)
     r2 = _rows2d(residual, N) if residual is not None else None
     cfg = config if config is not None else config_for(M, N, K, x.dtype, x.device)
@@ -250,6 +255,8 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          y2.stride(0), BM=bm, BN=bn, BK=bk, DOT=cfg.kind == "dot",
                          DOT_PREC=dot_precision(x.dtype), SPLIT=split, HAS_BIAS=bias is not None,
                          HAS_RES=r2 is not None, EVEN_K=even_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    if partials:
+        return ws if split > 1 else y2.view(1, M, N)
     if split > 1:
         block = 1024
         _splitk_reduce[(triton.cdiv(M * N, block),)](ws, bias if bias is not None else dummy,

@@ -102,3 +102,50 @@ def _route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_g
 
 register("moe_route", "eager")(route_reference)
 register("moe_route", "triton", supports=_route_supports, available=_triton_available)(_route_triton)
+
+
+# The router's GEMM and the routing in one op: on the Triton path the route kernel adds the skinny GEMM's split-K
+# partial sums itself (in the reduce launch's order), so a decode-sized router is two launches instead of three.
+def _gate_route_reference(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
+                          score_func="sigmoid"):
+    from ..linear.reference import linear_reference
+
+    return route_reference(linear_reference(x, weight, None, None, torch.float32), bias, top_k, renormalize,
+                           scaling, num_group, topk_group, score_func)
+
+
+def _gate_route_supports(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
+                         score_func="sigmoid"):
+    from ..linear.triton_skinny import supports_skinny
+    from .triton_route import MAX_EXPERTS
+
+    r = supports_skinny(x, weight, None, None, torch.float32) or triton_ready(bias)
+    if r:
+        return r
+    if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
+        return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
+    if weight.shape[0] > MAX_EXPERTS:
+        return f"{weight.shape[0]} experts above {MAX_EXPERTS}"
+    return None
+
+
+def _gate_route_auto_skip(x, weight, *args, **kwargs):
+    from ..linear.triton_skinny import auto_skip_skinny
+
+    return auto_skip_skinny(x, weight, None, None, torch.float32)
+
+
+def _gate_route_triton(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
+                       score_func="sigmoid"):
+    from ..linear.triton_skinny import linear_skinny
+    from .routing import check_finite_on_device
+    from .triton_route import route_triton
+
+    parts = linear_skinny(x, weight, out_dtype=torch.float32, partials=True)  # [S, N, E] fp32
+    check_finite_on_device(parts, "route: router logits")
+    return route_triton(parts, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
+
+
+register("moe_gate_route", "eager")(_gate_route_reference)
+register("moe_gate_route", "triton", supports=_gate_route_supports, available=_triton_available,
+         auto_skip=_gate_route_auto_skip)(_gate_route_triton)

@@ -22,12 +22,21 @@ MAX_EXPERTS = 4096  # one row of scores in registers
 
 
 @triton.jit
-def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _logits(logit_ptr, row, E, NE, idx, m, S: tl.constexpr):
+    """The logits of ``row`` at ``idx``: the sum of S partial sums in the fixed order 0 … S-1."""
+    x = tl.load(logit_ptr + row * E + idx, mask=m, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S):
+        x += tl.load(logit_ptr + s * NE + row * E + idx, mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
-    x = tl.load(logit_ptr + row * E + offs, mask=m, other=0.0).to(tl.float32)
+    x = _logits(logit_ptr, row, E, NE, offs, m, S)
     choice = 1.0 / (1.0 + tl.exp(-x)) + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 ties with +0.0, as in a float comparison
     bits = choice.to(tl.int32, bitcast=True)
@@ -43,7 +52,7 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling, K: tl.constex
         ids = tl.where(ks == j, idx, ids)
         key = tl.where(offs == idx, lowest, key)
     km = ks < K
-    xs = tl.load(logit_ptr + row * E + ids, mask=km, other=0.0).to(tl.float32)
+    xs = _logits(logit_ptr, row, E, NE, ids, km, S)
     w = tl.where(km, 1.0 / (1.0 + tl.exp(-xs)), 0.0)
     if RENORM:
         w = w / (tl.sum(w, 0) + 1e-20)
@@ -66,12 +75,15 @@ def supports_route(logits, bias, top_k, renormalize, scaling, num_group=1, topk_
 
 
 def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1, score_func="sigmoid"):
-    N, E = logits.shape
+    """``logits`` [N, E], or [S, N, E] fp32 partial sums (a split-K GEMM's, unreduced) that the kernel adds in the
+    order 0 … S-1 before routing."""
+    S = logits.shape[0] if logits.dim() == 3 else 1
+    N, E = logits.shape[-2:]
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     if N:
         block_e = triton.next_power_of_2(E)
-        _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, float(scaling),
+        _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, N * E, float(scaling),
                             K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=block_e,
-                            BLOCK_K=triton.next_power_of_2(top_k), num_warps=max(1, block_e // 1024))
+                            BLOCK_K=triton.next_power_of_2(top_k), S=S, num_warps=max(1, block_e // 1024))
     return ids, w
