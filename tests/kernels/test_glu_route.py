@@ -140,3 +140,5 @@ def test_gate_route_falls_back_to_the_two_ops():
         ops.moe_gate_route(x[:2], w, bias, 17, True, 1.0)
     with pytest.raises(ValueError, match="bias"):
         ops.moe_gate_route(x[:2], w, torch.zeros(3), 2, True, 1.0)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.moe_gate_route(x[None], w, bias, 2, True, 1.0)

@@ -44,6 +44,8 @@ def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, to
     would: the same logits and routing as the two ops, one launch fewer. Otherwise it is exactly those two ops.
     """
     check_linear(x, weight, None, None, torch.float32)
+    if x.dim() != 2:
+        raise ValueError(f"moe_gate_route: x must be [N, d], got {tuple(x.shape)}")
     args = (x, weight, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
     if rows_of(x) <= MAX_SKINNY_ROWS and route_kernel_applies(num_group, topk_group, score_func) \
             and not records_grad(x, weight):
