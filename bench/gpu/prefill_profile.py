@@ -4,7 +4,11 @@ calls, no profiler), the kernel time, kernel launches and host synchronisations 
 CPU time, and the kernels by total CUDA time. Where the wall time stays flat while the kernel time falls, the host
 is the limit.
 
-    python -m bench.gpu.prefill_profile [--T 512,2048,32768] [--top 30] [--experts 32]
+    python -m bench.gpu.prefill_profile [--T 512,2048,32768] [--top 30] [--experts 32] [--from-transformers]
+
+``--from-transformers`` builds the model as ``bench prefill`` does (transformers' ``KimiLinearForCausalLM`` with
+random weights and biases, saved and loaded by ``KimiK3.from_pretrained``; needs transformers), to compare the
+two builds' wall times.
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--from-transformers", action="store_true", help="build the model as bench prefill does")
     args = ap.parse_args()
-    cfg = KimiK3Config.kimi_linear_48b(num_hidden_layers=args.layers, mla_layers=[3], num_experts=args.experts)
-    m = KimiK3(cfg, device="cuda", dtype=torch.bfloat16, seed=0).eval()
+    if args.from_transformers:
+        from bench.prefill import build_pair
+
+        hf, m = build_pair(args.layers, args.experts, 163840)
+        del hf
+        cfg = m.config
+    else:
+        cfg = KimiK3Config.kimi_linear_48b(num_hidden_layers=args.layers, mla_layers=[3], num_experts=args.experts)
+        m = KimiK3(cfg, device="cuda", dtype=torch.bfloat16, seed=0).eval()
+    print(f"# router weight {m.model.layers[1].block_sparse_moe.gate.weight.dtype}, model {m.lm_head.weight.dtype}")
     from torch.profiler import ProfilerActivity, profile
 
     for T in (int(t) for t in args.T.split(",") if t):

@@ -142,3 +142,8 @@ def test_gate_route_falls_back_to_the_two_ops():
         ops.moe_gate_route(x[:2], w, torch.zeros(3), 2, True, 1.0)
     with pytest.raises(ValueError, match="x must be"):
         ops.moe_gate_route(x[None], w, bias, 2, True, 1.0)
+    # fp32 / fp64 inputs: logits in their dtype (fp64 checks stay fp64), the same routing as the two ops
+    for dt in (torch.float32, torch.float64):
+        x2, w2 = x[:3].to(dt), w.to(dt)
+        want = route_reference(ops.linear(x2, w2), bias, 4, True, 1.0)
+        assert _as_dict(*ops.moe_gate_route(x2, w2, bias, 4, True, 1.0)) == _as_dict(*want)

@@ -64,15 +64,17 @@ class Router(nn.Module):
         return ops.linear(upcast(x), upcast(self.weight))
 
     def forward(self, x: torch.Tensor):
-        """x [N, d] → (topk_ids [N, k] int64, topk_weights [N, k] fp32): :func:`route` on :meth:`logits`; in one
-        op (:func:`k3nn.ops.moe_gate_route`: a decode-sized router one launch shorter) where x and the weight share
-        a half-precision dtype and nothing records gradients."""
-        if x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16) \
-                and not records_grad(x, self.weight):
-            return ops.moe_gate_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
-                                      self.scaling, self.num_group, self.topk_group, self.score_func)
-        return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
-                     self.num_group, self.topk_group, self.score_func)
+        """x [N, d] → (topk_ids [N, k] int64, topk_weights [N, k] fp32): :func:`route` on :meth:`logits`, in one
+        op where nothing records gradients (:func:`k3nn.ops.moe_gate_route`: a decode-sized router one launch
+        shorter, the same logits)."""
+        if records_grad(x, self.weight):
+            return route(self.logits(x), self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
+                         self.num_group, self.topk_group, self.score_func)
+        w = self.weight
+        if not (x.dtype == w.dtype and x.dtype in (torch.float16, torch.bfloat16)):
+            x, w = upcast(x), upcast(w)  # as :meth:`logits`
+        return ops.moe_gate_route(x, w, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
+                                  self.num_group, self.topk_group, self.score_func)
 
 
 class Experts(nn.Module):

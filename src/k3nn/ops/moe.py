@@ -32,10 +32,11 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
 
 def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                    scaling: float, num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
-    """The router in one call: :func:`moe_route` on the fp32 logits ``linear(x, weight, out_dtype=float32)``.
+    """The router in one call: :func:`moe_route` on the logits ``linear(x, weight)``, computed in fp32 for fp16 /
+    bf16 inputs (as if upcast), else in x's dtype (fp32, or fp64 for checks).
 
     Args:
-        x: ``[N, d]`` fp16 / bf16; weight: ``[E, d]`` in x's dtype; the rest as :func:`moe_route`.
+        x: ``[N, d]``; weight: ``[E, d]`` in x's dtype; the rest as :func:`moe_route`.
     Returns:
         ``(topk_ids [N, k] int64, topk_weights [N, k] fp32)``.
 
@@ -43,7 +44,8 @@ def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, to
     expert groups), the route kernel adds the GEMM's split-K partial sums itself, in the order the reduce launch
     would: the same logits and routing as the two ops, one launch fewer. Otherwise it is exactly those two ops.
     """
-    check_linear(x, weight, None, None, torch.float32)
+    out = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
+    check_linear(x, weight, None, None, out)
     if x.dim() != 2:
         raise ValueError(f"moe_gate_route: x must be [N, d], got {tuple(x.shape)}")
     args = (x, weight, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
@@ -59,8 +61,8 @@ def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, to
             impl = None  # the two ops below say why, if they cannot run either
         if impl is not None and impl.backend != "eager":
             return impl.fn(*args)
-    return moe_route(linear(x, weight, out_dtype=torch.float32), bias, top_k, renormalize, scaling, num_group,
-                     topk_group, score_func)
+    return moe_route(linear(x, weight, out_dtype=out), bias, top_k, renormalize, scaling, num_group, topk_group,
+                     score_func)
 
 
 def _check_weight(name: str, w, shape: tuple[int, ...]) -> None:

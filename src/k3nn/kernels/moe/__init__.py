@@ -110,8 +110,9 @@ def _gate_route_reference(x, weight, bias, top_k, renormalize, scaling, num_grou
                           score_func="sigmoid"):
     from ..linear.reference import linear_reference
 
-    return route_reference(linear_reference(x, weight, None, None, torch.float32), bias, top_k, renormalize,
-                           scaling, num_group, topk_group, score_func)
+    out = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
+    return route_reference(linear_reference(x, weight, None, None, out), bias, top_k, renormalize, scaling,
+                           num_group, topk_group, score_func)
 
 
 def _gate_route_supports(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
@@ -122,6 +123,8 @@ def _gate_route_supports(x, weight, bias, top_k, renormalize, scaling, num_group
     r = supports_skinny(x, weight, None, None, torch.float32) or triton_ready(bias)
     if r:
         return r
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x dtype {x.dtype} (the partial sums are fp32)"
     if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
         return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
     if weight.shape[0] > MAX_EXPERTS:
