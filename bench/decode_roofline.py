@@ -52,7 +52,8 @@ CLASSES = (DENSE, LM_HEAD, ROUTING, EXPERTS, KDA, MLA, NORMS)
 
 #: registry op -> class (``linear`` is split by its weight: lm_head, the router, the rest)
 OP_CLASS = {
-    "moe_route": ROUTING, "moe_expert_outputs": EXPERTS, "moe_experts": EXPERTS, "moe_latent_finalize": EXPERTS,
+    "moe_route": ROUTING, "moe_gate_route": ROUTING, "moe_expert_outputs": EXPERTS, "moe_experts": EXPERTS,
+    "moe_latent_finalize": EXPERTS,
     "kda_fused_decode": KDA, "kda_recurrent": KDA, "kda_chunk": KDA, "short_conv": KDA, "kda_gate": KDA,
     "gated_rmsnorm": KDA, "mla_decode": MLA, "mla_attention": MLA, "mla_prefill": MLA,
     "attnres_mix": NORMS, "attnres_phase1": NORMS, "attnres_phase2": NORMS, "rms_norm": NORMS, "glu": NORMS,
