@@ -123,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed calls per length (median and minimum reported)")
     ap.add_argument("--preset", default="kimi_linear", choices=["kimi_linear", "k3_slice"])
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--suite", default=None, help="results file prefix (default: prefill, prefill-k3 for k3_slice); "
+                                                  "e.g. prefill-short for a run of the short lengths alone")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     meta = device_meta()
@@ -202,7 +204,7 @@ def main(argv=None):
         del ref, k3_bf16, hf_bf16
         _free()
 
-    suite = SUITE if args.preset == "kimi_linear" else "prefill-k3"
+    suite = args.suite or (SUITE if args.preset == "kimi_linear" else "prefill-k3")
     path = None
     anchor = f"transformers {meta.get('transformers')} KimiLinearForCausalLM + fla {meta.get('fla')}"
     todo = [(T, False) for T in args.lengths]
