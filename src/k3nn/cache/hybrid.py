@@ -190,9 +190,10 @@ class HybridCache:
         by :meth:`begin` and shared by the key mask and every MLA layer (a decode step's is a view of
         ``write_pos``: no kernel)."""
         idx = self._write_idx
-        if idx is None or idx.numel() != T:
-            idx = self.write_pos.view(1) if T == 1 else self.write_pos + torch.arange(T, device=self.device)
-        return idx
+        return idx if idx is not None and idx.numel() == T else self._slots(T)
+
+    def _slots(self, T: int) -> torch.Tensor:
+        return self.write_pos.view(1) if T == 1 else self.write_pos + torch.arange(T, device=self.device)
 
     def set_static(self, on: bool = True) -> None:
         """Enter (or leave) graph-safe mode; entering syncs the device write position from ``seen_tokens``."""
@@ -229,8 +230,7 @@ class HybridCache:
             raise CacheFullError(f"cache exhausted: {start} tokens cached + {T} new > max_length {self.max_length}")
         m = None if attention_mask is None else attention_mask.to(self.device).bool()
         if self.static:
-            self._write_idx = None
-            self._write_idx = idx = self.write_indices(T)
+            self._write_idx = idx = self._slots(T)
             if m is None:
                 self.key_mask.index_fill_(1, idx, True)
             else:

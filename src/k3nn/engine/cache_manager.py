@@ -228,9 +228,10 @@ class CacheManager:
             if not self.prefix.add_snapshot(req.keys[p // self.pools.block_size - 1], slot):
                 self.pools.snapshots.free([slot])
 
-    def plan_rows(self, batch: Sequence, fail) -> list:
+    def plan_rows(self, batch: Sequence, fail) -> tuple[list, list[list[tuple[int, int]]]]:
         """Plan each forward row's prefix snapshots (:meth:`plan_snapshots` into ``row.snapshots``); a row whose
-        plan raises is failed (``fail(req, exc, where)``) and left out. Returns the rest."""
+        plan raises is failed (``fail(req, exc, where)``) and left out. Returns the rest and, per row, its snapshots
+        as (absolute position, slot) pairs for :meth:`commit_rows`."""
         ok = []
         for w in batch:
             try:
@@ -238,7 +239,7 @@ class CacheManager:
                 ok.append(w)
             except Exception as e:
                 fail(w.req, e, "snapshot plan")
-        return ok
+        return ok, [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in ok]
 
     def commit_rows(self, batch: Sequence, absolute: Sequence[list[tuple[int, int]]], fail) -> None:
         """After a forward: index each row's new prompt pages and written snapshots (``absolute``: (position,

@@ -491,10 +491,9 @@ class Engine:
         for batch in batches:
             if self.multimodal is not None:
                 batch = self._encode_images(batch, fail)
-            batch = self.cache.plan_rows(batch, fail)
+            batch, absolute = self.cache.plan_rows(batch, fail)
             if not batch:
                 continue
-            absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
             try:
                 out = self._forward(batch, draft_keys if batch and batch[0].decode else None)
                 draws = self._draw(batch, out)

@@ -69,10 +69,9 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
     def fail(r, e: Exception, where: str) -> None:
         engine._failed_outputs.append(engine._fail(r, e, where))
 
-    batch = engine.cache.plan_rows(batch, fail)
+    batch, absolute = engine.cache.plan_rows(batch, fail)
     if not batch:
         return None
-    absolute = [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in batch]
     try:
         out = engine._forward(batch, None, feed)
         draws = engine.runner.sample(out, batch, engine.sampling, defer=True)

@@ -118,18 +118,14 @@ def _gate_route_reference(x, weight, bias, top_k, renormalize, scaling, num_grou
 def _gate_route_supports(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
                          score_func="sigmoid"):
     from ..linear.triton_skinny import supports_skinny
-    from .triton_route import MAX_EXPERTS
+    from .triton_route import route_kernel_reason
 
     r = supports_skinny(x, weight, None, None, torch.float32) or triton_ready(bias)
     if r:
         return r
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype} (the partial sums are fp32)"
-    if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
-        return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
-    if weight.shape[0] > MAX_EXPERTS:
-        return f"{weight.shape[0]} experts above {MAX_EXPERTS}"
-    return None
+    return route_kernel_reason(weight.shape[0], num_group, topk_group, score_func)
 
 
 def _gate_route_auto_skip(x, weight, *args, **kwargs):

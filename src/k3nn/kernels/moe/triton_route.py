@@ -16,7 +16,7 @@ import triton.language as tl
 from ...utils import records_grad
 from ..registry import triton_ready
 
-__all__ = ["route_triton", "supports_route"]
+__all__ = ["route_triton", "route_kernel_reason", "supports_route"]
 
 MAX_EXPERTS = 4096  # one row of scores in registers
 
@@ -60,18 +60,24 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.con
     tl.store(w_ptr + row * K + ks, w * scaling, mask=km)
 
 
+def route_kernel_reason(num_experts: int, num_group: int = 1, topk_group: int = 1,
+                        score_func: str = "sigmoid") -> str | None:
+    """Why the kernel cannot route ``num_experts`` experts this way (None: it can)."""
+    if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
+        return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} experts above {MAX_EXPERTS}"
+    return None
+
+
 def supports_route(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
                    score_func="sigmoid") -> str | None:
     why = triton_ready(logits, bias)
     if why:
         return why
-    if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
-        return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
     if records_grad(logits):
         return "forward only: the logits require grad (the eager path trains)"
-    if logits.shape[-1] > MAX_EXPERTS:
-        return f"{logits.shape[-1]} experts above {MAX_EXPERTS}"
-    return None
+    return route_kernel_reason(logits.shape[-1], num_group, topk_group, score_func)
 
 
 def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1, score_func="sigmoid"):
