@@ -230,7 +230,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--budget-s", type=float, default=900.0)
     ap.add_argument("--prepared", action="store_true", help="prepare_decode() the model (packed projections)")
     ap.add_argument("--sync-rows", action="store_true",
-                    help="beside each plain Engine row, the same batch with async_scheduling off (anchor: that row)")
+                    help="beside each Engine row (plain, and with the demo's drafter), the same batch with "
+                         "async_scheduling off (anchor: that row)")
     ap.add_argument("--max-batched-tokens", type=int, default=8192,
                     help="the Engine's max_num_batched_tokens on the preset (at least the prompt length)")
     args = ap.parse_args(argv)
@@ -411,6 +412,9 @@ def _trained(args, dev, dtype, conc, rows, save, left) -> None:
             slow = _engine(model, None, c, plen, new, None, async_scheduling=False)
             slow.warmup(prompt_len=plen, batch_sizes=[c])
             _sync_row(rows, f"demo C={c} prompt={plen} new={new} sync", slow, prompts[:c], new, dev, c, a, True)
+            slow = _engine(model, drafter, c, plen, new, None, async_scheduling=False)
+            slow.warmup(prompt_len=plen, batch_sizes=[c])
+            _sync_row(rows, f"demo C={c} prompt={plen} new={new} spec sync", slow, prompts[:c], new, dev, c, b, True)
         save()
 
 

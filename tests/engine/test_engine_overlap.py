@@ -4,12 +4,16 @@ engine's and generate()'s; requests that stop at an eos while the next step is i
 cache stay correct."""
 
 import pytest
+import torch
 
 import k3nn.engine.overlap as overlap
 from k3nn.engine import RequestStatus
+from k3nn.engine.speculative import DSparkEngineDrafter
+from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
 
-from engine_helpers import model, rand_ids, reference  # noqa: F401 - fixture
+from engine_helpers import CFG, model, rand_ids, reference  # noqa: F401 - fixture
 from test_engine_sampling import _engine
+from test_engine_spec import GAMMA
 
 
 def _run(e, prompts, news, **params):
@@ -28,10 +32,10 @@ def lookaheads(monkeypatch):
     seen = []
     launch = overlap.launch
 
-    def counted(engine, batch, feed=None):
+    def counted(engine, batch, feed=None, **kw):
         if feed is not None:
             seen.append(len(batch))
-        return launch(engine, batch, feed)
+        return launch(engine, batch, feed, **kw)
 
     monkeypatch.setattr(overlap, "launch", counted)
     return seen
@@ -100,3 +104,47 @@ def test_steps_that_are_not_pure_decodes_run_as_before(model, lookaheads):
     assert e.requests[a].output == reference(model, p, 10)
     assert e.requests[b].output == reference(model, q, 7)
     assert lookaheads  # steps ran ahead (the first request alone, then both)
+
+
+class _BigramRounds(DSparkEngineDrafter):
+    """A DSpark engine drafter whose greedy rounds draft from a bigram table on the device (each draft: the token
+    that followed the previous one in the reference continuations), so rounds accept 0 to all of their drafts."""
+
+    def __init__(self, model, next_of):
+        cfg = DSparkConfig.for_target(model.config, num_layers=1, num_heads=2, block_size=GAMMA)
+        super().__init__(DSparkDrafter(cfg, model, dtype=torch.float64), 64, 64, "cpu")
+        self.next_of = next_of
+
+    def step_drafts(self, tables, cached, anchor, n, L):
+        out, t = [], anchor
+        for _ in range(n):
+            t = self.next_of[t]
+            out.append(t)
+        return torch.stack(out, 1)
+
+
+def test_async_rounds_equal_the_synchronous_engine(model, lookaheads):
+    """Greedy speculative rounds launched before the last round's acceptance is read (staged at its least, the
+    accepted count added on the device) give the synchronous engine's tokens and generate()'s, with windows that
+    accept none to all of their drafts, a stop inside a window, rows of different draft budgets and decode-state
+    retention across page boundaries."""
+    prompts = [rand_ids(40 + 9 * i, 530 + i) for i in range(3)]
+    news = [41, 17, 30]
+    refs = [reference(model, p, n) for p, n in zip(prompts, news)]
+    next_of = torch.randint(0, CFG.vocab_size, (CFG.vocab_size,), generator=torch.Generator().manual_seed(3))
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        seq = p[-1:] + ref
+        for k, (a, b) in enumerate(zip(seq, seq[1:])):
+            if (k + i) % 7:  # every seventh draft wrong
+                next_of[a] = b
+    eos = refs[2][19]
+    outs, rounds = {}, {}
+    for mode in (False, True):
+        e = _engine(model, _BigramRounds(model, next_of), cuda_graphs="static", num_speculative_tokens=GAMMA,
+                    async_scheduling=mode)
+        outs[mode] = _run(e, prompts, news) + _run(e, prompts[2:], [30], eos_token_id=eos)
+        m = e.metrics()
+        rounds[mode] = (m["spec_rounds"], m["spec_accepted"])
+    assert outs[True] == outs[False]
+    assert outs[True][:3] == refs and outs[True][3] == refs[2][:refs[2].index(eos) + 1]
+    assert lookaheads and rounds[True][1] > rounds[True][0]  # rounds launched ahead; most drafts accepted

@@ -178,21 +178,30 @@ def test_mixed_length_prefills_equal_generate(model):
     assert [e.requests[i].output for i in ids] == [reference(model, p, 5) for p in prompts]
 
 
-def test_a_speculative_step_reads_the_host_once(model):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_speculative_step_reads_the_host_once(model, asynchronous):
     """With a DSpark drafter (greedy), a decode step of verify windows in the graph-shaped mode drafts on the device,
-    feeds the drafts to the verify forward there, accepts and commits, and reads the host once: the draws."""
+    feeds the drafts to the verify forward there, accepts and commits, and reads the host once: the draws. With
+    asynchronous scheduling the round's step reads nothing, and the next step launches the next round before it
+    reads them."""
     from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
 
     d = DSparkDrafter(DSparkConfig.for_target(model.config, num_layers=1, num_heads=2, block_size=GAMMA), model,
                       dtype=torch.float64)
-    e = _engine(model, d, cuda_graphs="static", num_speculative_tokens=3)
+    e = _engine(model, d, cuda_graphs="static", num_speculative_tokens=3, async_scheduling=asynchronous)
     prompts = [rand_ids(12 + i, 340 + i) for i in range(2)]
     ids = [e.add_request(p, max_new_tokens=12) for p in prompts]
     e.step()  # prefill
     with _Reads() as reads:
         e.step()
+    if asynchronous:
+        assert reads.sites == [] and e._ahead is not None and e.metrics()["spec_rounds"] == 0
+        with _Reads() as reads:
+            e.step()
+        assert e._ahead is not None  # the next round, launched before this read
     assert e.metrics()["spec_rounds"] > 0
-    assert [s[:2] for s in reads.sites] == [("tolist", "engine/runner.py")], reads.sites
+    where = "engine/overlap.py" if asynchronous else "engine/runner.py"
+    assert [s[:2] for s in reads.sites] == [("tolist", where)], reads.sites
     while e.has_unfinished():
         e.step()
     assert [e.requests[i].output for i in ids] == [reference(model, p, 12) for p in prompts]

@@ -160,7 +160,8 @@ def test_async_scheduling_equals_the_synchronous_engine():
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 33, 120, 5, 64)]
     lookaheads = []
     launch = overlap.launch
-    overlap.launch = lambda e, b, feed=None: (feed is not None and lookaheads.append(len(b))) or launch(e, b, feed)
+    overlap.launch = lambda e, b, feed=None, **kw: ((feed is not None and lookaheads.append(len(b)))
+                                                    or launch(e, b, feed, **kw))
     try:
         outs = {}
         for mode in (False, True):
@@ -181,3 +182,61 @@ def test_async_scheduling_equals_the_synchronous_engine():
         overlap.launch = launch
     assert outs[True] == outs[False]
     assert lookaheads
+
+
+def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
+    """Greedy speculative rounds on the GPU (captured draft and round graphs, pinned copies of the draws), each
+    launched before the last round's acceptance is read: the synchronous engine's tokens and plain greedy decoding's,
+    with windows that accept none to all of their drafts and an eos inside a window."""
+    import k3nn.engine.overlap as overlap
+    from k3nn.engine.speculative import DSparkEngineDrafter
+    from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = KimiK3Config.tiny()
+    model = KimiK3(cfg, seed=0).to("cuda").eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 33, 120)]
+    news = [40, 25, 60, 33]
+    ecfg = dict(max_num_seqs=4, num_pages=64, num_snapshots=4)
+
+    def run(eng, **kw):
+        ids = [eng.add_request(p, max_new_tokens=n, **kw) for p, n in zip(prompts, news)]
+        while eng.has_unfinished():
+            eng.step()
+        return [eng.requests[i].output for i in ids]
+
+    plain = run(Engine(model, EngineConfig(**ecfg)))
+    next_of = torch.randint(0, cfg.vocab_size, (cfg.vocab_size,), generator=g)
+    for i, (p, out) in enumerate(zip(prompts, plain)):
+        seq = p[-1:] + out
+        for k, (a, b) in enumerate(zip(seq, seq[1:])):
+            if (k + i) % 6:  # every sixth draft wrong
+                next_of[a] = b
+    next_of = next_of.cuda()
+
+    class Bigram(DSparkEngineDrafter):  # greedy rounds draft from the bigram table, on the device
+        def step_drafts(self, tables, cached, anchor, n, L):
+            out, t = [], anchor
+            for _ in range(n):
+                t = next_of[t]
+                out.append(t)
+            return torch.stack(out, 1)
+
+    dcfg = DSparkConfig.for_target(cfg, num_layers=1, num_heads=2, block_size=4)
+    shifted = []
+    launch = overlap.launch
+    monkeypatch.setattr(overlap, "launch", lambda e, b, feed=None, **kw: (
+        (kw.get("shift") is not None and shifted.append(len(b))) or launch(e, b, feed, **kw)))
+    outs, stats = {}, {}
+    eos = plain[2][30]
+    for mode in (False, True):
+        drafter = Bigram(DSparkDrafter(dcfg, model, device="cuda"), 64, 64, "cuda")
+        eng = Engine(model, EngineConfig(**ecfg, num_speculative_tokens=4, async_scheduling=mode), drafter=drafter)
+        eng.warmup(prompt_len=32)
+        outs[mode] = run(eng) + run(eng, eos_token_id=eos)
+        m = eng.metrics()
+        stats[mode] = (m["spec_rounds"], m["spec_accepted"])
+    assert outs[True] == outs[False]
+    assert outs[True][:4] == plain and outs[True][6] == plain[2][:plain[2].index(eos) + 1]
+    assert shifted and stats[True][1] > stats[True][0], (len(shifted), stats)

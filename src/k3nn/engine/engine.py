@@ -418,7 +418,7 @@ class Engine:
         return gc.eos_ids
 
     def _forward(self, rows: Sequence[RowWork], draft_keys: int | None = None,
-                 feed: torch.Tensor | None = None) -> ForwardOut:
+                 feed: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> ForwardOut:
         """One model forward over ``rows`` (:meth:`ModelRunner.forward <k3nn.engine.runner.ModelRunner.forward>`:
         a replayed CUDA graph for decode / verify rows, eagerly otherwise; ``draft_keys``: a greedy round, drafted
         on the device); with a drafter the tapped hidden states of every fed token go into its paged context.
@@ -429,7 +429,7 @@ class Engine:
             embeds_fn = lambda ids: image_embeds(self.multimodal, self.model.model.embed_tokens, reqs, nn,  # noqa: E731
                                                  ids)
         with torch.inference_mode():
-            out = self.runner.forward(rows, embeds_fn, draft_keys=draft_keys, feed=feed)
+            out = self.runner.forward(rows, embeds_fn, draft_keys=draft_keys, feed=feed, shift=shift)
             if self.drafter is not None and self.runner.tap_sink is None:  # else written inside the step
                 self.drafter.write(out.hidden, out.meta.positions[:len(rows)], out.meta.slot_mapping[:len(rows)])
         self.num_forwards += 1
@@ -479,8 +479,8 @@ class Engine:
         separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
         batches = [b for b in ([dec, *padding_groups(pre)] if separate else [dec + pre]) if b]
-        if overlap.deferrable(self, batches):  # its tokens are read by the next step(), after the next launch
-            self._ahead = overlap.launch(self, batches[0])
+        if overlap.deferrable(self, batches, draft_keys):  # its tokens are read by the next step()
+            self._ahead = overlap.launch(self, batches[0], draft_keys=draft_keys)
             outputs, self._failed_outputs = outputs + self._failed_outputs, []
             return outputs
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
@@ -557,7 +557,7 @@ class Engine:
                 res.append(([row[0]], [TokenLogprobs.from_row(x, r.params.logprobs) for x in lp[:1]] or None))
                 continue
             m, nxt, bad = row[2], row[3], row[4]
-            n = len(r.drafts)
+            n = w.num_new - 1  # the drafts the window fed
             if bad:
                 res.append(FloatingPointError("the logits of the verify window contain NaN or Inf"))
                 continue

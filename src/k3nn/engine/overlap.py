@@ -1,20 +1,29 @@
 """Asynchronous decode steps (``EngineConfig.async_scheduling``): the host prepares and launches step N+1 while
 the device runs step N, and reads step N's tokens after that launch.
 
-A pure decode step (every running request feeds its pending token; no prefill chunk, drafts, log-probabilities or
-images) is *deferred*: its forward and device draws are launched, its ``[n, 2]`` draws (token, logits non-finite)
-start a non-blocking copy to pinned memory, and :meth:`Engine.step <k3nn.engine.Engine.step>` returns. The next
-``step()`` launches the *lookahead* step first: the same rows, each fed its token of step N on the device (the
-runner copies the draws into the staged ids before the replay), when nothing else waits to be scheduled and every
-row can still take two more tokens. Then it reads step N's draws (one wait on its copy), appends the tokens and
-checks the stop conditions: the host work runs while the device computes step N+1. Outputs therefore come back one
-``step()`` later than without it.
+A pure decode step (every running request feeds its pending token; no prefill chunk, host-drafted windows,
+log-probabilities or images) is *deferred*: its forward and device draws are launched, its draws start a
+non-blocking copy to pinned memory, and :meth:`Engine.step <k3nn.engine.Engine.step>` returns. The next ``step()``
+launches the *lookahead* step first: the same rows, each fed its token of step N on the device (the runner copies
+the draws into the staged ids before the replay), when nothing else waits to be scheduled and every row can still
+take its tokens. Then it reads step N's draws (one wait on its copy), appends the tokens and checks the stop
+conditions: the host work runs while the device computes step N+1. Outputs therefore come back one ``step()``
+later than without it.
 
-A request that finishes at step N (eos, a stop id or string) was fed one more token in step N+1: that row's draw
-is dropped, and the request's ``num_computed`` is rolled back by it before its pages are indexed, so the prefix
-cache never sees the extra token (its latent lies past the length; a decode-state snapshot taken at that
-position is not indexed). The KDA running state of a finished request is freed with its row; the next request in
-that row starts after step N+1 in stream order. Steps that are not pure decodes run as before.
+**Speculative rounds** (greedy rows with a DSpark drafter, :func:`~k3nn.engine.speculative.greedy_round`) overlap
+the same way. A round's acceptance is not known to the host when the next round is launched, so the lookahead
+round is staged at the least the last round can leave in the cache (its pending token kept, no draft) and the
+device adds the accepted count to each row's cached length and feeds the round's next token; the drafter's graph
+then drafts from there. Its pages cover the most the last round can leave (every draft accepted), and its draft
+lengths assume that too (the tokens are the same whatever the draft lengths: only the speed depends on them). With
+decode-state retention a round that may end on a page boundary is read before the next is launched: the state
+snapshot of that boundary is copied after it, before anything else advances the state.
+
+A request that finishes at step N (eos, a stop id or string, its length) was fed more tokens in step N+1: that
+row's draws are dropped, and the request's ``num_computed`` is rolled back by them before its pages are indexed,
+so the prefix cache never sees the extra tokens (their latents lie past the length; a decode-state snapshot taken
+at that position is not indexed). The KDA running state of a finished request is freed with its row; the next
+request in that row starts after step N+1 in stream order. Steps that are not pure decodes run as before.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 
 from .request import RequestStatus
 from .runner import Draws, RowWork
+from .speculative import round_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -36,13 +46,16 @@ __all__ = ["Deferred", "deferrable", "launch", "advance"]
 
 @dataclass
 class Deferred:
-    """A launched decode step whose draws are not read yet: its rows, the draws on the device ``[n, 2]``, their
-    pinned host copy and the event after that copy (None on the CPU)."""
+    """A launched decode step whose draws are not read yet: its rows, the draws on the device (``[n, 2]`` token,
+    logits non-finite; a round's packed ``[n, 4 + T]``), their pinned host copy, the event after that copy (None on
+    the CPU), and for a round (``windowed``) each row's snapshot pairs, committed when the draws are read."""
 
     batch: list[RowWork]
     draws: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
+    windowed: bool = False
+    absolute: list | None = None
 
 
 def _plain(engine: "Engine", reqs: Sequence) -> bool:
@@ -52,20 +65,23 @@ def _plain(engine: "Engine", reqs: Sequence) -> bool:
             and all(r.params.logprobs is None and (engine.multimodal is None or r.images is None) for r in reqs))
 
 
-def deferrable(engine: "Engine", batches: Sequence[Sequence[RowWork]]) -> bool:
+def deferrable(engine: "Engine", batches: Sequence[Sequence[RowWork]], draft_keys: int | None = None) -> bool:
     """This step is one forward of decode rows only (every row feeds its pending token and samples) that can be
-    deferred."""
+    deferred: plain rows, or a greedy round (``draft_keys``: drafted on the device)."""
     if not engine.config.async_scheduling or len(batches) != 1 or engine.waiting:
         return False  # with requests waiting the next step schedules anyway: no lookahead to gain
     rows = batches[0]
+    if draft_keys is not None:  # greedy_round checked the rows
+        return all(w.decode and w.sample for w in rows)
     return (all(w.decode and not w.verify and w.sample and w.num_new == 1 for w in rows)
             and _plain(engine, [w.req for w in rows]))
 
 
-def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = None) -> Deferred | None:
-    """Run ``batch``'s forward and draws without reading them (``feed`` [n]: the rows' tokens on the device,
-    instead of their staged ids). A forward error fails the batch's requests (reported by the next step) and
-    returns None."""
+def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = None, *,
+           draft_keys: int | None = None, shift: torch.Tensor | None = None) -> Deferred | None:
+    """Run ``batch``'s forward and device draws without reading them (``feed`` [n]: the rows' tokens on the device,
+    instead of their staged ids; ``shift`` [n]: added to their staged cached counts; ``draft_keys``: a greedy
+    round). A forward error fails the batch's requests (reported by the next step) and returns None."""
     def fail(r, e: Exception, where: str) -> None:
         engine._failed_outputs.append(engine._fail(r, e, where))
 
@@ -73,14 +89,16 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
     if not batch:
         return None
     try:
-        out = engine._forward(batch, None, feed)
-        draws = engine.runner.sample(out, batch, engine.sampling, defer=True)
+        out = engine._forward(batch, draft_keys, feed, shift)
+        draws = out.packed if draft_keys is not None else engine.runner.sample(out, batch, engine.sampling,
+                                                                                defer=True)
     except Exception as e:  # noqa: BLE001 - the whole forward: its requests fail, the engine goes on
         engine.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
         for w in batch:
             fail(w.req, e, "forward")
         return None
-    engine.cache.commit_rows(batch, absolute, fail)
+    if draft_keys is None:  # a round's rows know their length when its draws are read
+        engine.cache.commit_rows(batch, absolute, fail)
     cuda = draws.device.type == "cuda"
     host = torch.empty(draws.shape, dtype=draws.dtype, pin_memory=cuda)
     host.copy_(draws, non_blocking=cuda)
@@ -88,53 +106,117 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
     if cuda:
         done = torch.cuda.Event()
         done.record()
-    return Deferred(batch, draws, host, done)
+    return Deferred(batch, draws, host, done, draft_keys is not None, absolute if draft_keys is not None else None)
+
+
+def _same_rows(engine: "Engine", d: Deferred) -> list | None:
+    """``d``'s requests when they are all that runs and nothing waits (the next step would schedule just them) and
+    each fed every token it had (a window's drafts are past its tokens until they are read)."""
+    reqs = [w.req for w in d.batch]
+    if engine.waiting or engine._failed_outputs:
+        return None
+    running = [r for r in engine.running if r.status == RequestStatus.RUNNING]
+    if len(running) != len(reqs) or {id(r) for r in running} != {id(r) for r in reqs}:
+        return None
+    if any(w.req.remaining != 1 - w.num_new for w in d.batch):
+        return None
+    return reqs
 
 
 def _lookahead(engine: "Engine", d: Deferred) -> list[RowWork] | None:
     """The next step's rows when it can be launched before ``d``'s draws are read: the same requests (and no other
     running or waiting), each able to take two more tokens and given a page for the next one."""
-    reqs = [w.req for w in d.batch]
-    if engine.waiting or engine._failed_outputs or not _plain(engine, reqs):
+    reqs = _same_rows(engine, d)
+    if reqs is None or not _plain(engine, reqs):
         return None
-    running = [r for r in engine.running if r.status == RequestStatus.RUNNING]
-    if len(running) != len(reqs) or {id(r) for r in running} != {id(r) for r in reqs}:
-        return None
-    if any(r.remaining != 0 or len(r.output) + 2 > r.params.max_new_tokens for r in reqs):
+    if any(len(r.output) + 2 > r.params.max_new_tokens for r in reqs):
         return None
     if not all(engine.scheduler.cache.grow(r, r.num_computed + 1) for r in reqs):
         return None
     return [RowWork(r, [engine.config.pad_token_id], decode=True, sample=True) for r in reqs]
 
 
+def _round_lookahead(engine: "Engine", d: Deferred) -> tuple[list[RowWork], int] | None:
+    """The next greedy round's rows and drafter key bucket when it can be launched before round ``d``'s draws are
+    read (see the module docstring): each row with the draft length and pages of the most ``d`` can accept."""
+    reqs = _same_rows(engine, d)
+    if reqs is None:
+        return None
+    U = engine.pools.block_size
+    retain = engine.prefix is not None and engine.cache.retain_decode_state
+    lens = []
+    for w in d.batch:
+        r, n = w.req, w.num_new - 1  # the window's drafts: the round leaves 1 .. 1 + n tokens in the cache
+        least = r.num_computed - n
+        if retain and (least + n) // U != (least - 1) // U:
+            return None  # it may end on a page boundary: its decode-state snapshot is copied first
+        emitted = len(r.output) + 1 + n  # the most the request has emitted after the round
+        if emitted + 1 > r.params.max_new_tokens:
+            return None
+        lens.append(min(engine.scheduler.draft_len(r), r.params.max_new_tokens - emitted - 1))
+    keys = round_keys(engine, reqs)
+    if keys is None or not max(lens) > 0:
+        return None
+    if not all(engine.scheduler.cache.grow(r, r.num_computed + 1 + k) for r, k in zip(reqs, lens)):
+        return None
+    pad = engine.config.pad_token_id
+    return [RowWork(r, [pad] * (1 + k), decode=True, verify=k > 0, sample=True) for r, k in zip(reqs, lens)], keys
+
+
+def _launch_next(engine: "Engine", d: Deferred) -> Deferred | None:
+    """Launch the step after ``d`` when it can go before ``d``'s draws are read (None otherwise)."""
+    if not d.windowed:
+        rows = _lookahead(engine, d)
+        return launch(engine, rows, d.draws[:, 0]) if rows is not None else None
+    nxt = _round_lookahead(engine, d)
+    if nxt is None:
+        return None
+    rows, keys = nxt
+    drafted = {id(w.req): w.num_new - 1 for w in d.batch}
+    for w in rows:  # staged at the least the last round leaves; the device adds its accepted drafts
+        w.req.num_computed -= drafted[id(w.req)]
+    try:
+        return launch(engine, rows, d.draws[:, 3], draft_keys=keys, shift=d.draws[:, 2])
+    finally:
+        for w in rows:
+            w.req.num_computed += drafted[id(w.req)]
+
+
 def advance(engine: "Engine") -> list:
     """One ``step()`` with a deferred step in flight: launch the lookahead step when it can go, then read the
     deferred draws and emit their tokens (the lookahead becomes the deferred step)."""
     d, engine._ahead = engine._ahead, None
-    rows = _lookahead(engine, d)
-    nxt = launch(engine, rows, d.draws[:, 0]) if rows is not None else None
+    nxt = _launch_next(engine, d)
     if nxt is not None:
         engine.num_steps += 1
-    ahead = {id(w.req) for w in nxt.batch} if nxt is not None else set()
+    ahead = {id(w.req): w.num_new for w in nxt.batch} if nxt is not None else {}
     if d.done is not None:
         d.done.synchronize()
     outputs, engine._failed_outputs = engine._failed_outputs, []
+
+    def fail(r, e: Exception, where: str) -> None:
+        outputs.append(engine._fail(r, e, where))
+
     now = time.perf_counter()
-    for w, res in zip(d.batch, engine._emissions(d.batch, Draws(d.host.tolist(), {}, False))):
+    draws = Draws(d.host.tolist(), {}, d.windowed)
+    for i, (w, res) in enumerate(zip(d.batch, engine._emissions(d.batch, draws))):
         r = w.req
         if r.status != RequestStatus.RUNNING:  # finished at the step before, aborted or failed since
             continue
-        extra = id(r) in ahead
-        if extra:  # the lookahead fed one more token: out of the cache's view until this token is kept
-            r.num_computed -= 1
         if isinstance(res, Exception):
-            outputs.append(engine._fail(r, res, "sampling"))
-        else:
-            try:
-                outputs.append(engine._append_tokens(r, *res, now))
-            except Exception as e:  # noqa: BLE001 - this request alone fails
-                outputs.append(engine._fail(r, e, "stop check"))
-        if extra and r.status == RequestStatus.RUNNING:
-            r.num_computed += 1
+            fail(r, res, "verification" if w.verify else "sampling")
+            continue
+        extra = ahead.get(id(r), 0)
+        r.num_computed -= extra  # the lookahead's tokens: out of the cache's view until they are kept
+        if d.absolute is not None:
+            engine.cache.commit_rows([w], [d.absolute[i]], fail)
+        if r.status != RequestStatus.RUNNING:
+            continue
+        try:
+            outputs.append(engine._append_tokens(r, *res, now))
+        except Exception as e:  # noqa: BLE001 - this request alone fails
+            fail(r, e, "stop check")
+        if r.status == RequestStatus.RUNNING:
+            r.num_computed += extra
     engine._ahead = nxt
     return outputs

@@ -204,7 +204,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, rows: Sequence[RowWork], embeds_fn=None, all_columns: bool = False,
-                draft_keys: int | None = None, feed: torch.Tensor | None = None) -> ForwardOut:
+                draft_keys: int | None = None, feed: torch.Tensor | None = None,
+                shift: torch.Tensor | None = None) -> ForwardOut:
         """One forward over ``rows`` (see the module docstring). ``embeds_fn(input_ids [B, T]) → [B, T, d]``: input
         embeddings instead of ids (image tokens). The eager path's ``columns`` are every fed column's logits in a
         verify forward or with ``all_columns``, else each row's last ([B, 1, V]: the LM head skips the rest of
@@ -215,7 +216,9 @@ class ModelRunner:
         the drafter's key bucket) writes every row's drafts into it on the device, then one graph runs the verify
         forward, the greedy acceptance and the KDA commit; the draws come back in ``packed`` (no host step
         between drafting and acceptance). ``feed`` [n]: each row's first token on the device, copied over its
-        staged id (an asynchronous step fed the previous step's draws, :mod:`~k3nn.engine.overlap`)."""
+        staged id, and ``shift`` [n]: added to its staged cached count (an asynchronous step fed the previous
+        step's draws, :mod:`~k3nn.engine.overlap`; :meth:`StepInputs.feed
+        <k3nn.runtime.metadata.StepInputs.feed>`)."""
         n = len(rows)
         T = max(w.num_new for w in rows)
         verify = any(w.verify for w in rows)
@@ -228,6 +231,8 @@ class ModelRunner:
         B = self.padded_size(n) if graph else n
         self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
                                     w.sample) for w in rows], B, T)
+        if feed is not None:
+            self.inputs.feed(B, T, feed[:n], None if shift is None else shift[:n])
         if draft_keys is not None:
             self.graphs.run(("draft", B, T, draft_keys), lambda: self._draft_body(B, T, draft_keys))
             key = (B, T, "round")
@@ -236,8 +241,6 @@ class ModelRunner:
             return ForwardOut(last[:n], logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
                               key in self.graphs, packed=packed[:n])
         self._feed_device_drafts(rows, B, T)
-        if feed is not None:
-            self.inputs.ids(B, T)[:n, 0].copy_(feed[:n])
         if graph:
             key = (B, T, verify)
             logits, hidden, meta, rec, greedy = self.graphs.run(key, lambda: self._graph_body(B, T, verify))

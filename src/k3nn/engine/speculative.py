@@ -37,7 +37,7 @@ from ..layers.dspark import DraftProposal, DraftState, DSparkDrafter
 from .request import ContextTokens, Request
 
 __all__ = ["DraftRow", "EngineDrafter", "DSparkEngineDrafter", "PagedDraftContext", "as_engine_drafter", "draft",
-           "greedy_round"]
+           "greedy_round", "round_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -332,11 +332,18 @@ def greedy_round(engine, decodes: Sequence[Request]) -> int | None:
     v = engine.sampling.variant([r.row for r in decodes])
     if v.sampling or v.penalties or v.min_tokens:
         return None
-    ctx = runner.drafter.context
-    L = ctx.key_length(max(r.num_computed for r in decodes))
-    if not ctx.fits(runner.padded_size(len(decodes)), L):  # the host path drafts it in bounded gathers
+    L = round_keys(engine, decodes)
+    if L is None:  # the host path drafts it in bounded gathers
         return None
     for r, n in zip(decodes, ns):
         r.clear_drafts()
         r.drafts = [0] * n  # fed by the round's draft graph
     return L
+
+
+def round_keys(engine, reqs: Sequence[Request]) -> int | None:
+    """The drafter's key bucket of a greedy round over ``reqs`` (the bucket of their longest cached context), or
+    None when the padded batch's gather would exceed the drafter context's key budget."""
+    ctx = engine.runner.drafter.context
+    L = ctx.key_length(max(r.num_computed for r in reqs))
+    return L if ctx.fits(engine.runner.padded_size(len(reqs)), L) else None

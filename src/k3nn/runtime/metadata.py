@@ -193,6 +193,16 @@ class StepInputs:
             return self._big_ids
         return self._dev[4 * self.R:4 * self.R + B * T].view(B, T)
 
+    def feed(self, B: int, T: int, tokens: torch.Tensor, shift: torch.Tensor | None = None) -> None:
+        """Overwrite the first token of the staged (B, T) step's first ``len(tokens)`` rows on the device and add
+        ``shift`` [n] to their cached counts (an asynchronous step launched before the host read the draws that
+        decide them: the previous step's tokens, a speculative round's accepted drafts). Stream-ordered after
+        the staging copy; graph-safe."""
+        n = tokens.shape[0]
+        self.ids(B, T)[:n, 0].copy_(tokens)
+        if shift is not None:
+            self._dev[self.R:self.R + n] += shift
+
     def draft_view(self, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a drafter reads of a staged (B, T) step, graph-safe: each row's block table [B, max_blocks]
         (int32; padding rows read slot 0's, masked by their zero cached count), cached counts [B] and the token
