@@ -40,9 +40,9 @@ class EngineConfig:
     ``retention`` ("marconi", "replay", "interval:N", a policy object or None), ``eviction`` ("lru", "marconi", a
     policy or None), ``retain_decode_state``. Speculation (with a drafter): ``num_speculative_tokens`` (None: the
     drafter's block size), ``spec``. ``cuda_graphs``: replay captured decode / verify steps on a GPU.
-    ``async_scheduling`` (default on): launch each pure decode step of captured graphs before reading the
-    previous one's tokens (:mod:`~k3nn.engine.overlap`; outputs come back one ``step()`` later; False: every step
-    reads its tokens before it returns). Errors name the field
+    ``async_scheduling`` (default on): launch each pure decode step of captured graphs, and each greedy
+    speculative round drafted on the device, before reading the previous one's tokens (:mod:`~k3nn.engine.overlap`;
+    outputs come back one ``step()`` later; False: every step reads its tokens before it returns). Errors name the field
     (:meth:`validate`)."""
 
     max_num_seqs: int = 8  # running rows (KDA running slots)
