@@ -128,7 +128,7 @@ def test_async_rounds_equal_the_synchronous_engine(model, lookaheads):
     accepted count added on the device) give the synchronous engine's tokens and generate()'s, with windows that
     accept none to all of their drafts, a stop inside a window, rows of different draft budgets and decode-state
     retention across page boundaries."""
-    prompts = [rand_ids(40 + 9 * i, 530 + i) for i in range(3)]
+    prompts = [rand_ids(43 + 9 * i, 530 + i) for i in range(3)]
     news = [41, 17, 30]
     refs = [reference(model, p, n) for p, n in zip(prompts, news)]
     next_of = torch.randint(0, CFG.vocab_size, (CFG.vocab_size,), generator=torch.Generator().manual_seed(3))
@@ -138,13 +138,20 @@ def test_async_rounds_equal_the_synchronous_engine(model, lookaheads):
             if (k + i) % 7:  # every seventh draft wrong
                 next_of[a] = b
     eos = refs[2][19]
-    outs, rounds = {}, {}
+    turn = prompts[0] + refs[0] + rand_ids(7, 539)  # a follow-up turn over prompt + answer (past a page)
+    outs, rounds, gained = {}, {}, {}
     for mode in (False, True):
         e = _engine(model, _BigramRounds(model, next_of), cuda_graphs="static", num_speculative_tokens=GAMMA,
                     async_scheduling=mode)
         outs[mode] = _run(e, prompts, news) + _run(e, prompts[2:], [30], eos_token_id=eos)
         m = e.metrics()
         rounds[mode] = (m["spec_rounds"], m["spec_accepted"])
+        hits = m["cache_hits"]
+        outs[mode].append(_run(e, [turn], [5])[0])
+        gained[mode] = e.metrics()["cache_hits"] - hits
     assert outs[True] == outs[False]
     assert outs[True][:3] == refs and outs[True][3] == refs[2][:refs[2].index(eos) + 1]
+    assert outs[True][4] == reference(model, turn, 5)
     assert lookaheads and rounds[True][1] > rounds[True][0]  # rounds launched ahead; most drafts accepted
+    # the answers' pages and decode states were indexed as without overlap: the follow-up turn hits the same way
+    assert gained[True] == gained[False] > 0
