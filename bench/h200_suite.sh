@@ -44,6 +44,7 @@ STEPS=(
   "prefill|420|$PY -m bench.prefill"
   "prefill-short|300|$PY -m bench.prefill --lengths 512,2048,8192 --k3nn-only '' --suite prefill-short"
   "prefill-profile|200|$PY -m bench.gpu.prefill_profile --T 512,2048 --top 25"
+  "prefill-host|90|$PY -m bench.gpu.prefill_host"
   "prefill-profile-hf|240|$PY -m bench.gpu.prefill_profile --T 512,2048 --top 25 --from-transformers"
   "prefill-k3-1m|300|$PY -m bench.prefill --preset k3_slice --lengths 8192 --k3nn-only 524288,1048576"
   "fp32-exact-tests|60|$PYTEST tests/gpu/test_fp32_exact_gpu.py"
