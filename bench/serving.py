@@ -113,15 +113,25 @@ def engine_best(engine, prompts, new: int, dev, metric: str, reps: int = 3) -> d
     """:func:`engine_batch` ``reps`` times (the prefix cache cleared in between: every run prefills), the run with
     the best ``metric`` (as the ``generate()`` anchors take the best of their runs); ``compiles`` summed over the
     runs."""
-    runs = []
+    return engines_best({0: engine}, prompts, new, dev, metric, reps)[0]
+
+
+def engines_best(engines: dict, prompts, new: int, dev, metric: str, reps: int = 3) -> dict:
+    """:func:`engine_best` for several engines whose runs alternate (A B C, A B C, ...), so a drift of the host or
+    the clocks during the measurement reaches each of them alike; per engine, its best run."""
+    runs: dict = {k: [] for k in engines}
     for _ in range(reps):
-        if engine.prefix is not None:
-            engine.prefix.clear()
-        runs.append(engine_batch(engine, prompts, new, dev))
-    best = max(runs, key=lambda r: r[metric])
-    best["compiles"] = sum(r["compiles"] for r in runs)
-    best["runs"] = [round(r[metric], 1) for r in runs]
-    return best
+        for k, engine in engines.items():
+            if engine.prefix is not None:
+                engine.prefix.clear()
+            runs[k].append(engine_batch(engine, prompts, new, dev))
+    out = {}
+    for k, rs in runs.items():
+        best = max(rs, key=lambda r: r[metric])
+        best["compiles"] = sum(r["compiles"] for r in rs)
+        best["runs"] = [round(r[metric], 1) for r in rs]
+        out[k] = best
+    return out
 
 
 def generate_decode_tok_s(model, prompt: list[int], new: int, dev, drafter=None) -> tuple[float, list[int]]:
@@ -334,12 +344,12 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def _sync_row(rows: list, case: str, eng, prompts, new: int, dev, c: int, plain: dict, best: bool = False) -> None:
-    """The batch again on an Engine with ``async_scheduling`` off, anchored on the default Engine's row ``plain``
-    (per-user tok/s at C=1, total tok/s above; below 1×: the overlap wins), with whether the tokens are the
-    same."""
+def _sync_row(rows: list, case: str, eng, prompts, new: int, dev, c: int, plain: dict, res: dict | None = None) -> None:
+    """The batch again on an Engine with ``async_scheduling`` off (or its result ``res``), anchored on the default
+    Engine's row ``plain`` (per-user tok/s at C=1, total tok/s above; below 1×: the overlap wins), with whether the
+    tokens are the same."""
     metric = "per_user_tok_s" if c == 1 else "total_tok_s"
-    res = engine_best(eng, prompts, new, dev, metric) if best else engine_batch(eng, prompts, new, dev)
+    res = res if res is not None else engine_batch(eng, prompts, new, dev)
     rows.append(_row(case, res, "the Engine with async_scheduling", plain[metric], metric=metric,
                      same_tokens=res["outputs"] == plain["outputs"]))
     print(rows[-1], flush=True)
@@ -392,13 +402,16 @@ def _trained(args, dev, dtype, conc, rows, save, left) -> None:
     for c in conc:
         if left() < 30:
             break
-        plain = _engine(model, None, c, plen, new, None)
-        plain.warmup(prompt_len=plen, batch_sizes=[c])
-        spec = _engine(model, drafter, c, plen, new, None)
-        spec.warmup(prompt_len=plen, batch_sizes=[c])
+        engines = {"plain": _engine(model, None, c, plen, new, None),
+                   "spec": _engine(model, drafter, c, plen, new, None)}
+        if args.sync_rows:
+            engines["sync"] = _engine(model, None, c, plen, new, None, async_scheduling=False)
+            engines["spec sync"] = _engine(model, drafter, c, plen, new, None, async_scheduling=False)
+        for e in engines.values():
+            e.warmup(prompt_len=plen, batch_sizes=[c])
         metric = "per_user_tok_s" if c == 1 else "total_tok_s"
-        a = engine_best(plain, prompts[:c], new, dev, metric)
-        b = engine_best(spec, prompts[:c], new, dev, metric)
+        res = engines_best(engines, prompts[:c], new, dev, metric)  # runs alternate between the engines
+        a, b = res["plain"], res["spec"]
         if c == 1:
             rows.append(_row(f"demo C=1 prompt={plen} new={new}", a, "generate() batch 1, CUDA graph", plain_g))
         else:
@@ -409,12 +422,9 @@ def _trained(args, dev, dtype, conc, rows, save, left) -> None:
                          metric=metric, same_tokens=a["outputs"] == b["outputs"]))
         print(rows[-2], rows[-1], flush=True)
         if args.sync_rows:
-            slow = _engine(model, None, c, plen, new, None, async_scheduling=False)
-            slow.warmup(prompt_len=plen, batch_sizes=[c])
-            _sync_row(rows, f"demo C={c} prompt={plen} new={new} sync", slow, prompts[:c], new, dev, c, a, True)
-            slow = _engine(model, drafter, c, plen, new, None, async_scheduling=False)
-            slow.warmup(prompt_len=plen, batch_sizes=[c])
-            _sync_row(rows, f"demo C={c} prompt={plen} new={new} spec sync", slow, prompts[:c], new, dev, c, b, True)
+            _sync_row(rows, f"demo C={c} prompt={plen} new={new} sync", None, None, new, dev, c, a, res["sync"])
+            _sync_row(rows, f"demo C={c} prompt={plen} new={new} spec sync", None, None, new, dev, c, b,
+                      res["spec sync"])
         save()
 
 
