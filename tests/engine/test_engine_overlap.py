@@ -155,3 +155,32 @@ def test_async_rounds_equal_the_synchronous_engine(model, lookaheads):
     assert lookaheads and rounds[True][1] > rounds[True][0]  # rounds launched ahead; most drafts accepted
     # the answers' pages and decode states were indexed as without overlap: the follow-up turn hits the same way
     assert gained[True] == gained[False] > 0
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_rounds_keep_the_decode_state_of_the_page_boundaries_they_cross(model, asynchronous):
+    """Decode-state retention with speculation: a verify round moves a request's length by 1 + its accepted
+    drafts, so it steps over most page boundaries; its commit exports the KDA state at the boundary it crosses.
+    A follow-up turn over prompt + answer then reuses as much of the prefix cache as after plain decoding (prompt
+    lengths whose rounds never land on the boundary itself)."""
+    for L in (40, 44):
+        p = rand_ids(L, 530)
+        ref = reference(model, p, 41)
+        next_of = torch.randint(0, CFG.vocab_size, (CFG.vocab_size,), generator=torch.Generator().manual_seed(3))
+        seq = p[-1:] + ref
+        for k, (a, b) in enumerate(zip(seq, seq[1:])):
+            if k % 7:  # every seventh draft wrong
+                next_of[a] = b
+        turn = p + ref + rand_ids(7, 539)
+        computed = {}
+        for name, drafter in (("plain", None), ("spec", _BigramRounds(model, next_of))):
+            e = _engine(model, drafter, cuda_graphs="static", num_speculative_tokens=GAMMA if drafter else None,
+                        async_scheduling=asynchronous)
+            assert _run(e, [p], [41]) == [ref]
+            before = e.metrics()["computed_prompt_tokens"]
+            assert _run(e, [turn], [5]) == [reference(model, turn, 5)]
+            computed[name] = e.metrics()["computed_prompt_tokens"] - before
+            # no slot leaked: every snapshot slot in use is one the prefix index holds
+            held = sum(x.snapshot is not None for x in e.prefix.entries.values())
+            assert e.pools.snapshots.num_free + held == e.pools.snapshots.num_slots
+        assert computed["spec"] == computed["plain"] <= len(turn) - 64, (L, computed)  # the answer's page hit

@@ -229,17 +229,45 @@ class CacheManager:
                 self.pools.snapshots.free([slot])
 
     def plan_rows(self, batch: Sequence, fail) -> tuple[list, list[list[tuple[int, int]]]]:
-        """Plan each forward row's prefix snapshots (:meth:`plan_snapshots` into ``row.snapshots``); a row whose
-        plan raises is failed (``fail(req, exc, where)``) and left out. Returns the rest and, per row, its snapshots
-        as (absolute position, slot) pairs for :meth:`commit_rows`."""
+        """Plan each forward row's prefix snapshots (:meth:`plan_snapshots` into ``row.snapshots``) and a verify
+        row's page-boundary slot (:meth:`plan_boundary` into ``row.boundary``); a row whose plan raises is failed
+        (``fail(req, exc, where)``) and left out. Returns the rest and, per row, its snapshots as (absolute
+        position, slot) pairs for :meth:`commit_rows`."""
         ok = []
         for w in batch:
             try:
                 w.snapshots = self.plan_snapshots(w.req, w.num_new)
+                w.boundary = self.plan_boundary(w) if w.verify else None
                 ok.append(w)
             except Exception as e:
+                self.pools.snapshots.free([s for _, s in w.snapshots])
                 fail(w.req, e, "snapshot plan")
         return ok, [[(w.req.num_computed + p, s) for p, s in w.snapshots] for w in ok]
+
+    def may_cross(self, w) -> bool:
+        """Whether verify row ``w``'s commit can leave the request's decode state past a page boundary beyond its
+        prompt: its cached count (moved by up to ``w.shift_max`` on the device) plus the kept window tokens."""
+        U, lo = self.pools.block_size, w.req.num_computed
+        b = (lo // U + 1) * U  # the next boundary
+        return b <= lo + w.shift_max + w.num_new and b > w.req.num_prompt_tokens
+
+    def plan_boundary(self, w) -> int | None:
+        """A snapshot slot for the KDA state at the page boundary a verify row's commit may cross (decode-state
+        retention; :meth:`ModelRunner.commit_windows <k3nn.engine.runner.ModelRunner.commit_windows>` writes it),
+        or None: no retention, no boundary in reach, or no slot free (best effort)."""
+        if (self.prefix is None or not self.retain_decode_state or w.req.prefill_only or not w.req.output
+                or not self.may_cross(w)):
+            return None
+        if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
+            return None
+        return self.pools.snapshots.allocate(1)[0]
+
+    def drop_plans(self, batch: Sequence) -> None:
+        """Free the snapshot slots planned for ``batch``'s rows (their forward failed or they ended unread)."""
+        self.pools.snapshots.free([s for w in batch for _, s in w.snapshots]
+                                  + [w.boundary for w in batch if w.boundary is not None])
+        for w in batch:
+            w.snapshots, w.boundary = [], None
 
     def commit_rows(self, batch: Sequence, absolute: Sequence[list[tuple[int, int]]], fail) -> None:
         """After a forward: index each row's new prompt pages and written snapshots (``absolute``: (position,
@@ -247,13 +275,30 @@ class CacheManager:
         for w, sn in zip(batch, absolute):
             r = w.req
             if r.status == RequestStatus.FAILED:
-                self.pools.snapshots.free([s for _, s in sn])
+                self.pools.snapshots.free([s for _, s in sn] + ([w.boundary] if w.boundary is not None else []))
+                w.boundary = None
                 continue
             try:
                 self.commit_prefix(r, sn)
-                self.track_decode_state(r)
+                if w.boundary is not None:
+                    self.keep_boundary(w)
+                else:
+                    self.track_decode_state(r)
             except Exception as e:
                 fail(r, e, "cache commit")
+
+    def keep_boundary(self, w) -> None:
+        """After a verify row's commit (``w.kept`` window tokens kept, ``num_computed`` exact): its boundary slot
+        becomes the request's decode state when the commit crossed the page boundary, else it is freed."""
+        r, slot, U = w.req, w.boundary, self.pools.block_size
+        w.boundary = None
+        b = ((r.num_computed - w.kept) // U + 1) * U
+        if w.kept < 1 or b > r.num_computed:  # stopped short of it: the slot holds a state past no boundary
+            self.pools.snapshots.free([slot])
+            return
+        if r.decode_snap is not None:
+            self.pools.snapshots.free([r.decode_snap[1]])
+        r.decode_snap = (b, slot)
 
     def track_decode_state(self, req: Request) -> None:
         """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding

@@ -115,7 +115,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pools, max_rows=cfg.max_num_seqs, max_window=1 + self.default_num_spec,
                                   taps=self.drafter.target_layers if self.drafter is not None else None,
                                   pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs, tap_sink=sink,
-                                  drafter=self.drafter)
+                                  drafter=self.drafter,
+                                  boundary_snapshots=self.prefix is not None and cfg.retain_decode_state)
         self.sampling = SamplingTable(self.pools.running.num_slots, self.mcfg.vocab_size, device)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.warmup_s = 0.0
@@ -498,7 +499,7 @@ class Engine:
                 out = self._forward(batch, draft_keys if batch and batch[0].decode else None)
                 draws = self._draw(batch, out)
             except Exception as e:  # the whole forward: its requests fail, the engine goes on
-                self.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
+                self.cache.drop_plans(batch)
                 for w in batch:
                     w.req.clear_drafts()
                     fail(w.req, e, "forward")
@@ -558,6 +559,7 @@ class Engine:
                 continue
             m, nxt, bad = row[2], row[3], row[4]
             n = w.num_new - 1  # the drafts the window fed
+            w.kept = m + 1
             if bad:
                 res.append(FloatingPointError("the logits of the verify window contain NaN or Inf"))
                 continue
@@ -692,7 +694,9 @@ class Engine:
            every window width (1; 1 + n drafts with a drafter), each captured over a batch of padding rows (no
            request's state is touched), sharing one memory pool; with a DSpark drafter also each batch size's
            greedy round (verify, acceptance and commit) and its draft graphs for the key buckets of
-           :meth:`ModelRunner.draft_key_buckets <k3nn.engine.runner.ModelRunner.draft_key_buckets>`.
+           :meth:`ModelRunner.draft_key_buckets <k3nn.engine.runner.ModelRunner.draft_key_buckets>`; with
+           decode-state retention the acceptance and round graphs also in their variant that exports a page
+           boundary's state (:meth:`ModelRunner.commit_windows <k3nn.engine.runner.ModelRunner.commit_windows>`).
 
         The engine is left as it was (no requests, an empty prefix index, zeroed statistics). Returns the seconds
         spent (also in ``metrics()["warmup_s"]``)."""

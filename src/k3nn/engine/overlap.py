@@ -15,9 +15,11 @@ the same way. A round's acceptance is not known to the host when the next round 
 round is staged at the least the last round can leave in the cache (its pending token kept, no draft) and the
 device adds the accepted count to each row's cached length and feeds the round's next token; the drafter's graph
 then drafts from there. Its pages cover the most the last round can leave (every draft accepted), and its draft
-lengths assume that too (the tokens are the same whatever the draft lengths: only the speed depends on them). With
-decode-state retention a round that may end on a page boundary is read before the next is launched: the state
-snapshot of that boundary is copied after it, before anything else advances the state.
+lengths assume that too (the tokens are the same whatever the draft lengths: only the speed depends on them). A
+round's commit exports the state at a page boundary it crosses into a slot planned for it (decode-state retention;
+the lookahead's rows plan for the boundaries the device shift may bring into reach, ``RowWork.shift_max``); a round
+that may end on a boundary without such a slot is read before the next is launched, so that boundary's state is
+copied before anything else advances it.
 
 A request that finishes at step N (eos, a stop id or string, its length) was fed more tokens in step N+1: that
 row's draws are dropped, and the request's ``num_computed`` is rolled back by them before its pages are indexed,
@@ -93,7 +95,7 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
         draws = out.packed if draft_keys is not None else engine.runner.sample(out, batch, engine.sampling,
                                                                                 defer=True)
     except Exception as e:  # noqa: BLE001 - the whole forward: its requests fail, the engine goes on
-        engine.pools.snapshots.free([s for w in batch for _, s in w.snapshots])
+        engine.cache.drop_plans(batch)
         for w in batch:
             fail(w.req, e, "forward")
         return None
@@ -148,8 +150,8 @@ def _round_lookahead(engine: "Engine", d: Deferred) -> tuple[list[RowWork], int]
     for w in d.batch:
         r, n = w.req, w.num_new - 1  # the window's drafts: the round leaves 1 .. 1 + n tokens in the cache
         least = r.num_computed - n
-        if retain and (least + n) // U != (least - 1) // U:
-            return None  # it may end on a page boundary: its decode-state snapshot is copied first
+        if retain and w.boundary is None and (least + n) // U != (least - 1) // U:
+            return None  # it may end on a page boundary with no slot for that state: read it first
         emitted = len(r.output) + 1 + n  # the most the request has emitted after the round
         if emitted + 1 > r.params.max_new_tokens:
             return None
@@ -160,7 +162,8 @@ def _round_lookahead(engine: "Engine", d: Deferred) -> tuple[list[RowWork], int]
     if not all(engine.scheduler.cache.grow(r, r.num_computed + 1 + k) for r, k in zip(reqs, lens)):
         return None
     pad = engine.config.pad_token_id
-    return [RowWork(r, [pad] * (1 + k), decode=True, verify=k > 0, sample=True) for r, k in zip(reqs, lens)], keys
+    return [RowWork(r, [pad] * (1 + k), decode=True, verify=k > 0, sample=True, shift_max=w.num_new - 1)
+            for r, k, w in zip(reqs, lens, d.batch)], keys
 
 
 def _launch_next(engine: "Engine", d: Deferred) -> Deferred | None:
@@ -201,10 +204,11 @@ def advance(engine: "Engine") -> list:
     draws = Draws(d.host.tolist(), {}, d.windowed)
     for i, (w, res) in enumerate(zip(d.batch, engine._emissions(d.batch, draws))):
         r = w.req
-        if r.status != RequestStatus.RUNNING:  # finished at the step before, aborted or failed since
-            continue
-        if isinstance(res, Exception):
-            fail(r, res, "verification" if w.verify else "sampling")
+        if r.status != RequestStatus.RUNNING or isinstance(res, Exception):  # ended since, or its draws failed
+            if r.status == RequestStatus.RUNNING:
+                fail(r, res, "verification" if w.verify else "sampling")
+            if d.absolute is not None:  # a round's plans are committed at its read: give its slots back
+                engine.cache.drop_plans([w])
             continue
         extra = ahead.get(id(r), 0)
         r.num_computed -= extra  # the lookahead's tokens: out of the cache's view until they are kept

@@ -66,7 +66,9 @@ class RowWork:
     """One row of a forward: ``req`` feeds ``tokens`` (``len(tokens)`` ≥ 1) from ``req.num_computed``;
     ``decode``: the row feeds its pending token (plus drafts); ``verify``: the tokens are a verify window (the
     pending token + drafts); ``sample``: a token is drawn after the forward; ``snapshots``: (position in this
-    chunk, snapshot slot) pairs to export."""
+    chunk, snapshot slot) pairs to export; ``boundary``: a verify row's snapshot slot for the KDA state at the page
+    boundary its commit may cross (:meth:`ModelRunner.commit_windows`), ``shift_max``: how far the device may still
+    move the row's cached count (an asynchronous round), ``kept``: the window tokens the acceptance kept."""
 
     req: object
     tokens: list[int]
@@ -75,6 +77,9 @@ class RowWork:
     sample: bool = False
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     device_drafts: torch.Tensor | None = None  # [n] drafts on the device: fed instead of tokens[1:1 + n]
+    boundary: int | None = None
+    shift_max: int = 0
+    kept: int = 0
 
     @property
     def num_new(self) -> int:
@@ -115,7 +120,7 @@ class ModelRunner:
 
     def __init__(self, model, pools: HybridPools, *, max_rows: int, max_window: int = 1,
                  taps: Sequence[int] | None = None, pad_id: int = 0, cuda_graphs: bool | str = True,
-                 max_context: int | None = None, tap_sink=None, drafter=None):
+                 max_context: int | None = None, tap_sink=None, drafter=None, boundary_snapshots: bool = False):
         self.model, self.pools = model, pools
         self.drafter = drafter if hasattr(drafter, "step_drafts") else None
         self.cache = PagedCache(pools)
@@ -133,6 +138,9 @@ class ModelRunner:
         self.kda = [l.self_attn for i, l in enumerate(model.model.layers) if not model.config.is_mla_layer(i)]
         self.fused_max = min((m.fused_decode_max_tokens for m in self.kda), default=0)
         self._recorded: dict | None = None
+        # verify commits may export the state at a page boundary (decode-state retention): their captured steps
+        # come in two variants, with and without the export
+        self.boundary_snapshots = boundary_snapshots
 
     # -- staging --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -179,11 +187,12 @@ class ModelRunner:
             greedy = torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long()], 1)
         return logits, hidden, meta, rec, greedy
 
-    def _round_body(self, B: int, T: int):
+    def _round_body(self, B: int, T: int, boundary: bool = False):
         """The verify forward of a greedy round and its acceptance (with the KDA commit) in one graph-safe step:
         :meth:`_body`, then :meth:`_greedy_accept_body` over its logits."""
         logits, hidden, meta, rec = self._body(B, T, True, None)
-        return logits, hidden, meta, self._last_columns(logits, meta), self._greedy_accept_body(logits, meta, rec)
+        return (logits, hidden, meta, self._last_columns(logits, meta),
+                self._greedy_accept_body(logits, meta, rec, boundary))
 
     @staticmethod
     def _last_columns(W: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
@@ -230,13 +239,14 @@ class ModelRunner:
             T = self.round_width()
         B = self.padded_size(n) if graph else n
         self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
-                                    w.sample) for w in rows], B, T)
+                                    w.sample, -1 if w.boundary is None else w.boundary) for w in rows], B, T)
+        snap = any(w.boundary is not None for w in rows)
         if feed is not None:
             self.inputs.feed(B, T, feed[:n], None if shift is None else shift[:n])
         if draft_keys is not None:
             self.graphs.run(("draft", B, T, draft_keys), lambda: self._draft_body(B, T, draft_keys))
-            key = (B, T, "round")
-            logits, hidden, meta, last, packed = self.graphs.run(key, lambda: self._round_body(B, T))
+            key = (B, T, "round") + (("boundary",) if snap else ())
+            logits, hidden, meta, last, packed = self.graphs.run(key, lambda: self._round_body(B, T, snap))
             self.cache.meta, self._recorded = meta, None  # committed inside the round
             return ForwardOut(last[:n], logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
                               key in self.graphs, packed=packed[:n])
@@ -292,9 +302,13 @@ class ModelRunner:
         if ok and verify:  # the greedy acceptance over that graph's outputs (padding rows: nothing committed)
             graph, (logits, _, meta, rec, _) = self.graphs.graphs[(B, T, verify)]
             graph.replay()  # a capture computes nothing: fill the outputs the acceptance's warm-up run reads
-            ok = self.graphs.capture(("accept", B, T), lambda: self._greedy_accept_body(logits, meta, rec))
+            for snap in (False, True)[:1 + self.boundary_snapshots]:
+                ok = ok and self.graphs.capture(("accept", B, T) + (("boundary",) if snap else ()),
+                                                lambda: self._greedy_accept_body(logits, meta, rec, snap))
         if ok and verify and self.drafter is not None and T == self.round_width():
-            ok = self.graphs.capture((B, T, "round"), lambda: self._round_body(B, T))
+            for snap in (False, True)[:1 + self.boundary_snapshots]:
+                ok = ok and self.graphs.capture((B, T, "round") + (("boundary",) if snap else ()),
+                                                lambda: self._round_body(B, T, snap))
         return ok
 
     def draft_key_buckets(self, batch_size: int) -> list[int]:
@@ -350,24 +364,67 @@ class ModelRunner:
 
     # -- verify windows ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def commit_windows(self, verify_rows: torch.Tensor, keep: torch.Tensor, rec=None, meta=None) -> None:
+    def commit_windows(self, verify_rows: torch.Tensor, keep: torch.Tensor, rec=None, meta=None,
+                       boundary: bool = False) -> None:
         """After a verify forward: fold the first ``keep[b]`` window tokens of every verify row into its KDA state
         (``verify_rows`` [B] bool, ``keep`` [B] long, device tensors; rows of the forward in order). ``rec`` /
-        ``meta``: the forward's recorded inputs and metadata (default: the last forward's)."""
+        ``meta``: the forward's recorded inputs and metadata (default: the last forward's).
+
+        ``boundary``: rows with a snapshot slot (``meta.snap``) also export their state at the next page boundary
+        after their cached count: the fold stops there (or at ``keep``, whichever comes first), every KDA layer's
+        state is copied into the slot, and the rest of the window is folded after it. Graph-safe. A row whose
+        window keeps fewer tokens than the boundary needs leaves its state at ``keep`` in the slot (the host,
+        knowing the acceptance, drops it)."""
         rec = self._recorded if rec is None else rec
         if not rec:
             return
         meta = self.cache.meta if meta is None else meta
         B = keep.shape[0]
         slots = torch.where(verify_rows, meta.slots[:B], torch.full_like(meta.slots[:B], -1))
-        run = self.pools.running
-        with use_backend(self.model.backend):
-            for j, mod in enumerate(self.kda):
-                qkv, f, b = rec[j]
-                mod.commit_window(qkv[:B], f[:B], b[:B], run.recurrent[j], run.conv[j], slots, keep.to(torch.int32))
+        if not boundary:
+            self._fold(rec, B, slots, keep)
+        else:
+            U = self.pools.block_size
+            cached = meta.num_cached[:B]
+            snap = meta.snap[:B]
+            export = verify_rows & (snap >= 0)
+            first = torch.where(export, torch.minimum(keep, (cached // U + 1) * U - cached), keep)
+            self._fold(rec, B, slots, first)
+            self._export_states(export, slots, snap)
+            self._fold(rec, B, slots, keep - first, first)
         self._recorded = None
 
-    def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec) -> torch.Tensor:
+    def _fold(self, rec, B: int, slots: torch.Tensor, count: torch.Tensor, start: torch.Tensor | None = None) -> None:
+        """Fold ``count[b]`` recorded window tokens of row b, from its token ``start[b]`` on (default 0), into the
+        KDA state of ``slots[b]`` in every KDA layer (one fused decode call per layer)."""
+        run = self.pools.running
+        cols = None
+        with use_backend(self.model.backend):
+            for j, mod in enumerate(self.kda):
+                qkv, f, b = (x[:B] for x in rec[j])
+                if start is not None:  # each row's window from its own start (the tail past T is not folded)
+                    T = qkv.shape[1]
+                    if cols is None:
+                        cols = (torch.arange(T, device=qkv.device)[None, :] + start[:, None]).clamp_max(T - 1)
+                    qkv, f, b = (x.gather(1, cols[:, :, None].expand(-1, -1, x.shape[2])) for x in (qkv, f, b))
+                mod.commit_window(qkv, f, b, run.recurrent[j], run.conv[j], slots, count.to(torch.int32))
+
+    def _export_states(self, export: torch.Tensor, slots: torch.Tensor, snap: torch.Tensor) -> None:
+        """Copy the running KDA state of the rows where ``export`` [B] into their snapshot slots ``snap`` [B],
+        graph-safe: the other rows write the first exporting row's state into its slot again (identical writes),
+        or, with no row exporting, snapshot slot 0 its own content."""
+        run, pool = self.pools.running, self.pools.snapshots
+        first = export.long().argmax()
+        anyone = export.any()
+        dst = torch.where(export, snap, torch.where(anyone, snap[first], torch.zeros_like(snap)))
+        src = torch.where(export, slots, torch.where(anyone, slots[first], torch.full_like(slots, -1)))
+        for states, into in ((run.recurrent, pool.recurrent), (run.conv, pool.conv)):
+            for r, p in zip(states, into):
+                rows = r.index_select(0, src.clamp_min(0))
+                old = p[:1].expand_as(rows)  # slot 0 as it is (no row exports)
+                p.index_copy_(0, dst, torch.where((src >= 0).view(-1, *[1] * (rows.dim() - 1)), rows, old).to(p.dtype))
+
+    def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec, boundary: bool = False) -> torch.Tensor:
         """Greedy draws of a padded verify forward, graph-safe (captured as the step after the forward's graph):
         per row [token, logits non-finite, accepted drafts, next token, window non-finite, the T − 1 fed drafts]
         ([B, 4 + T], the layout of :meth:`sample`'s packed rows), the verify rows' KDA state committed. The same
@@ -384,7 +441,7 @@ class ModelRunner:
         m = greedy_accept(target, meta.input_ids[:B, 1:T], limit)
         nxt = target.gather(1, m[:, None])[:, 0]
         m = torch.where(ver, m, torch.zeros_like(m))
-        self.commit_windows(ver, m + 1, rec, meta)
+        self.commit_windows(ver, m + 1, rec, meta, boundary)
         seen = torch.arange(T, device=W.device)[None, :] <= limit[:, None]
         bad = (~torch.isfinite(W).all(-1) & seen).any(-1) & ver
         return torch.cat([torch.stack([last.argmax(-1), (~torch.isfinite(last).all(-1)).long(), m, nxt, bad.long()],
@@ -429,12 +486,14 @@ class ModelRunner:
             # greedy verify rows of a graph-shaped forward: acceptance and commit as one more replayed step
             B, T = out.padded.shape[:2]
             rec = self._recorded
+            snap = any(w.boundary is not None for w in rows)
 
             def accept():
-                return self._greedy_accept_body(out.padded, meta, rec)
+                return self._greedy_accept_body(out.padded, meta, rec, snap)
 
             # captured only over a replayed forward's outputs (an eager forward's are new tensors every call)
-            packed = self.graphs.run(("accept", B, T), accept) if out.graphed else accept()
+            key = ("accept", B, T) + (("boundary",) if snap else ())
+            packed = self.graphs.run(key, accept) if out.graphed else accept()
             self._recorded = None
             return Draws(packed[:n].tolist(), {}, True)
         slots = meta.slots[:n]
@@ -476,7 +535,7 @@ class ModelRunner:
                 samp = table.do_sample[slots]
                 m, nxt = torch.where(samp, ms, m), torch.where(samp, ns, nxt)
             m = torch.where(ver, m, torch.zeros_like(m))
-            self.commit_windows(ver, m + 1)
+            self.commit_windows(ver, m + 1, boundary=any(w.boundary is not None for w in rows))
             j = torch.arange(T, device=W.device)[None, :]
             seen_cols = j <= limit[:, None]
             bad = (~torch.isfinite(W).all(-1) & seen_cols).any(-1) & ver

@@ -15,6 +15,9 @@ A forward over the paged cache needs, per row b of the batch (B rows, T token co
 ``query_start_loc`` [B + 1] int32  prefix sums of ``num_new``
 ``verify``          [B] bool       the row is a speculative verify window (the pending token + drafts)
 ``sample``          [B] bool       a token is drawn after this forward (the row fed its last pending token)
+``snap``            [B] long       a verify row's KDA snapshot slot for the state at the next page boundary
+                                   its commit may cross (−1: none; :meth:`ModelRunner.commit_windows
+                                   <k3nn.engine.runner.ModelRunner.commit_windows>`)
 ==================  =============  ====================================================================
 
 plus host counts of decode rows / verify windows / prefill chunks and, for steps that run eagerly, a
@@ -22,7 +25,7 @@ plus host counts of decode rows / verify windows / prefill chunks and, for steps
 length of the MLA prefill path).
 
 :class:`StepInputs` owns the persistent buffers: a pinned host staging buffer and its device twin laid out as
-``[slots | num_cached | num_new | flags | input_ids]`` (fixed offsets for the CUDA-graph batch sizes), the per-slot block
+``[slots | num_cached | num_new | flags | snap | input_ids]`` (fixed offsets for the CUDA-graph batch sizes), the per-slot block
 tables on the device (updated in place from the pages a step granted), and the derived tensors. A step writes
 its rows into the staging buffer and issues **one** host-to-device copy; :meth:`StepInputs.derive` computes the
 rest on the device (graph-safe: no host sync), so a captured step reads the same addresses every replay.
@@ -67,6 +70,7 @@ class StepMetadata:
     verify: torch.Tensor
     sample: torch.Tensor
     write_state: torch.Tensor | None = None  # [B] bool: False for verify rows (their KDA state is committed later)
+    snap: torch.Tensor | None = None  # [B] long: the snapshot slot of a verify row's page-boundary state (−1: none)
     num_decodes: int = 0
     num_verify: int = 0
     num_prefills: int = 0
@@ -84,8 +88,8 @@ class StepMetadata:
 @dataclass
 class RowInput:
     """What the runner stages for one row: its slot, cached count, tokens (``len(tokens)`` = ``num_new``), and the
-    pages granted since the last step (``(column, page)`` pairs of its block table), whether it is a verify window
-    and whether a token is drawn after it."""
+    pages granted since the last step (``(column, page)`` pairs of its block table), whether it is a verify window,
+    whether a token is drawn after it, and the snapshot slot for its page-boundary state (−1: none)."""
 
     slot: int
     num_cached: int
@@ -93,6 +97,7 @@ class RowInput:
     new_pages: Sequence[tuple[int, int]] = ()
     verify: bool = False
     sample: bool = False
+    snap: int = -1
 
 
 class StepInputs:
@@ -109,7 +114,7 @@ class StepInputs:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         self.tables = torch.zeros(num_slots, max_blocks, dtype=torch.int32, device=self.device)
-        self._fixed = 4 * max_rows + max_rows * graph_tokens  # slots | num_cached | num_new | flags | ids
+        self._fixed = 5 * max_rows + max_rows * graph_tokens  # slots | num_cached | num_new | flags | snap | ids
         self._host = self._alloc_host(self._fixed + 64)
         self._dev = torch.zeros(self._fixed, dtype=torch.long, device=self.device)
         self._tail = torch.zeros(0, dtype=torch.long, device=self.device)  # long ids, table updates
@@ -151,7 +156,8 @@ class StepInputs:
         h[R:R + B] = 0
         h[2 * R:2 * R + B] = 0
         h[3 * R:3 * R + B] = 0
-        ids_at = self._fixed if big else 4 * R
+        h[4 * R:4 * R + B] = -1
+        ids_at = self._fixed if big else 5 * R
         ids = h[ids_at:ids_at + B * T].reshape(B, T)
         ids[:] = self.pad_id
         u = self._fixed + (B * T if big else 0)
@@ -161,6 +167,7 @@ class StepInputs:
             h[R + b] = r.num_cached
             h[2 * R + b] = len(r.tokens)
             h[3 * R + b] = int(r.verify) | (int(r.sample) << 1)
+            h[4 * R + b] = r.snap
             if len(r.tokens):
                 ids[b, :len(r.tokens)] = np.asarray(r.tokens, dtype=np.int64)
             for c, p in r.new_pages:
@@ -191,7 +198,7 @@ class StepInputs:
         """The staged token ids [B, T] on the device (a view: writing it changes the step's inputs)."""
         if T > self.Tg and self._big_ids is not None:
             return self._big_ids
-        return self._dev[4 * self.R:4 * self.R + B * T].view(B, T)
+        return self._dev[5 * self.R:5 * self.R + B * T].view(B, T)
 
     def feed(self, B: int, T: int, tokens: torch.Tensor, shift: torch.Tensor | None = None) -> None:
         """Overwrite the first token of the staged (B, T) step's first ``len(tokens)`` rows on the device and add
@@ -236,4 +243,5 @@ class StepInputs:
         return StepMetadata(input_ids=ids, slots=slots, num_cached=num_cached, num_new=nn32, positions=positions,
                             context_lens=(num_cached + T).to(torch.int32), block_table=table,
                             slot_mapping=slot_mapping, query_start_loc=qsl, verify=verify,
-                            sample=(flags & 2) != 0, write_state=~verify if verify_rows else None)
+                            sample=(flags & 2) != 0, write_state=~verify if verify_rows else None,
+                            snap=self._dev[4 * R:4 * R + B])
