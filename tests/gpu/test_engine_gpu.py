@@ -187,7 +187,8 @@ def test_async_scheduling_equals_the_synchronous_engine():
 def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
     """Greedy speculative rounds on the GPU (captured draft and round graphs, pinned copies of the draws), each
     launched before the last round's acceptance is read: the synchronous engine's tokens and plain greedy decoding's,
-    with windows that accept none to all of their drafts and an eos inside a window."""
+    with windows that accept none to all of their drafts and an eos inside a window; a follow-up turn over prompt +
+    answer reuses the prefix cache as after plain decoding (the rounds exported the page-boundary state)."""
     import k3nn.engine.overlap as overlap
     from k3nn.engine.speculative import DSparkEngineDrafter
     from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
@@ -198,7 +199,7 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 33, 120)]
     news = [40, 25, 60, 33]
-    ecfg = dict(max_num_seqs=4, num_pages=64, num_snapshots=4)
+    ecfg = dict(max_num_seqs=4, num_pages=64, num_snapshots=16)
 
     def run(eng, **kw):
         ids = [eng.add_request(p, max_new_tokens=n, **kw) for p, n in zip(prompts, news)]
@@ -206,7 +207,18 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
             eng.step()
         return [eng.requests[i].output for i in ids]
 
-    plain = run(Engine(model, EngineConfig(**ecfg)))
+    plain_engine = Engine(model, EngineConfig(**ecfg))
+    plain = run(plain_engine)
+    turn = prompts[2] + plain[2] + [1, 2, 3]  # a follow-up turn: the answer crosses the page boundary at 64
+
+    def turn_cost(eng):  # prompt tokens the follow-up turn computes (the rest came from the prefix cache)
+        before = eng.metrics()["computed_prompt_tokens"]
+        ids = eng.add_request(turn, max_new_tokens=4)
+        while eng.has_unfinished():
+            eng.step()
+        return eng.requests[ids].output, eng.metrics()["computed_prompt_tokens"] - before
+
+    plain_turn = turn_cost(plain_engine)
     next_of = torch.randint(0, cfg.vocab_size, (cfg.vocab_size,), generator=g)
     for i, (p, out) in enumerate(zip(prompts, plain)):
         seq = p[-1:] + out
@@ -234,7 +246,11 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
         drafter = Bigram(DSparkDrafter(dcfg, model, device="cuda"), 64, 64, "cuda")
         eng = Engine(model, EngineConfig(**ecfg, num_speculative_tokens=4, async_scheduling=mode), drafter=drafter)
         eng.warmup(prompt_len=32)
-        outs[mode] = run(eng) + run(eng, eos_token_id=eos)
+        outs[mode] = run(eng)
+        # the rounds exported the answer's page-boundary state (captured variant with the export): the follow-up
+        # turn reuses the prefix cache as after plain decoding
+        assert turn_cost(eng) == plain_turn, mode
+        outs[mode] += run(eng, eos_token_id=eos)
         m = eng.metrics()
         stats[mode] = (m["spec_rounds"], m["spec_accepted"])
     assert outs[True] == outs[False]
