@@ -73,6 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert alloc.num_free == alloc.num_blocks - len(refs)
         snaps = [x.snapshot for x in e.prefix.entries.values() if x.snapshot is not None]
         snaps += [r.decode_snap[1] for r in live if r.decode_snap is not None]
+        snaps += [r.spare_snap for r in live if r.spare_snap is not None]  # a verify commit's next export slot
         assert len(snaps) == len(set(snaps))
         assert e.pools.snapshots.num_free == e.pools.snapshots.num_slots - len(snaps)
         for row, owner in enumerate(e.row_owner):

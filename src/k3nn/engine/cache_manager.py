@@ -178,10 +178,14 @@ class CacheManager:
                     raise ValueError(f"adopt: {name}[{j}] must be {tuple(r.shape[1:])}, got {tuple(t.shape)}")
 
     def free(self, req: Request) -> None:
-        """Give back ``req``'s private decode snapshot, running row and page references (idempotent)."""
+        """Give back ``req``'s private decode snapshot (and spare slot), running row and page references
+        (idempotent)."""
         if req.decode_snap is not None:
             self.pools.snapshots.free([req.decode_snap[1]])
             req.decode_snap = None
+        if req.spare_snap is not None:
+            self.pools.snapshots.free([req.spare_snap])
+            req.spare_snap = None
         if req.row is not None:
             self.row_owner[req.row] = None
             req.row = None
@@ -254,10 +258,17 @@ class CacheManager:
     def plan_boundary(self, w) -> int | None:
         """A snapshot slot for the KDA state at the page boundary a verify row's commit may cross (decode-state
         retention; :meth:`ModelRunner.commit_windows <k3nn.engine.runner.ModelRunner.commit_windows>` writes it),
-        or None: no retention, no boundary in reach, or no slot free (best effort)."""
-        if (self.prefix is None or not self.retain_decode_state or w.req.prefill_only or not w.req.output
+        or None: no retention, no boundary in reach, or no slot to be had (best effort). The request's spare slot
+        when it has one (:meth:`keep_boundary` hands slots back and forth), else a free one, evicting a prefix
+        snapshot for it as a plain decode row's first boundary copy does: a request takes at most two slots,
+        each once."""
+        r = w.req
+        if (self.prefix is None or not self.retain_decode_state or r.prefill_only or not r.output
                 or not self.may_cross(w)):
             return None
+        if r.spare_snap is not None:
+            slot, r.spare_snap = r.spare_snap, None
+            return slot
         if self.pools.snapshots.num_free == 0 and not self.prefix.make_room(snapshots=1):
             return None
         return self.pools.snapshots.allocate(1)[0]
@@ -289,16 +300,20 @@ class CacheManager:
 
     def keep_boundary(self, w) -> None:
         """After a verify row's commit (``w.kept`` window tokens kept, ``num_computed`` exact): its boundary slot
-        becomes the request's decode state when the commit crossed the page boundary, else it is freed."""
+        becomes the request's decode state when the commit crossed the page boundary (the old decode state's slot
+        its spare), else the request keeps it as its spare."""
         r, slot, U = w.req, w.boundary, self.pools.block_size
         w.boundary = None
         b = ((r.num_computed - w.kept) // U + 1) * U
         if w.kept < 1 or b > r.num_computed:  # stopped short of it: the slot holds a state past no boundary
-            self.pools.snapshots.free([slot])
-            return
-        if r.decode_snap is not None:
-            self.pools.snapshots.free([r.decode_snap[1]])
-        r.decode_snap = (b, slot)
+            spare = slot
+        else:
+            spare = r.decode_snap[1] if r.decode_snap is not None else None
+            r.decode_snap = (b, slot)
+        if spare is not None:
+            if r.spare_snap is not None:
+                self.pools.snapshots.free([r.spare_snap])
+            r.spare_snap = spare
 
     def track_decode_state(self, req: Request) -> None:
         """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding

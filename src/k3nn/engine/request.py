@@ -287,6 +287,7 @@ class Request:
     plan: list[int] = field(default_factory=list)  # absolute snapshot positions still to export
     indexed_blocks: int = 0
     decode_snap: tuple[int, int] | None = None  # (position, private snapshot slot) of the last aligned decode state
+    spare_snap: int | None = None  # a private snapshot slot for the next page-boundary export of a verify commit
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "exported" | "error"
     error: str | None = None  # why a FAILED request failed
     eos_ids: list[int] | None = None  # resolved when added (None: resolve on first use)

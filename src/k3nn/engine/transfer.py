@@ -506,6 +506,8 @@ class _AdoptGuard:
             snap = getattr(r, "decode_snap", None)
             if snap is not None:
                 slots[snap[1]] += 1
+            if getattr(r, "spare_snap", None) is not None:
+                slots[r.spare_snap] += 1
         if e.prefix is not None:
             for ent in e.prefix.entries.values():
                 pages[ent.page] += 1
