@@ -184,3 +184,27 @@ def test_rounds_keep_the_decode_state_of_the_page_boundaries_they_cross(model, a
             held = sum(x.snapshot is not None for x in e.prefix.entries.values())
             assert e.pools.snapshots.num_free + held == e.pools.snapshots.num_slots
         assert computed["spec"] == computed["plain"] <= len(turn) - 64, (L, computed)  # the answer's page hit
+
+
+def test_boundary_export_copies_only_the_exporting_rows(model, monkeypatch):
+    """ModelRunner._export_states copies a fixed number of states (the planner's cap) whatever the batch: the
+    exporting rows' running states land in their slots, every other snapshot slot keeps its content, with and
+    without rows exporting."""
+    import k3nn.engine.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "MAX_BOUNDARY_EXPORTS", 2)
+    e = _engine(model, cuda_graphs="static")
+    run, pool = e.pools.running, e.pools.snapshots
+    g = torch.Generator().manual_seed(0)
+    for t in run.recurrent + run.conv + pool.recurrent + pool.conv:
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    before = [t.clone() for t in pool.recurrent + pool.conv]
+    slots = torch.tensor([0, 1, 2, 3])
+    e.runner._export_states(torch.zeros(4, dtype=torch.bool), slots, torch.full((4,), -1))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.recurrent + pool.conv))  # nothing exported
+    export = torch.tensor([False, True, False, True])
+    e.runner._export_states(export, slots, torch.tensor([-1, 5, 2, 7]))
+    for a, b, src in zip(before, pool.recurrent + pool.conv, run.recurrent + run.conv):
+        assert torch.equal(b[5], src[1]) and torch.equal(b[7], src[3])
+        others = [i for i in range(b.shape[0]) if i not in (5, 7)]
+        assert torch.equal(b[others], a[others])

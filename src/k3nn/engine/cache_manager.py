@@ -24,6 +24,7 @@ import torch
 from ..cache.paged import HybridPools
 from ..cache.prefix import PrefixCache, PrefixMatch, block_hashes
 from ..cache.retention import PlanInput, RetentionPolicy
+from ..runtime.metadata import MAX_BOUNDARY_EXPORTS
 from .request import Request, RequestStatus
 
 __all__ = ["CacheManager"]
@@ -238,10 +239,12 @@ class CacheManager:
         (``fail(req, exc, where)``) and left out. Returns the rest and, per row, its snapshots as (absolute
         position, slot) pairs for :meth:`commit_rows`."""
         ok = []
+        exports = 0
         for w in batch:
             try:
                 w.snapshots = self.plan_snapshots(w.req, w.num_new)
-                w.boundary = self.plan_boundary(w) if w.verify else None
+                w.boundary = self.plan_boundary(w) if w.verify and exports < MAX_BOUNDARY_EXPORTS else None
+                exports += w.boundary is not None
                 ok.append(w)
             except Exception as e:
                 self.pools.snapshots.free([s for _, s in w.snapshots])

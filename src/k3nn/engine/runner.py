@@ -31,7 +31,7 @@ from ..cache.paged import HybridPools, PagedCache
 from ..kernels.registry import backend as use_backend
 from ..kernels.registry import current_backend
 from ..runtime.graphs import GraphRunner
-from ..runtime.metadata import RowInput, StepInputs, StepMetadata, StepPlan
+from ..runtime.metadata import MAX_BOUNDARY_EXPORTS, RowInput, StepInputs, StepMetadata, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -410,19 +410,22 @@ class ModelRunner:
                 mod.commit_window(qkv, f, b, run.recurrent[j], run.conv[j], slots, count.to(torch.int32))
 
     def _export_states(self, export: torch.Tensor, slots: torch.Tensor, snap: torch.Tensor) -> None:
-        """Copy the running KDA state of the rows where ``export`` [B] into their snapshot slots ``snap`` [B],
-        graph-safe: the other rows write the first exporting row's state into its slot again (identical writes),
-        or, with no row exporting, snapshot slot 0 its own content."""
+        """Copy the running KDA state of the rows where ``export`` [B] (at most ``MAX_BOUNDARY_EXPORTS`` of them:
+        the planner's cap) into their snapshot slots ``snap`` [B], graph-safe with a fixed number of copies: the
+        exporting rows first, the other copies rewrite the first exporting row's state into its slot (identical
+        writes), or, with no row exporting, snapshot slot 0 its own content."""
         run, pool = self.pools.running, self.pools.snapshots
-        first = export.long().argmax()
-        anyone = export.any()
-        dst = torch.where(export, snap, torch.where(anyone, snap[first], torch.zeros_like(snap)))
-        src = torch.where(export, slots, torch.where(anyone, slots[first], torch.full_like(slots, -1)))
+        E = min(export.shape[0], MAX_BOUNDARY_EXPORTS)
+        order = torch.argsort((~export).to(torch.int8), stable=True)[:E]  # exporting rows first
+        on, first, anyone = export[order], order[0], export.any()
+        dst = torch.where(on, snap[order], torch.where(anyone, snap[first], torch.zeros_like(order)))
+        src = torch.where(on, slots[order], torch.where(anyone, slots[first], torch.full_like(order, -1)))
         for states, into in ((run.recurrent, pool.recurrent), (run.conv, pool.conv)):
             for r, p in zip(states, into):
                 rows = r.index_select(0, src.clamp_min(0))
                 old = p[:1].expand_as(rows)  # slot 0 as it is (no row exports)
-                p.index_copy_(0, dst, torch.where((src >= 0).view(-1, *[1] * (rows.dim() - 1)), rows, old).to(p.dtype))
+                keep = (src >= 0).view(-1, *[1] * (rows.dim() - 1))
+                p.index_copy_(0, dst, torch.where(keep, rows, old).to(p.dtype))
 
     def _greedy_accept_body(self, W: torch.Tensor, meta: StepMetadata, rec, boundary: bool = False) -> torch.Tensor:
         """Greedy draws of a padded verify forward, graph-safe (captured as the step after the forward's graph):

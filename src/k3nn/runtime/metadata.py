@@ -25,8 +25,8 @@ plus host counts of decode rows / verify windows / prefill chunks and, for steps
 length of the MLA prefill path).
 
 :class:`StepInputs` owns the persistent buffers: a pinned host staging buffer and its device twin laid out as
-``[slots | num_cached | num_new | flags | snap | input_ids]`` (fixed offsets for the CUDA-graph batch sizes), the per-slot block
-tables on the device (updated in place from the pages a step granted), and the derived tensors. A step writes
+``[slots | num_cached | num_new | flags | snap | input_ids]`` (fixed offsets for the CUDA-graph batch sizes), the
+per-slot block tables on the device (updated in place from the pages a step granted), and the derived tensors. A step writes
 its rows into the staging buffer and issues **one** host-to-device copy; :meth:`StepInputs.derive` computes the
 rest on the device (graph-safe: no host sync), so a captured step reads the same addresses every replay.
 """
@@ -39,7 +39,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["StepMetadata", "StepPlan", "StepInputs", "RowInput"]
+__all__ = ["StepMetadata", "StepPlan", "StepInputs", "RowInput", "MAX_BOUNDARY_EXPORTS"]
+
+#: verify rows of one forward that may export a page-boundary state (``snap`` ≥ 0): the export copies this many
+#: states per KDA layer whatever the batch size (a fixed shape for the captured steps)
+MAX_BOUNDARY_EXPORTS = 16
 
 
 @dataclass
