@@ -109,16 +109,11 @@ def engine_batch(engine, prompts, new: int, dev) -> dict:
     return out
 
 
-def engine_best(engine, prompts, new: int, dev, metric: str, reps: int = 3) -> dict:
-    """:func:`engine_batch` ``reps`` times (the prefix cache cleared in between: every run prefills), the run with
-    the best ``metric`` (as the ``generate()`` anchors take the best of their runs); ``compiles`` summed over the
-    runs."""
-    return engines_best({0: engine}, prompts, new, dev, metric, reps)[0]
-
-
 def engines_best(engines: dict, prompts, new: int, dev, metric: str, reps: int = 3) -> dict:
-    """:func:`engine_best` for several engines whose runs alternate (A B C, A B C, ...), so a drift of the host or
-    the clocks during the measurement reaches each of them alike; per engine, its best run."""
+    """:func:`engine_batch` ``reps`` times per engine (the prefix cache cleared in between: every run prefills), the
+    engines' runs alternating (A B C, A B C, ...) so a drift of the host or the clocks during the measurement reaches
+    each of them alike; per engine, the run with the best ``metric`` (as the ``generate()`` anchors take the best of
+    their runs), ``compiles`` summed over its runs."""
     runs: dict = {k: [] for k in engines}
     for _ in range(reps):
         for k, engine in engines.items():
@@ -307,7 +302,8 @@ def main(argv=None) -> list[dict]:
                                      f"generate() static batch of {c}", tot, metric="total_tok_s"))
                 print(rows[-1], flush=True)
                 if eng_sync is not None:
-                    _sync_row(rows, f"{name} C={c} prompt={prompt} new={new} sync", eng_sync, ps, new, dev, c, res)
+                    _sync_row(rows, f"{name} C={c} prompt={prompt} new={new} sync", c, res,
+                              engine_batch(eng_sync, ps, new, dev))
                 save()
             del eng
         if args.accept >= 0 and left() > 60:
@@ -344,12 +340,11 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def _sync_row(rows: list, case: str, eng, prompts, new: int, dev, c: int, plain: dict, res: dict | None = None) -> None:
-    """The batch again on an Engine with ``async_scheduling`` off (or its result ``res``), anchored on the default
-    Engine's row ``plain`` (per-user tok/s at C=1, total tok/s above; below 1×: the overlap wins), with whether the
-    tokens are the same."""
+def _sync_row(rows: list, case: str, c: int, plain: dict, res: dict) -> None:
+    """The batch's result ``res`` on an Engine with ``async_scheduling`` off, anchored on the default Engine's row
+    ``plain`` (per-user tok/s at C=1, total tok/s above; below 1×: the overlap wins), with whether the tokens are the
+    same."""
     metric = "per_user_tok_s" if c == 1 else "total_tok_s"
-    res = res if res is not None else engine_batch(eng, prompts, new, dev)
     rows.append(_row(case, res, "the Engine with async_scheduling", plain[metric], metric=metric,
                      same_tokens=res["outputs"] == plain["outputs"]))
     print(rows[-1], flush=True)
@@ -422,9 +417,8 @@ def _trained(args, dev, dtype, conc, rows, save, left) -> None:
                          metric=metric, same_tokens=a["outputs"] == b["outputs"]))
         print(rows[-2], rows[-1], flush=True)
         if args.sync_rows:
-            _sync_row(rows, f"demo C={c} prompt={plen} new={new} sync", None, None, new, dev, c, a, res["sync"])
-            _sync_row(rows, f"demo C={c} prompt={plen} new={new} spec sync", None, None, new, dev, c, b,
-                      res["spec sync"])
+            _sync_row(rows, f"demo C={c} prompt={plen} new={new} sync", c, a, res["sync"])
+            _sync_row(rows, f"demo C={c} prompt={plen} new={new} spec sync", c, b, res["spec sync"])
         save()
 
 

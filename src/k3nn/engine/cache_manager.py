@@ -289,8 +289,7 @@ class CacheManager:
         for w, sn in zip(batch, absolute):
             r = w.req
             if r.status == RequestStatus.FAILED:
-                self.pools.snapshots.free([s for _, s in sn] + ([w.boundary] if w.boundary is not None else []))
-                w.boundary = None
+                self.drop_plans([w])
                 continue
             try:
                 self.commit_prefix(r, sn)
@@ -308,7 +307,7 @@ class CacheManager:
         r, slot, U = w.req, w.boundary, self.pools.block_size
         w.boundary = None
         b = ((r.num_computed - w.kept) // U + 1) * U
-        if w.kept < 1 or b > r.num_computed:  # stopped short of it: the slot holds a state past no boundary
+        if b > r.num_computed:  # stopped short of it: the slot holds a state past no boundary
             spare = slot
         else:
             spare = r.decode_snap[1] if r.decode_snap is not None else None

@@ -56,8 +56,12 @@ class Deferred:
     draws: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
-    windowed: bool = False
-    absolute: list | None = None
+    absolute: list | None = None  # a round's rows' snapshot pairs (None: a plain step, committed at launch)
+
+    @property
+    def windowed(self) -> bool:
+        """A speculative round (its rows are verify windows)."""
+        return self.absolute is not None
 
 
 def _plain(engine: "Engine", reqs: Sequence) -> bool:
@@ -108,7 +112,7 @@ def launch(engine: "Engine", batch: list[RowWork], feed: torch.Tensor | None = N
     if cuda:
         done = torch.cuda.Event()
         done.record()
-    return Deferred(batch, draws, host, done, draft_keys is not None, absolute if draft_keys is not None else None)
+    return Deferred(batch, draws, host, done, absolute if draft_keys is not None else None)
 
 
 def _same_rows(engine: "Engine", d: Deferred) -> list | None:
@@ -207,12 +211,12 @@ def advance(engine: "Engine") -> list:
         if r.status != RequestStatus.RUNNING or isinstance(res, Exception):  # ended since, or its draws failed
             if r.status == RequestStatus.RUNNING:
                 fail(r, res, "verification" if w.verify else "sampling")
-            if d.absolute is not None:  # a round's plans are committed at its read: give its slots back
+            if d.windowed:  # a round's plans are committed at its read: give its slots back
                 engine.cache.drop_plans([w])
             continue
         extra = ahead.get(id(r), 0)
         r.num_computed -= extra  # the lookahead's tokens: out of the cache's view until they are kept
-        if d.absolute is not None:
+        if d.windowed:
             engine.cache.commit_rows([w], [d.absolute[i]], fail)
         if r.status != RequestStatus.RUNNING:
             continue

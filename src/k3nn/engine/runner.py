@@ -61,6 +61,11 @@ def padding_groups(rows: Sequence["RowWork"], slack: float = 1.25) -> list[list[
     return [[rows[i] for i in sorted(g)] for g in sorted(groups, key=min)]
 
 
+def _variant(key: tuple, boundary: bool) -> tuple:
+    """The graph key of a verify step's variant that exports a page boundary's state (``boundary``)."""
+    return key + ("boundary",) if boundary else key
+
+
 @dataclass
 class RowWork:
     """One row of a forward: ``req`` feeds ``tokens`` (``len(tokens)`` ≥ 1) from ``req.num_computed``;
@@ -245,7 +250,7 @@ class ModelRunner:
             self.inputs.feed(B, T, feed[:n], None if shift is None else shift[:n])
         if draft_keys is not None:
             self.graphs.run(("draft", B, T, draft_keys), lambda: self._draft_body(B, T, draft_keys))
-            key = (B, T, "round") + (("boundary",) if snap else ())
+            key = _variant((B, T, "round"), snap)
             logits, hidden, meta, last, packed = self.graphs.run(key, lambda: self._round_body(B, T, snap))
             self.cache.meta, self._recorded = meta, None  # committed inside the round
             return ForwardOut(last[:n], logits[:n], True, None if hidden is None else [x[:n] for x in hidden], meta,
@@ -303,11 +308,11 @@ class ModelRunner:
             graph, (logits, _, meta, rec, _) = self.graphs.graphs[(B, T, verify)]
             graph.replay()  # a capture computes nothing: fill the outputs the acceptance's warm-up run reads
             for snap in (False, True)[:1 + self.boundary_snapshots]:
-                ok = ok and self.graphs.capture(("accept", B, T) + (("boundary",) if snap else ()),
+                ok = ok and self.graphs.capture(_variant(("accept", B, T), snap),
                                                 lambda: self._greedy_accept_body(logits, meta, rec, snap))
         if ok and verify and self.drafter is not None and T == self.round_width():
             for snap in (False, True)[:1 + self.boundary_snapshots]:
-                ok = ok and self.graphs.capture((B, T, "round") + (("boundary",) if snap else ()),
+                ok = ok and self.graphs.capture(_variant((B, T, "round"), snap),
                                                 lambda: self._round_body(B, T, snap))
         return ok
 
@@ -495,7 +500,7 @@ class ModelRunner:
                 return self._greedy_accept_body(out.padded, meta, rec, snap)
 
             # captured only over a replayed forward's outputs (an eager forward's are new tensors every call)
-            key = ("accept", B, T) + (("boundary",) if snap else ())
+            key = _variant(("accept", B, T), snap)
             packed = self.graphs.run(key, accept) if out.graphed else accept()
             self._recorded = None
             return Draws(packed[:n].tolist(), {}, True)

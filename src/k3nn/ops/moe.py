@@ -7,7 +7,8 @@ import torch
 
 from ..kernels import moe as _moe  # noqa: F401  (registers the backends)
 from ..kernels.linear.reference import MAX_SKINNY_ROWS, check_linear, rows_of
-from ..kernels.moe.routing import check_finite_on_device, check_route, route_kernel_applies, route_reference
+from ..kernels.moe.routing import (check_finite_on_device, check_route, check_route_args, route_kernel_applies,
+                                   route_reference)
 from ..kernels.registry import BackendUnavailableError, dispatch, resolve
 from ..quant.mxfp4 import MXFP4Weight, check_mxfp4
 from ..utils import records_grad
@@ -51,10 +52,7 @@ def moe_gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, to
     args = (x, weight, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
     if rows_of(x) <= MAX_SKINNY_ROWS and route_kernel_applies(num_group, topk_group, score_func) \
             and not records_grad(x, weight):
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"route: bias must be [E={weight.shape[0]}], got {tuple(bias.shape)}")
-        if not 1 <= top_k <= weight.shape[0]:
-            raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={weight.shape[0]}]")
+        check_route_args(weight.shape[0], bias, top_k, score_func)
         try:
             impl = resolve("moe_gate_route", args)
         except BackendUnavailableError:

@@ -27,13 +27,18 @@ def check_finite_on_device(t: torch.Tensor, what: str) -> None:
 def check_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, score_func: str) -> None:
     if logits.dim() != 2:
         raise ValueError(f"route: logits must be [N, E], got {tuple(logits.shape)}")
-    if not 1 <= top_k <= logits.shape[-1]:
-        raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={logits.shape[-1]}]")
-    if bias.shape != (logits.shape[-1],):
-        raise ValueError(f"route: bias must be [E={logits.shape[-1]}], got {tuple(bias.shape)}")
+    check_route_args(logits.shape[-1], bias, top_k, score_func)
+    check_finite_on_device(logits, "route: router logits")
+
+
+def check_route_args(num_experts: int, bias: torch.Tensor, top_k: int, score_func: str) -> None:
+    """The routing arguments besides the logits, for ``num_experts`` experts."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if bias.shape != (num_experts,):
+        raise ValueError(f"route: bias must be [E={num_experts}], got {tuple(bias.shape)}")
     if score_func not in ("sigmoid", "softmax"):
         raise ValueError(f"route: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
-    check_finite_on_device(logits, "route: router logits")
 
 
 def route_kernel_applies(num_group: int, topk_group: int, score_func: str) -> bool:

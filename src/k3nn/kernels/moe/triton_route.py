@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...utils import records_grad
 from ..registry import triton_ready
+from .routing import route_kernel_applies
 
 __all__ = ["route_triton", "route_kernel_reason", "supports_route"]
 
@@ -63,7 +64,7 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.con
 def route_kernel_reason(num_experts: int, num_group: int = 1, topk_group: int = 1,
                         score_func: str = "sigmoid") -> str | None:
     """Why the kernel cannot route ``num_experts`` experts this way (None: it can)."""
-    if score_func != "sigmoid" or (num_group > 1 and topk_group < num_group):
+    if not route_kernel_applies(num_group, topk_group, score_func):
         return "grouped or softmax routing (the kernel covers sigmoid scores without expert groups)"
     if num_experts > MAX_EXPERTS:
         return f"{num_experts} experts above {MAX_EXPERTS}"
