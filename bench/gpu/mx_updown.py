@@ -90,6 +90,10 @@ def main():
                 cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y, P, TOPK, 1, True, BETA, LIN, c, cmx.DEFAULT_CONFIG,
                                          configs=configs, dtypes=("bf16",))
 
+            def pair(c=c):
+                cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y, P, TOPK, 1, True, BETA, LIN, c, c,
+                                         configs=configs, dtypes=("bf16",))
+
             try:
                 y.fill_(float("nan"))
                 up()
@@ -99,7 +103,7 @@ def main():
                 if not err < 2e-2:
                     print(f"   {c.name()}: MISMATCH rel_err {err:.2e}")
                     continue
-                us = [graph_bench_ms(f, inner=20, rep=10) * 1e3 for f in (up, down, pair_dn, pair_up)]
+                us = [graph_bench_ms(f, inner=20, rep=10) * 1e3 for f in (up, down, pair_dn, pair_up, pair)]
             except Exception as ex:
                 print(f"   {c.name()}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
                 continue
@@ -107,7 +111,8 @@ def main():
             fp = touched * (up_b + dn_b) / us[2] / 1e6 / copy
             rows.append((c, *us))
             print(f"   {c.name():18s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
-                  f"pair(def up) {us[2]:6.1f} us {fp:6.1%} | pair(def down) {us[3]:6.1f} us | rel_err {err:.1e}")
+                  f"pair(def up) {us[2]:6.1f} us {fp:6.1%} | pair(def down) {us[3]:6.1f} us | pair {us[4]:6.1f} us "
+                  f"{touched * (up_b + dn_b) / us[4] / 1e6 / copy:6.1%} | rel_err {err:.1e}")
         if args.grouped:  # the grouped tensor-core GEMMs (tl.dot_scaled), what batches above the GEMV limit take
             ala = align_for(ids, E, pick_block_m(P, E))
             y3 = y.view(T, TOPK, D)

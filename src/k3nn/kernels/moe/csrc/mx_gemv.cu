@@ -414,25 +414,353 @@ mx_gemv_kernel(const Args p) {
   }
 }
 
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-cudaError_t launch(const Args& p, cudaStream_t stream) {
-  using S = Smem<NT, RT, KS, GLU>;
-  const int G = (p.K + 127) >> 7;
-  const size_t smem = S::bytes(G);
-  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
-  if (smem > 48 * 1024) {
-    static size_t set = 0;  // raise the opt-in limit once per instantiation (and again for a larger K)
-    if (smem > set) {
-      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-      if (err != cudaSuccess) return err;
-      set = smem;
+// ---------------------------------------------------------------------------------------------------------------
+// The pipelined form (ST >= 2 stages, sm_80+): persistent CTAs over a contiguous range of (block, row tile) items
+// in block-major order. Weight bytes and E8M0 scales stream through an ST-stage shared-memory ring filled by
+// cp.async (16-byte copies; a warp's copies cover two rows x CH*64 contiguous bytes), so the loads in flight do not
+// live in registers and the next item's first chunks are requested while the current item finishes. A chunk is
+// CH = KS*U groups (128 k each) of all ROWS rows of both matrices; warp (rt, ks) computes groups ks + KS*u of it.
+// The activations are staged (and scaled to fp16) only when an item's block differs from the last one's.
+template <int NT, int RT, int KS, int U, int ST, bool GLU>
+struct PipeSmem {
+  static constexpr int BMX = 2 * NT, NM = GLU ? 2 : 1, ROWS = 16 * RT, CH = KS * U;
+  static constexpr int WROW = CH * 64, SROW = CH * 4;  // weight / scale bytes of one row in one chunk
+  static constexpr int WBYTES = NM * ROWS * WROW, STAGE = WBYTES + NM * ROWS * SROW;
+  static __host__ __device__ int astr(int G) { return G * 128 + 8; }
+  static __host__ __device__ size_t act_bytes(int G) { return (size_t)BMX * astr(G) * 2; }
+  static __host__ __device__ size_t bytes(int G) {
+    return (size_t)ST * STAGE + act_bytes(G) + 4 * ((size_t)KS * RT * NM * BMX * 16 + BMX);
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// One chunk of one item into stage buffer `st` (zero-filled rows past N or for an unused block).
+template <int ROWS, int NM, int CH, int NTHR>
+__device__ __forceinline__ void pipe_issue(unsigned char* st, const Args& p, int e, int n0, int c, int tid) {
+  constexpr int UPR = CH * 4;  // 16-byte units per row and chunk
+  constexpr int WBYTES = NM * ROWS * UPR * 16;
+#pragma unroll
+  for (int i = tid; i < NM * ROWS * UPR; i += NTHR) {
+    const int u = i % UPR, row = (i / UPR) % ROWS, m = i / (UPR * ROWS), n = n0 + row;
+    const bool v = e >= 0 && n < p.N;
+    const uint8_t* src = (m == 0 ? p.w1 : p.w3) + (v ? (long long)e * p.wse + (long long)n * p.wsn : 0) +
+                         (long long)c * (CH * 64) + u * 16;
+    cp_async16(st + ((m * ROWS + row) * UPR + (u ^ ((row & 1) << 2))) * 16, src, v);
+  }
+  constexpr int SPR = CH / 4;  // 16-byte scale units per row and chunk
+#pragma unroll
+  for (int i = tid; i < NM * ROWS * SPR; i += NTHR) {
+    const int u = i % SPR, row = (i / SPR) % ROWS, m = i / (SPR * ROWS), n = n0 + row;
+    const bool v = e >= 0 && n < p.N;
+    const uint8_t* src = (m == 0 ? p.s1 : p.s3) + (v ? (long long)e * p.sse + (long long)n * p.ssn : 0) +
+                         (long long)c * (CH * 4) + u * 16;
+    cp_async16(st + WBYTES + ((m * ROWS + row) * SPR + u) * 16, src, v);
+  }
+}
+
+// The warp's U groups of one staged chunk c: weights and scales from the stage, activations from `act`.
+template <int NR, int NM, int RT, int KS, int U, int DEC>
+__device__ __forceinline__ void pipe_compute(float (&acc)[NM][4][4], const unsigned char* st, int c, int ks, int rt,
+                                             int g, int q, int ASTR, const __half* act) {
+  constexpr int ROWS = 16 * RT, CH = KS * U, UPR = CH * 4, WBYTES = NM * ROWS * UPR * 16;
+  const bool diag = (g & 3) == q;
+  const int tokb = g >> 2, r0 = rt * 16 + g, r1 = r0 + 8, sw = (r0 & 1) << 2;
+  const uint4* actv = reinterpret_cast<const uint4*>(act);
+  const uint4* wv = reinterpret_cast<const uint4*>(st);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int gl = ks + KS * u, gr = c * CH + gl, unit = (4 * gl + q) ^ sw;
+    uint4 w[NM][2];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      w[m][0] = wv[(m * ROWS + r0) * UPR + unit];
+      w[m][1] = wv[(m * ROWS + r1) * UPR + unit];
+    }
+    float cc[NM][NR][4];
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int nt = 0; nt < NR; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cc[m][nt][k] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 bq[NR];
+#pragma unroll
+      for (int nt = 0; nt < NR; ++nt) {
+        bq[nt] = make_uint4(0u, 0u, 0u, 0u);
+        if (diag) bq[nt] = actv[(2 * nt + tokb) * (ASTR >> 3) + (4 * gr + q) * 4 + i];
+      }
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        uint32_t x0[4], x1[4];
+        decode<DEC>(word(w[m][0], i), x0);
+        decode<DEC>(word(w[m][1], i), x1);
+#pragma unroll
+        for (int nt = 0; nt < NR; ++nt) {
+          mma16816(cc[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
+          mma16816(cc[m][nt], x0[2], x1[2], x0[3], x1[3], bq[nt].z, bq[nt].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {  // E8M0 bytes of blocks 4gl + 2(q&1), +1 of this chunk, rows r0 and r1
+      const uint8_t* sb = st + WBYTES + (m * ROWS + r0) * (CH * 4) + 4 * gl + 2 * (q & 1);
+      const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
+      const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * (CH * 4));
+      const float s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
+#pragma unroll
+      for (int nt = 0; nt < NR; ++nt) {
+        acc[m][nt][0] = fmaf(cc[m][nt][0], s00, acc[m][nt][0]);
+        acc[m][nt][1] = fmaf(cc[m][nt][1], s01, acc[m][nt][1]);
+        acc[m][nt][2] = fmaf(cc[m][nt][2], s10, acc[m][nt][2]);
+        acc[m][nt][3] = fmaf(cc[m][nt][3], s11, acc[m][nt][3]);
+      }
     }
   }
+}
+
+// Block blk's activation rows (its first 2*nr) -> act as scaled fp16 in the decode's pair order, max |a| bits in
+// amx (steps 3-4 of mx_gemv_kernel). Called by every thread; starts and ends with a barrier.
+template <typename T, int BMX, int NTHR, int DEC>
+__device__ __forceinline__ void pipe_stage_act(const Args& p, int blk, int rows2, int G, int ASTR, __half* act,
+                                               unsigned* amx, int tid, int lane) {
+  constexpr int BIAS = DEC == 0 ? 14 : 6;
+  __syncthreads();  // the previous item's epilogue has read act / amx
+  if (tid < BMX) amx[tid] = 0u;
+  __syncthreads();
+  const int KC = p.K >> 3, GC = G * 16;
+#pragma unroll 1
+  for (int t = 0; t < rows2; ++t) {
+    const int row = blk * p.bm + t;
+    const int flat = t < p.bm ? __ldg(p.sorted + row) : p.num_pairs;
+    const bool valid = flat < p.num_pairs;
+    const long long arow = p.a_by_token ? (long long)(flat / p.top_k) : (long long)row;
+    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.a) + arow * p.stride_a);
+    uint4* dst = reinterpret_cast<uint4*>(act + t * ASTR);
+    unsigned mx = 0u;
+#pragma unroll 4
+    for (int c = tid; c < GC; c += NTHR) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (valid && c < KC) v = __ldg(src + c);
+      dst[c] = v;
+      mx = __vmaxu2(mx, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
+                                 __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
+    }
+    mx = max(mx & 0xFFFFu, mx >> 16);
+    mx = __reduce_max_sync(0xFFFFFFFFu, mx);
+    if (lane == 0 && mx) atomicMax(amx + t, mx);
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int t = 0; t < rows2; ++t) {
+    const unsigned mb = amx[t];
+    const float am = Io<T>::f(mb);
+    int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
+    et = max(et, -100);
+    const float sc = __uint_as_float((unsigned)(BIAS - et + 127) << 23);
+    uint4* dst = reinterpret_cast<uint4*>(act + t * ASTR);
+#pragma unroll 2
+    for (int c = tid; c < GC; c += NTHR) {
+      const uint4 v = dst[c];
+      float f[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = Io<T>::f(word(v, k >> 1) >> (16 * (k & 1))) * sc;
+      uint32_t o[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const __half2 h = __floats2half2_rn(f[perm<DEC>(m, 0)], f[perm<DEC>(m, 1)]);
+        o[m] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int NT, int RT, int KS, int U, int ST, int DEC, bool GLU>
+__global__ void __launch_bounds__(32 * RT * KS, 1) mx_gemv_pipe_kernel(const Args p) {
+  using S = PipeSmem<NT, RT, KS, U, ST, GLU>;
+  constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS, CH = S::CH;
+  if constexpr (GLU) pdl_trigger();
+  const int bm = p.bm, N = p.N, K = p.K, G = K >> 7, NCH = G / CH;
+  const int tiles = (N + ROWS - 1) / ROWS;
+  const int nvb = min(p.nb, __ldg(p.num_rows) / bm);  // blocks in use (num_rows is a multiple of bm)
+  const int total = nvb * tiles;
+  const int i0 = (int)((long long)blockIdx.x * total / gridDim.x);
+  const int i1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
+  if (i0 >= i1) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rt = warp % RT, ks = warp / RT, g = lane >> 2, q = lane & 3;
+  const int ASTR = S::astr(G);
+  const int nchunks = (i1 - i0) * NCH;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* ring = smem;                                                          // [ST][STAGE]
+  __half* act = reinterpret_cast<__half*>(smem + (size_t)ST * S::STAGE);               // [BMX][ASTR]
+  float* red = reinterpret_cast<float*>(smem + (size_t)ST * S::STAGE + S::act_bytes(G));  // [KS][RT][NM][BMX][16]
+  unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);            // [BMX]
+
+  // producer cursor: the next chunk to request, and its item's block and expert (reloaded on a block change)
+  int pt = 0, pblk = -1, pe = -1;
+  auto issue = [&](int t) {
+    if (t < nchunks) {
+      const int item = i0 + t / NCH, c = t - (t / NCH) * NCH;
+      const int blk = item / tiles, tile = item - blk * tiles;
+      if (blk != pblk) {
+        pblk = blk;
+        pe = __ldg(p.eid + blk);
+      }
+      pipe_issue<ROWS, NM, CH, NTHR>(ring + (size_t)(t % ST) * S::STAGE, p, pe, tile * ROWS, c, tid);
+    }
+    cp_async_commit();  // one group per chunk slot, empty past the end: the wait counts stay uniform
+  };
+#pragma unroll 1
+  for (; pt < ST - 1; ++pt) issue(pt);
+  if constexpr (!GLU) pdl_wait();  // h (the up kernel's output) is read from here on
+
+  int cblk = -1, nv = 0, nr = 1, t = 0;
+#pragma unroll 1
+  for (int item = i0; item < i1; ++item) {
+    const int blk = item / tiles, tile = item - blk * tiles, n0 = tile * ROWS;
+    if (blk != cblk) {  // a new block: its valid rows and activations
+      cblk = blk;
+      const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
+      nv = 32 - __clz(vb);
+      nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);
+      pipe_stage_act<T, BMX, NTHR, DEC>(p, blk, 2 * nr, G, ASTR, act, amx, tid, lane);
+    }
+    float acc[NM][4][4];
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[m][nt][k] = 0.f;
+#pragma unroll 1
+    for (int c = 0; c < NCH; ++c, ++t) {
+      cp_async_wait<ST - 2>();
+      __syncthreads();  // chunk t is in its stage for every thread; chunk t - 1's stage is free
+      issue(pt++);
+      const unsigned char* st = ring + (size_t)(t % ST) * S::STAGE;
+      if (nr == 1) {
+        pipe_compute<1, NM, RT, KS, U, DEC>(acc, st, c, ks, rt, g, q, ASTR, act);
+      } else if (nr == 2) {
+        if constexpr (NT >= 2) pipe_compute<2, NM, RT, KS, U, DEC>(acc, st, c, ks, rt, g, q, ASTR, act);
+      } else {
+        if constexpr (NT >= 4) pipe_compute<4, NM, RT, KS, U, DEC>(acc, st, c, ks, rt, g, q, ASTR, act);
+      }
+    }
+    // quad reduction into red, then the K-slice sum and the epilogue over the block's valid rows
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        if (nt < nr) {
+          float v0 = acc[m][nt][0] + acc[m][nt][1];
+          float v1 = acc[m][nt][2] + acc[m][nt][3];
+          v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
+          v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
+          if ((q & 1) == 0) {
+            float* d = red + (((ks * RT + rt) * NM + m) * BMX + 2 * nt + (q >> 1)) * 16;
+            d[g] = v0;
+            d[g + 8] = v1;
+          }
+        }
+      }
+    __syncthreads();
+    {
+      for (int i = tid; i < RT * nv * 16; i += NTHR) {
+        const int rr = i & 15, tt = (i >> 4) % nv, rti = i / (16 * nv);
+        const int orow = blk * bm + tt;
+        const int flat = __ldg(p.sorted + orow);
+        const int n = n0 + rti * 16 + rr;
+        if (flat >= p.num_pairs || n >= N) continue;
+        const unsigned mb = amx[tt];
+        const float am = Io<T>::f(mb);
+        int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
+        et = max(et, -100);
+        const float qt = mb >= Io<T>::kBad ? __uint_as_float(0x7FC00000u)
+                                           : __uint_as_float((unsigned)(et + 127) << 23);
+        float s[NM];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          float v = 0.f;
+#pragma unroll
+          for (int k = 0; k < KS; ++k) v += red[(((k * RT + rti) * NM + m) * BMX + tt) * 16 + rr];
+          s[m] = v * qt;
+        }
+        if constexpr (GLU) {
+          Io<T>::st(p.out, (long long)orow * p.stride_o + n, glu(s[0], s[NM - 1], p.act, p.cap, p.beta,
+                                                                  p.linear_beta));
+        } else {
+          Io<T>::st(p.out, (long long)flat * p.stride_o + n, s[0]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+template <typename T, int NT, int RT, int KS, int U, int ST, int DEC, bool GLU>
+cudaError_t launch_pipe(const Args& p, cudaStream_t stream) {
+  using S = PipeSmem<NT, RT, KS, U, ST, GLU>;
+  const int G = (p.K + 127) >> 7;
+  const size_t smem = S::bytes(G);
+  auto kern = mx_gemv_pipe_kernel<T, NT, RT, KS, U, ST, DEC, GLU>;
+  static size_t set = 0;
+  static int per_sm = 0, sms = 0;
+  if (smem > set) {  // raise the opt-in limit once per instantiation (and again for a larger K)
+    if (smem > 48 * 1024) {
+      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (err != cudaSuccess) return err;
+    }
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * RT * KS, smem);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    set = smem;
+  }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
-  const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
-  if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);  // may start while the up GEMV finishes
+  const long long items = tiles * p.nb;
+  const dim3 grid((unsigned)(items < (long long)per_sm * sms ? items : (long long)per_sm * sms)), block(32 * RT * KS);
+  if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);
   kern<<<grid, block, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, int ST, bool GLU>
+cudaError_t launch(const Args& p, cudaStream_t stream) {
+  if constexpr (ST >= 2) {
+    return launch_pipe<T, NT, RT, KS, U, ST, DEC, GLU>(p, stream);
+  } else {
+    using S = Smem<NT, RT, KS, GLU>;
+    const int G = (p.K + 127) >> 7;
+    const size_t smem = S::bytes(G);
+    auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
+    if (smem > 48 * 1024) {
+      static size_t set = 0;  // raise the opt-in limit once per instantiation (and again for a larger K)
+      if (smem > set) {
+        cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (err != cudaSuccess) return err;
+        set = smem;
+      }
+    }
+    const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
+    const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
+    if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);  // may start while the up GEMV finishes
+    kern<<<grid, block, smem, stream>>>(p);
+    return cudaGetLastError();
+  }
 }
 
 }  // namespace k3mx
