@@ -115,18 +115,16 @@ from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize
 
 # a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
-# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch; the pipelined kernel
-# (a shared-memory ring, K a multiple of 512) with 64-row items and four stages, 32-row items and three
+# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch
 _CUDA_CFGS = (cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, False, 0),
-              cmx.CudaGemvConfig(1, 4, 1, False, 0), cmx.CudaGemvConfig(4, 4, 1, False, 1, 4),
-              cmx.CudaGemvConfig(2, 4, 1, False, 0, 3))
+              cmx.CudaGemvConfig(1, 4, 1, False, 0))
 
 
 def _cuda_cfgs():
     why = cmx.available()
     if why:
         pytest.skip(why)
-    cfgs = _CUDA_CFGS if torch.cuda.get_device_capability() >= (8, 9) else tuple(c for c in _CUDA_CFGS if not c.decode)
+    cfgs = _CUDA_CFGS if torch.cuda.get_device_capability() >= (8, 9) else _CUDA_CFGS[::2]
     cmx.build(cfgs)
     return cfgs
 
@@ -151,8 +149,7 @@ def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
     """K (= D, I) not a multiple of the 128-k group or of unroll·k_split, experts without tokens (E=64),
     block sizes 1-8, NaN-poisoned outputs; vs the eager reference in the activation dtype and in fp32."""
     cfgs = _cuda_cfgs()
-    plain = [c for c in cfgs if not c.stages]
-    cfg = plain[ci % len(plain)]
+    cfg = cfgs[ci % len(cfgs)]
     k = min(k, E)
     note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} dtype={dtype} bm={bm} cfg={cfg} pdl={pdl}")
     x, (w1, w3, w2), ids, _ = _problem(N, D, I, E, k, seed, True, dtype=dtype)
@@ -164,30 +161,9 @@ def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
     assert _rel(y, ref32) < 6e-3  # bf16 rounding of h and y only
 
 
-@settings(max_examples=16, deadline=None)
-@given(N=st.sampled_from([1, 3, 16, 40]), E=st.sampled_from([8, 64, 128]), k=st.sampled_from([1, 6, 16]),
-       D=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]), act=st.sampled_from(["silu", "situ"]),
-       cap=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), bm=st.sampled_from([None, 1, 2, 8]),
-       ci=st.integers(0, 1), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_cuda_gemv_pipelined_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
-    """The pipelined kernel (persistent CTAs over a shared-memory ring): items that cross blocks and experts,
-    more items than CTAs (N=40, k=16), blocks of 1-8 rows, experts without tokens; vs the eager reference."""
-    cfgs = [c for c in _cuda_cfgs() if c.stages]
-    cfg = cfgs[ci % len(cfgs)]
-    k = min(k, E)
-    note(f"N={N} E={E} k={k} D={D} I={I} act={act} cap={cap} dtype={dtype} bm={bm} cfg={cfg} pdl={pdl}")
-    x, (w1, w3, w2), ids, _ = _problem(N, D, I, E, k, seed, True, dtype=dtype)
-    lin = 25.0 if cap else None
-    y = _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, tuple(_cuda_cfgs()), bm, pdl)
-    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, act, 4.0, lin)
-    assert _rel(y, ref) < 1e-2
-    ref32 = moe_expert_outputs_reference(x.float(), w1, w3, w2, ids, act, 4.0, lin)
-    assert _rel(y, ref32) < 6e-3
-
-
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K", [32, 96, 160, 512, 1024])
+@pytest.mark.parametrize("K", [32, 96, 160, 512])
 def test_cuda_gemv_decode_is_exact_for_every_scale(dtype, K):
     """Unit-vector activations read every decoded weight back exactly (all nibble positions, E8M0 bytes 0
     (2^-127), 1, 127, 254 and 255 → NaN), matching a @ Wᵀ in fp64 rounded once to the output dtype."""
@@ -202,8 +178,6 @@ def test_cuda_gemv_decode_is_exact_for_every_scale(dtype, K):
     a = torch.eye(K, device="cuda", dtype=dtype)
     want = (a.double() @ mxfp4_dequantize(packed, scale, torch.float64).T).to(dtype)
     for cfg in cfgs:
-        if cfg.stages and K % (128 * cfg.k_split * cfg.unroll):
-            continue
         for bm in (1, 2, 4, 8):
             got = cmx.mx_gemv_linear_cuda(a, w, cfg, bm, configs=cfgs)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{cfg} bm={bm}")

@@ -76,22 +76,15 @@ __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supp
 class CudaGemvConfig(NamedTuple):
     """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
     row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+).
-    ``stages`` ≥ 2: the pipelined kernel (persistent CTAs; weights and scales through a ring of that many
-    shared-memory stages filled by ``cp.async``, a stage = k_split·unroll groups of every row; ``prefetch`` unused);
-    0: loads into registers."""
+    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
 
     row_tiles: int = 1
     k_split: int = 2
     unroll: int = 2
     prefetch: bool = True
     decode: int = 0
-    stages: int = 0
 
     def name(self) -> str:
-        if self.stages:
-            return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll} ring{self.stages}"
-                    f"{' e4m3' if self.decode else ''}")
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
                 f"{' e4m3' if self.decode else ''}")
 
@@ -126,7 +119,7 @@ def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...
             for nt in _NTS:
                 if tname in dtypes:
                     f = [f"&launch<{ctype}, {nt}, {c.row_tiles}, {c.k_split}, {c.unroll}, {int(c.prefetch)}, "
-                         f"{c.decode}, {c.stages}, {glu}>" for glu in ("false", "true")]
+                         f"{c.decode}, {glu}>" for glu in ("false", "true")]
                 else:
                     f = ["nullptr", "nullptr"]
                 nts.append("{" + ", ".join(f) + "}")
@@ -147,10 +140,9 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1) and cfg.stages in (0, 2, 3, 4, 5)
-            and (cfg.stages == 0 or (cfg.k_split * cfg.unroll) % 4 == 0)):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1, stages 0 or 2-5 with k_split·unroll a multiple of 4)")
+                         f"≤ 16 warps, decode 0/1)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -198,11 +190,7 @@ def smem_bytes(cfg: CudaGemvConfig, block_m: int, K: int, glu: bool) -> int:
     """Dynamic shared memory of one CTA (mirrors ``Smem`` in the CUDA source)."""
     nt = 1 if block_m <= 2 else (2 if block_m == 4 else 4)
     G, bmx, nm, rows = (K + 127) // 128, 2 * nt, 2 if glu else 1, 16 * cfg.row_tiles
-    red = 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
-    if cfg.stages:  # PipeSmem: the ring of weight + scale stages
-        ch = cfg.k_split * cfg.unroll
-        return cfg.stages * nm * rows * ch * 68 + bmx * (G * 128 + 8) * 2 + red
-    return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + red
+    return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
 
 
 def _aligned16(t: torch.Tensor, dims=(0, 1)) -> bool:
@@ -261,13 +249,6 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
         return "w1 and w3 must share strides"
     if cfg.decode == 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return "decode=1 (e4m3 convert) needs sm_89+"
-    if cfg.stages:
-        chunk = 128 * cfg.k_split * cfg.unroll
-        for w in (w1, w3, w2):
-            if w.shape[2] % chunk:
-                return f"the pipelined GEMV ({cfg.name()}) needs K a multiple of {chunk}, got {w.shape[2]}"
-            if not _aligned16(w.scale):
-                return "the pipelined GEMV needs 16-byte aligned scale rows (base and expert/row strides)"
     lim = _smem_limit(x.device)
     for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):
         need = smem_bytes(cfg, block_m, K, glu)
