@@ -247,6 +247,9 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
         eng = Engine(model, EngineConfig(**ecfg, num_speculative_tokens=4, async_scheduling=mode), drafter=drafter)
         eng.warmup(prompt_len=32)
         outs[mode] = run(eng)
+        # every round ran from a captured graph, the variants with the boundary export included
+        assert not eng.runner.graphs.failed, eng.runner.graphs.failed
+        assert any(k[-1] == "boundary" for k in eng.runner.graphs.graphs if isinstance(k, tuple)), mode
         # the rounds exported the answer's page-boundary state (captured variant with the export): the follow-up
         # turn reuses the prefix cache as after plain decoding
         assert turn_cost(eng) == plain_turn, mode

@@ -420,11 +420,17 @@ class ModelRunner:
         exporting rows first, the other copies rewrite the first exporting row's state into its slot (identical
         writes), or, with no row exporting, snapshot slot 0 its own content."""
         run, pool = self.pools.running, self.pools.snapshots
-        E = min(export.shape[0], MAX_BOUNDARY_EXPORTS)
-        order = torch.argsort((~export).to(torch.int8), stable=True)[:E]  # exporting rows first
-        on, first, anyone = export[order], order[0], export.any()
-        dst = torch.where(on, snap[order], torch.where(anyone, snap[first], torch.zeros_like(order)))
-        src = torch.where(on, slots[order], torch.where(anyone, slots[first], torch.full_like(order, -1)))
+        n = export.shape[0]
+        E = min(n, MAX_BOUNDARY_EXPORTS)
+        # exporting rows first, each group in row order: a scatter by rank (no sort, no host read inside a capture;
+        # indexing with a 0-dim tensor would read it on the host)
+        ex = export.long()
+        rank = torch.where(export, ex.cumsum(0) - 1, ex.sum() + (1 - ex).cumsum(0) - 1)
+        order = torch.empty_like(rank).scatter_(0, rank, torch.arange(n, device=rank.device))[:E]
+        on, first, anyone = export[order], order[:1], export.any()
+        dst = torch.where(on, snap[order], torch.where(anyone, snap.index_select(0, first), torch.zeros_like(order)))
+        src = torch.where(on, slots[order], torch.where(anyone, slots.index_select(0, first),
+                                                        torch.full_like(order, -1)))
         for states, into in ((run.recurrent, pool.recurrent), (run.conv, pool.conv)):
             for r, p in zip(states, into):
                 rows = r.index_select(0, src.clamp_min(0))

@@ -93,6 +93,9 @@ class GraphRunner:
             log.warning("%s: CUDA graph capture of %r failed (%s); that shape runs eagerly", self.name, key,
                         reason.splitlines()[0])
             torch.cuda.synchronize(self.device)
+            # an aborted capture can leave its memory pool marked as recording ("beginAllocateToPool: already
+            # recording"), which would fail every later capture: the next one starts a new pool
+            self._pool = None
             if on_failure is not None:
                 on_failure()
             return None
