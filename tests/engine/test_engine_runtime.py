@@ -52,34 +52,65 @@ def test_seeded_samples_do_not_depend_on_the_batch(model):
     assert len({tuple(u) for u in unseeded}) > 1  # no seed: fresh randomness per request
 
 
+def _k3nn_site(stack):
+    """(file under k3nn/, line) of the innermost k3nn frame of ``stack``, None outside k3nn or inside its ops and
+    kernels (argument checks that read CPU tensors; on a GPU the captured step runs the device kernels)."""
+    for fr in reversed(stack):
+        if "/k3nn/" in fr.filename:
+            if "/k3nn/kernels/" in fr.filename or "/k3nn/ops/" in fr.filename:
+                return None
+            return fr.filename.split("/k3nn/")[-1], fr.lineno
+    return None
+
+
 class _Reads:
-    """Counts the host reads of tensor values (item / tolist / bool / int / float / nonzero) made by the runtime,
-    the model, the layers and the caches while active. Op argument checks and eager kernels (``k3nn/ops``,
-    ``k3nn/kernels``) are left out: they read only CPU tensors, and on a GPU the captured step runs the device
-    kernels (tests/gpu checks the whole step under torch.cuda.set_sync_debug_mode("error"))."""
+    """Counts the host reads of tensor values made by the runtime, the model, the layers and the caches while
+    active: the Python methods (item / tolist / bool / int / float / nonzero) and, through a dispatch mode, the
+    reads that C++ makes (``aten._local_scalar_dense``, e.g. a tensor converted to a Python number inside an op's
+    argument parsing). Op argument checks and eager kernels
+    (``k3nn/ops``, ``k3nn/kernels``) are left out (tests/gpu checks the whole step under
+    torch.cuda.set_sync_debug_mode("error"))."""
 
     names = ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero")
 
     def __enter__(self):
         import traceback
 
+        from torch.utils._python_dispatch import TorchDispatchMode
+
         self.sites, self._orig = [], {}
+        reads = self
+        active = []  # a Python-level read in progress: its own _local_scalar_dense is not counted twice
+
+        class Scalars(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not active:
+                    site = _k3nn_site(traceback.extract_stack()[:-1])
+                    if site is not None:
+                        reads.sites.append(("scalar",) + site)
+                return func(*args, **(kwargs or {}))
+
         for n in self.names:
             orig = getattr(torch.Tensor, n)
             self._orig[n] = orig
 
             def wrap(*a, __o=orig, __n=n, **k):
-                for fr in reversed(traceback.extract_stack()[:-1]):
-                    if "/k3nn/" in fr.filename:
-                        if "/k3nn/kernels/" not in fr.filename and "/k3nn/ops/" not in fr.filename:
-                            self.sites.append((__n, fr.filename.split("/k3nn/")[-1], fr.lineno))
-                        break
-                return __o(*a, **k)
+                site = _k3nn_site(traceback.extract_stack()[:-1])
+                if site is not None:
+                    self.sites.append((__n,) + site)
+                active.append(1)
+                try:
+                    return __o(*a, **k)
+                finally:
+                    active.pop()
 
             setattr(torch.Tensor, n, wrap)
+        self._mode = Scalars()
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
         for n, f in self._orig.items():
             setattr(torch.Tensor, n, f)
 
@@ -205,6 +236,31 @@ def test_a_speculative_step_reads_the_host_once(model, asynchronous):
     while e.has_unfinished():
         e.step()
     assert [e.requests[i].output for i in ids] == [reference(model, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_rounds_that_export_a_boundary_state_read_the_host_once(model, asynchronous, monkeypatch):
+    """A round whose commit exports the KDA state at the page boundary it may cross (decode-state retention) stays
+    graph-safe: no step of the request reads the host beyond its draws. (On the H200 an export that could not be
+    captured made every later capture fail too, and every round ran eagerly: tests/gpu asserts the captures.)"""
+    from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
+
+    d = DSparkDrafter(DSparkConfig.for_target(model.config, num_layers=1, num_heads=2, block_size=GAMMA), model,
+                      dtype=torch.float64)
+    e = _engine(model, d, cuda_graphs="static", num_speculative_tokens=3, async_scheduling=asynchronous)
+    exports = []
+    export = e.runner._export_states
+    monkeypatch.setattr(e.runner, "_export_states", lambda *a: exports.append(1) or export(*a))
+    p = rand_ids(56, 360)
+    rid = e.add_request(p, max_new_tokens=20)
+    e.step()  # prefill
+    draws = {("tolist", "engine/overlap.py"), ("tolist", "engine/runner.py")}  # the draws, deferred or not
+    while e.has_unfinished():
+        with _Reads() as reads:
+            e.step()
+        assert len(reads.sites) <= 1 and all(r[:2] in draws for r in reads.sites), reads.sites
+    assert exports  # some rounds carried the export
+    assert e.requests[rid].output == reference(model, p, 20)
 
 
 def test_greedy_rounds_draft_on_the_device(model, monkeypatch):
