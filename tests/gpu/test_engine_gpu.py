@@ -141,6 +141,7 @@ def test_no_compile_after_warmup_on_random_lengths():
     again = run()
     print(f"first pass {t1 - t0:.1f} s, again {time.perf_counter() - t1:.1f} s", flush=True)
     assert cc.count == 0, (sorted(set(cc.names)), cc.reprs)
+    assert not eng.runner.graphs.failed, eng.runner.graphs.failed  # no step fell back to eager
     p99 = sorted(first)[int(0.99 * len(first))]
     p99_warm = sorted(again)[int(0.99 * len(again))]
     print(f"TTFT p99 first {p99 * 1e3:.1f} ms, again {p99_warm * 1e3:.1f} ms")
@@ -178,6 +179,7 @@ def test_async_scheduling_equals_the_synchronous_engine():
                 if steps == 6:
                     eng.abort(ids[1])
             outs[mode] = [eng.requests[i].output for i in ids if i != ids[1]]  # the aborted one: a timing matter
+            assert not eng.runner.graphs.failed, eng.runner.graphs.failed  # no step fell back to eager
     finally:
         overlap.launch = launch
     assert outs[True] == outs[False]
