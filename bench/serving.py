@@ -103,6 +103,7 @@ def engine_batch(engine, prompts, new: int, dev) -> dict:
            "latency_ms": 1e3 * statistics.mean(r.finish_time - r.arrival_time for r in reqs),
            "compiles": cc.count, "compiled": sorted(set(cc.names)), "compiled_reprs": cc.reprs,
            "outputs": [list(r.output) for r in reqs],
+           "graph_capture_failures": engine.metrics()["graph_capture_failures"],  # steps that ran eagerly
            "acceptance_length": (sum(r.spec_accepted for r in reqs) + rounds) / rounds if rounds else None}
     for i in ids:
         del engine.requests[i]
@@ -211,6 +212,8 @@ def _row(case: str, res: dict, anchor: str | None = None, anchor_val: float | No
            "compiles": res.get("compiles", 0)}
     if res.get("compiled"):
         row["compiled"] = res["compiled"]
+    if res.get("graph_capture_failures"):  # some step shapes ran eagerly: the row does not time the graphs
+        row["graph_capture_failures"] = res["graph_capture_failures"]
     if res.get("acceptance_length"):
         row["acceptance_length"] = round(res["acceptance_length"], 3)
     if res.get("runs"):
