@@ -66,8 +66,8 @@ def _k3nn_site(stack):
 class _Reads:
     """Counts the host reads of tensor values made by the runtime, the model, the layers and the caches while
     active: the Python methods (item / tolist / bool / int / float / nonzero) and, through a dispatch mode, the
-    reads that C++ makes (``aten._local_scalar_dense``, e.g. a tensor converted to a Python number inside an op's
-    argument parsing). Op argument checks and eager kernels
+    reads that C++ makes (``aten.item`` / ``aten._local_scalar_dense``: a tensor converted to a Python number, as
+    when a 0-dim tensor indexes another). Op argument checks and eager kernels
     (``k3nn/ops``, ``k3nn/kernels``) are left out (tests/gpu checks the whole step under
     torch.cuda.set_sync_debug_mode("error"))."""
 
@@ -82,9 +82,12 @@ class _Reads:
         reads = self
         active = []  # a Python-level read in progress: its own _local_scalar_dense is not counted twice
 
+        # a tensor read as a Python number: aten.item under inference mode, aten._local_scalar_dense otherwise
+        scalar_ops = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
         class Scalars(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default and not active:
+                if func in scalar_ops and not active:
                     site = _k3nn_site(traceback.extract_stack()[:-1])
                     if site is not None:
                         reads.sites.append(("scalar",) + site)
