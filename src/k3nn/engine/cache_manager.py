@@ -47,6 +47,11 @@ class CacheManager:
         self.row_owner: list[Request | None] = [None] * pools.running.num_slots
         self.computed_prompt_tokens = self.recomputed_tokens = 0
 
+    @property
+    def keeps_decode_state(self) -> bool:
+        """Decode-state retention is on: ``retain_decode_state`` with a prefix index to keep the states in."""
+        return self.prefix is not None and self.retain_decode_state
+
     def reset_stats(self) -> None:
         self.computed_prompt_tokens = self.recomputed_tokens = 0
 
@@ -266,8 +271,7 @@ class CacheManager:
         snapshot for it as a plain decode row's first boundary copy does: a request takes at most two slots,
         each once."""
         r = w.req
-        if (self.prefix is None or not self.retain_decode_state or r.prefill_only or not r.output
-                or not self.may_cross(w)):
+        if not self.keeps_decode_state or r.prefill_only or not r.output or not self.may_cross(w):
             return None
         if r.spare_snap is not None:
             slot, r.spare_snap = r.spare_snap, None
@@ -321,7 +325,7 @@ class CacheManager:
         """Decode-state retention (input+output reuse): keep a private copy of the state each time a decoding
         request completes a 64-token block past its prompt; it is indexed when the request finishes, so the
         next chat turn (prompt + answer + more) resumes past the answer."""
-        if self.prefix is None or not self.retain_decode_state:
+        if not self.keeps_decode_state:
             return
         n = req.num_computed
         if req.prefill_only or not req.output or n % self.pools.block_size or n <= req.num_prompt_tokens:
@@ -336,7 +340,7 @@ class CacheManager:
 
     def retain_finished(self, req: Request) -> None:
         """Index the full pages of everything ``req`` fed (prompt + answer) and its last decode state."""
-        if self.prefix is None or not self.retain_decode_state or req.prefill_only:
+        if not self.keeps_decode_state or req.prefill_only:
             return
         U = self.pools.block_size
         fed = req.all_tokens()[:req.num_computed]

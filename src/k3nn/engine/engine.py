@@ -116,7 +116,7 @@ class Engine:
                                   taps=self.drafter.target_layers if self.drafter is not None else None,
                                   pad_id=cfg.pad_token_id, cuda_graphs=cfg.cuda_graphs, tap_sink=sink,
                                   drafter=self.drafter,
-                                  boundary_snapshots=self.prefix is not None and cfg.retain_decode_state)
+                                  boundary_snapshots=self.cache.keeps_decode_state)
         self.sampling = SamplingTable(self.pools.running.num_slots, self.mcfg.vocab_size, device)
         self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
         self.warmup_s = 0.0

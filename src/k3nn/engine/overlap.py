@@ -149,7 +149,7 @@ def _round_lookahead(engine: "Engine", d: Deferred) -> tuple[list[RowWork], int]
     if reqs is None:
         return None
     U = engine.pools.block_size
-    retain = engine.prefix is not None and engine.cache.retain_decode_state
+    retain = engine.cache.keeps_decode_state
     lens = []
     for w in d.batch:
         r, n = w.req, w.num_new - 1  # the window's drafts: the round leaves 1 .. 1 + n tokens in the cache

@@ -61,6 +61,11 @@ def padding_groups(rows: Sequence["RowWork"], slack: float = 1.25) -> list[list[
     return [[rows[i] for i in sorted(g)] for g in sorted(groups, key=min)]
 
 
+def _exports(rows: Sequence["RowWork"]) -> bool:
+    """Whether a row of the forward has a page-boundary slot (its verify commit may export that state)."""
+    return any(w.boundary is not None for w in rows)
+
+
 def _variant(key: tuple, boundary: bool) -> tuple:
     """The graph key of a verify step's variant that exports a page boundary's state (``boundary``)."""
     return key + ("boundary",) if boundary else key
@@ -245,7 +250,7 @@ class ModelRunner:
         B = self.padded_size(n) if graph else n
         self.inputs.stage([RowInput(w.req.row, w.req.num_computed, w.tokens, self._new_pages(w.req), w.verify,
                                     w.sample, -1 if w.boundary is None else w.boundary) for w in rows], B, T)
-        snap = any(w.boundary is not None for w in rows)
+        snap = _exports(rows)
         if feed is not None:
             self.inputs.feed(B, T, feed[:n], None if shift is None else shift[:n])
         if draft_keys is not None:
@@ -500,7 +505,7 @@ class ModelRunner:
             # greedy verify rows of a graph-shaped forward: acceptance and commit as one more replayed step
             B, T = out.padded.shape[:2]
             rec = self._recorded
-            snap = any(w.boundary is not None for w in rows)
+            snap = _exports(rows)
 
             def accept():
                 return self._greedy_accept_body(out.padded, meta, rec, snap)
@@ -549,7 +554,7 @@ class ModelRunner:
                 samp = table.do_sample[slots]
                 m, nxt = torch.where(samp, ms, m), torch.where(samp, ns, nxt)
             m = torch.where(ver, m, torch.zeros_like(m))
-            self.commit_windows(ver, m + 1, boundary=any(w.boundary is not None for w in rows))
+            self.commit_windows(ver, m + 1, boundary=_exports(rows))
             j = torch.arange(T, device=W.device)[None, :]
             seen_cols = j <= limit[:, None]
             bad = (~torch.isfinite(W).all(-1) & seen_cols).any(-1) & ver
