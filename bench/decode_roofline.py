@@ -22,7 +22,8 @@ bytes, TB/s and the fraction of the copy bandwidth measured in the same run; the
 
 ``--variants`` runs the same batch under several kernel tunings in one process, side by side on clones of one
 prefilled cache: ``default`` (the library's choices), ``torch-gemm`` (``KernelTuning(skinny_linear="never")``:
-every projection on torch's GEMM, the map before the skinny GEMM) and ``skinny-always``.
+every projection on torch's GEMM, the map before the skinny GEMM), ``skinny-always`` and ``no-pdl``
+(``KernelTuning(pdl=False)``: plain stream order, no programmatic dependent launches).
 
     k3nn bench decode-roofline [--batches 1,4,16,64] [--ctx 512] [--variants default,torch-gemm]
     k3nn bench decode-roofline --allow-cpu --config tiny      (CPU smoke run: no profile of graphs, not results)
@@ -60,7 +61,8 @@ OP_CLASS = {
     "sigmoid_gate": NORMS,
 }
 
-VARIANTS = {"default": {}, "torch-gemm": {"skinny_linear": "never"}, "skinny-always": {"skinny_linear": "always"}}
+VARIANTS = {"default": {}, "torch-gemm": {"skinny_linear": "never"}, "skinny-always": {"skinny_linear": "always"},
+            "no-pdl": {"pdl": False}}
 _LABEL = "k3cls:"
 
 

@@ -97,6 +97,50 @@ def test_capture_and_replay_with_split_k():
     assert _rel(out, ref) < 1e-2 and not torch.equal(out, want)
 
 
+def test_programmatic_dependent_chain_equals_plain_stream_order():
+    """Skinny GEMMs launched as programmatic dependents (``KernelTuning.pdl``) behind kernels that release them
+    early (RMSNorm, GLU, the split-K reduce), eagerly and replayed from a CUDA graph: bit-identical to plain stream
+    order, every kernel reading the previous one's output, the weights large enough that the prefetches overlap."""
+    from k3nn.kernels.pdl import pdl_on
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    d, i = 4096, 8192
+    w_up = (torch.randn(2 * i, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    w_down = (torch.randn(d, i, device="cuda", generator=g) / i ** 0.5).bfloat16()
+    w_mix = (torch.randn(d, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    gain = torch.rand(d, device="cuda", generator=g).bfloat16()
+
+    def chain(x):
+        h = ops.rms_norm(x, gain, 1e-6)
+        h = ops.glu(ops.linear(h, w_up), "silu")
+        h = ops.linear(h, w_down, residual=x)
+        return ops.linear(linear_skinny(h, w_mix, config=SkinnyConfig("fma", 16, 256, 4, 1, 4)), w_mix)
+
+    xs = [torch.randn(1, d, device="cuda", generator=g).bfloat16() for _ in range(4)]
+    with torch.no_grad(), backend("triton"):
+        with tuning(pdl=False):
+            assert not pdl_on(xs[0])
+            want = [chain(x) for x in xs]
+        with tuning(pdl=True):
+            assert pdl_on(xs[0])
+            assert all(torch.equal(chain(x), w) for x, w in zip(xs, want))
+            inp = xs[0].clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                chain(inp)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(inp)
+    for _ in range(5):
+        for x, w in zip(xs, want):
+            inp.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, w)
+
+
 # -- the model with the skinny GEMM on every projection -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():

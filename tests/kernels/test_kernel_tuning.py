@@ -29,6 +29,8 @@ def test_frozen_and_checked():
         t.autotune = False  # type: ignore[misc]
     with pytest.raises(TypeError, match="autotune"):
         KernelTuning(autotune=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pdl"):
+        KernelTuning(pdl=1)  # type: ignore[arg-type]
     for bad in (0, 9, 2.0, True):
         with pytest.raises(ValueError, match="mla_cluster"):
             KernelTuning(mla_cluster=bad)  # type: ignore[arg-type]
@@ -82,3 +84,16 @@ def test_failing_auto_skip_check_is_a_reason(fake_op):
     reg.register(fake_op, "triton", auto_skip=lambda x: 1 / 0)(lambda x: ("triton", x))
     assert reg.dispatch(fake_op, 3) == ("eager", 3)
     assert "auto_skip() check failed: ZeroDivisionError" in reg._reasons(reg.get_op(fake_op), (3,), {})
+
+
+def test_programmatic_dependent_launch_only_on_sm90_gpus():
+    """PDL (``KernelTuning.pdl``) needs a CUDA device of sm_90+ and is never asked of the CPU or the interpreter: the
+    kernels then compile without the trigger, the prefetch and the wait."""
+    import torch
+
+    from k3nn.kernels.pdl import pdl_on
+
+    x = torch.zeros(2)
+    assert not pdl_on(x)
+    with tuning(pdl=False):
+        assert not pdl_on(x)

@@ -77,3 +77,14 @@ def test_mla_decode_stage1_compiles(bn, stages, tma, sv):
              {"R": 512, "DR": 64, "PAGE": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "HAS_ROPE": True, "HAS_VIS": False,
               "FINAL": False, "IEEE": False, "LAZY": False, "BLOCK_H": 64, "BLOCK_N": bn, "SPLIT_V": sv,
               "AHEAD": True, "OPAQUE": True, "TMA": tma}, warps=8, stages=stages)
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_skinny_as_programmatic_dependent_compiles(dot):
+    """The skinny GEMM launched with PDL: trigger, L2 prefetch of its first weight tiles (inline PTX), grid
+    dependency wait."""
+    _compile("k3nn.kernels.linear.triton_skinny", "_skinny_kernel",
+             {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "R": "*bf16", "Y": "*bf16", "WS": "*fp32"},
+             {"BM": 16 if dot else 1, "BN": 64 if dot else 16, "BK": 128 if dot else 512, "DOT": dot,
+              "DOT_PREC": "ieee", "SPLIT": 1, "HAS_BIAS": False, "HAS_RES": True, "EVEN_K": True, "PDL": True,
+              "PRE_LINES": 16, "LINE": 64}, warps=4, stages=3)

@@ -101,6 +101,10 @@ class KernelTuning:
             1024, 1.17× at 2048 (``bench/results/logs/mx-gemv-vs-grouped-2026-12-03.log``).
         moe_cuda_pdl: the CUDA GEMV launches its down kernel as a programmatic dependent of the up kernel
             (sm_90+ only; False: plain stream order).
+        pdl: programmatic dependent launch for the Triton decode kernels (sm_90+ only; :mod:`k3nn.kernels.pdl`):
+            the skinny GEMM launches as a dependent of the kernel before it and prefetches its first weight tiles
+            into L2 before waiting for it; the short kernels in front of it release it early. False: plain
+            stream order.
         skinny_linear: the Triton skinny GEMM of ``ops.linear`` (at most 16 rows) under ``auto``: ``"auto"`` where
             the measured rule of :mod:`k3nn.kernels.linear.tuned` says it beats torch's GEMM; ``"always"`` wherever
             it runs; ``"never"``: torch's GEMM (an explicit ``backend("triton")`` still runs the kernel).
@@ -114,6 +118,7 @@ class KernelTuning:
     moe_gemv_pairs: int = 64
     moe_cuda_gemv_pairs: int = 1024
     moe_cuda_pdl: bool = True
+    pdl: bool = True
     skinny_linear: str = "auto"
 
     def __post_init__(self):
@@ -137,8 +142,9 @@ class KernelTuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"KernelTuning.{name} must be an int >= 0, got {v!r}")
-        if not isinstance(self.moe_cuda_pdl, bool):
-            raise TypeError(f"KernelTuning.moe_cuda_pdl must be a bool, got {self.moe_cuda_pdl!r}")
+        for name in ("moe_cuda_pdl", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.skinny_linear not in ("auto", "always", "never"):
             raise ValueError("KernelTuning.skinny_linear must be 'auto', 'always' or 'never', got "
                              f"{self.skinny_linear!r}")

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import triton_ready
 from .reference import AttnResPhase2Output
 
@@ -103,8 +104,10 @@ def _attnres_kernel(
     NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr, PREFETCH: tl.constexpr,
     QV_RELOAD: tl.constexpr, JOIN: tl.constexpr, EVICT: tl.constexpr, ORDERED: tl.constexpr,
     FENCE: tl.constexpr, L2AHEAD: tl.constexpr = 0, L2KIND: tl.constexpr = 1, L2LANES: tl.constexpr = 1,
-    ELT: tl.constexpr = 2,
+    ELT: tl.constexpr = 2, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     q = pid % Q
     row = pid // Q
@@ -517,7 +520,7 @@ def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=Non
         PREFETCH=max(0, min(int(prefetch), MAX_PREFETCH, len(srcs) - 1)), QV_RELOAD=bool(qv_reload), JOIN=bool(join),
         EVICT=(q == 1) if evict is None else bool(evict), ORDERED=bool(ordered),
         FENCE=1 if fence == 2 and _INTERPRET else int(fence), **_l2_args(srcs, d, l2_ahead, l2_kind, nw_),
-        num_warps=nw_, **({"maxnreg": int(maxnreg)} if maxnreg else {}))
+        TRIGGER=pdl_on(out), num_warps=nw_, **({"maxnreg": int(maxnreg)} if maxnreg else {}))
 
 
 # --------------------------------------------------------------------------------------------- supports

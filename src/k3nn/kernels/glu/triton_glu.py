@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import triton_ready
 from ..tl_math import tanh as _tanh
 
@@ -18,7 +19,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -36,7 +40,9 @@ def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.
 
 
 @triton.jit
-def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     o = tl.load(o_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -72,7 +78,8 @@ def glu_packed_triton(gate_up: torch.Tensor, act: str, beta: float = 4.0,
         BLOCK = min(1024, triton.next_power_of_2(I))
         _glu_kernel[(gu.shape[0], triton.cdiv(I, BLOCK))](gu, y, I, float(beta), float(linear_beta or 1.0),
                                                           ACT=0 if act == "silu" else 1,
-                                                          CAP=linear_beta is not None, BLOCK=BLOCK)
+                                                          CAP=linear_beta is not None, BLOCK=BLOCK,
+                                                          TRIGGER=pdl_on(gu))
     return y.view(*gate_up.shape[:-1], I)
 
 
@@ -81,5 +88,5 @@ def sigmoid_gate_triton(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(o2)
     n = o2.numel()
     if n:
-        _sigmoid_gate_kernel[(triton.cdiv(n, 1024),)](o2, g2, y, n, BLOCK=1024)
+        _sigmoid_gate_kernel[(triton.cdiv(n, 1024),)](o2, g2, y, n, BLOCK=1024, TRIGGER=pdl_on(o2))
     return y

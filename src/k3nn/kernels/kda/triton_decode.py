@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import current_tuning, triton_interpreting, triton_ready
 
 __all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
@@ -202,7 +203,10 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
                      HAS_WM: tl.constexpr, T1: tl.constexpr,
                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
-                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+                     LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
+                     TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -284,7 +288,10 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
                       W: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_IDX: tl.constexpr, HAS_NT: tl.constexpr,
                       HAS_WM: tl.constexpr, T1: tl.constexpr,
                       EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
-                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first"):
+                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
+                      TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
         sp = tl.program_id(0) % NS
         h = tl.program_id(0) // NS
@@ -432,7 +439,7 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
               norm_weight.contiguous(), recurrent_state, conv_state, idx, nt, wm, y)
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
                   HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None,
-                  HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D,
+                  HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D, TRIGGER=pdl_on(qkv),
                   num_warps=nw)
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)

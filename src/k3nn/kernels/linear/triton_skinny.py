@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
+from ..pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_on
 from ..precision import dot_precision
 from ..registry import current_tuning, triton_interpreting, triton_ready
 from .reference import MAX_SKINNY_ROWS, rows_of
@@ -40,6 +41,8 @@ __all__ = ["SkinnyConfig", "default_config", "config_for", "linear_skinny", "sup
            "row_bucket"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: weight tiles ([BN, BK]) a program launched as a programmatic dependent requests into L2 before its wait
+PREFETCH_TILES = 2
 
 
 class SkinnyConfig(NamedTuple):
@@ -61,7 +64,8 @@ class SkinnyConfig(NamedTuple):
 @triton.jit
 def _skinny_kernel(X, W, Bias, R, Y, WS, M, N, K, K_SPLIT, sxm, swn, srm, sym,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
+                   PDL: tl.constexpr = False, PRE_LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -72,6 +76,11 @@ def _skinny_kernel(X, W, Bias, R, Y, WS, M, N, K, K_SPLIT, sxm, swn, srm, sym,
     rk = tl.arange(0, BK)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PDL:  # a programmatic dependent (kernels/pdl.py): weights into L2 while the kernel before us finishes
+        gdc_launch_dependents()
+        rl = k_lo + tl.arange(0, PRE_LINES) * LINE  # one pointer per 128-byte line of the first tiles
+        l2_prefetch(W + rn_ld[:, None] * swn + rl[None, :], (rl < k_hi)[None, :] & (rn < N)[:, None])
+        gdc_wait()  # x, the residual and every store come after the previous kernel completed
     w_ptr = W + rn_ld[:, None] * swn + rk[None, :]
     x_ptr = X + rm[:, None] * sxm + rk[None, :]
     if DOT:
@@ -120,7 +129,9 @@ def _skinny_kernel(X, W, Bias, R, Y, WS, M, N, K, K_SPLIT, sxm, swn, srm, sym,
 
 @triton.jit
 def _splitk_reduce(WS, Bias, R, Y, M, N, srm, sym, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     m = offs // N
@@ -250,11 +261,16 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dummy = y2
     bn = max(16, cfg.block_n) if cfg.kind == "dot" else cfg.block_n  # tl.dot takes 16 rows at least
     grid = (triton.cdiv(N, bn), split)
+    pdl = pdl_on(x)
+    # PDL: the first PREFETCH_TILES weight tiles of each program are requested before the wait
+    line = 128 // weight.element_size()
+    pre = dict(PDL=True, PRE_LINES=triton.next_power_of_2(max(1, PREFETCH_TILES * bk // line)), LINE=line,
+               launch_pdl=True) if pdl else {}
     _skinny_kernel[grid](x2, weight, bias if bias is not None else dummy, r2 if r2 is not None else dummy, y2, ws,
                          M, N, K, k_split, x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0,
                          y2.stride(0), BM=bm, BN=bn, BK=bk, DOT=cfg.kind == "dot",
                          DOT_PREC=dot_precision(x.dtype), SPLIT=split, HAS_BIAS=bias is not None,
-                         HAS_RES=r2 is not None, EVEN_K=even_k, num_warps=cfg.warps, num_stages=cfg.stages)
+                         HAS_RES=r2 is not None, EVEN_K=even_k, num_warps=cfg.warps, num_stages=cfg.stages, **pre)
     if partials:
         return ws if split > 1 else y2.view(1, M, N)
     if split > 1:
@@ -263,5 +279,5 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                                      r2 if r2 is not None else dummy, y2, M, N,
                                                      r2.stride(0) if r2 is not None else 0, y2.stride(0),
                                                      SPLIT=split, BLOCK=block, HAS_BIAS=bias is not None,
-                                                     HAS_RES=r2 is not None, num_warps=4)
+                                                     HAS_RES=r2 is not None, num_warps=4, TRIGGER=pdl)
     return y

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ...quant.mxfp4 import MXFP4Weight
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import autotune_prune, current_tuning
 from ..tuning_cache import AUTOTUNE_KW
 from .align import MoEAlignment, align_for
@@ -306,9 +307,11 @@ _DOWN = {k: _make_down(k) for k in ("small", "mid", "large")}
 
 @triton.jit
 def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, stride_yt, stride_yk, stride_wt, stride_ot, eps,
-                     K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr = False):
     # the K slots unrolled: their loads are independent and issue together (a loop over a run-time top_k waited
     # for each slot's load in turn: 9 µs for one token at K3's width, now one round trip)
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -338,7 +341,7 @@ def moe_finalize_triton(expert_out: torch.Tensor, topk_weights: torch.Tensor, no
     grid = (N, triton.cdiv(D, block_d))
     _finalize_kernel[grid](y, w, norm_weight if has_norm else w, out, D, y.stride(0), y.stride(1), w.stride(0),
                            out.stride(0), eps, K=k, HAS_NORM=has_norm, BLOCK_D=block_d,
-                           num_warps=min(32, max(4, block_d // 256)))
+                           num_warps=min(32, max(4, block_d // 256)), TRIGGER=pdl_on(y))
     return out
 
 

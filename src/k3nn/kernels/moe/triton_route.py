@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import triton_ready
 from .routing import route_kernel_applies
 
@@ -33,7 +34,9 @@ def _logits(logit_ptr, row, E, NE, idx, m, S: tl.constexpr):
 
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -92,5 +95,6 @@ def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_gr
         block_e = triton.next_power_of_2(E)
         _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, N * E, float(scaling),
                             K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=block_e,
-                            BLOCK_K=triton.next_power_of_2(top_k), S=S, num_warps=max(1, block_e // 1024))
+                            BLOCK_K=triton.next_power_of_2(top_k), S=S, num_warps=max(1, block_e // 1024),
+                            TRIGGER=pdl_on(logits))
     return ids, w

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
+from ..pdl import gdc_launch_dependents, pdl_on
 from ..registry import triton_ready
 from .triton_gated import MAX_D, _rows, row_config
 
@@ -20,7 +21,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["R"])  # the row count varies per call
-def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                  TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+        gdc_launch_dependents()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, BD)
     in_d = d < D
@@ -59,5 +63,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, config
     br, warps = config or row_config(D)
     if R * D:
         _rms_norm_fwd[(triton.cdiv(R, br),)](x2, weight.contiguous(), y2, R, float(eps), x2.stride(0), y2.stride(0),
-                                             D=D, BD=triton.next_power_of_2(D), BR=br, num_warps=warps)
+                                             D=D, BD=triton.next_power_of_2(D), BR=br, num_warps=warps,
+                                             TRIGGER=pdl_on(x2))
     return y
