@@ -88,3 +88,16 @@ def test_skinny_as_programmatic_dependent_compiles(dot):
              {"BM": 16 if dot else 1, "BN": 64 if dot else 16, "BK": 128 if dot else 512, "DOT": dot,
               "DOT_PREC": "ieee", "SPLIT": 1, "HAS_BIAS": False, "HAS_RES": True, "EVEN_K": True, "PDL": True,
               "PRE_LINES": 16, "LINE": 64}, warps=4, stages=3)
+
+
+@pytest.mark.parametrize("name", ["_kda_decode_split", "_kda_decode_head"])
+def test_kda_decode_as_programmatic_dependent_compiles(name):
+    """The fused KDA decode launched with PDL: the state load before the grid dependency wait."""
+    c = {"H": 96, "D": 128, "BD": 128, "BV": 32, "W": 4, "SOFTPLUS": True, "HAS_IDX": True, "HAS_NT": False,
+         "HAS_WM": False, "T1": True, "EVEN": True, "HEADS_FIRST": True, "PDL": True, "LD_EV": "evict_first",
+         "ST_EV": "evict_first"}
+    c.update({"NS": 4} if name == "_kda_decode_split" else {"NC": 4})
+    _compile("k3nn.kernels.kda.triton_decode", name,
+             {a: "*bf16" for a in ("qkv", "f", "bl", "gate", "conv_w", "dt_bias", "norm_w", "cs_ptr", "y")}
+             | {"A_log": "*fp32", "S_ptr": "*fp32", "idx": "*i32", "nt": "*i32", "wm": "*i32", "counter": "*i32",
+                "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"}, c)

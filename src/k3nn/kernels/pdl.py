@@ -11,9 +11,12 @@ exits, as in plain stream order.
 * :func:`pdl_on` — whether launches on a device go this way: sm_90+, a Triton with grid dependency control, not
   under the interpreter, and :attr:`KernelTuning.pdl <k3nn.kernels.registry.KernelTuning>` (default True).
   Kernels take it as a constexpr: the trigger and the wait compile away when it is False.
-* Kernels that only trigger (the short kernels in front of a weight stream: AttnRes, KDA decode, routing, the
-  latent finalize, GLU, RMSNorm) are launched as usual; only the skinny GEMM is launched as a dependent
-  (``launch_pdl``), so a kernel's trigger matters only where a skinny GEMM follows it.
+* Launched as dependents (``launch_pdl``): the skinny GEMM (its first weight tiles requested into L2 before the
+  wait) and the fused KDA decode (its recurrent state loaded before the wait: only the layer's own state and the
+  step's slot metadata, both written before the step's first layer). Kernels that only trigger (the short
+  kernels in front of them: AttnRes, routing, the latent finalize, GLU, RMSNorm, the split-K reduce) are
+  launched as usual, so a trigger matters only where a dependent follows. Every layer runs non-dependent kernels
+  (AttnRes, routing), so a chain of early starts never reaches back to the step's metadata writes.
 
 The wait is transitive: a dependent's own completion comes after its wait, so a kernel that waits has every
 kernel before it in the stream completed, not only the previous one. CUDA graph capture keeps the programmatic

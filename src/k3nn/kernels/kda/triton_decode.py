@@ -21,6 +21,10 @@ Two kernels, picked per call by the number of (request, head) pairs B·H (:func:
   call needs a new one); two calls running concurrently on different streams would share them, so issue decode
   calls of one device from one stream.
 
+With programmatic dependent launch (:mod:`k3nn.kernels.pdl`, sm_90+) both kernels start while the projection
+before them finishes: the recurrent state (this layer's, last written by this kernel a step ago) and the slot
+metadata are read before ``griddepcontrol.wait``, the token's inputs and every store after it.
+
 Streamed state loads and stores carry ``evict_first`` (each state byte is touched once per step); the state's V
 dimension is contiguous and, when D is a power of two, unmasked, so loads and stores are 16-byte vectors.
 
@@ -48,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_on
 from ..registry import current_tuning, triton_interpreting, triton_ready
 
 __all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
@@ -204,8 +208,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      HAS_WM: tl.constexpr, T1: tl.constexpr,
                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
-                     TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+                     PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent (kernels/pdl.py): our dependents may start, the state loads before the wait
         gdc_launch_dependents()
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
         h = tl.program_id(0)
@@ -228,6 +232,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     s_off = rd[:, None] * D + rb[None, :]
     # the state is what this kernel waits for: issue its first chunk before anything else
     Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
+    if PDL:
+        gdc_wait()  # the token's inputs (and every store) after the kernel before us completed
     b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     if T1:  # one token: q, k, g, β once for every chunk
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
@@ -289,8 +295,8 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
                       HAS_WM: tl.constexpr, T1: tl.constexpr,
                       EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                       LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
-                      TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
+                      PDL: tl.constexpr = False):
+    if PDL:  # as in _kda_decode_head: the state block loads before the wait
         gdc_launch_dependents()
     if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
         sp = tl.program_id(0) % NS
@@ -317,6 +323,8 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         S = tl.load(S_ptr + s_off, eviction_policy=LD_EV)
     else:
         S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy=LD_EV)
+    if PDL:
+        gdc_wait()
     b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     cv = 2 * C + h * D + rv
     for t in range(1 if T1 else T):
@@ -439,8 +447,8 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
               norm_weight.contiguous(), recurrent_state, conv_state, idx, nt, wm, y)
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
                   HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None,
-                  HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D, TRIGGER=pdl_on(qkv),
-                  num_warps=nw)
+                  HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D,
+                  num_warps=nw, **(dict(PDL=True, launch_pdl=True) if pdl_on(qkv) else {}))
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)
     if path == "head":
