@@ -106,8 +106,6 @@ def _attnres_kernel(
     FENCE: tl.constexpr, L2AHEAD: tl.constexpr = 0, L2KIND: tl.constexpr = 1, L2LANES: tl.constexpr = 1,
     ELT: tl.constexpr = 2, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     q = pid % Q
     row = pid // Q
@@ -236,6 +234,8 @@ def _attnres_kernel(
             acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
                                             pack=1)
 
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     obase = (q * N + row).to(tl.int64) * D
     if NORMALISE:
         h = _cast(acc / l, out_ptr.dtype.element_ty)

@@ -21,14 +21,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                 TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + row * 2 * I + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=m, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     if ACT == 0:
         y = g * sig * u
     else:
@@ -41,12 +41,12 @@ def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.
 
 @triton.jit
 def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     o = tl.load(o_ptr + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     tl.store(y_ptr + offs, (o / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty), mask=m)
 
 

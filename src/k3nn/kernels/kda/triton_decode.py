@@ -209,8 +209,6 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
                      EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                      LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
                      PDL: tl.constexpr = False):
-    if PDL:  # a programmatic dependent (kernels/pdl.py): our dependents may start, the state loads before the wait
-        gdc_launch_dependents()
     if HEADS_FIRST:  # grid (H, B): programs launched together cover neighbouring heads of one request
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -232,8 +230,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
     s_off = rd[:, None] * D + rb[None, :]
     # the state is what this kernel waits for: issue its first chunk before anything else
     Sn = _state_chunk(s_b, s_off, 0, rb, md, BV, D, EVEN, LD_EV)
-    if PDL:
-        gdc_wait()  # the token's inputs (and every store) after the kernel before us completed
+    if PDL:  # a programmatic dependent (kernels/pdl.py): the state loads before the wait, the token's inputs
+        gdc_wait()  # and every store after it
     b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     if T1:  # one token: q, k, g, β once for every chunk
         q, k, eg, beta = _qkgb(x_b, cs_b, conv_w, f, bl, b64, 0, h, cq, ck, rd, md, a, dtb, scale, lower_bound,
@@ -273,6 +271,8 @@ def _kda_decode_head(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, cs
             tl.store(s_b + c * BV + s_off, S, eviction_policy=ST_EV)
         else:
             tl.store(s_b + c * BV + s_off, S, mask=md[:, None] & mv[None, :], eviction_policy=ST_EV)
+    if PDL:  # our state is read: the next kernel may start its weight prefetch
+        gdc_launch_dependents()
     # every thread's reads of the old conv rows (and, for NC > 1, stores of raw o) precede what follows
     tl.debug_barrier()
     if NC > 1:
@@ -296,8 +296,6 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
                       EVEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
                       LD_EV: tl.constexpr = "evict_first", ST_EV: tl.constexpr = "evict_first",
                       PDL: tl.constexpr = False):
-    if PDL:  # as in _kda_decode_head: the state block loads before the wait
-        gdc_launch_dependents()
     if HEADS_FIRST:  # grid (NS·H, B): the NS column blocks of a head, then the heads of a request, run together
         sp = tl.program_id(0) % NS
         h = tl.program_id(0) // NS
@@ -323,7 +321,7 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         S = tl.load(S_ptr + s_off, eviction_policy=LD_EV)
     else:
         S = tl.load(S_ptr + s_off, mask=mdv, other=0.0, eviction_policy=LD_EV)
-    if PDL:
+    if PDL:  # as in _kda_decode_head: the state block loads before the wait
         gdc_wait()
     b64, cq, ck, x_b, cs_b, a, dtb = _head_inputs(qkv, cs_ptr, A_log, dt_bias, b, h, slot, rd, md, T, H, D, W)
     cv = 2 * C + h * D + rv
@@ -339,6 +337,8 @@ def _kda_decode_split(qkv, f, bl, gate, conv_w, A_log, dt_bias, norm_w, S_ptr, c
         S = S + (beta * k)[:, None] * (v - pred)[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(y + (row * H + h) * D + rv, o.to(y.dtype.element_ty), mask=mv)  # raw o, rounded like eager
+    if PDL:  # our state is read: the next kernel may start its weight prefetch
+        gdc_launch_dependents()
     if HAS_IDX or HAS_WM:
         tl.store(S_ptr + s_off, S, mask=mdv & wr_d[:, None], eviction_policy=ST_EV)
     elif EVEN:

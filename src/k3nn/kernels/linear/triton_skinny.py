@@ -130,8 +130,6 @@ def _skinny_kernel(X, W, Bias, R, Y, WS, M, N, K, K_SPLIT, sxm, swn, srm, sym,
 @triton.jit
 def _splitk_reduce(WS, Bias, R, Y, M, N, srm, sym, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     m = offs // N
@@ -139,6 +137,8 @@ def _splitk_reduce(WS, Bias, R, Y, M, N, srm, sym, SPLIT: tl.constexpr, BLOCK: t
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):  # fixed order: the same sum on every run
         acc += tl.load(WS + s * M * N + offs, mask=ok, other=0.0)
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:

@@ -310,8 +310,6 @@ def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, stride_yt, stride_yk, stri
                      K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr = False):
     # the K slots unrolled: their loads are independent and issue together (a loop over a run-time top_k waited
     # for each slot's load in turn: 9 µs for one token at K3's width, now one round trip)
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -319,6 +317,8 @@ def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, stride_yt, stride_yk, stri
     for j in tl.static_range(K):
         wj = tl.load(w_ptr + t * stride_wt + j).to(tl.float32)
         acc += wj * tl.load(y_ptr + t * stride_yt + j * stride_yk + offs, mask=mask, other=0.0).to(tl.float32)
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     if HAS_NORM:
         r = 1.0 / tl.sqrt(tl.sum(acc * acc, 0) / D + eps)
         acc = acc * r * tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -35,8 +35,6 @@ def _logits(logit_ptr, row, E, NE, idx, m, S: tl.constexpr):
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.constexpr, RENORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -48,6 +46,8 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.con
     key = order.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs)
     lowest = -9223372036854775807 - 1
     key = tl.where(m, key, lowest)
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     ks = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(K):

@@ -23,8 +23,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit(do_not_specialize=["R"])  # the row count varies per call
 def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                   TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # let a programmatic dependent (a skinny GEMM) start its weight prefetch (kernels/pdl.py)
-        gdc_launch_dependents()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, BD)
     in_d = d < D
@@ -32,6 +30,8 @@ def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexp
     x = tl.load(X + r[:, None] * s_xr + d[None, :], mask=m, other=0.0)
     xf = x.to(tl.float32)
     n = (xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps))[:, None]).to(x.dtype)
+    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+        gdc_launch_dependents()
     w = tl.load(Wt + d, mask=in_d, other=0.0)
     tl.store(Y + r[:, None] * s_yr + d[None, :], (w.to(tl.float32)[None, :] * n.to(tl.float32)).to(Y.dtype.element_ty),
              mask=m)
