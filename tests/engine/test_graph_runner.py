@@ -76,3 +76,21 @@ def test_a_failed_capture_runs_eagerly_and_the_next_capture_gets_a_new_pool(fake
     first, failed_in, after = fake_cuda["captured_with"]
     assert first == failed_in == ("pool", 1) and after == ("pool", 2)  # a fresh pool after the failure
     assert r.run("good", lambda: "x") == "g"  # graphs captured before the failure still replay
+
+
+def test_no_garbage_collection_while_recording(fake_cuda):
+    """A collection during a capture could free an unreachable engine's graphs, which CUDA refuses while recording
+    (it failed a capture on the H200): the collector is paused for the capture and resumed after, also when the
+    capture fails."""
+    import gc
+
+    r, seen = _runner(), []
+    step = lambda: seen.append(gc.isenabled()) or "out"  # noqa: E731
+    r.run("a", step)
+    r.run("a", step)
+    fake_cuda["fail"].add("b")
+    fake_cuda["key"] = "b"
+    r.run("b", step)
+    r.run("b", step)
+    assert seen[0] and not seen[1] and gc.isenabled()
+    assert "b" in r.failed

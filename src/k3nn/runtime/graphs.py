@@ -10,7 +10,8 @@ write persistent state in place). :meth:`GraphRunner.run` executes ``fn`` for ``
 
 So every call applies the step exactly once. :meth:`GraphRunner.capture` instead warms up and captures a step
 whose effects are harmless (a batch of padding rows), so serving never pays for a capture. All graphs share one
-memory pool (they never run concurrently; a step's outputs are read before the next step replays). A capture that
+memory pool (they never run concurrently; a step's outputs are read before the next step replays). Python's cyclic
+garbage collector is paused while a graph records (see :meth:`GraphRunner._capture`). A capture that
 fails (an op that syncs with the host, an eager kernel) is logged with its reason, remembered, and that key runs
 eagerly from then on: same results. ``enabled=False`` (CPU, or the eager backend on a GPU) runs every step
 eagerly.
@@ -18,6 +19,7 @@ eagerly.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Callable, Hashable
 
@@ -84,6 +86,10 @@ class GraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
+        # No cyclic garbage collection while recording: a collection could free an unreachable engine's CUDA
+        # graphs, and destroying a graph is not permitted during a capture (it failed the capture on the H200).
+        collect = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(g, pool=self._pool):
                 outs = fn()
@@ -99,6 +105,9 @@ class GraphRunner:
             if on_failure is not None:
                 on_failure()
             return None
+        finally:
+            if collect:
+                gc.enable()
         self.graphs[key] = (g, outs)
         return outs
 
