@@ -11,12 +11,15 @@ exits, as in plain stream order.
 * :func:`pdl_on` — whether launches on a device go this way: sm_90+, a Triton with grid dependency control, not
   under the interpreter, and :attr:`KernelTuning.pdl <k3nn.kernels.registry.KernelTuning>` (default True).
   Kernels take it as a constexpr: the trigger and the wait compile away when it is False.
-* Launched as dependents (``launch_pdl``): the skinny GEMM (its first weight tiles requested into L2 before the
-  wait) and the fused KDA decode (its recurrent state loaded before the wait: only the layer's own state and the
-  step's slot metadata, both written before the step's first layer). Kernels that only trigger (the short
-  kernels in front of them: AttnRes, routing, the latent finalize, GLU, RMSNorm, the split-K reduce) are
-  launched as usual, so a trigger matters only where a dependent follows. Every layer runs non-dependent kernels
-  (AttnRes, routing), so a chain of early starts never reaches back to the step's metadata writes.
+* Launched as dependents (a ``PDL`` constexpr and Triton's ``launch_pdl``, :func:`pdl_launch`): the Triton kernels
+  of a decode step. Two do real work before the wait: the skinny GEMM requests its first weight tiles into L2,
+  the fused KDA decode loads its recurrent state (this layer's, written by the same kernel a step ago) and the
+  step's slot metadata. Both were written before the step's first torch op (the cache bookkeeping, the embedding
+  lookup), which is not a dependent, and a dependent starts only once the kernel before it has triggered, so a
+  chain of early starts never reaches back past it. The others
+  (AttnRes, routing, the expert alignment, the latent finalize, GLU, RMSNorm, the split-K reduce) wait first
+  thing, after at most loading weights: their programs are resident when the kernel before them ends, so their
+  launch latency is hidden.
 * Where a kernel triggers: the latency-bound short kernels and the KDA decode once their own loads are done
   (a dependent's prefetches, megabytes across every SM, would otherwise queue ahead of them: AttnRes took 4.8
   against 3.1 µs with the trigger at its start), the skinny GEMM at its start (it streams at full bandwidth
@@ -37,7 +40,7 @@ import triton.language as tl
 
 from .registry import current_tuning, triton_interpreting
 
-__all__ = ["gdc_wait", "gdc_launch_dependents", "l2_prefetch", "pdl_on", "HAVE_GDC"]
+__all__ = ["gdc_wait", "gdc_launch_dependents", "l2_prefetch", "pdl_on", "pdl_launch", "HAVE_GDC"]
 
 try:  # grid dependency control in Triton (absent in old releases: then no PDL)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -76,3 +79,9 @@ def pdl_on(t: torch.Tensor) -> bool:
     if not HAVE_GDC or t.device.type != "cuda" or triton_interpreting() or not current_tuning().pdl:
         return False
     return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords of a kernel with a ``PDL`` constexpr on ``t``'s device: ``PDL=True`` and Triton's
+    ``launch_pdl`` where :func:`pdl_on`, else none (the kernel's default, plain stream order)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_on(t) else {}

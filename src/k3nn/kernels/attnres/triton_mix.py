@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import triton_ready
 from .reference import AttnResPhase2Output
 
@@ -104,7 +104,7 @@ def _attnres_kernel(
     NORMALISE: tl.constexpr, WRITE_STATE: tl.constexpr, POST_NORM: tl.constexpr, PREFETCH: tl.constexpr,
     QV_RELOAD: tl.constexpr, JOIN: tl.constexpr, EVICT: tl.constexpr, ORDERED: tl.constexpr,
     FENCE: tl.constexpr, L2AHEAD: tl.constexpr = 0, L2KIND: tl.constexpr = 1, L2LANES: tl.constexpr = 1,
-    ELT: tl.constexpr = 2, TRIGGER: tl.constexpr = False,
+    ELT: tl.constexpr = 2, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     q = pid % Q
@@ -118,6 +118,8 @@ def _attnres_kernel(
     if not QV_RELOAD:
         qv = tl.load(qw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
         qv = qv * tl.load(nw_ptr + qbase + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): only weights are read before this
+        gdc_wait()
 
     if HAS_STATE:
         acc = _ld(o_ptr + rbase, offs, mask, EVICT).to(tl.float32)
@@ -234,7 +236,7 @@ def _attnres_kernel(
             acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
                                             pack=1)
 
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     obase = (q * N + row).to(tl.int64) * D
     if NORMALISE:
@@ -520,7 +522,7 @@ def _launch(srcs, qw, nw, out, *, n, d, q=1, eps, upd=None, newp=None, state=Non
         PREFETCH=max(0, min(int(prefetch), MAX_PREFETCH, len(srcs) - 1)), QV_RELOAD=bool(qv_reload), JOIN=bool(join),
         EVICT=(q == 1) if evict is None else bool(evict), ORDERED=bool(ordered),
         FENCE=1 if fence == 2 and _INTERPRET else int(fence), **_l2_args(srcs, d, l2_ahead, l2_kind, nw_),
-        TRIGGER=pdl_on(out), num_warps=nw_, **({"maxnreg": int(maxnreg)} if maxnreg else {}))
+        **pdl_launch(out), num_warps=nw_, **({"maxnreg": int(maxnreg)} if maxnreg else {}))
 
 
 # --------------------------------------------------------------------------------------------- supports

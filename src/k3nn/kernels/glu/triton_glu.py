@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import triton_ready
 from ..tl_math import tanh as _tanh
 
@@ -20,14 +20,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                TRIGGER: tl.constexpr = False):
+                PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + row * 2 * I + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=m, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     if ACT == 0:
         y = g * sig * u
@@ -40,12 +42,14 @@ def _glu_kernel(gu_ptr, y_ptr, I, beta, linear_beta, ACT: tl.constexpr, CAP: tl.
 
 
 @triton.jit
-def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     o = tl.load(o_ptr + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     tl.store(y_ptr + offs, (o / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty), mask=m)
 
@@ -79,7 +83,7 @@ def glu_packed_triton(gate_up: torch.Tensor, act: str, beta: float = 4.0,
         _glu_kernel[(gu.shape[0], triton.cdiv(I, BLOCK))](gu, y, I, float(beta), float(linear_beta or 1.0),
                                                           ACT=0 if act == "silu" else 1,
                                                           CAP=linear_beta is not None, BLOCK=BLOCK,
-                                                          TRIGGER=pdl_on(gu))
+                                                          **pdl_launch(gu))
     return y.view(*gate_up.shape[:-1], I)
 
 
@@ -88,5 +92,5 @@ def sigmoid_gate_triton(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(o2)
     n = o2.numel()
     if n:
-        _sigmoid_gate_kernel[(triton.cdiv(n, 1024),)](o2, g2, y, n, BLOCK=1024, TRIGGER=pdl_on(o2))
+        _sigmoid_gate_kernel[(triton.cdiv(n, 1024),)](o2, g2, y, n, BLOCK=1024, **pdl_launch(o2))
     return y

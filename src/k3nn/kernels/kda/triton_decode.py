@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, gdc_wait, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import current_tuning, triton_interpreting, triton_ready
 
 __all__ = ["kda_fused_decode_triton", "supports_fused_decode", "decode_plan"]
@@ -448,7 +448,7 @@ def kda_fused_decode_triton(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_w
     consts = dict(H=H, D=D, BD=BD, BV=BV, W=W, SOFTPLUS=gate_kind == "softplus",
                   HAS_IDX=state_indices is not None, HAS_NT=num_tokens is not None,
                   HAS_WM=write_state is not None, T1=T == 1, EVEN=BD == D,
-                  num_warps=nw, **(dict(PDL=True, launch_pdl=True) if pdl_on(qkv) else {}))
+                  num_warps=nw, **pdl_launch(qkv))
     # no autotune: the kernels update state in place
     hf, extra = _order_and_hints(B, H)
     if path == "head":

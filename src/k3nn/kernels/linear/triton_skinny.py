@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
-from ..pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, l2_prefetch, pdl_launch
 from ..precision import dot_precision
 from ..registry import current_tuning, triton_interpreting, triton_ready
 from .reference import MAX_SKINNY_ROWS, rows_of
@@ -129,7 +129,9 @@ def _skinny_kernel(X, W, Bias, R, Y, WS, M, N, K, K_SPLIT, sxm, swn, srm, sym,
 
 @triton.jit
 def _splitk_reduce(WS, Bias, R, Y, M, N, srm, sym, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TRIGGER: tl.constexpr = False):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     m = offs // N
@@ -137,7 +139,7 @@ def _splitk_reduce(WS, Bias, R, Y, M, N, srm, sym, SPLIT: tl.constexpr, BLOCK: t
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):  # fixed order: the same sum on every run
         acc += tl.load(WS + s * M * N + offs, mask=ok, other=0.0)
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
@@ -261,11 +263,11 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dummy = y2
     bn = max(16, cfg.block_n) if cfg.kind == "dot" else cfg.block_n  # tl.dot takes 16 rows at least
     grid = (triton.cdiv(N, bn), split)
-    pdl = pdl_on(x)
+    pdl_kw = pdl_launch(x)
     # PDL: the first PREFETCH_TILES weight tiles of each program are requested before the wait
     line = 128 // weight.element_size()
-    pre = dict(PDL=True, PRE_LINES=triton.next_power_of_2(max(1, PREFETCH_TILES * bk // line)), LINE=line,
-               launch_pdl=True) if pdl else {}
+    pre = dict(pdl_kw, PRE_LINES=triton.next_power_of_2(max(1, PREFETCH_TILES * bk // line)), LINE=line) \
+        if pdl_kw else {}
     _skinny_kernel[grid](x2, weight, bias if bias is not None else dummy, r2 if r2 is not None else dummy, y2, ws,
                          M, N, K, k_split, x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0,
                          y2.stride(0), BM=bm, BN=bn, BK=bk, DOT=cfg.kind == "dot",
@@ -279,5 +281,5 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                                      r2 if r2 is not None else dummy, y2, M, N,
                                                      r2.stride(0) if r2 is not None else 0, y2.stride(0),
                                                      SPLIT=split, BLOCK=block, HAS_BIAS=bias is not None,
-                                                     HAS_RES=r2 is not None, num_warps=4, TRIGGER=pdl)
+                                                     HAS_RES=r2 is not None, num_warps=4, **pdl_kw)
     return y

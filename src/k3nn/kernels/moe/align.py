@@ -55,14 +55,18 @@ def _align_kernel_src():
     import triton
     import triton.language as tl
 
+    from ..pdl import gdc_wait
+
     @triton.jit(do_not_specialize=["P", "S", "NB"])  # per-request counts: one compile for all
     def _moe_align_small(ids_ptr, sorted_ptr, eid_ptr, num_rows_ptr, P, E, S, NB,
                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
-                         MAX_BPE: tl.constexpr):
+                         MAX_BPE: tl.constexpr, PDL: tl.constexpr = False):
         """One program, no atomics, every output written by exactly one store (no ordering between threads):
         each pair's rank among the earlier pairs of its expert by comparisons (moe_align's stable order), the
         experts' counts, padded lengths and padded starts chunk by chunk over the experts (a running prefix),
         each used block's expert, -1 past the used rows, and the sorted ids gathered slot by slot."""
+        if PDL:  # launched as a programmatic dependent (kernels/pdl.py): the ids are read after this
+            gdc_wait()
         offs_p = tl.arange(0, BLOCK_P)
         pm = offs_p < P
         ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)
@@ -112,6 +116,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     the pairs of an expert in their flat order."""
     import triton
 
+    from ..pdl import pdl_launch
+
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _align_kernel_src()
@@ -131,7 +137,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     block_p = triton.next_power_of_2(max(P, 16))
     _KERNEL[(1,)](flat, sorted_ids, expert_ids, num_rows, P, num_experts, nb * block_m, nb,
                   BLOCK_M=block_m, BLOCK_P=block_p, CHUNK=max(8, min(128, 8192 // block_p)),
-                  MAX_BPE=-(-block_p // block_m), num_warps=4)
+                  MAX_BPE=-(-block_p // block_m), num_warps=4, **pdl_launch(flat))
     return MoEAlignment(sorted_ids, expert_ids, num_rows, block_m)
 
 

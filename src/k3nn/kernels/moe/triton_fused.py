@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...quant.mxfp4 import MXFP4Weight
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import autotune_prune, current_tuning
 from ..tuning_cache import AUTOTUNE_KW
 from .align import MoEAlignment, align_for
@@ -307,9 +307,11 @@ _DOWN = {k: _make_down(k) for k in ("small", "mid", "large")}
 
 @triton.jit
 def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, stride_yt, stride_yk, stride_wt, stride_ot, eps,
-                     K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr = False):
+                     K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     # the K slots unrolled: their loads are independent and issue together (a loop over a run-time top_k waited
     # for each slot's load in turn: 9 µs for one token at K3's width, now one round trip)
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -317,7 +319,7 @@ def _finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, D, stride_yt, stride_yk, stri
     for j in tl.static_range(K):
         wj = tl.load(w_ptr + t * stride_wt + j).to(tl.float32)
         acc += wj * tl.load(y_ptr + t * stride_yt + j * stride_yk + offs, mask=mask, other=0.0).to(tl.float32)
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     if HAS_NORM:
         r = 1.0 / tl.sqrt(tl.sum(acc * acc, 0) / D + eps)
@@ -341,7 +343,7 @@ def moe_finalize_triton(expert_out: torch.Tensor, topk_weights: torch.Tensor, no
     grid = (N, triton.cdiv(D, block_d))
     _finalize_kernel[grid](y, w, norm_weight if has_norm else w, out, D, y.stride(0), y.stride(1), w.stride(0),
                            out.stride(0), eps, K=k, HAS_NORM=has_norm, BLOCK_D=block_d,
-                           num_warps=min(32, max(4, block_d // 256)), TRIGGER=pdl_on(y))
+                           num_warps=min(32, max(4, block_d // 256)), **pdl_launch(y))
     return out
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import triton_ready
 from .routing import route_kernel_applies
 
@@ -34,7 +34,9 @@ def _logits(logit_ptr, row, E, NE, idx, m, S: tl.constexpr):
 
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, TRIGGER: tl.constexpr = False):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -46,7 +48,7 @@ def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.con
     key = order.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs)
     lowest = -9223372036854775807 - 1
     key = tl.where(m, key, lowest)
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     ks = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
@@ -96,5 +98,5 @@ def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_gr
         _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, N * E, float(scaling),
                             K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=block_e,
                             BLOCK_K=triton.next_power_of_2(top_k), S=S, num_warps=max(1, block_e // 1024),
-                            TRIGGER=pdl_on(logits))
+                            **pdl_launch(logits))
     return ids, w

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...utils import records_grad
-from ..pdl import gdc_launch_dependents, pdl_on
+from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import triton_ready
 from .triton_gated import MAX_D, _rows, row_config
 
@@ -22,7 +22,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit(do_not_specialize=["R"])  # the row count varies per call
 def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                  TRIGGER: tl.constexpr = False):
+                  PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
+        gdc_wait()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     d = tl.arange(0, BD)
     in_d = d < D
@@ -30,7 +32,7 @@ def _rms_norm_fwd(X, Wt, Y, R, eps, s_xr, s_yr, D: tl.constexpr, BD: tl.constexp
     x = tl.load(X + r[:, None] * s_xr + d[None, :], mask=m, other=0.0)
     xf = x.to(tl.float32)
     n = (xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps))[:, None]).to(x.dtype)
-    if TRIGGER:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
+    if PDL:  # our loads are done: a programmatic dependent (a skinny GEMM) may start its weight prefetch
         gdc_launch_dependents()
     w = tl.load(Wt + d, mask=in_d, other=0.0)
     tl.store(Y + r[:, None] * s_yr + d[None, :], (w.to(tl.float32)[None, :] * n.to(tl.float32)).to(Y.dtype.element_ty),
@@ -64,5 +66,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, config
     if R * D:
         _rms_norm_fwd[(triton.cdiv(R, br),)](x2, weight.contiguous(), y2, R, float(eps), x2.stride(0), y2.stride(0),
                                              D=D, BD=triton.next_power_of_2(D), BR=br, num_warps=warps,
-                                             TRIGGER=pdl_on(x2))
+                                             **pdl_launch(x2))
     return y
