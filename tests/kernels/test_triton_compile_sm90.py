@@ -101,3 +101,17 @@ def test_kda_decode_as_programmatic_dependent_compiles(name):
              {a: "*bf16" for a in ("qkv", "f", "bl", "gate", "conv_w", "dt_bias", "norm_w", "cs_ptr", "y")}
              | {"A_log": "*fp32", "S_ptr": "*fp32", "idx": "*i32", "nt": "*i32", "wm": "*i32", "counter": "*i32",
                 "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"}, c)
+
+
+@pytest.mark.parametrize("module,name,types,constexprs", [
+    ("k3nn.kernels.glu.triton_glu", "_glu_kernel", {"gu_ptr": "*bf16", "y_ptr": "*bf16", "beta": "fp32",
+                                                    "linear_beta": "fp32"}, {"ACT": 1, "CAP": True, "BLOCK": 1024}),
+    ("k3nn.kernels.norm.triton_rms", "_rms_norm_fwd", {"X": "*bf16", "Wt": "*bf16", "Y": "*bf16", "eps": "fp32"},
+     {"D": 7168, "BD": 8192, "BR": 1}),
+    ("k3nn.kernels.moe.triton_route", "_route_kernel", {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+                                                        "w_ptr": "*fp32", "scaling": "fp32"},
+     {"K": 16, "RENORM": True, "BLOCK_E": 128, "BLOCK_K": 16, "S": 4}),
+])
+def test_short_kernels_as_programmatic_dependents_compile(module, name, types, constexprs):
+    """The short decode kernels with PDL: the grid dependency wait first, the trigger after their loads."""
+    _compile(module, name, types, {**constexprs, "PDL": True})
