@@ -23,7 +23,9 @@ bytes, TB/s and the fraction of the copy bandwidth measured in the same run; the
 ``--variants`` runs the same batch under several kernel tunings in one process, side by side on clones of one
 prefilled cache: ``default`` (the library's choices), ``torch-gemm`` (``KernelTuning(skinny_linear="never")``:
 every projection on torch's GEMM, the map before the skinny GEMM), ``skinny-always`` and ``no-pdl``
-(``KernelTuning(pdl=False)``: plain stream order, no programmatic dependent launches).
+(``KernelTuning(pdl=False)``: plain stream order, no programmatic dependent launches). With PDL (the default) a
+kernel's profiled span starts when it is launched early and includes its wait for the kernel before it, so the
+default variant's class times overlap (their sum passes the step time); the ``no-pdl`` rows give the class map.
 
     k3nn bench decode-roofline [--batches 1,4,16,64] [--ctx 512] [--variants default,torch-gemm]
     k3nn bench decode-roofline --allow-cpu --config tiny      (CPU smoke run: no profile of graphs, not results)
@@ -483,7 +485,9 @@ def _meta(args, cfg) -> dict:
                     "launches: the graph's nodes; k3nn_ms: a generate() step, ids copy + replay + argmax); bytes = what each op call must move (weights "
                     "touched, distinct routed experts, KDA state r+w, MLA pages up to each length, activations); "
                     "HBM bound = bytes / copy_tbps; torch ops outside k3nn.ops are timed and counted, their bytes "
-                    "(activations) not"}
+                    "(activations) not; with programmatic dependent launch (KernelTuning.pdl, the default) a "
+                    "kernel's span starts at its early launch, so class times overlap and add up to more than the "
+                    "step: the no-pdl variant's class rows are the map"}
 
 
 if __name__ == "__main__":
