@@ -24,8 +24,10 @@ bytes, TB/s and the fraction of the copy bandwidth measured in the same run; the
 prefilled cache: ``default`` (the library's choices), ``torch-gemm`` (``KernelTuning(skinny_linear="never")``:
 every projection on torch's GEMM, the map before the skinny GEMM), ``skinny-always`` and ``no-pdl``
 (``KernelTuning(pdl=False)``: plain stream order, no programmatic dependent launches). With PDL (the default) a
-kernel's profiled span starts when it is launched early and includes its wait for the kernel before it, so the
-default variant's class times overlap (their sum passes the step time); the ``no-pdl`` rows give the class map.
+kernel's profiled span starts when it is launched early and includes its wait for the kernel before it: class times
+count each kernel's exposed span (:func:`exposed_spans`: from the later of its start and the previous kernel's end),
+so they partition the step's busy time under either variant (``decode-roofline-2026-12-04-211114.json`` and the
+results before it sum raw spans: there the default variant's class times overlap).
 
     k3nn bench decode-roofline [--batches 1,4,16,64] [--ctx 512] [--variants default,torch-gemm]
     k3nn bench decode-roofline --allow-cpu --config tiny      (CPU smoke run: no profile of graphs, not results)
@@ -199,12 +201,23 @@ def class_by_name(name: str) -> str:
     return NORMS
 
 
+def exposed_spans(spans: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """(name, start, end) device spans → (name, µs each adds to the timeline), in start order: a kernel's end minus
+    the later of its start and every earlier kernel's end, at least 0. Without overlap that is the kernel's
+    duration; a programmatic dependent launched early (``KernelTuning.pdl``) counts only from where the kernel
+    before it ended, so the spans partition the busy time and their sum never passes the step."""
+    out, reach = [], -math.inf
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        out.append((name, max(0.0, end - max(start, reach))))
+        reach = max(reach, end)
+    return out
+
+
 def _device_events(prof):
     from torch.autograd import DeviceType
 
-    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    ev.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.end - e.time_range.start) for e in ev]
+    return exposed_spans([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type == DeviceType.CUDA])
 
 
 def _class_of(fe) -> str | None:
@@ -485,9 +498,9 @@ def _meta(args, cfg) -> dict:
                     "launches: the graph's nodes; k3nn_ms: a generate() step, ids copy + replay + argmax); bytes = what each op call must move (weights "
                     "touched, distinct routed experts, KDA state r+w, MLA pages up to each length, activations); "
                     "HBM bound = bytes / copy_tbps; torch ops outside k3nn.ops are timed and counted, their bytes "
-                    "(activations) not; with programmatic dependent launch (KernelTuning.pdl, the default) a "
-                    "kernel's span starts at its early launch, so class times overlap and add up to more than the "
-                    "step: the no-pdl variant's class rows are the map"}
+                    "(activations) not; class and kernel times are exposed spans (a kernel's end minus the later "
+                    "of its start and the previous kernel's end), so a programmatic dependent launched early "
+                    "(KernelTuning.pdl) counts only past the kernel before it"}
 
 
 if __name__ == "__main__":

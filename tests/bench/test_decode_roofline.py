@@ -20,6 +20,15 @@ def test_class_by_name():
     assert dr.class_by_name("_attnres_phase2_kernel") == dr.NORMS
 
 
+def test_exposed_spans_partition_overlapping_kernels():
+    """A programmatic dependent launched early overlaps the kernel before it: it counts only past that kernel's end;
+    gaps count for nothing; without overlap each span is the kernel's duration."""
+    spans = [("b", 5.0, 12.0), ("a", 0.0, 10.0), ("c", 11.0, 11.5), ("d", 20.0, 23.0)]
+    assert dr.exposed_spans(spans) == [("a", 10.0), ("b", 2.0), ("c", 0.0), ("d", 3.0)]
+    assert dr.exposed_spans([("x", 0.0, 2.0), ("y", 2.0, 5.0)]) == [("x", 2.0), ("y", 3.0)]
+    assert dr.exposed_spans([]) == []
+
+
 def test_align_classes_takes_labels_where_names_agree():
     eager = [("a", 1.0, dr.DENSE), ("isfinite", 1.0, dr.ROUTING), ("_route_kernel", 1.0, dr.ROUTING),
              ("nvjet_x", 1.0, dr.LM_HEAD)]
