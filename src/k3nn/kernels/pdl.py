@@ -70,7 +70,8 @@ def l2_prefetch(ptrs, mask):
 
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """An NVIDIA GPU of compute capability 9.0 or above (ROCm reports its own architecture numbers here)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl_on(t: torch.Tensor) -> bool:
