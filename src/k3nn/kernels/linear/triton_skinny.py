@@ -16,6 +16,10 @@ to fill the GPU: each writes an fp32 partial, and a second launch sums them in a
 atomics) and applies bias, residual and the cast. Products and sums are fp32 whatever the input dtype; the output
 is rounded once, like cuBLAS's epilogue (``residual`` is added before that rounding, as ``torch.addmm``).
 
+On sm_90+ the kernel is launched as a programmatic dependent (:mod:`k3nn.kernels.pdl`, ``KernelTuning.pdl``): a
+program requests its first :data:`PREFETCH_TILES` weight tiles into L2, then waits for the kernel before it (which
+wrote x) and streams; its weight stream so starts while that kernel finishes.
+
 The launch shape comes from :data:`k3nn.kernels.linear.tuned.TUNED` where the shape was measured, else from
 :func:`default_config`; :func:`linear_skinny` takes an explicit ``config`` (benchmarks, tests). CUDA-graph safe: no
 host sync, the only allocations are the output and the split-K workspace.
