@@ -18,7 +18,7 @@ is rounded once, like cuBLAS's epilogue (``residual`` is added before that round
 
 On sm_90+ the kernel is launched as a programmatic dependent (:mod:`k3nn.kernels.pdl`, ``KernelTuning.pdl``): a
 program requests its first :data:`PREFETCH_TILES` weight tiles into L2, then waits for the kernel before it (which
-wrote x) and streams; its weight stream so starts while that kernel finishes.
+wrote x) and streams, so its weight stream starts while that kernel finishes.
 
 The launch shape comes from :data:`k3nn.kernels.linear.tuned.TUNED` where the shape was measured, else from
 :func:`default_config`; :func:`linear_skinny` takes an explicit ``config`` (benchmarks, tests). CUDA-graph safe: no
