@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Where the CUDA MXFP4 GEMV's time goes: the default launch shape built from its source and from ablated copies
+of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, top-16 of 128, bf16):
+
+    source        the kernel as shipped (checked against the eager reference)
+    no-compute    the loop loads every weight batch but only XOR-folds it (no decode, mma or scale step)
+    no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
+    stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
+
+``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version, expanded by ``read_source``) as
+one more checked variant. The ablations change timing only; their outputs are meaningless. One GPU check:
+
+    python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+
+from k3nn.kernels.moe import cuda_mx_gemv as cmx
+from k3nn.kernels.moe.align import align_for
+from k3nn.kernels.moe.reference import moe_expert_outputs_reference
+
+from bench.common import device_meta, graph_bench_ms, rel_err
+from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
+
+print = functools.partial(print, flush=True)
+
+_LOOP_START = "        float c[NM][NR][4];\n"
+_LOOP_END = "      }\n    }\n    if (PF) {\n#pragma unroll"
+_FOLD = """        (void)gr;
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+          acc[m][0][0] += __uint_as_float((cur[u][m][0].x ^ cur[u][m][0].y ^ cur[u][m][0].z ^ cur[u][m][0].w ^
+                                           cur[u][m][1].x ^ cur[u][m][1].y ^ cur[u][m][1].z ^ cur[u][m][1].w) &
+                                          0x3F7FFFFFu);
+"""
+_STAGE_SCALES = ("  // 2. E8M0 bytes", "  if constexpr (!GLU) pdl_wait();")
+_STAGE_ACT = ("  // 3. activations of the staged rows", "  // 5-6. stream the weights")
+
+
+def _cut(src: str, start: str, end: str, new: str) -> str:
+    """``src`` with the text from ``start`` up to (not including) ``end`` replaced by ``new``; each marker once."""
+    if src.count(start) != 1 or src.count(end) != 1:
+        raise ValueError(f"mx_ablate: the source no longer has exactly one {start!r} / {end!r}")
+    a = src.index(start)
+    b = src.index(end, a)
+    return src[:a] + new + src[b:]
+
+
+def ablated(src: str, compute: bool, staging: bool) -> str:
+    if not compute:
+        src = _cut(src, _LOOP_START, _LOOP_END, _FOLD)
+    if not staging:
+        src = _cut(src, *_STAGE_SCALES, "  if (tid < BMX) amx[tid] = 0u;\n")
+        src = _cut(src, *_STAGE_ACT, "  __syncthreads();\n")
+    return src
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
+    args = ap.parse_args()
+    t0 = time.time()
+    dev, E = "cuda", args.experts
+    meta = device_meta()
+    copy = meta["copy_tbps"]
+    print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
+    shipped = cmx.CUDA_SOURCE
+    variants = [("source", shipped, True)]
+    for spec in args.source:
+        name, path = spec.split("=", 1)
+        variants.append((name, open(path).read(), True))
+    variants += [("no-compute", ablated(shipped, False, True), False),
+                 ("no-staging", ablated(shipped, True, False), False),
+                 ("stream-only", ablated(shipped, False, False), False)]
+    q1, q3, q2 = make_weights(dev, E)
+    up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
+    g = torch.Generator(device=dev).manual_seed(1)
+    cases = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        z = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.randn(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices
+        P = T * TOPK
+        al = align_for(ids, E, cmx.cuda_block_m(P, E))
+        ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float().reshape(P, D)
+        cases.append((T, z, al, P, torch.unique(ids).numel(), ref))
+    cfg, configs = cmx.DEFAULT_CONFIG, (cmx.DEFAULT_CONFIG,)
+    for name, src, check in variants:
+        cmx.CUDA_SOURCE = src
+        cmx._build.cache_clear()
+        cmx.build(configs, ("bf16",))
+        print(f"-- {name}: built in {cmx.last_build_seconds:.1f}s  [t={time.time() - t0:.0f}s]")
+        for T, z, al, P, touched, ref in cases:
+            h = torch.empty(al.expert_ids.numel() * al.block_m, I, dtype=z.dtype, device=dev)
+            y = torch.full((P, D), float("nan"), dtype=z.dtype, device=dev)
+            mc = (configs, ("bf16",))
+
+            def up():
+                cmx._launch(mc, cfg, True, z, q1, q3, h, al, TOPK, P, True, 1, True, BETA, LIN)
+
+            def down():
+                cmx._launch(mc, cfg, False, h, q2, q2, y, al, TOPK, P, False, 1, True, BETA, LIN, False)
+
+            def pair():
+                cmx.mx_gemv_experts_cuda(z, q1, q3, q2, al, y, P, TOPK, 1, True, BETA, LIN, cfg, cfg,
+                                         configs=configs, dtypes=("bf16",))
+
+            pair()
+            torch.cuda.synchronize()
+            err = f"rel_err {rel_err(y.float(), ref):.1e}" if check else "(ablated)"
+            us = [graph_bench_ms(f, inner=20, rep=10) * 1e3 for f in (up, down, pair)]
+            fu, fd = touched * up_b / us[0] / 1e6 / copy, touched * dn_b / us[1] / 1e6 / copy
+            fp = touched * (up_b + dn_b) / us[2] / 1e6 / copy
+            print(f"   T={T:2d} {name:12s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
+                  f"pair {us[2]:6.1f} us {fp:6.1%} | {err}")
+    cmx.CUDA_SOURCE = shipped
+    cmx._build.cache_clear()
+    print(f"done in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
