@@ -190,8 +190,7 @@ def smem_bytes(cfg: CudaGemvConfig, block_m: int, K: int, glu: bool) -> int:
     """Dynamic shared memory of one CTA (mirrors ``Smem`` in the CUDA source)."""
     nt = 1 if block_m <= 2 else (2 if block_m == 4 else 4)
     G, bmx, nm, rows = (K + 127) // 128, 2 * nt, 2 if glu else 1, 16 * cfg.row_tiles
-    sstr = 16 * (((G + 3) // 4) | 1)
-    return bmx * (G * 128 + 8) * 2 + nm * rows * sstr + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
+    return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
 
 
 def _aligned16(t: torch.Tensor, dims=(0, 1)) -> bool:

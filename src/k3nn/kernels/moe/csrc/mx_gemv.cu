@@ -29,14 +29,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read o
   return r;
 }
 
-// 16-byte asynchronous copy global -> shared, zero-filled (nothing read) when !pred; sm_80+
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(pred ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
@@ -100,9 +92,7 @@ template <int NT, int RT, int KS, bool GLU>
 struct Smem {
   static constexpr int BMX = 2 * NT, NM = GLU ? 2 : 1, ROWS = 16 * RT;
   static __host__ __device__ int astr(int G) { return G * 128 + 8; }  // halves per staged token row
-  // bytes per E8M0 row: whole 16-byte chunks (asynchronous copies), 4 x an odd number of words, so the rows g
-  // = 0..7 that a warp's lanes read in the loop fall in distinct banks
-  static __host__ __device__ int sstr(int G) { return 16 * (((G + 3) >> 2) | 1); }
+  static __host__ __device__ int sstr(int G) { return 4 * (G | 1); }  // bytes per E8M0 row (odd word count)
   static __host__ __device__ size_t act_bytes(int G) { return (size_t)BMX * astr(G) * 2; }
   static __host__ __device__ size_t scl_bytes(int G) { return (size_t)NM * ROWS * sstr(G); }
   static __host__ __device__ size_t bytes(int G) {
@@ -128,16 +118,15 @@ __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&
 
 // Steps 5-6 for NR n8 tiles (the block's first 2*NR staged rows): stream the warp's groups, then the quad
 // reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
-// On entry cur holds batch 0 and, with PF, nxt batch 1 (both requested before the prologue).
 template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC>
-__device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], uint4 (&nxt)[U][NM][2],
-                                            const uint4* (&wr)[NM][2], bool ok0,
+__device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
                                             bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
   constexpr int ROWS = 16 * RT;
   const bool diag = (g & 3) == q;
   const int tokb = g >> 2;
   const uint4* actv = reinterpret_cast<const uint4*>(act);
+  uint4 nxt[U][NM][2];
   float acc[NM][NR][4];
 #pragma unroll
   for (int m = 0; m < NM; ++m)
@@ -149,7 +138,7 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], uint4 (&nxt)
 #pragma unroll 1
   for (int it = 0; it < IT; ++it) {
     if (PF) {
-      if (it > 0 && it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
+      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
     } else if (it > 0) {
       load_batch<U, NM, KS>(cur, wr, it, ks, J, NBLK, q, ok0, ok1);
     }
@@ -257,13 +246,11 @@ mx_gemv_kernel(const Args p) {
   if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
   const int nb = p.nb, bm = p.bm;
   const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // 0. the block's metadata in one round trip (eid and sorted hold nb and nb*bm entries, in use or not)
-  const int used = __ldg(p.num_rows);
+  if (blk * bm >= __ldg(p.num_rows)) return;
   const int e = __ldg(p.eid + blk);
-  const int srt = lane < bm ? __ldg(p.sorted + blk * bm + lane) : p.num_pairs;  // lane t: staged row t
-  if (blk * bm >= used || e < 0) return;
+  if (e < 0) return;
   const int K = p.K, N = p.N, G = (K + 127) >> 7, NBLK = K >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rt = warp % RT, ks = warp / RT, g = lane >> 2, q = lane & 3;
   const int n0 = tile * ROWS;
   const int r0 = n0 + rt * 16 + g, r1 = r0 + 8;
@@ -277,7 +264,7 @@ mx_gemv_kernel(const Args p) {
   float* red = reinterpret_cast<float*>(scl + S::scl_bytes(G));               // [KS][RT][NM][BMX][16]
   unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);  // [BMX] max |a| bits
 
-  // 1. the first weight batches in flight (two with PF) before anything else
+  // 1. first weight loads in flight before anything else
   const uint4* wr[NM][2];
   {
     const uint8_t* b0 = p.w1 + (long long)e * p.wse;
@@ -290,74 +277,65 @@ mx_gemv_kernel(const Args p) {
     }
   }
   const bool ok0 = r0 < N, ok1 = r1 < N;
-  uint4 cur[U][NM][2], nxt[U][NM][2];
+  uint4 cur[U][NM][2];
   load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
-  if (PF) load_batch<U, NM, KS>(nxt, wr, 1, ks, J, NBLK, q, ok0, ok1);
 
   // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
-  const unsigned vb = __ballot_sync(0xFFFFFFFFu, srt < p.num_pairs);
+  const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
   const int nv = 32 - __clz(vb);
   if (nv == 0) return;
   const int nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);  // n8 tiles this CTA runs
   const int rows2 = 2 * nr;                                              // activation rows staged
 
-  // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127); the
-  //    vector path by asynchronous copies, so they are in flight together with the activations below
+  // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127)
   if (tid < BMX) amx[tid] = 0u;
-  if (p.scale_vec) {  // NBLK % 16 == 0 and 16-byte aligned rows: one copy per 16 blocks
-    const int CPR = NBLK >> 4;
-#pragma unroll 4
-    for (int i = tid; i < NM * ROWS * CPR; i += NTHR) {
-      const int mr = i / CPR, c = i - mr * CPR, m = mr / ROWS, n = n0 + (mr - m * ROWS);
-      uint8_t* d = scl + mr * SSTR + 16 * c;
-      if (n < N) {
-        cp_async16(d, (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse + (long long)n * p.ssn + 16 * c, true);
-      } else {
-        *reinterpret_cast<uint4*>(d) = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-      }
-    }
-  } else {
 #pragma unroll 1
-    for (int m = 0; m < NM; ++m) {
-      const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
+  for (int m = 0; m < NM; ++m) {
+    const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
+    if (p.scale_vec) {  // NBLK % 16 == 0 and 16-byte aligned rows: one 16-byte load per 16 blocks
+      const int CPR = NBLK >> 4;
+#pragma unroll 2
+      for (int i = tid; i < ROWS * CPR; i += NTHR) {
+        const int rr = i / CPR, c = i - rr * CPR, n = n0 + rr;
+        uint4 v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+        if (n < N) v = __ldg(reinterpret_cast<const uint4*>(sb + (long long)n * p.ssn) + c);
+        unsigned* d = reinterpret_cast<unsigned*>(scl + (m * ROWS + rr) * SSTR + 16 * c);
+        d[0] = v.x;
+        d[1] = v.y;
+        d[2] = v.z;
+        d[3] = v.w;
+      }
+    } else {
 #pragma unroll 4
       for (int i = tid; i < ROWS * NBLK; i += NTHR) {
         const int rr = i / NBLK, b = i - rr * NBLK, n = n0 + rr;
         scl[(m * ROWS + rr) * SSTR + b] = n < N ? __ldg(sb + (long long)n * p.ssn + b) : (uint8_t)127;
       }
     }
-  }
-  for (int i = tid; i < NM * ROWS * (4 * G - NBLK); i += NTHR) {  // padded blocks of the last group
-    const int mr = i / (4 * G - NBLK);
-    scl[mr * SSTR + NBLK + (i - mr * (4 * G - NBLK))] = (uint8_t)127;
+    for (int i = tid; i < ROWS * (4 * G - NBLK); i += NTHR) {  // padded blocks of the last group
+      const int rr = i / (4 * G - NBLK);
+      scl[(m * ROWS + rr) * SSTR + NBLK + (i - rr * (4 * G - NBLK))] = (uint8_t)127;
+    }
   }
   if constexpr (!GLU) pdl_wait();  // h (the up kernel's output) is read from here on
+  __syncthreads();
 
-  // 3. activations of the staged rows -> shared memory (raw, asynchronous copies; invalid rows and the padding
-  //    to whole groups zero-filled), then max |a| per row
+  // 3. activations of the staged rows -> shared memory (raw), and max |a| per row
   const int KC = K >> 3, GC = G * 16;  // 8-element chunks: real / padded to whole groups
 #pragma unroll 1
   for (int t = 0; t < rows2; ++t) {
-    const int flat = __shfl_sync(0xFFFFFFFFu, srt, t);
+    const int row = blk * bm + t;
+    const int flat = t < bm ? __ldg(p.sorted + row) : p.num_pairs;
     const bool valid = flat < p.num_pairs;
-    const long long arow = p.a_by_token ? (long long)(flat / p.top_k) : (long long)(blk * bm + t);
-    const T* src = reinterpret_cast<const T*>(p.a) + (valid ? arow * p.stride_a : 0LL);
-    __half* dst = act + t * ASTR;
-#pragma unroll 2
-    for (int c = tid; c < GC; c += NTHR) {
-      const bool in = valid && c < KC;
-      cp_async16(dst + 8 * c, in ? src + 8 * c : src, in);
-    }
-  }
-  cp_async_wait_all();
-  __syncthreads();
-#pragma unroll 1
-  for (int t = 0; t < rows2; ++t) {
-    const uint4* row = reinterpret_cast<const uint4*>(act + t * ASTR);
+    const long long arow = p.a_by_token ? (long long)(flat / p.top_k) : (long long)row;
+    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.a) + arow * p.stride_a);
+    uint4* dst = reinterpret_cast<uint4*>(act + t * ASTR);
     unsigned mx = 0u;
-#pragma unroll 2
+#pragma unroll 4
     for (int c = tid; c < GC; c += NTHR) {
-      const uint4 v = row[c];
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (valid && c < KC) v = __ldg(src + c);
+      dst[c] = v;
       mx = __vmaxu2(mx, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
                                  __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
     }
@@ -395,15 +373,15 @@ mx_gemv_kernel(const Args p) {
 
   // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
   if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, nxt, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else if (nr == 2) {
     if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, nxt, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   } else {
     if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, nxt, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
                                                             act, scl, red);
   }
   __syncthreads();
