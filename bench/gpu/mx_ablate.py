@@ -31,7 +31,8 @@ from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
 print = functools.partial(print, flush=True)
 
 _LOOP_START = "        float c[NM][NR][4];\n"
-_LOOP_END = "      }\n    }\n    if (PF) {\n#pragma unroll"
+_LOOP_ENDS = ("      }\n    }\n    if (PF) {\n#pragma unroll",  # the batch's end: copy-forward loop
+              "      }\n    }\n  };\n")  # or the end of the batch lambda
 _FOLD = """        (void)gr;
 #pragma unroll
         for (int m = 0; m < NM; ++m)
@@ -43,9 +44,11 @@ _STAGE_SCALES = ("  // 2. E8M0 bytes", "  if constexpr (!GLU) pdl_wait();")
 _STAGE_ACT = ("  // 3. activations of the staged rows", "  // 5-6. stream the weights")
 
 
-def _cut(src: str, start: str, end: str, new: str) -> str:
-    """``src`` with the text from ``start`` up to (not including) ``end`` replaced by ``new``; each marker once."""
-    if src.count(start) != 1 or src.count(end) != 1:
+def _cut(src: str, start: str, end: str | tuple[str, ...], new: str) -> str:
+    """``src`` with the text from ``start`` up to (not including) ``end`` (the first of several that occurs)
+    replaced by ``new``; each marker once."""
+    end = next((e for e in ((end,) if isinstance(end, str) else end) if e in src), end)
+    if src.count(start) != 1 or not isinstance(end, str) or src.count(end) != 1:
         raise ValueError(f"mx_ablate: the source no longer has exactly one {start!r} / {end!r}")
     a = src.index(start)
     b = src.index(end, a)
@@ -53,8 +56,8 @@ def _cut(src: str, start: str, end: str, new: str) -> str:
 
 
 def ablated(src: str, compute: bool, staging: bool) -> str:
-    if not compute:
-        src = _cut(src, _LOOP_START, _LOOP_END, _FOLD)
+    if not compute:  # the batch's registers: cur, or d inside a batch lambda
+        src = _cut(src, _LOOP_START, _LOOP_ENDS, _FOLD.replace("cur[", "d[") if "auto batch" in src else _FOLD)
     if not staging:
         src = _cut(src, *_STAGE_SCALES, "  if (tid < BMX) amx[tid] = 0u;\n")
         src = _cut(src, *_STAGE_ACT, "  __syncthreads();\n")
