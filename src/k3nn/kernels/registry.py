@@ -96,9 +96,8 @@ class KernelTuning:
             kernel cannot run; ``"triton"`` the Triton one always.
         moe_gemv_pairs: MXFP4 experts with at most this many (token, slot) pairs take the Triton weight-streaming
             GEMV instead of the grouped GEMMs (0: never).
-        moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never). 1024: on the H200 at K3's expert
-            shape (128 experts, top-16) the CUDA GEMV took 0.61× the grouped GEMMs' time at 512 pairs and 0.95× at
-            1024, 1.17× at 2048 (``bench/results/logs/mx-gemv-vs-grouped-2026-12-03.log``).
+        moe_cuda_gemv_pairs: the same limit where the CUDA GEMV runs (0: never; the default is where it stops
+            beating the grouped GEMMs at K3's expert shape, ``docs/perf.md``).
         moe_cuda_pdl: the CUDA GEMV launches its down kernel as a programmatic dependent of the up kernel
             (sm_90+ only; False: plain stream order).
         pdl: programmatic dependent launch for the Triton decode kernels (sm_90+ only; :mod:`k3nn.kernels.pdl`):

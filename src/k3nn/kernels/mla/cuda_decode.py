@@ -212,10 +212,8 @@ def default_num_splits(B: int, M: int, max_tokens: int, sm_count: int, ctas_per_
     query rows per row tile), at least ``min_tiles`` ``block_n``-key tiles per split of the longest possible request
     (``max_tokens``: the block table's width in tokens), at most :data:`MAX_SPLITS`. Depends on shapes only
     (graph-safe). At least 8 tiles per split (more split partials cost more than the wave they fill), except that a
-    short table still gets up to :data:`SHORT_SPLITS` splits of two tiles: a CTA's fixed cost (~12 µs with its first
-    tile) dominates there. H200, B=1, H=96, one call in a CUDA graph (``bench/gpu/mla_splits.py``,
-    ``logs/mla-splits-2026-12-03.log``): L=512 15.5 µs with 4 splits (a cluster of 4) against 25.6 µs with the 8-tile
-    rule's one; L=2048 16.7 µs with 16 against 26.0 µs with 4 (a cluster of 4); B=4 L=2048 21.3 against 26.3."""
+    short table still gets up to :data:`SHORT_SPLITS` splits of two tiles: a CTA's fixed cost (its first tile)
+    dominates there (``bench/gpu/mla_splits.py``; the numbers are in ``docs/perf.md``)."""
     per = B * math.ceil(M / rows)
     by_wave = (ctas_per_sm * sm_count) // per
     by_len = math.ceil(max(1, max_tokens) / (min_tiles * block_n))

@@ -114,9 +114,9 @@ __device__ __forceinline__ void store_row_lse(const MlaParams& p, int b, int spl
 // blockDim.y warps (up to MERGE_WARPS, one per 8 splits), 4 columns per lane. The splits' weights go to shared
 // memory first; then warp w sums the w-th contiguous share of the splits, eight partial loads at a time per lane
 // (a single request still keeps M · 4 · blockDim.y warps loading) and the warps' sums meet in shared memory, added
-// in warp order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied. One warp
-// per row chunk took 5.3 µs at B=1 L=32K H=64 with 64 splits, eight take 4.3 (h200-s10-run13); a warp per split
-// for two splits (B=64) took 22 µs against 12 (run 12), hence a warp per batch of eight.
+// in warp order. Empty splits wrote no partial: their loads are discarded by a select, never multiplied. A warp per
+// batch of eight partials: fewer warps leave a long row slow, one per split wastes them on short rows
+// (docs/perf.md).
 constexpr int MERGE_COLS = 128, MERGE_MAX_SPLITS = 256, MERGE_WARPS = 8;  // MAX_SPLITS on the Python side
 // (The minimum of 4 resident CTAs lets ptxas take 64 registers: aiming at full occupancy, it keeps 32 and issues
 // the eight loads two at a time.)
@@ -217,8 +217,7 @@ cudaError_t launch_t(const MlaParams& p, cudaStream_t stream) {
   const int merge_warps = max(1, min(MERGE_WARPS, p.parts / 8));  // a warp takes at least one batch of 8 partials
   const dim3 grid(p.M, p.B, R / MERGE_COLS), block(32, merge_warps);
   // After the warp-group kernel (sm_90) the combine is a programmatic dependent: its CTAs launch while stage 1 runs
-  // (onto SMs stage 1 leaves free) and wait in pdl_wait. Graph totals, same run (h200-s10-run16): B=1 L=32K H=96
-  // 33.9 / 33.8 → 33.8 / 33.6 µs, H=64 34.2 / 34.3 → 32.8 / 34.0, B=64 L=8K H=64 196.6 / 193.2 → 196.0 / 189.6.
+  // (onto SMs stage 1 leaves free) and wait in pdl_wait.
   return launch_pdl(mla_combine_kernel<TO>, grid, block, 0, stream, p);
 }
 

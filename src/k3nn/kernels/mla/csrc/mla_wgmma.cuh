@@ -22,30 +22,10 @@
 //   VFREE   group 0 → 1: group 0's P·V(it) done, buffer it % 2 may be refilled (two ids, alternating: group 0 can
 //           run a tile ahead of group 1's wait)
 // With Tq·H = 96 the second CTA of a request has 32 live rows of 64 (wgmma's M is 64).
-// Measured on the H200 (bench/results/logs/h200-s8-*): this layout took B=64 L=8K H=64 from 204 to 177 µs and H=96
-// from 355 to 263 µs against the former symmetric one (both groups scoring 32 keys each with m64n32k16 — Q read
-// twice per tile — and exchanging row maxima and P through shared memory, run8); TMA against cp.async 183 / 188 µs
-// (run5). No faster: an L2 prefetch of whole tiles ahead of the loads (run2: 1-4% with cp.async, L2 thrash at 4
-// tiles ahead); refilling a buffer's rope atom and right half early (run7: slower, the issuing lane holds its
-// group's P·V); group 1's P·V deferred until group 0's next scores are done, to run under the softmax (run10:
-// 19-32% slower: the two groups' products overlap better than they serialize); earlier, for the symmetric kernel
-// (s7 runs 4, 9, 10): two tiles in flight, several score accumulators, duplicated scores with P kept in registers.
-// Also no faster (s9 runs 5-9, same-run A/B at B=64 L=8K): the two row tiles of H=96 / Tq=2 as one cluster sharing
-// each key tile by TMA multicast (394 against 299 µs at H=96: the loader waits for the peer CTA's free buffer on
-// its group's P·V path); one mbarrier per atom so the scores start as atoms land (244 against 181 µs at H=64: the
-// wait between the products makes ptxas serialize the wgmma chain, C7520); a TMA L2 prefetch of each tile a tile
-// before its load (216 against 182); a third, loader warp group with setmaxnreg 56 / 224 (199 against 176); with
-// two splits, the splits of a row tile as one cluster, split 0 merging split 1's partial instead of the combine
-// kernel (run 12: 180-183 against 177). The softmax as one FMA and one ex2 per probability (run 6) changed no
-// time: the tiles' arrival paces the kernel.
+// Group 0 owns whole tiles so Q is read once per tile and no row maximum crosses groups; the measurements behind
+// this layout, and the variants that were no faster, are in docs/perf.md (MLA, CUDA decode).
 // With p.cluster > 1 the CTAs of consecutive splits form a cluster and merge their staged rows through distributed
 // shared memory (wg_cluster_merge) before anything reaches global memory.
-// A CTA's life at B=1 L=32K H=64 with 132 splits (phase stamps, K3MLA_TRACE, bench/gpu/mla_trace.py, h200-s10 runs
-// 6-10): ~2 µs until its first key tile is asked for (the lengths, then the block id: two dependent loads), ~3 µs
-// until it lands (every SM asks at once), ~3 µs per further tile (bandwidth), then the epilogue: 6-9 µs with the
-// fragments' own stores, 4-5 µs staged (below). A lone CTA with one tile takes 12-15 µs in all. For scale, a
-// plain read of the same 38 MB (a sum in PyTorch) takes 18.7 µs (run 3). Loading pages in pool order changed nothing
-// (run 2).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K3MLA_WGMMA 1
 #endif
@@ -195,10 +175,8 @@ __device__ __forceinline__ void store_part4(const MlaParams& p, int b, int part,
 // its rows r_lo / r_hi, columns 256·grp + 8 j + 2 tq (+1), scaled by 1 / l, into a padded fp32 tile [64, 516] over
 // the Q and key buffers (the 8 rows of a fragment store fall on distinct banks); then the CTA writes the tile in
 // row-contiguous 16-byte pieces, a warp store covering four cache lines of one row. One split: o and lse; else the
-// fp32 partials and the split's lse. Phase stamps (bench/gpu/mla_trace.py, h200-s10 runs 6-9): the fragments' own
-// stores (eight rows' 32-byte pieces per warp store) took a CTA 6-9 µs, this 4-5 (B=1 L=32K, 132 splits: stage 1
-// 28.4 → 24.4 µs). One bulk copy per row (cp.async.bulk shared → global) instead was faster for a lone CTA (2.3
-// against 5.4 µs) but slower with every SM writing partials (4.1 against 2.8 µs; stage 1 26.8 µs).
+// fp32 partials and the split's lse. Staged, because the fragments' own stores (eight rows' 32-byte pieces per warp
+// store) are slower, and one bulk copy per row only wins for a lone CTA (docs/perf.md).
 constexpr int WG_OLD = R + 4;  // fp32 row stride of the staged output tile
 // the staged tile, its rows' lse and the cluster merge's weights (WG_MAX_CLUSTER per row and 1 / their sum)
 static_assert(WG_ROWS * (WG_OLD + 1 + WG_MAX_CLUSTER + 1) * 4 <= 3 * WG_TILE, "the staged output fits over Q, keys");
