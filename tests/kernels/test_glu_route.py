@@ -73,6 +73,36 @@ def test_route_triton_matches_reference(n, e_k, seed, renorm, scaling):
             assert abs(a[e] - b[e]) <= 1e-6 * max(1.0, abs(a[e]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("be", ["eager", "triton"])
+def test_route_non_finite_logits_raise_on_every_backend(bad, be):
+    """The eager backend checks the logits; the route kernel flags each row it reads (no launches of its own)."""
+    logits = torch.randn(3, 8)
+    with backend(be):
+        ops.moe_route(logits, torch.zeros(8), 2, True, 1.0)  # finite: no error
+        logits[2, 5] = bad
+        with pytest.raises(ValueError, match="router logits contains NaN or Inf"):
+            ops.moe_route(logits, torch.zeros(8), 2, True, 1.0)
+
+
+def test_gate_route_flags_a_non_finite_sum_of_partials():
+    """The fused router (skinny GEMM partials summed by the route kernel) checks the summed logits: a row whose
+    product overflows fp32 raises, finite rows do not."""
+    from k3nn.kernels.linear import triton_skinny
+
+    x, w = torch.ones(2, 64), torch.ones(8, 64)
+    x[1] *= 1e37  # row 1's dot product overflows fp32 in the partial sums
+    cfg = triton_skinny.SkinnyConfig("fma", 16, 64, 4, 1, 2)
+    saved, triton_skinny.config_for = triton_skinny.config_for, lambda *a, **kw: cfg
+    try:
+        with backend("triton"):
+            ops.moe_gate_route(x[:1], w, torch.zeros(8), 2, True, 1.0)
+            with pytest.raises(ValueError, match="router logits contains NaN or Inf"):
+                ops.moe_gate_route(x, w, torch.zeros(8), 2, True, 1.0)
+    finally:
+        triton_skinny.config_for = saved
+
+
 def test_route_edge_cases():
     with pytest.raises(ValueError, match="NaN"):
         ops.moe_route(torch.tensor([[0.1, float("nan"), 0.3]]), torch.zeros(3), 2, True, 1.0)

@@ -109,7 +109,7 @@ def test_kda_decode_as_programmatic_dependent_compiles(name):
     ("k3nn.kernels.norm.triton_rms", "_rms_norm_fwd", {"X": "*bf16", "Wt": "*bf16", "Y": "*bf16", "eps": "fp32"},
      {"D": 7168, "BD": 8192, "BR": 1}),
     ("k3nn.kernels.moe.triton_route", "_route_kernel", {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-                                                        "w_ptr": "*fp32", "scaling": "fp32"},
+                                                        "w_ptr": "*fp32", "ok_ptr": "*i1", "scaling": "fp32"},
      {"K": 16, "RENORM": True, "BLOCK_E": 128, "BLOCK_K": 16, "S": 4}),
 ])
 def test_short_kernels_as_programmatic_dependents_compile(module, name, types, constexprs):

@@ -7,8 +7,8 @@ import torch
 
 from ..kernels import moe as _moe  # noqa: F401  (registers the backends)
 from ..kernels.linear.reference import MAX_SKINNY_ROWS, check_linear, rows_of
-from ..kernels.moe.routing import (check_finite_on_device, check_route, check_route_args, route_kernel_applies,
-                                   route_reference)
+from ..kernels.moe.routing import (check_finite_on_device, check_route, check_route_args, route_checked,
+                                   route_kernel_applies)
 from ..kernels.registry import BackendUnavailableError, dispatch, resolve
 from ..quant.mxfp4 import MXFP4Weight, check_mxfp4
 from ..utils import records_grad
@@ -27,7 +27,7 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
     check_route(logits, bias, top_k, score_func)
     args = (logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
     if not route_kernel_applies(num_group, topk_group, score_func):
-        return route_reference(*args)
+        return route_checked(*args)
     return dispatch("moe_route", *args)
 
 

@@ -8,7 +8,7 @@ import torch
 from ...quant.mxfp4 import MXFP4Weight
 from ..registry import register, triton_interpreting, triton_ready
 from .reference import moe_expert_outputs_reference, moe_experts_reference, moe_latent_finalize_reference
-from .routing import route_reference
+from .routing import route_checked, route_reference
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -100,7 +100,7 @@ def _route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_g
     return route_triton(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
 
 
-register("moe_route", "eager")(route_reference)
+register("moe_route", "eager")(route_checked)
 register("moe_route", "triton", supports=_route_supports, available=_triton_available)(_route_triton)
 
 
@@ -111,7 +111,7 @@ def _gate_route_reference(x, weight, bias, top_k, renormalize, scaling, num_grou
     from ..linear.reference import linear_reference
 
     out = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
-    return route_reference(linear_reference(x, weight, None, None, out), bias, top_k, renormalize, scaling,
+    return route_checked(linear_reference(x, weight, None, None, out), bias, top_k, renormalize, scaling,
                            num_group, topk_group, score_func)
 
 
@@ -137,11 +137,9 @@ def _gate_route_auto_skip(x, weight, *args, **kwargs):
 def _gate_route_triton(x, weight, bias, top_k, renormalize, scaling, num_group=1, topk_group=1,
                        score_func="sigmoid"):
     from ..linear.triton_skinny import linear_skinny
-    from .routing import check_finite_on_device
     from .triton_route import route_triton
 
     parts = linear_skinny(x, weight, out_dtype=torch.float32, partials=True)  # [S, N, E] fp32
-    check_finite_on_device(parts, "route: router logits")
     return route_triton(parts, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
 
 

@@ -11,24 +11,37 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_finite_on_device", "check_route", "route_reference", "route_kernel_applies"]
+__all__ = ["assert_finite_flags", "check_finite_on_device", "check_route", "route_checked", "route_reference",
+           "route_kernel_applies"]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu" and torch.cuda.is_current_stream_capturing()
+
+
+def assert_finite_flags(ok: torch.Tensor, what: str) -> None:
+    """Raise when a flag of ``ok`` (bool, one per row of values a kernel read) is False, without a host sync on
+    accelerators: a clear ValueError on CPU, an async device assert elsewhere (raised at the next
+    synchronisation); skipped while a CUDA graph is being captured."""
+    if ok.device.type == "cpu":
+        if not ok.all():
+            raise ValueError(f"{what} contains NaN or Inf")
+    elif not _capturing(ok):
+        torch._assert_async(ok.all(), f"{what} contains NaN or Inf")
 
 
 def check_finite_on_device(t: torch.Tensor, what: str) -> None:
-    """NaN/Inf check without a host sync on accelerators: a clear ValueError on CPU, an async device assert
-    elsewhere (raised at the next synchronisation); skipped while a CUDA graph is being captured."""
-    if t.device.type == "cpu":
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{what} contains NaN or Inf")
-    elif not torch.cuda.is_current_stream_capturing():
-        torch._assert_async(torch.isfinite(t).all(), f"{what} contains NaN or Inf")
+    """NaN/Inf check of ``t`` as :func:`assert_finite_flags` raises it (nothing is computed during a capture)."""
+    if not _capturing(t):
+        assert_finite_flags(torch.isfinite(t), what)
 
 
 def check_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, score_func: str) -> None:
+    """The routing call's shapes and arguments (the logits' values are checked by the implementation that reads
+    them: :func:`route_checked`, or the route kernel's per-row flags)."""
     if logits.dim() != 2:
         raise ValueError(f"route: logits must be [N, E], got {tuple(logits.shape)}")
     check_route_args(logits.shape[-1], bias, top_k, score_func)
-    check_finite_on_device(logits, "route: router logits")
 
 
 def check_route_args(num_experts: int, bias: torch.Tensor, top_k: int, score_func: str) -> None:
@@ -45,6 +58,12 @@ def route_kernel_applies(num_group: int, topk_group: int, score_func: str) -> bo
     """The routing kernels cover sigmoid scores without expert groups (Kimi Linear, K3); grouped or softmax
     routing has the eager form only."""
     return score_func == "sigmoid" and (num_group <= 1 or topk_group >= num_group)
+
+
+def route_checked(logits: torch.Tensor, *args, **kwargs):
+    """:func:`route_reference` after the NaN/Inf check of the logits (the eager backend of ``moe_route``)."""
+    check_finite_on_device(logits, "route: router logits")
+    return route_reference(logits, *args, **kwargs)
 
 
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,

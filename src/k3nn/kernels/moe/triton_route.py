@@ -1,6 +1,7 @@
 """Triton router (:func:`.routing.route_reference` for sigmoid scores without expert groups): one program per
 token does the sigmoid, the biased top-k selection, the raw-score weights, the renormalisation and the scaling in
-one launch (the eager form is ~10 launches). Ties pick the lowest expert index; the top-k order is by score.
+one launch (the eager form is ~10 launches). Ties pick the lowest expert index; the top-k order is by score. It
+flags each row whose logits hold a NaN or Inf, so the check costs no launches of its own.
 
 The selection is K rounds of one max-reduction over 64-bit keys (the biased score's bits, mapped to an order-
 preserving signed integer, above ``BLOCK_E − 1 − expert``): one reduction yields both the best score and its lowest
@@ -16,7 +17,7 @@ import triton.language as tl
 from ...utils import records_grad
 from ..pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 from ..registry import triton_ready
-from .routing import route_kernel_applies
+from .routing import assert_finite_flags, route_kernel_applies
 
 __all__ = ["route_triton", "route_kernel_reason", "supports_route"]
 
@@ -33,14 +34,17 @@ def _logits(logit_ptr, row, E, NE, idx, m, S: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, NE, scaling, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
+def _route_kernel(logit_ptr, bias_ptr, ids_ptr, w_ptr, ok_ptr, E, NE, scaling, K: tl.constexpr,
+                  RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
+                  PDL: tl.constexpr = False):
     if PDL:  # launched as a programmatic dependent (kernels/pdl.py): no earlier kernel's data is read before this
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
     x = _logits(logit_ptr, row, E, NE, offs, m, S)
+    bad = m & ((x != x) | (tl.abs(x) == float("inf")))
+    tl.store(ok_ptr + row, tl.max(bad.to(tl.int32), 0) == 0)  # the row's logits are all finite
     choice = 1.0 / (1.0 + tl.exp(-x)) + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 ties with +0.0, as in a float comparison
     bits = choice.to(tl.int32, bitcast=True)
@@ -88,15 +92,18 @@ def supports_route(logits, bias, top_k, renormalize, scaling, num_group=1, topk_
 
 def route_triton(logits, bias, top_k, renormalize, scaling, num_group=1, topk_group=1, score_func="sigmoid"):
     """``logits`` [N, E], or [S, N, E] fp32 partial sums (a split-K GEMM's, unreduced) that the kernel adds in the
-    order 0 … S-1 before routing."""
+    order 0 … S-1 before routing. Logits (their sums) holding NaN or Inf raise as
+    :func:`.routing.assert_finite_flags` does."""
     S = logits.shape[0] if logits.dim() == 3 else 1
     N, E = logits.shape[-2:]
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     if N:
+        ok = torch.empty(N, dtype=torch.bool, device=logits.device)
         block_e = triton.next_power_of_2(E)
-        _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, E, N * E, float(scaling),
+        _route_kernel[(N,)](logits.float().contiguous(), bias.contiguous(), ids, w, ok, E, N * E, float(scaling),
                             K=top_k, RENORM=bool(renormalize and top_k > 1), BLOCK_E=block_e,
                             BLOCK_K=triton.next_power_of_2(top_k), S=S, num_warps=max(1, block_e // 1024),
                             **pdl_launch(logits))
+        assert_finite_flags(ok, "route: router logits")
     return ids, w
