@@ -60,10 +60,11 @@ def route_kernel_applies(num_group: int, topk_group: int, score_func: str) -> bo
     return score_func == "sigmoid" and (num_group <= 1 or topk_group >= num_group)
 
 
-def route_checked(logits: torch.Tensor, *args, **kwargs):
+def route_checked(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+                  num_group: int = 1, topk_group: int = 1, score_func: str = "sigmoid"):
     """:func:`route_reference` after the NaN/Inf check of the logits (the eager backend of ``moe_route``)."""
     check_finite_on_device(logits, "route: router logits")
-    return route_reference(logits, *args, **kwargs)
+    return route_reference(logits, bias, top_k, renormalize, scaling, num_group, topk_group, score_func)
 
 
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
