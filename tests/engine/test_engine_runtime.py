@@ -134,6 +134,29 @@ def test_a_decode_step_reads_nothing_back(model):
     assert out.logits.shape == (2, CFG.vocab_size)
 
 
+def test_prefill_steps_read_the_key_mask_only_when_a_key_can_be_masked(model):
+    """MLA's prefill path reads its key mask back (to skip it when it hides nothing) only when a key can be masked:
+    an engine prefill step whose rows all fill the gathered keys gets no mask from the paged cache (its host plan
+    says so), and a contiguous cache that never saw padding passes none; a step that right-pads a row, and a
+    left-padded contiguous cache, keep theirs."""
+
+    def mla_reads(fn):
+        with torch.inference_mode(), _Reads() as reads:
+            fn()
+        return [s for s in reads.sites if s[1] == "layers/mla.py"]
+
+    for lens, masked in (((40, 40), False), ((40, 30), True)):
+        e = _engine(model)
+        for n in lens:
+            e.add_request(rand_ids(n, 350 + n), max_new_tokens=2)
+        assert bool(mla_reads(e.step)) == masked, lens
+    ids = torch.tensor([rand_ids(30, 360)])
+    assert not mla_reads(lambda: model(ids, cache=model.new_cache(1, 30)))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    assert mla_reads(lambda: model(ids, attention_mask=mask, cache=model.new_cache(1, 30)))
+
+
 def test_step_reports_a_stall(model):
     """A caller looping on step() / has_unfinished() gets an error, not a spin, when nothing can progress."""
     e = _engine(model, num_pages=2)

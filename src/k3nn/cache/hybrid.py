@@ -8,12 +8,14 @@ Cache protocol (what :class:`k3nn.model.KimiK3Model` and the layers rely on; pag
 * KDA state: ``.recurrent [B, H, K, V]`` fp32 and ``.conv [B, W-1, 3·H·D]`` (read), and
   ``.update(recurrent, conv, checkpoints=None)`` (write back after the forward).
 * MLA state: ``.append(c, k_r, attention_mask, start) -> (latent [B, L, r], rope [B, L, dr],
-  key_mask [B, L] bool, q_pos [B, T])``: store the new tokens' latents, return everything visible; and
+  key_mask [B, L] bool or None, q_pos [B, T])``: store the new tokens' latents, return everything visible (no
+  mask when the cache knows on the host that no key is masked); and
   ``.paged_decode(c, k_r) -> (kv_pool, block_table, seq_lens) | None``: for a decode-shaped step whose latents
   the decode kernel can read in place, store them and return its inputs (None: take ``append``).
 
 This is the contiguous cache used by ``model(input_ids, cache=...)`` and ``generate()``: every row of a batch
-shares one write position (left padding is recorded in ``key_mask``).
+shares one write position (left padding is recorded in ``key_mask``; ``holes``, a host flag, says whether any
+entry below the write position may be False: code that masks entries sets it).
 
 Static (graph-safe) mode, ``cache.set_static(True)``: the write position also lives on the device
 (``write_pos``, a 0-dim int64 kept in step with ``seen_tokens``); ``begin``/``append``/``commit`` then write at
@@ -126,8 +128,8 @@ class MLAState:
 
     def append(self, c: torch.Tensor, k_r: torch.Tensor, attention_mask: torch.Tensor | None, start: int):
         """Store T new tokens' latents c [B, T, r] and rope keys k_r [B, T, dr] at positions [start, start + T);
-        returns (every latent [B, L, r], rope key [B, L, dr], key mask [B, L] bool, the new queries' absolute
-        indices [B, T]). Writing past ``max_length`` raises :class:`CacheFullError`."""
+        returns (every latent [B, L, r], rope key [B, L, dr], key mask [B, L] bool or None when no key is masked,
+        the new queries' absolute indices [B, T]). Writing past ``max_length`` raises :class:`CacheFullError`."""
         T = c.shape[1]
         if self.owner.static:
             idx = self.write_static(c, k_r)
@@ -139,7 +141,8 @@ class MLAState:
         self.latent[:, start:end] = c.to(self.latent.dtype)
         self.rope[:, start:end] = k_r.to(self.rope.dtype)
         q_pos = (start + torch.arange(T, device=c.device)).expand(c.shape[0], T)
-        return self.latent[:, :end], self.rope[:, :end], self.owner.key_mask[:, :end], q_pos
+        mask = self.owner.key_mask[:, :end] if self.owner.holes else None  # None: every key so far is real
+        return self.latent[:, :end], self.rope[:, :end], mask, q_pos
 
 
 class HybridCache:
@@ -177,6 +180,9 @@ class HybridCache:
         self.key_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.valid_counts = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens per row
         self.seen_tokens = 0
+        #: host-side: some key_mask column below seen_tokens may be False (left padding, a rejected draft). While
+        #: it is False the mask is all True up to seen_tokens and the prefill path passes none (no host read)
+        self.holes = False
         self.static = False  # graph-safe mode (see the module docstring)
         self.write_pos = torch.zeros((), dtype=torch.long, device=device)
         #: static mla_pool caches of unpadded batches: decode steps read the pool through ops.mla_decode
@@ -221,6 +227,7 @@ class HybridCache:
         self.key_mask.zero_()
         self.valid_counts.zero_()
         self.seen_tokens = 0
+        self.holes = False
         self.write_pos.zero_()
 
     def begin(self, T: int, attention_mask: torch.Tensor | None) -> tuple[int, torch.Tensor]:
@@ -229,6 +236,7 @@ class HybridCache:
         if start + T > self.max_length:
             raise CacheFullError(f"cache exhausted: {start} tokens cached + {T} new > max_length {self.max_length}")
         m = None if attention_mask is None else attention_mask.to(self.device).bool()
+        self.holes |= m is not None
         if self.static:
             self._write_idx = idx = self._slots(T)
             if m is None:

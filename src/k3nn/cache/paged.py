@@ -243,8 +243,12 @@ class PagedMLAState:
         L = m.plan.gather_len
         rows = gather_latents(self.pool_tensor, m.block_table, L)
         r = c.shape[-1]
-        seq_lens = m.num_cached + m.num_new.long()
-        key_mask = torch.arange(L, device=c.device)[None, :] < seq_lens[:, None]
+        plan = m.plan
+        if len(plan.num_cached) == c.shape[0] and all(a + b == L for a, b in zip(plan.num_cached, plan.num_new)):
+            key_mask = None  # every row fills the gathered keys (the host plan says so: no host read)
+        else:
+            seq_lens = m.num_cached + m.num_new.long()
+            key_mask = torch.arange(L, device=c.device)[None, :] < seq_lens[:, None]
         return rows[..., :r], rows[..., r:], key_mask, m.positions
 
 

@@ -229,6 +229,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
             rb.commit(keep)
             # ... and not even that in the MLA columns: a finished row's pending column becomes a hole too
             cache.key_mask[:, start] &= active
+            cache.holes = True
             cache.valid_counts -= (~active).long()
             j = torch.arange(T, device=dev)
             drafter.extend(dstate, res.hidden_states, anchor_pos[:, None] + j,

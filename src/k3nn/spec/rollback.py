@@ -173,6 +173,7 @@ class WindowRollback:
         j = torch.arange(T, device=cache.device)
         keep = j[None, :] < acc[:, None]
         cache.key_mask[:, self.start:self.start + T] &= keep
+        cache.holes = True
         cache.valid_counts -= T - acc
         cache.seen_tokens = self.start + max(acc_list)
         if getattr(cache, "static", False):

@@ -261,6 +261,7 @@ class SpecSession:
         # MLA / shared bookkeeping: mask the rejected tail, count only kept tokens, rewind the write position
         idx = self.wstart + jT
         cache.key_mask.index_copy_(1, idx, cache.key_mask.index_select(1, idx) & (jT[None, :] < keep[:, None]))
+        cache.holes = True
         cache.valid_counts.sub_(T - keep)
         cache.write_pos.copy_(self.wstart + keep.max())
         if self.fused:
