@@ -8,7 +8,7 @@ import torch
 from ...quant.mxfp4 import MXFP4Weight
 from ..registry import register, triton_interpreting, triton_ready
 from .reference import moe_expert_outputs_reference, moe_experts_reference, moe_latent_finalize_reference
-from .routing import route_checked, route_reference
+from .routing import route_checked
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
