@@ -60,9 +60,10 @@ def test_kda_decode_head_variants_compile(order_hb, ld_ev, st_ev, bv):
     _compile("k3nn.kernels.kda.triton_decode", "_kda_decode_head",
              {"qkv": "*bf16", "f": "*bf16", "bl": "*bf16", "gate": "*bf16", "conv_w": "*bf16", "A_log": "*fp32",
               "dt_bias": "*fp32", "norm_w": "*fp32", "S_ptr": "*fp32", "cs_ptr": "*bf16", "idx": "*i32",
-              "y": "*bf16", "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"},
+              "nt": "*i32", "wm": "*i32", "y": "*bf16", "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"},
              {"H": 96, "D": 128, "BD": 128, "BV": bv, "NC": 128 // bv, "W": 4, "SOFTPLUS": False, "HAS_IDX": True,
-              "T1": True, "EVEN": True, "HEADS_FIRST": order_hb, "LD_EV": ld_ev, "ST_EV": st_ev})
+              "HAS_NT": False, "HAS_WM": False, "T1": True, "EVEN": True, "HEADS_FIRST": order_hb, "LD_EV": ld_ev,
+              "ST_EV": st_ev})
 
 
 @pytest.mark.parametrize("bn,stages,tma,sv", [(64, 2, True, 1), (32, 4, True, 1), (32, 4, False, 1), (64, 2, True, 2)])
