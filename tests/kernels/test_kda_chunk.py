@@ -50,6 +50,29 @@ def test_chunk_fwd_matches_reference(B, T, H, K, V, gate, with_h0, data, seed):
     torch.testing.assert_close(ck, rck, **TOL)
 
 
+@given(B=st.integers(1, 2), T=st.integers(1, 100), H=st.integers(1, 3), K=st.sampled_from([16, 24]),
+       V=st.sampled_from([16, 20]), seed=st.integers(0, 2 ** 16))
+def test_chunk_reads_q_k_v_in_place_from_one_qkv_buffer(B, T, H, K, V, seed):
+    """q, k, v as slices of one [B, T, H·(2K + V)] buffer (what the short conv writes) run without copies and
+    give the bits of contiguous inputs; a layout the kernels cannot read (heads not contiguous) is copied."""
+    from k3nn.kernels.kda import triton_intra_g as tig
+
+    q, k, v, g, beta, h0 = make(B, T, H, K, V, seed)
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+    qs, ks, vs = (t.unflatten(-1, (H, -1)) for t in qkv.split([H * K, H * K, H * V], -1))
+    assert all(a is b for a, b in zip(tig.token_rows(qs, ks), (qs, ks)))  # no copies
+    assert B * T == 1 or tig.token_stride(qs, ks, vs) == H * (2 * K + V)
+    want = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    got = triton_chunk(qs, ks, vs, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, H, K] with the heads outermost in memory
+    if H > 1 and T > 1:
+        with pytest.raises(ValueError, match="token_rows"):
+            tig.token_stride(qt)
+        assert tig.token_rows(qt)[0].is_contiguous()
+    assert torch.equal(triton_chunk(qt, k, v, g, beta, initial_state=h0)[0], want[0])
+
+
 @given(lens=st.lists(st.integers(0, 70), min_size=1, max_size=4).filter(lambda x: 0 < sum(x) <= 140),
        data=st.data(), seed=st.integers(0, 2 ** 16))
 def test_chunk_varlen_with_empty_sequences(lens, data, seed):

@@ -42,7 +42,7 @@ from ..registry import triton_interpreting, triton_ready
 from ..tuning_cache import AUTOTUNE_KW
 from .api import normalise_checkpoints, seq_lengths
 from .triton_common import BT, PRUNE
-from .triton_intra_g import intra_g_launch
+from .triton_intra_g import intra_g_launch, token_rows
 
 __all__ = ["kda_chunk_triton_fwd", "build_chunk_plan", "supports_kda_chunk"]
 
@@ -200,7 +200,8 @@ def kda_chunk_triton_fwd(q, k, v, g, beta, scale=None, initial_state=None, outpu
     ckpts = normalise_checkpoints(checkpoint_positions, seq_lengths(T, B, cu_seqlens))
     (NC, c_start, c_len, s_lo, s_hi, slot), lengths, uniq = build_chunk_plan(B, T, cu_seqlens, ckpts, dev)
     N = len(lengths)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k = token_rows(q, k)  # views of one q | k | v buffer stay as they are: no copies
+    v, = token_rows(v)
     g, beta = g.contiguous(), beta.contiguous()
     dt = q.dtype
     BK = max(16, triton.next_power_of_2(K))

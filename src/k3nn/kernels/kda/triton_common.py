@@ -23,11 +23,12 @@ def _interp() -> bool:
 
 
 @triton.jit
-def _ld(x, bos, L, pid_h, H, s: tl.constexpr, kb, D: tl.constexpr, BD: tl.constexpr):
-    """Rows 16s..16s+15 of the chunk, channels [kb, kb + BD) of x [tokens, H, D] as fp32 (zeros outside)."""
+def _ld(x, bos, L, pid_h, S, s: tl.constexpr, kb, D: tl.constexpr, BD: tl.constexpr):
+    """Rows 16s..16s+15 of the chunk, channels [kb, kb + BD) of x [tokens, H, D] as fp32 (zeros outside); S: the
+    token stride in elements (H·D when contiguous; larger for a slice of a wider row, e.g. q of q | k | v)."""
     r = s * 16 + tl.arange(0, 16)
     rd = kb + tl.arange(0, BD)
-    off = ((bos + r).to(tl.int64) * H + pid_h)[:, None] * D + rd[None, :]
+    off = (bos + r).to(tl.int64)[:, None] * S + (pid_h * D + rd)[None, :]
     return tl.load(x + off, mask=(r < L)[:, None] & (rd < D)[None, :], other=0.0).to(tl.float32)
 
 

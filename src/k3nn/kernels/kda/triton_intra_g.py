@@ -81,17 +81,17 @@ def _wu_configs():
 
 
 @triton.jit
-def _g_qk(q, k, G_s, gl, bos, L, pid_h, H, qg_out, kg_out, ob, s: tl.constexpr, d0, scale,
+def _g_qk(q, k, G_s, gl, bos, L, pid_h, SQK, qg_out, kg_out, ob, s: tl.constexpr, d0, scale,
           K: tl.constexpr, BD: tl.constexpr):
     """qg = scale·q·e^G and kg = k·e^{G_last − G} of strip s (stored)."""
-    q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
-    k_s = _ld(k, bos, L, pid_h, H, s, d0, K, BD)
+    q_s = _ld(q, bos, L, pid_h, SQK, s, d0, K, BD)
+    k_s = _ld(k, bos, L, pid_h, SQK, s, d0, K, BD)
     _st(qg_out, ob, s, d0, q_s * tl.exp(G_s) * scale, K, BD)
     _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
 
 
 @triton.jit
-def _g_cumsum_kernel(g, q, k, chunk_start, chunk_len, G_out, egl_out, qg_out, kg_out, scale, H,
+def _g_cumsum_kernel(g, q, k, chunk_start, chunk_len, G_out, egl_out, qg_out, kg_out, scale, H, SQK,
                      K: tl.constexpr, BK: tl.constexpr, QK: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -99,10 +99,10 @@ def _g_cumsum_kernel(g, q, k, chunk_start, chunk_len, G_out, egl_out, qg_out, kg
     bos = tl.load(chunk_start + pid_c)
     L = tl.load(chunk_len + pid_c)
     ob = (pid_c * H + pid_h).to(tl.int64)
-    g0 = _ld(g, bos, L, pid_h, H, 0, kb, K, BK)  # rows past L load 0: G stays at G_last there
-    g1 = _ld(g, bos, L, pid_h, H, 1, kb, K, BK)
-    g2 = _ld(g, bos, L, pid_h, H, 2, kb, K, BK)
-    g3 = _ld(g, bos, L, pid_h, H, 3, kb, K, BK)
+    g0 = _ld(g, bos, L, pid_h, H * K, 0, kb, K, BK)  # rows past L load 0: G stays at G_last there
+    g1 = _ld(g, bos, L, pid_h, H * K, 1, kb, K, BK)
+    g2 = _ld(g, bos, L, pid_h, H * K, 2, kb, K, BK)
+    g3 = _ld(g, bos, L, pid_h, H * K, 3, kb, K, BK)
     r0 = tl.sum(g0, 0)
     r1 = r0 + tl.sum(g1, 0)
     r2 = r1 + tl.sum(g2, 0)
@@ -118,10 +118,10 @@ def _g_cumsum_kernel(g, q, k, chunk_start, chunk_len, G_out, egl_out, qg_out, kg
     rk = kb + tl.arange(0, BK)
     tl.store(egl_out + ob * K + rk, tl.exp(r3), mask=rk < K)
     if QK:  # qg and kg here (elementwise in G) instead of in the w/u kernel
-        _g_qk(q, k, G0, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 0, kb, scale, K, BK)
-        _g_qk(q, k, G1, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 1, kb, scale, K, BK)
-        _g_qk(q, k, G2, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 2, kb, scale, K, BK)
-        _g_qk(q, k, G3, r3, bos, L, pid_h, H, qg_out, kg_out, ob, 3, kb, scale, K, BK)
+        _g_qk(q, k, G0, r3, bos, L, pid_h, SQK, qg_out, kg_out, ob, 0, kb, scale, K, BK)
+        _g_qk(q, k, G1, r3, bos, L, pid_h, SQK, qg_out, kg_out, ob, 1, kb, scale, K, BK)
+        _g_qk(q, k, G2, r3, bos, L, pid_h, SQK, qg_out, kg_out, ob, 2, kb, scale, K, BK)
+        _g_qk(q, k, G3, r3, bos, L, pid_h, SQK, qg_out, kg_out, ob, 3, kb, scale, K, BK)
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def _g_row(Gc, row, rd, mk, K: tl.constexpr):
 
 
 @triton.jit
-def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+def _g_diag_tile(q, k, Gc, bos, L, pid_h, SQK, i, arow, kb, K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
                  DOT_PREC: tl.constexpr):
     """Diagonal block (i, i) over key tile kb, with ``pre = G[16i − 1]`` (0 for
     the first strip) and ``r = G[16i + 15]`` (capped row factor, pairwise beyond SPAN nats). Returns the block's
@@ -149,8 +149,8 @@ def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: t
     G_s = _g_strip(Gc, i * 16, rd, mk, K)
     pre = tl.where(i > 0, _g_row(Gc, arow, rd, mk, K), 0.0)  # 0 before the first strip
     r = _g_row(Gc, i * 16 + 15, rd, mk, K)
-    q_s = _ld_rows(q, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
-    k_s = _ld_rows(k, bos, L, pid_h, H, i * 16, 64, 16, kb, K, BK)
+    q_s = _ld_rows(q, bos, L, pid_h, SQK, i * 16, 64, 16, kb, K, BK)
+    k_s = _ld_rows(k, bos, L, pid_h, SQK, i * 16, 64, 16, kb, K, BK)
     ea = tl.exp(G_s - pre[None, :])
     kbb = k_s * tl.exp(r[None, :] - G_s)
     ed = tl.exp(tl.minimum(pre - r, SPAN))[None, :]
@@ -162,19 +162,19 @@ def _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K: tl.constexpr, BK: t
 
 
 @triton.jit
-def _g_offdiag(k, Gc, bos, L, pid_h, H, j: tl.constexpr, kb, rd, mk, a, ki_e, qi_e, accA, accQ,
+def _g_offdiag(k, Gc, bos, L, pid_h, SQK, j: tl.constexpr, kb, rd, mk, a, ki_e, qi_e, accA, accQ,
                K: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
     """Block (i, j), j < i, of one key tile added to its accumulators: ``(x_i e^{G_i − a}) · (k_j e^{a − G_j})ᵀ``
     with the row factors ``ki_e`` / ``qi_e`` already formed (shared by every j of row strip i)."""
     cd = ki_e.dtype
     G_j = _g_strip(Gc, j * 16, rd, mk, K)
-    k_j = _ld_rows(k, bos, L, pid_h, H, j * 16, 64, 16, kb, K, BK)
+    k_j = _ld_rows(k, bos, L, pid_h, SQK, j * 16, 64, 16, kb, K, BK)
     colT = tl.trans((k_j * tl.exp(a - G_j)).to(cd))  # ≤ 1: columns before the anchor
     return accA + tl.dot(ki_e, colT, input_precision=DOT_PREC), accQ + tl.dot(qi_e, colT, input_precision=DOT_PREC)
 
 
 @triton.jit
-def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H,
+def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, scale, H, SQK,
                           K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, DOT_PREC: tl.constexpr):
     """Score blocks by row strip: one program per chunk, head and row strip i computes blocks (i, 0) … (i, i) —
     strip i's q, k and G are loaded once per key tile, and its row factor ``e^{G_i − a}`` (a = G[16i − 1], which is
@@ -197,20 +197,20 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
     for kb in range(0, K, BK):
         rd = kb + tl.arange(0, BK)
         mk = rd < K
-        dA, dQ, pre, ea, q_s, k_s = _g_diag_tile(q, k, Gc, bos, L, pid_h, H, i, arow, kb, K, BK, SPAN, DOT_PREC)
+        dA, dQ, pre, ea, q_s, k_s = _g_diag_tile(q, k, Gc, bos, L, pid_h, SQK, i, arow, kb, K, BK, SPAN, DOT_PREC)
         accA += dA
         accQ += dQ
         if i > 0:  # off-diagonal blocks: anchor a = pre, row factor e^{G_i − a} = ea (≤ 1)
             a = pre[None, :]
             ki_e = (k_s * ea).to(cd)
             qi_e = (q_s * ea).to(cd)
-            accA0, accQ0 = _g_offdiag(k, Gc, bos, L, pid_h, H, 0, kb, rd, mk, a, ki_e, qi_e, accA0, accQ0, K, BK,
+            accA0, accQ0 = _g_offdiag(k, Gc, bos, L, pid_h, SQK, 0, kb, rd, mk, a, ki_e, qi_e, accA0, accQ0, K, BK,
                                       DOT_PREC)
             if i > 1:
-                accA1, accQ1 = _g_offdiag(k, Gc, bos, L, pid_h, H, 1, kb, rd, mk, a, ki_e, qi_e, accA1, accQ1,
+                accA1, accQ1 = _g_offdiag(k, Gc, bos, L, pid_h, SQK, 1, kb, rd, mk, a, ki_e, qi_e, accA1, accQ1,
                                           K, BK, DOT_PREC)
                 if i > 2:
-                    accA2, accQ2 = _g_offdiag(k, Gc, bos, L, pid_h, H, 2, kb, rd, mk, a, ki_e, qi_e, accA2, accQ2,
+                    accA2, accQ2 = _g_offdiag(k, Gc, bos, L, pid_h, SQK, 2, kb, rd, mk, a, ki_e, qi_e, accA2, accQ2,
                                               K, BK, DOT_PREC)
     _store_diag(Ap, Lp, i, accA, accQ, b_i, scale)
     if i > 0:
@@ -225,14 +225,14 @@ def _g_scores_rows_kernel(q, k, G, beta, chunk_start, chunk_len, A_out, L_out, s
 
 
 @triton.jit
-def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.constexpr, d0, rd, mk, scale,
+def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, SQK, b_s, qg_out, kg_out, ob, s: tl.constexpr, d0, rd, mk, scale,
               K: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr):
     """z = β·k·e^G of strip s (returned) from the chunk's G tile; with QK also its qg, kg (stored)."""
     G_s = _g_strip(Gc, s * 16, rd, mk, K)
-    k_s = _ld(k, bos, L, pid_h, H, s, d0, K, BD)
+    k_s = _ld(k, bos, L, pid_h, SQK, s, d0, K, BD)
     e = tl.exp(G_s)
     if QK:
-        q_s = _ld(q, bos, L, pid_h, H, s, d0, K, BD)
+        q_s = _ld(q, bos, L, pid_h, SQK, s, d0, K, BD)
         _st(qg_out, ob, s, d0, q_s * e * scale, K, BD)
         _st(kg_out, ob, s, d0, k_s * tl.exp(gl[None, :] - G_s), K, BD)
     return k_s * e * b_s[:, None]
@@ -240,7 +240,7 @@ def _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b_s, qg_out, kg_out, ob, s: tl.con
 
 @triton.jit
 def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_out, u_out,
-                 scale, H, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr,
+                 scale, H, SQK, SV, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, QK: tl.constexpr,
                  DOT_PREC: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -265,10 +265,10 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
         mk = rd < K
         Gc = G + ob * 64 * K
         gl = _g_row(Gc, 63, rd, mk, K)  # G_last (rows past the chunk's length repeat it)
-        z0 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b0, qg_out, kg_out, ob, 0, d0, rd, mk, scale, K, BD, QK)
-        z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD, QK)
-        z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD, QK)
-        z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, H, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD, QK)
+        z0 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, SQK, b0, qg_out, kg_out, ob, 0, d0, rd, mk, scale, K, BD, QK)
+        z1 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, SQK, b1, qg_out, kg_out, ob, 1, d0, rd, mk, scale, K, BD, QK)
+        z2 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, SQK, b2, qg_out, kg_out, ob, 2, d0, rd, mk, scale, K, BD, QK)
+        z3 = _g_zstrip(q, k, Gc, gl, bos, L, pid_h, SQK, b3, qg_out, kg_out, ob, 3, d0, rd, mk, scale, K, BD, QK)
         w = tl.dot(X0, z0.to(cd), input_precision=DOT_PREC)
         w = tl.dot(X1, z1.to(cd), w, input_precision=DOT_PREC)
         w = tl.dot(X2, z2.to(cd), w, input_precision=DOT_PREC)
@@ -276,10 +276,10 @@ def _g_wu_kernel(q, k, v, G, beta, chunk_start, chunk_len, X, qg_out, kg_out, w_
         tl.store(w_out + ob * 64 * K + r64[:, None] * K + rd[None, :], w.to(w_out.dtype.element_ty),
                  mask=mk[None, :] & (r64 < 64)[:, None])
     if d0 < V:
-        v0 = _ld(v, bos, L, pid_h, H, 0, d0, V, BD) * b0[:, None]
-        v1 = _ld(v, bos, L, pid_h, H, 1, d0, V, BD) * b1[:, None]
-        v2 = _ld(v, bos, L, pid_h, H, 2, d0, V, BD) * b2[:, None]
-        v3 = _ld(v, bos, L, pid_h, H, 3, d0, V, BD) * b3[:, None]
+        v0 = _ld(v, bos, L, pid_h, SV, 0, d0, V, BD) * b0[:, None]
+        v1 = _ld(v, bos, L, pid_h, SV, 1, d0, V, BD) * b1[:, None]
+        v2 = _ld(v, bos, L, pid_h, SV, 2, d0, V, BD) * b2[:, None]
+        v3 = _ld(v, bos, L, pid_h, SV, 3, d0, V, BD) * b3[:, None]
         u = tl.dot(X0, v0.to(cd), input_precision=DOT_PREC)
         u = tl.dot(X1, v1.to(cd), u, input_precision=DOT_PREC)
         u = tl.dot(X2, v2.to(cd), u, input_precision=DOT_PREC)
@@ -300,6 +300,39 @@ def g_kernels():
     return _g_cumsum, _g_scores_rows, _split_solve, _g_wu
 
 
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The token stride of x [B, T, H, D] when its B·T tokens are evenly spaced rows with contiguous heads and
+    channels, else None (the strides of size-1 dims do not count)."""
+    B, T, H, D = x.shape
+    if (D > 1 and x.stride(3) != 1) or (H > 1 and x.stride(2) != D):
+        return None
+    S = x.stride(1) if T > 1 else (x.stride(0) if B > 1 else H * D)
+    if (B > 1 and T > 1 and x.stride(0) != T * S) or (B * T > 1 and S < H * D):
+        return None
+    return S
+
+
+def token_stride(*xs: torch.Tensor) -> int:
+    """The token stride (elements) that the kernels read ``xs`` [B, T, H, D] with: each a row-major [B·T] run of
+    tokens whose heads and channels are contiguous, all with the same stride (contiguous, or slices of one wider
+    row such as q | k | v). ValueError otherwise (:func:`token_rows` makes them so)."""
+    strides = {_row_stride(x) for x in xs}
+    if len(strides) != 1 or None in strides:
+        raise ValueError(f"KDA intra-chunk kernels: inputs with strides {[tuple(x.stride()) for x in xs]} are not "
+                         f"rows of tokens with contiguous heads and one token stride (call token_rows first)")
+    return strides.pop()
+
+
+def token_rows(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` as :func:`token_stride` reads them: unchanged when they already are (e.g. q, k, v split from one
+    q | k | v buffer), else contiguous copies."""
+    try:
+        token_stride(*xs)
+        return xs
+    except ValueError:
+        return tuple(x.contiguous() for x in xs)
+
+
 def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
     """The temporary chunk-local cumulative decay: fp32 [NC, H, 64, K]."""
     return torch.empty(NC, H, 64, K, dtype=torch.float32, device=device)
@@ -313,19 +346,20 @@ def intra_g_launch(q, k, v, g, beta, scale, NC, c_start, c_len, qg, kg, w, u, A,
     so that single stages can be timed)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
+    sqk, sv = token_stride(q, k), token_stride(v)
     configs = tuple(configs) if configs else (None, None, None, None)
     if G is None:
         G = g_buffer(NC, H, K, q.device)
     if 0 in stages:
         grid = lambda META: (NC, H, triton.cdiv(K, META["BK"]))
-        _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H), {"K": K, "QK": False},
+        _run(_g_cumsum, grid, (g, q, k, c_start, c_len, G, egl, qg, kg, scale, H, sqk), {"K": K, "QK": False},
              configs[0], q.dtype)
     if 1 in stages:
-        _run(_g_scores_rows, (NC * 4, H), (q, k, G, beta, c_start, c_len, A, X, scale, H), {"K": K, "SPAN": _SPAN},
-             configs[1], q.dtype)
+        _run(_g_scores_rows, (NC * 4, H), (q, k, G, beta, c_start, c_len, A, X, scale, H, sqk),
+             {"K": K, "SPAN": _SPAN}, configs[1], q.dtype)
     if 2 in stages:
         _run(_split_solve, (NC, H), (X, H), {}, configs[2], q.dtype)
     if 3 in stages:
         grid = lambda META: (NC, H, triton.cdiv(max(K, V), META["BD"]))
-        _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H),
+        _run(_g_wu, grid, (q, k, v, G, beta, c_start, c_len, X, qg, kg, w, u, scale, H, sqk, sv),
              {"K": K, "V": V, "QK": True}, configs[3], q.dtype)

@@ -34,12 +34,12 @@ def _solve_configs():
 
 
 @triton.jit
-def _ld_rows(x, bos, L, pid_h, H, row0, hi, NR: tl.constexpr, kb, D: tl.constexpr, BD: tl.constexpr):
+def _ld_rows(x, bos, L, pid_h, S, row0, hi, NR: tl.constexpr, kb, D: tl.constexpr, BD: tl.constexpr):
     """Chunk rows row0..row0+NR−1 (only those < hi and < L; zeros elsewhere), channels [kb, kb + BD) of
-    x [tokens, H, D] as fp32."""
+    x [tokens, H, D] as fp32; S: the token stride in elements (H·D when contiguous)."""
     r = row0 + tl.arange(0, NR)
     rd = kb + tl.arange(0, BD)
-    off = ((bos + r).to(tl.int64) * H + pid_h)[:, None] * D + rd[None, :]
+    off = (bos + r).to(tl.int64)[:, None] * S + (pid_h * D + rd)[None, :]
     return tl.load(x + off, mask=((r < L) & (r < hi))[:, None] & (rd < D)[None, :], other=0.0).to(tl.float32)
 
 
