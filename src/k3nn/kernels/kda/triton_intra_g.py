@@ -312,25 +312,26 @@ def _row_stride(x: torch.Tensor) -> int | None:
     return S
 
 
+def _shared_stride(xs) -> int | None:
+    strides = {_row_stride(x) for x in xs}
+    return strides.pop() if len(strides) == 1 else None
+
+
 def token_stride(*xs: torch.Tensor) -> int:
     """The token stride (elements) that the kernels read ``xs`` [B, T, H, D] with: each a row-major [B·T] run of
     tokens whose heads and channels are contiguous, all with the same stride (contiguous, or slices of one wider
     row such as q | k | v). ValueError otherwise (:func:`token_rows` makes them so)."""
-    strides = {_row_stride(x) for x in xs}
-    if len(strides) != 1 or None in strides:
+    S = _shared_stride(xs)
+    if S is None:
         raise ValueError(f"KDA intra-chunk kernels: inputs with strides {[tuple(x.stride()) for x in xs]} are not "
                          f"rows of tokens with contiguous heads and one token stride (call token_rows first)")
-    return strides.pop()
+    return S
 
 
 def token_rows(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``xs`` as :func:`token_stride` reads them: unchanged when they already are (e.g. q, k, v split from one
     q | k | v buffer), else contiguous copies."""
-    try:
-        token_stride(*xs)
-        return xs
-    except ValueError:
-        return tuple(x.contiguous() for x in xs)
+    return xs if _shared_stride(xs) is not None else tuple(x.contiguous() for x in xs)
 
 
 def g_buffer(NC: int, H: int, K: int, device) -> torch.Tensor:
