@@ -236,7 +236,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--accept", type=int, default=6, help="synthetic accepted drafts of 7 for the preset's spec "
                                                           "rows (-1: no spec rows)")
     ap.add_argument("--budget-s", type=float, default=900.0)
-    ap.add_argument("--prepared", action="store_true", help="prepare_decode() the model (packed projections)")
     ap.add_argument("--sync-rows", action="store_true",
                     help="beside each Engine row (plain, and with the demo's drafter), the same batch with "
                          "async_scheduling off (anchor: that row)")
@@ -259,7 +258,7 @@ def main(argv=None) -> list[dict]:
 
     def save():
         nonlocal path
-        path = write_results(SUITE, rows, {"config": args.model or args.config, "prepared": args.prepared,
+        path = write_results(SUITE, rows, {"config": args.model or args.config,
                                            "max_num_batched_tokens": args.max_batched_tokens}, path=path)
 
     def left() -> float:
@@ -272,8 +271,6 @@ def main(argv=None) -> list[dict]:
 
         cfg, model = bench_model(args.config, dev)
         print(f"[{time.perf_counter() - t_start:.0f}s] model built", flush=True)
-        if args.prepared:
-            model.prepare_decode()
         bound = hbm_bound_ms(model, meta.get("copy_tbps"))
         name = args.config
         for prompt, new in shapes:

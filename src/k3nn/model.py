@@ -343,11 +343,13 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
                 mod.reset_gate_parameters(gen)
 
     def prepare_decode(self, on: bool = True) -> "KimiK3":
-        """Decode weight preparation: in every layer, the projections a decode token meets one after another on
-        the same input become one GEMM (KDA's q|k|v|gate|f|β, MLA's q|kv_a|gate, the dense and shared MLPs'
-        gate|up with one activation kernel and the shared experts' add inside the down projection). The packed
-        weights are copies (those projections' weights held twice; ``on=False`` frees them) and follow later
-        changes of their sources. ``generate(decode_backend="latency_specialized")`` calls this."""
+        """Decode weight preparation: in every layer, the projections a token meets one after another on the same
+        input become one GEMM (KDA's q|k|v|gate|f|β, MLA's q|kv_a|gate, the dense and shared MLPs' gate|up with one
+        activation kernel and the shared experts' add inside the down projection). Every forward without autograd
+        uses them, prompts as well as decode steps. Packing holds no second copy: the projections' parameters become
+        views of the packed buffer (``on=False`` drops the packing and leaves them views); a parameter replaced later
+        is packed again at its next use.
+        ``generate(decode_backend="latency_specialized")`` calls this."""
         for mod in self.modules():
             if mod is not self and hasattr(mod, "prepare_decode"):
                 mod.prepare_decode(on)

@@ -2,9 +2,13 @@
 weights, MLA through the pool decode kernel) give the same tokens (and logits up to rounding) as the standard
 step; unsupported batches fall back."""
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import bench.gpu.decode_launches as dl
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import HybridCache
 from k3nn.decode.runner import DecodeRunner, latency_unsupported, make_decode_runner, standard_step
@@ -105,6 +109,99 @@ def test_prepared_weights_follow_their_sources():
         model.prepare_decode(False)
 
 
+def test_prepared_weights_hold_no_copy(tmp_path):
+    """Packing re-points the projections' parameters at the packed buffer: no second copy, the same parameter
+    objects, in-place updates seen without packing again, a replaced parameter packed again at the next use, and
+    a prepared model saves and loads like any other."""
+    model = KimiK3(KimiK3Config.tiny(), seed=7)
+    attn = model.model.layers[0].self_attn  # KDA
+    params = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.b_proj.weight]
+    before = [p.detach().clone() for p in params]
+    model.prepare_decode()
+    packed = attn._decode_in.weight
+    assert [p is q for p, q in zip(params, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                            attn.b_proj.weight])] == [True] * 4
+    for p, b in zip(params, before):
+        assert p.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+        assert torch.equal(p, b)
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)
+    assert attn._decode_in.get() is packed  # an in-place update is an update of the packed buffer
+    C = attn.q_proj.weight.shape[0]
+    assert torch.equal(packed[C:2 * C], 2 * before[1])
+
+    ids, _ = _prompt(1, 20, 3, False)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = KimiK3.from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref, atol=1e-5, rtol=1e-5)
+
+    model.to(torch.float64)  # every parameter replaced: packed again at the next forward, in the new dtype
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), ref, atol=1e-4, rtol=1e-4)
+    assert attn._decode_in.weight.dtype == torch.float64
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn._decode_in.weight.untyped_storage().data_ptr()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # training updates the packed rows through the parameters
+    model(ids).logits.float().square().mean().backward()
+    opt.step()
+    assert attn._decode_in.shared()
+    with torch.no_grad():
+        assert torch.equal(attn._decode_in.get()[:C], attn.q_proj.weight)
+
+
+class _AtenCounts(TorchDispatchMode):
+    """The aten ops a forward runs, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("which", ["k3", "kimi_linear"])
+def test_prepared_weights_serve_the_prefill(which, request):
+    """Prepared weights serve prompts too (any length, without autograd): the same logits and cached state as the
+    plain layers, one GEMM instead of KDA's six input projections (and no concatenation of q | k | v or of the
+    conv kernels) and of MLA's q | kv_a (| gate)."""
+    model = request.getfixturevalue(which)
+    ids, _ = _prompt(2, 24, 17, False)  # longer than the fused decode paths take: the prefill path
+
+    def prefill():
+        cache = model.new_cache(2, 32)
+        with torch.no_grad(), _AtenCounts() as ops_run:
+            logits = model(ids, cache=cache).logits
+        return logits, cache, ops_run.n
+
+    was = model.decode_prepared  # the module's models may come prepared by an earlier generate()
+    try:
+        model.prepare_decode(False)
+        ref, cache_a, plain = prefill()
+        model.prepare_decode()
+        out, cache_b, prepared = prefill()
+    finally:
+        model.prepare_decode(was)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for sa, sb in zip(cache_a.layers, cache_b.layers):
+        if hasattr(sa, "recurrent"):
+            torch.testing.assert_close(sb.recurrent, sa.recurrent, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(sb.conv, sa.conv, atol=1e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(sb.latent, sa.latent, atol=1e-6, rtol=1e-5)
+    attn = [layer.self_attn for layer in model.model.layers]
+    n_kda = sum(hasattr(a, "q_conv1d") for a in attn)
+    n_mla = len(attn) - n_kda
+    gemms = lambda n: n["mm"] + n["addmm"]  # noqa: E731
+    assert n_kda and n_mla
+    assert gemms(plain) - gemms(prepared) >= 5 * n_kda + n_mla
+    assert plain["cat"] - prepared["cat"] >= 2 * n_kda
+
+
 def test_static_step_logits_match_standard(kimi_linear):
     ids, _ = _prompt(2, 4, 5, False)
     ref, _, _ = _step_logits(kimi_linear, {}, dict(cuda_graph=False), ids, 4)
@@ -152,22 +249,10 @@ def test_runner_arguments(k3):
     assert not cache.static
 
 
-def _launch_counter():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "decode_launches.py"
-    spec = importlib.util.spec_from_file_location("decode_launches", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_latency_specialized_k3_structure_matches_standard():
     """k3_slice's structure at tiny widths (8 layers, two AttnRes blocks, MLA at 3 and 7, MXFP4 latent MoE with
     two shared experts, routed scaling): the fused step (residual adds folded into the AttnRes merges, shared
     experts' down projection accumulated onto the routed output, q rows permuted) == the standard step."""
-    dl = _launch_counter()
     model = KimiK3(dl.k3_like_tiny(routed_scaling_factor=2.5), seed=3)
     ids, _ = _prompt(2, 6, 12, False)
     ref, _, _ = _step_logits(model, {}, dict(cuda_graph=False), ids, 4)
@@ -179,7 +264,6 @@ def test_latency_specialized_k3_structure_matches_standard():
 def test_latency_specialized_launch_count():
     """The CPU proxy of kernel launches per layer (bench/gpu/decode_launches.py): fewer than the standard step,
     and no more than measured after issue 9 (41.5 per layer, eager forms of the small kernels)."""
-    dl = _launch_counter()
     model = KimiK3(dl.k3_like_tiny(), seed=0).to(torch.bfloat16)
     L = model.config.num_hidden_layers
     fused = dl.launches(model, path="latency_specialized")

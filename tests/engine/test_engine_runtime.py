@@ -1,10 +1,13 @@
 """The engine's runtime: the graph-shaped (padded, static) decode step equals the eager one, seeded sampling does
-not depend on the batch, a decode step's path reads nothing back to the host, stalls and pinned pages."""
+not depend on the batch, a decode step's path reads nothing back to the host, stalls and pinned pages, the
+prepared projections the engine runs."""
 
 import pytest
 import torch
 
-from k3nn.engine import EngineStalledError, RequestStatus
+import bench.gpu.decode_launches as dl
+from k3nn import KimiK3
+from k3nn.engine import Engine, EngineStalledError, RequestStatus
 
 from engine_helpers import CFG, model, rand_ids, reference  # noqa: F401 - fixture
 from test_engine_sampling import _engine
@@ -399,3 +402,26 @@ def test_warmup_prompt_lengths_meet_every_moe_kernel_specialisation():
         warmed = {key(t) for t in lens}
         assert all(key(t) in warmed for t in range(1, 8193)), (E, k, mx)
     assert any(257 <= t <= 384 for t in warmup_prompt_lengths(8192, 10 ** 6, moe=(8, 2, False)))
+
+
+def test_the_engine_prepares_the_model():
+    """The Engine packs the model's projections (no copy): a decode step of K3's structure launches about half of
+    what the unprepared layers did (the CPU proxy of bench/gpu/decode_launches.py: 37 per layer before), and the
+    tokens are the same."""
+    m = KimiK3(dl.k3_like_tiny(), seed=0).eval()
+    launches, tokens = {}, {}
+    for prepared in (False, True):
+        eng = Engine(m, max_num_seqs=2, num_pages=32)
+        assert m.decode_prepared
+        if not prepared:
+            m.prepare_decode(False)
+        rid = eng.add_request(list(range(1, 40)), max_new_tokens=12, ignore_eos=True)
+        for _ in range(4):
+            eng.step()
+        with torch.no_grad():
+            launches[prepared] = sum(dl.count(eng.step, torch.device("cpu")).values())
+        list(eng.stream())
+        tokens[prepared] = eng.requests[rid].output
+    L = m.config.num_hidden_layers
+    assert launches[True] / L <= 22 < launches[False] / L
+    assert tokens[True] == tokens[False]

@@ -354,6 +354,13 @@ def default_format(config: KimiK3Config) -> str:
     return "transformers" if config.transformers_incompatibility() is None else "k3nn"
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor safetensors writes: contiguous, and copied when it is a view of a larger buffer (packed
+    decode weights, :mod:`k3nn.layers.packed`), which the writer refuses to store as a shared tensor."""
+    t = t.contiguous()
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
 def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str | None = None, *,
                     tokenizer=None, chat_template: str | None = None) -> None:
     """config.json + sharded safetensors + model.safetensors.index.json (huggingface_hub serialisation).
@@ -387,7 +394,7 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
     if model.config.rope_interleave:
         sd = interleave_rope(model, sd)
     sd = FORMATS[format].from_native(sd)
-    sd = {k: v.contiguous() for k, v in sd.items()}
+    sd = {k: _own_storage(v) for k, v in sd.items()}
     save_torch_state_dict(sd, save_directory, max_shard_size=max_shard_size,
                           metadata={"format": "pt", "k3nn_format": format})
     cfg = model.config.to_dict()

@@ -42,6 +42,7 @@ from ..cache.paged import HybridPools, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache
 from ..cache.retention import make_retention
 from ..generation import GenerationConfig
+from ..hf.surface import has_adapters
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
 from .config import EngineConfig, EngineStalledError, RequestFailedError
@@ -73,6 +74,10 @@ class Engine:
     wrapper is ``self.multimodal``) and ``add_request`` also takes ``pixel_values`` / ``image_grid_thw``
     (:mod:`k3nn.engine.images`: the vision tower runs once per request, in the first forward that feeds one of its
     image tokens; prefix keys mix in a hash of each image).
+
+    The engine prepares the model's weights (:meth:`k3nn.KimiK3.prepare_decode`, unless it holds PEFT adapters):
+    each layer's input projections become one GEMM, in its prompts' chunks and in its decode steps. The packed
+    buffer holds the parameters themselves (views), so this costs no memory; the model stays prepared.
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, drafter=None, tokenizer=None, **overrides):
@@ -86,6 +91,8 @@ class Engine:
         if isinstance(model, KimiK3ForConditionalGeneration):
             self.multimodal, model = model, model.language_model
         self.model, self.config, self.mcfg = model, cfg, model.config
+        if not getattr(model, "decode_prepared", True) and not has_adapters(model):
+            model.prepare_decode()  # see the class docstring
         self.tokenizer = tokenizer  # decode(ids) -> str: stop strings and RequestOutput.text
         dtype, device = model.dtype, model.device
         if cfg.num_pages is not None:

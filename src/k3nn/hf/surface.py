@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["TransformersSurface", "causal_lm_loss", "forward_kwargs", "loading_kwargs", "config_from_transformers",
-           "check_adapters", "own_generation_config", "LORA_TARGET_MODULES"]
+           "check_adapters", "has_adapters", "own_generation_config", "LORA_TARGET_MODULES"]
 
 #: the projections a LoRA adapter may target: every one is called as a module on every path (so PEFT's wrapper
 #: runs), unlike MLA's ``kv_b_proj`` (its weight is absorbed into the attention) and the routed experts (stacked
@@ -314,11 +314,16 @@ def _wrapped(mod) -> bool:
     return isinstance(getattr(mod, "base_layer", None), torch.nn.Module)
 
 
+def has_adapters(model) -> bool:
+    """``model`` holds a PEFT adapter layer anywhere (only looked for once PEFT is imported)."""
+    return "peft" in sys.modules and any(_wrapped(m) for m in model.modules())
+
+
 def check_adapters(model) -> None:
     """Refuse adapters k3nn would skip: ``model`` is a KimiK3. Runs only once PEFT is imported (a dictionary lookup
     otherwise). A wrapped MLA ``kv_b_proj`` is read as a weight (absorbed into the attention); after
-    ``prepare_decode()`` the packed decode projections are copies of the weights (an adapter on them would be
-    bypassed at decode)."""
+    ``prepare_decode()`` the packed projections run as one GEMM on the packed weight (an adapter on them would be
+    bypassed)."""
     if "peft" not in sys.modules:
         return
     for i in model.config.mla_layers:
@@ -327,7 +332,7 @@ def check_adapters(model) -> None:
                 f"an adapter on model.layers.{i}.self_attn.kv_b_proj would be ignored: k3nn's MLA absorbs that "
                 f"weight into the attention instead of calling the module; target other projections "
                 f"(k3nn.hf.LORA_TARGET_MODULES) or merge the adapter first (merge_and_unload())")
-    if model.decode_prepared and any(_wrapped(m) for m in model.modules()):
-        raise ValueError("the model has adapters and packed decode weights (prepare_decode()): the packed copies "
+    if model.decode_prepared and has_adapters(model):
+        raise ValueError("the model has adapters and packed decode weights (prepare_decode()): the packed GEMMs "
                          "bypass the adapters; call model.prepare_decode(False), or merge the adapter first "
                          "(merge_and_unload()) and prepare again")

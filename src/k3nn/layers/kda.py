@@ -96,8 +96,7 @@ class KimiDeltaAttention(nn.Module):
             self._decode_in = pack_linears([[self.q_proj, self.k_proj, self.v_proj], gate, [self.f_a_proj],
                                             [self.b_proj]])
             convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-            self._decode_conv = Packed(lambda: [c.weight for c in convs],
-                                       build=lambda ts: torch.cat(ts, 0).squeeze(1))
+            self._decode_conv = Packed(lambda: [c.weight for c in convs])  # [3·H·D, W]
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -120,25 +119,41 @@ class KimiDeltaAttention(nn.Module):
         """The three depthwise kernels concatenated: [3·H·D, W] (q, k, v)."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """The output gate's pre-activation [..., H·D] for x [..., d]: ``g_b(g_a(x))`` (low rank) or ``g_proj(x)``."""
-        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+    def inputs(self, x: torch.Tensor):
+        """The projections of x the layer starts from: ``(q|k|v, f_a(x), b_proj(x), gate_in, conv weight)``, where
+        ``gate_in`` is ``g_a(x)`` (``g_proj(x)`` with the full-rank gate; :meth:`gate_from` finishes it). With the
+        weights prepared (:meth:`prepare_decode`) and no autograd, one GEMM over the packed weight gives all four
+        (views of its output) and the conv kernels come packed too; otherwise one GEMM each."""
+        if self._decode_in is not None and not torch.is_grad_enabled():
+            qkv, g, fa, b = self._decode_in.split(x)
+            return qkv, fa, b, g, self._decode_conv.get()
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g = self.g_proj(x) if self.full_rank_gate else self.g_a_proj(x)
+        return qkv, self.f_a_proj(x), self.b_proj(x), g, self.conv_weight()
+
+    def gate_from(self, gate_in: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-activation from :meth:`inputs`' ``gate_in``."""
+        return gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
 
     def project(self, x: torch.Tensor, conv_prev: torch.Tensor | None):
-        """Everything before the recurrence: returns q, k (L2-normed), v, g (fp32), beta (fp32), new conv state.
+        """Everything before the recurrence: returns q, k (L2-normed), v, g (fp32), beta (fp32), new conv state."""
+        return self._project(x, conv_prev)[:6]
+
+    def _project(self, x: torch.Tensor, conv_prev: torch.Tensor | None):
+        """:meth:`project`'s tensors and the output gate's ``gate_in`` (see :meth:`inputs`).
 
         One ``ops.short_conv`` pass gives the conv + SiLU of q | k | v and the L2 norm of q and k. Its kernels and
         ``ops.kda_gate``'s are forward only: while autograd records, both run their eager math (which trains)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        w, f = self.conv_weight(), self.f_b_proj(self.f_a_proj(x))
+        qkv, fa, b, gate_in, w = self.inputs(x)
+        f = self.f_b_proj(fa)
         with backend("eager" if records_grad(qkv, w, conv_prev, f, self.A_log, self.dt_bias) else None):
             qkv, conv_new = ops.short_conv(qkv, w, conv_prev, l2norm_channels=2 * H * D, head_dim=D)
             g = ops.kda_gate(f, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound, D)
         q, k, v = (t.reshape(B, T, H, D) for t in qkv.split(H * D, dim=-1))
-        beta = torch.sigmoid(upcast(self.b_proj(x)))
-        return q, k, v, g, beta, conv_new
+        beta = torch.sigmoid(upcast(b))
+        return q, k, v, g, beta, conv_new, gate_in
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
                 checkpoint_positions=None):
@@ -155,14 +170,14 @@ class KimiDeltaAttention(nn.Module):
         if state is not None and 0 < T <= self.fused_decode_max_tokens and checkpoint_positions is None:
             return self._fused_decode(x, state)
         conv_prev, init = (None, None) if state is None else state.read()
-        q, k, v, g, beta, conv_new = self.project(x, conv_prev)
+        q, k, v, g, beta, conv_new, gate_in = self._project(x, conv_prev)
         fn = ops.kda_recurrent if (state is not None and T == 1) else ops.kda_chunk
         res = fn(q, k, v, g, beta, initial_state=init, output_final_state=state is not None,
                  checkpoint_positions=checkpoint_positions)
         o, final = res[0], res[1]
         if state is not None:
             state.update(final, conv_new, res[2] if checkpoint_positions is not None else None)
-        y = self.o_norm(o, self.output_gate(x).reshape(B, T, self.num_heads, self.head_dim))
+        y = self.o_norm(o, self.gate_from(gate_in).reshape(B, T, self.num_heads, self.head_dim))
         return self.o_proj(y.reshape(B, T, -1))
 
     def commit_window(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, recurrent: torch.Tensor,
@@ -183,13 +198,8 @@ class KimiDeltaAttention(nn.Module):
         ``state_indices`` / ``num_tokens`` / ``write_state`` (see :class:`~k3nn.cache.KDAState`) go to the op."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        if self._decode_in is not None and not torch.is_grad_enabled():
-            qkv, g, fa, b = self._decode_in.split(x)
-            gate = g if self.full_rank_gate else self.g_b_proj(g)
-            conv_w = self._decode_conv.get()
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-            fa, b, gate, conv_w = self.f_a_proj(x), self.b_proj(x), self.output_gate(x), self.conv_weight()
+        qkv, fa, b, gate_in, conv_w = self.inputs(x)
+        gate = self.gate_from(gate_in)
         rec, conv = state.recurrent, state.conv
         f = self.f_b_proj(fa)
         state.record_decode(qkv, f, b)

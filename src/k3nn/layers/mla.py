@@ -180,7 +180,7 @@ class MultiHeadLatentAttention(nn.Module):
         # rows carry their own cached lengths; the decode kernel reads the pages in place)
         decode = state is not None and T <= self.absorb_max_tokens and (start > 0 or state.paged)
         proj = [None, None, None]
-        if decode and self._decode_in is not None and not torch.is_grad_enabled():
+        if self._decode_in is not None and not torch.is_grad_enabled():  # prepared: one GEMM, any length
             proj = self._decode_in.split(x) + [None]  # q | kv_a (| g)
         q_nope, q_rope = self.queries(x, positions, proj[0])
         c, k_r = self.latents(x, positions, proj[1])

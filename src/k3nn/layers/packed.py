@@ -1,11 +1,13 @@
 """Decode weight preparation: several projections of one input as one GEMM.
 
 At decode a token row meets many small projections (KDA: q, k, v, gate, f, β — six GEMMs of one row each); with
-their weights concatenated along the output dim it is one GEMM and one weight read. A :class:`Packed` is that
-concatenation, built by the layers' ``prepare_decode()`` (a copy: the packed projections' weights are held twice
-while it lives) and rebuilt when a source weight changes (``.to()``, ``load_state_dict``, an in-place update).
-Projections with forward hooks (tensor-parallel all-reduce) are never packed: a GEMM on their weight would skip
-the hook.
+their weights concatenated along the output dim it is one GEMM and one weight read (a prompt's forward uses the
+same GEMM once the weights are packed: one launch instead of six, and x read once). A :class:`Packed` is that
+concatenation, built by the layers' ``prepare_decode()``. It holds no second copy: the projections' parameters
+become views of their rows of the packed buffer (the same parameter objects, so optimizers and references keep
+them), and an in-place update of a projection is an update of the buffer. A parameter replaced since (``.to()``,
+``load_state_dict(assign=True)``, sharding) is seen at the next use, which packs again. Projections with forward
+hooks (tensor-parallel all-reduce) are never packed: a GEMM on their weight would skip the hook.
 """
 
 from __future__ import annotations
@@ -27,31 +29,41 @@ def hooked(mod: nn.Module) -> bool:
 
 
 class Packed:
-    """``weight``: the tensors ``sources()`` returns (looked up at every use, so a replaced parameter is seen)
-    concatenated along dim 0 (``build`` overrides how); ``sizes``: the row count of each group, for splitting
-    the GEMM's output."""
+    """``weight``: the tensors ``sources()`` returns (looked up at every use, so a replaced parameter is seen), each
+    flattened to rows (``[n, -1]``) and concatenated along dim 0; every source is then re-pointed at its rows of
+    ``weight`` (``.data``: a view of the same shape). ``sizes``: the row count of each group, for splitting the
+    GEMM's output."""
 
     def __init__(self, sources: Callable[[], Sequence[torch.Tensor]],
-                 sizes: Callable[[], Sequence[int]] | None = None, build=None):
+                 sizes: Callable[[], Sequence[int]] | None = None):
         self.sources = sources
-        self.build = build or (lambda ts: torch.cat(ts, 0))
         self._sizes = sizes or (lambda: [t.shape[0] for t in self.sources()])
-        self._key = None
         self.weight = self._rebuild()
 
-    def _key_of(self):
-        return tuple((t.data_ptr(), t._version, t.shape, t.device, t.dtype) for t in self.sources())
-
     def _rebuild(self) -> torch.Tensor:
-        with torch.no_grad():
-            self.weight = self.build([t.detach() for t in self.sources()]).contiguous()
+        # outside inference mode: the sources become views of this buffer and must stay usable by autograd
+        with torch.inference_mode(False), torch.no_grad():
+            ts = list(self.sources())
+            self.weight = torch.cat([t.detach().reshape(t.shape[0], -1) for t in ts], 0)
+            self._layout, row = [], 0
+            for t in ts:
+                t.data = self.weight[row:row + t.shape[0]].view(t.shape)
+                self._layout.append((t.data_ptr(), tuple(t.shape)))
+                row += t.shape[0]
         self.sizes = list(self._sizes())
-        self._key = self._key_of()
         return self.weight
 
+    def shared(self) -> bool:
+        """Every source is still its rows of ``weight`` (same address, shape, dtype and device)."""
+        w = self.weight
+        ts = self.sources()
+        return len(ts) == len(self._layout) and all(
+            t.data_ptr() == ptr and tuple(t.shape) == shape and t.dtype == w.dtype and t.device == w.device
+            for t, (ptr, shape) in zip(ts, self._layout))
+
     def get(self) -> torch.Tensor:
-        """The packed tensor, rebuilt first if a source changed."""
-        return self.weight if self._key == self._key_of() else self._rebuild()
+        """The packed tensor, packed again first if a source was replaced."""
+        return self.weight if self.shared() else self._rebuild()
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One GEMM ``x Wᵀ`` (:func:`k3nn.ops.linear`: the skinny GEMM at decode sizes) split into the groups'
