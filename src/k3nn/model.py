@@ -348,8 +348,8 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
         activation kernel and the shared experts' add inside the down projection). Every forward without autograd
         uses them, prompts as well as decode steps. Packing holds no second copy: the projections' parameters become
         views of the packed buffer (``on=False`` drops the packing and leaves them views); a parameter replaced later
-        is packed again at its next use.
-        ``generate(decode_backend="latency_specialized")`` calls this."""
+        is packed again at its next use. Packings that exist are kept (CUDA graphs captured over them stay valid).
+        ``generate(decode_backend="latency_specialized")`` and the Engine call this."""
         for mod in self.modules():
             if mod is not self and hasattr(mod, "prepare_decode"):
                 mod.prepare_decode(on)

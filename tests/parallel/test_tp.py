@@ -53,6 +53,9 @@ def _worker(rank: int, world: int, port: int, q) -> None:
                 torch.testing.assert_close(sharded[b][0], single[b][0], atol=2e-5, rtol=1e-4)
                 assert torch.equal(sharded[b][1], single[b][1]), (key, b)
                 assert sharded[b][2] == single[b][2] == ("standard" if b == "auto" else b)
+            pre = apply_tensor_parallel(KimiK3(cfg, seed=5).prepare_decode())  # packed before sharding
+            with torch.no_grad():  # the packed GEMMs run without autograd
+                torch.testing.assert_close(pre(ids, cache=None).logits, single["auto"][0], atol=2e-5, rtol=1e-4)
             res[key] = True
         q.put((rank, "ok", res))
     except Exception as e:  # report to the parent instead of hanging it

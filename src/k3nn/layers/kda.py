@@ -88,10 +88,11 @@ class KimiDeltaAttention(nn.Module):
         self._decode_conv: Packed | None = None
 
     def prepare_decode(self, on: bool = True) -> None:
-        """Pack the decode path's input projections into one GEMM weight and the three conv kernels into one
-        (see :mod:`k3nn.layers.packed`); ``on=False`` drops them."""
-        self._decode_in = self._decode_conv = None
-        if on:
+        """Pack the input projections into one GEMM weight and the three conv kernels into one (see
+        :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops them."""
+        if not on:
+            self._decode_in = self._decode_conv = None
+        elif self._decode_conv is None:
             gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]
             self._decode_in = pack_linears([[self.q_proj, self.k_proj, self.v_proj], gate, [self.f_a_proj],
                                             [self.b_proj]])

@@ -124,10 +124,11 @@ class MultiHeadLatentAttention(nn.Module):
         self._decode_in: Packed | None = None  # prepare_decode(): q (or q_a) | kv_a | g as one GEMM
 
     def prepare_decode(self, on: bool = True) -> None:
-        """Pack the decode path's input projections into one GEMM weight (see :mod:`k3nn.layers.packed`);
-        ``on=False`` drops it."""
-        self._decode_in = None
-        if on:
+        """Pack the input projections into one GEMM weight (see :mod:`k3nn.layers.packed`; kept when already
+        packed); ``on=False`` drops it."""
+        if not on:
+            self._decode_in = None
+        elif self._decode_in is None:
             q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
             self._decode_in = pack_linears([[q], [self.kv_a_proj_with_mqa]]
                                            + ([[self.g_proj]] if self.use_output_gate else []))

@@ -27,8 +27,11 @@ class MLP(nn.Module):
 
     def prepare_decode(self, on: bool = True) -> None:
         """Pack gate and up into one GEMM weight (one activation kernel over its output; see
-        :mod:`k3nn.layers.packed`); ``on=False`` drops it."""
-        self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]]) if on else None
+        :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops it."""
+        if not on:
+            self._gate_up = None
+        elif self._gate_up is None:
+            self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]])
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., hidden] → mlp(x), or ``add_to + mlp(x)`` (add_to of the output's shape). Prepared (and without

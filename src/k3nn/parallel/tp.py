@@ -170,7 +170,7 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     model.config = local
     if hasattr(model, "model"):
         model.model.config = local
-    if getattr(model, "decode_prepared", False):  # packed decode weights again, from the shards
-        model.prepare_decode()
+    if getattr(model, "decode_prepared", False):  # packed again from the shards (hooked projections not at all)
+        model.prepare_decode(False).prepare_decode()
     model.tp_world_size = world
     return model
