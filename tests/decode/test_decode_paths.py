@@ -124,6 +124,8 @@ def test_prepared_weights_hold_no_copy(tmp_path):
     for p, b in zip(params, before):
         assert p.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
         assert torch.equal(p, b)
+    model.prepare_decode()  # packing again keeps the buffer (graphs captured over it stay valid)
+    assert attn._decode_in.weight is packed
     with torch.no_grad():
         attn.k_proj.weight.mul_(2)
     assert attn._decode_in.get() is packed  # an in-place update is an update of the packed buffer
