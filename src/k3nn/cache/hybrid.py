@@ -161,6 +161,13 @@ class HybridCache:
         self.config, self.batch_size, self.max_length = config, batch_size, max_length
         self.dtype, self.device = dtype, torch.device(device)
         H, D, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+        # every KDA layer's states are views of one recurrent and one conv buffer: two fill kernels for the whole
+        # stack instead of two per layer (a short prompt's forward allocates its cache inside the call)
+        n_kda = sum(not config.is_mla_layer(i) for i in range(config.num_hidden_layers))
+        states = (torch.zeros(n_kda, batch_size, H, D, D, dtype=torch.float32 if dtype != torch.float64 else dtype,
+                              device=device),
+                  torch.zeros(n_kda, batch_size, W - 1, 3 * H * D, dtype=dtype, device=device))
+        self._kda_buffers = states
         self.layers: list[KDAState | MLAState] = []
         for i in range(config.num_hidden_layers):
             if config.is_mla_layer(i) and mla_pool:
@@ -174,17 +181,17 @@ class HybridCache:
                     torch.zeros(batch_size, max_length, config.kv_lora_rank, dtype=dtype, device=device),
                     torch.zeros(batch_size, max_length, config.qk_rope_head_dim, dtype=dtype, device=device)))
             else:
-                self.layers.append(KDAState(
-                    torch.zeros(batch_size, H, D, D, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device),
-                    torch.zeros(batch_size, W - 1, 3 * H * D, dtype=dtype, device=device)))
+                j = sum(isinstance(st, KDAState) for st in self.layers)
+                self.layers.append(KDAState(states[0][j], states[1][j]))
         self.key_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
-        self.valid_counts = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens per row
+        counts = torch.zeros(batch_size + 1, dtype=torch.long, device=device)  # one fill for both counters
+        self.valid_counts = counts[:batch_size]  # real tokens per row
         self.seen_tokens = 0
         #: host-side: some key_mask column below seen_tokens may be False (left padding, a rejected draft). While
         #: it is False the mask is all True up to seen_tokens and the prefill path passes none (no host read)
         self.holes = False
         self.static = False  # graph-safe mode (see the module docstring)
-        self.write_pos = torch.zeros((), dtype=torch.long, device=device)
+        self.write_pos = counts[batch_size]
         #: static mla_pool caches of unpadded batches: decode steps read the pool through ops.mla_decode
         #: (MLAState.paged_decode); mla_decode masks by length only, so left-padded rows must stay off
         self.pool_decode = False
@@ -217,11 +224,10 @@ class HybridCache:
 
     def reset(self) -> None:
         """Empty the cache in place (zeros, no reallocation) for a new batch of the same shape."""
+        for t in self._kda_buffers:
+            t.zero_()
         for st in self.layers:
-            if isinstance(st, KDAState):
-                st.recurrent.zero_()
-                st.conv.zero_()
-            else:
+            if isinstance(st, MLAState):
                 st.latent.zero_()
                 st.rope.zero_()
         self.key_mask.zero_()
