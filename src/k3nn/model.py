@@ -347,7 +347,7 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
         input become one GEMM (KDA's q|k|v|gate|f|β, MLA's q|kv_a|gate, the dense and shared MLPs' gate|up with one
         activation kernel and the shared experts' add inside the down projection). Every forward without autograd
         uses them, prompts as well as decode steps. Packing holds no second copy: the projections' parameters become
-        views of the packed buffer (``on=False`` drops the packing and leaves them views); a parameter replaced later
+        views of the packed buffer (``on=False`` gives them their own storage again); a parameter replaced later
         is packed again at its next use. Packings that exist are kept (CUDA graphs captured over them stay valid).
         ``generate(decode_backend="latency_specialized")`` and the Engine call this."""
         for mod in self.modules():

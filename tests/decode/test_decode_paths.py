@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench.gpu.decode_launches as dl
@@ -152,6 +153,12 @@ def test_prepared_weights_hold_no_copy(tmp_path):
     assert attn._decode_in.shared()
     with torch.no_grad():
         assert torch.equal(attn._decode_in.get()[:C], attn.q_proj.weight)
+
+    kept = attn.k_proj.weight.detach().clone()
+    model.prepare_decode(False)  # each parameter gets its own storage back: safetensors' save_file takes them
+    assert attn.k_proj.weight.untyped_storage().nbytes() == attn.k_proj.weight.nbytes
+    assert torch.equal(attn.k_proj.weight, kept)
+    save_file({k: v.detach() for k, v in model.state_dict().items()}, str(tmp_path / "plain.safetensors"))
 
 
 class _AtenCounts(TorchDispatchMode):

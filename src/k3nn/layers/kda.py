@@ -91,6 +91,9 @@ class KimiDeltaAttention(nn.Module):
         """Pack the input projections into one GEMM weight and the three conv kernels into one (see
         :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops them."""
         if not on:
+            for p in (self._decode_in, self._decode_conv):
+                if p is not None:
+                    p.unpack()
             self._decode_in = self._decode_conv = None
         elif self._decode_conv is None:
             gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]

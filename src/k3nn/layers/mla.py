@@ -127,6 +127,8 @@ class MultiHeadLatentAttention(nn.Module):
         """Pack the input projections into one GEMM weight (see :mod:`k3nn.layers.packed`; kept when already
         packed); ``on=False`` drops it."""
         if not on:
+            if self._decode_in is not None:
+                self._decode_in.unpack()
             self._decode_in = None
         elif self._decode_in is None:
             q = self.q_proj if self.q_lora_rank is None else self.q_a_proj

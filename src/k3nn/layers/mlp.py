@@ -29,6 +29,8 @@ class MLP(nn.Module):
         """Pack gate and up into one GEMM weight (one activation kernel over its output; see
         :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops it."""
         if not on:
+            if self._gate_up is not None:
+                self._gate_up.unpack()
             self._gate_up = None
         elif self._gate_up is None:
             self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]])

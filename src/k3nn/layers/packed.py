@@ -61,6 +61,16 @@ class Packed:
             t.data_ptr() == ptr and tuple(t.shape) == shape and t.dtype == w.dtype and t.device == w.device
             for t, (ptr, shape) in zip(ts, self._layout))
 
+    def unpack(self) -> None:
+        """Give every source still sharing ``weight`` its own storage again (a copy of its rows): what
+        ``prepare_decode(False)`` does, so the parameters no longer share memory (e.g. for safetensors'
+        ``save_file``, which refuses shared tensors)."""
+        w = self.weight
+        with torch.inference_mode(False), torch.no_grad():
+            for t in self.sources():
+                if t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr():
+                    t.data = t.data.clone()
+
     def get(self) -> torch.Tensor:
         """The packed tensor, packed again first if a source was replaced."""
         return self.weight if self.shared() else self._rebuild()
