@@ -168,6 +168,8 @@ class HybridCache:
                               device=device),
                   torch.zeros(n_kda, batch_size, W - 1, 3 * H * D, dtype=dtype, device=device))
         self._kda_buffers = states
+        # indexed views (iterating would unbind, whose views refuse in-place writes under autograd)
+        kda_views = ((states[0][j], states[1][j]) for j in range(n_kda))
         self.layers: list[KDAState | MLAState] = []
         for i in range(config.num_hidden_layers):
             if config.is_mla_layer(i) and mla_pool:
@@ -181,8 +183,7 @@ class HybridCache:
                     torch.zeros(batch_size, max_length, config.kv_lora_rank, dtype=dtype, device=device),
                     torch.zeros(batch_size, max_length, config.qk_rope_head_dim, dtype=dtype, device=device)))
             else:
-                j = sum(isinstance(st, KDAState) for st in self.layers)
-                self.layers.append(KDAState(states[0][j], states[1][j]))
+                self.layers.append(KDAState(*next(kda_views)))
         self.key_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         counts = torch.zeros(batch_size + 1, dtype=torch.long, device=device)  # one fill for both counters
         self.valid_counts = counts[:batch_size]  # real tokens per row
