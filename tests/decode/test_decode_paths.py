@@ -281,3 +281,27 @@ def test_latency_specialized_launch_count():
     assert sum(fused.values()) / L <= 42
     for op in ("isfinite", "all", "sort", "argsort"):  # no finite check / sort-based routing in the fused step
         assert op not in fused
+
+
+def test_tensor_subclass_weights_are_not_packed():
+    """Weights that are tensor subclasses (DTensor after fully_shard) are left unpacked; a packed weight replaced
+    by one later is a clear error, not a silent re-pointing."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    model = KimiK3(KimiK3Config.tiny(), seed=8)
+    attn = model.model.layers[0].self_attn
+    q = attn.q_proj
+    q.weight = torch.nn.Parameter(torch.Tensor._make_subclass(Sub, q.weight.detach().clone()))
+    model.prepare_decode()
+    assert attn._decode_in is None and attn._decode_conv is not None
+    ids, _ = _prompt(1, 20, 9, False)
+    with torch.no_grad():
+        model(ids)  # the plain projections (and the packed conv kernels)
+
+    other = KimiK3(KimiK3Config.tiny(), seed=8).prepare_decode()
+    k = other.model.layers[0].self_attn.k_proj
+    k.weight = torch.nn.Parameter(torch.Tensor._make_subclass(Sub, k.weight.detach().clone()))
+    with torch.no_grad(), pytest.raises(TypeError, match="prepare_decode\\(False\\)"):
+        other(ids)

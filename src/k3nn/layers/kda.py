@@ -29,7 +29,7 @@ from ..kernels.registry import backend
 from ..utils import records_grad, upcast
 from .linear import Linear
 from .norm import GatedRMSNorm
-from .packed import Packed, pack_linears
+from .packed import Packed, pack_linears, plain
 
 __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
 
@@ -95,12 +95,13 @@ class KimiDeltaAttention(nn.Module):
                 if p is not None:
                     p.unpack()
             self._decode_in = self._decode_conv = None
-        elif self._decode_conv is None:
+        elif self._decode_in is None and self._decode_conv is None:
             gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]
             self._decode_in = pack_linears([[self.q_proj, self.k_proj, self.v_proj], gate, [self.f_a_proj],
                                             [self.b_proj]])
             convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-            self._decode_conv = Packed(lambda: [c.weight for c in convs])  # [3·H·D, W]
+            if all(plain(c.weight) for c in convs):
+                self._decode_conv = Packed(lambda: [c.weight for c in convs])  # [3·H·D, W]
 
     @torch.no_grad()
     def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -130,7 +131,7 @@ class KimiDeltaAttention(nn.Module):
         (views of its output) and the conv kernels come packed too; otherwise one GEMM each."""
         if self._decode_in is not None and not torch.is_grad_enabled():
             qkv, g, fa, b = self._decode_in.split(x)
-            return qkv, fa, b, g, self._decode_conv.get()
+            return qkv, fa, b, g, self._conv_weight()
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.g_proj(x) if self.full_rank_gate else self.g_a_proj(x)
         return qkv, self.f_a_proj(x), self.b_proj(x), g, self.conv_weight()

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import ops
 
-__all__ = ["Packed", "pack_linears", "hooked"]
+__all__ = ["Packed", "pack_linears", "hooked", "plain"]
 
 
 def hooked(mod: nn.Module) -> bool:
@@ -42,8 +42,12 @@ class Packed:
 
     def _rebuild(self) -> torch.Tensor:
         # outside inference mode: the sources become views of this buffer and must stay usable by autograd
+        ts = list(self.sources())
+        if not all(plain(t) for t in ts):
+            raise TypeError("packed projections cannot follow parameters that became tensor subclasses (DTensor "
+                            "after fully_shard or a DeviceMesh tensor parallel): call model.prepare_decode(False) "
+                            "before sharding")
         with torch.inference_mode(False), torch.no_grad():
-            ts = list(self.sources())
             self.weight = torch.cat([t.detach().reshape(t.shape[0], -1) for t in ts], 0)
             self._layout, row = [], 0
             for t in ts:
@@ -82,11 +86,17 @@ class Packed:
         return list(ops.linear(x, w).split(self.sizes, -1))
 
 
+def plain(t: torch.Tensor) -> bool:
+    """``t`` holds a plain tensor, not a subclass (a DTensor of ``fully_shard`` or a DeviceMesh tensor parallel):
+    only plain tensors can be re-pointed at a packed buffer."""
+    return type(t.data) is torch.Tensor
+
+
 def pack_linears(groups: Sequence[Sequence[nn.Linear]]) -> Packed | None:
     """One :class:`Packed` over ``groups`` of linears (each group one slice of the output), or None when one of
-    them has a bias or hooks, or their weights differ in dtype or device."""
+    them has a bias or hooks, or their weights differ in dtype or device or are not plain tensors."""
     mods = [m for g in groups for m in g]
-    if any(not isinstance(m, nn.Linear) or m.bias is not None or hooked(m) for m in mods):
+    if any(not isinstance(m, nn.Linear) or m.bias is not None or hooked(m) or not plain(m.weight) for m in mods):
         return None
     if len({(m.weight.dtype, m.weight.device) for m in mods}) != 1 or mods[0].weight.device.type == "meta":
         return None
