@@ -100,25 +100,29 @@ class DecoderLayer(nn.Module):
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
         return ops.attnres_mix(sources, proj.weight[0], norm.weight, norm.eps)
 
-    def mixer(self, h: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
-        """The token mixer's output [B, T, d] for the residual stream h [B, T, d] (input RMSNorm first)."""
-        return self.attention(self.input_layernorm(h), state, attention_mask, positions, start, checkpoint_positions)
+    def mixer(self, h: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions,
+              residual: torch.Tensor | None = None):
+        """The token mixer's output [B, T, d] for the residual stream h [B, T, d] (input RMSNorm first), plus
+        ``residual`` when given (added inside the output projection's GEMM)."""
+        return self.attention(self.input_layernorm(h), state, attention_mask, positions, start, checkpoint_positions,
+                              residual)
 
-    def attention(self, x: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions):
+    def attention(self, x: torch.Tensor, state, attention_mask, positions, start, checkpoint_positions,
+                  residual: torch.Tensor | None = None):
         """The token mixer on an already normalised input."""
         if self.is_mla:
-            return self.self_attn(x, state, attention_mask, positions, start)
-        return self.self_attn(x, state, attention_mask, checkpoint_positions=checkpoint_positions)
+            return self.self_attn(x, state, attention_mask, positions, start, residual=residual)
+        return self.self_attn(x, state, attention_mask, checkpoint_positions=checkpoint_positions, residual=residual)
 
     def forward(self, rs: ResidualState, state=None, attention_mask=None, positions=None, start: int = 0,
                 checkpoint_positions=None) -> ResidualState:
         """One layer over the residual state (the running sum, and with AttnRes the completed blocks); ``state``:
         this layer's cache entry (None without a cache); ``positions`` [B, T] and ``start``: where the new tokens
         sit (MLA), ``checkpoint_positions``: KDA states to export in the same pass."""
-        if not self.attn_res:
-            h = rs.partial
-            h = h + self.mixer(h, state, attention_mask, positions, start, checkpoint_positions)
-            h = h + self.ffn(self.post_attention_layernorm(h))
+        if not self.attn_res:  # the residual adds inside the output GEMMs (an MLP's; MoE adds after)
+            h = self.mixer(rs.partial, state, attention_mask, positions, start, checkpoint_positions, rs.partial)
+            x = self.post_attention_layernorm(h)
+            h = self.ffn(x, add_to=h) if isinstance(self.ffn, MLP) else h + self.ffn(x)
             return ResidualState(h)
         blocks, partial = list(rs.blocks), rs.partial
         h = self.mix("self_attention", blocks + [partial]) if blocks else partial

@@ -210,6 +210,31 @@ def test_packed_split_and_mlp_residual_use_the_op():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_project_onto_adds_inside_the_gemm_unless_the_module_needs_its_own_forward():
+    """``project_onto(proj, x, r)`` == ``r + proj(x)``: one GEMM with the residual for a plain Linear; the module's own
+    forward then the add with a bias, a hook (a tensor-parallel all-reduce must see the projection alone) or a
+    wrapper."""
+    from k3nn.layers.linear import project_onto
+
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 3, 8), torch.randn(2, 3, 5)
+    plain, biased = Linear(8, 5, bias=False), Linear(8, 5, bias=True)
+    hooked = Linear(8, 5, bias=False)
+    hooked.register_forward_hook(lambda m, a, out: out * 2)
+    for proj in (plain, biased, hooked, nn.Sequential(plain)):
+        with torch.no_grad():
+            torch.testing.assert_close(project_onto(proj, x, r), r + proj(x), rtol=1e-6, atol=1e-6)
+    assert project_onto(plain, x, None) is not None
+    calls = []
+    plain.register_forward_pre_hook(lambda m, a: calls.append(1))  # a hook: the module runs
+    with torch.no_grad():
+        project_onto(plain, x, r)
+    assert calls == [1]
+    x.requires_grad_(True)  # autograd: the addmm trains
+    project_onto(Linear(8, 5, bias=False), x, r).sum().backward()
+    assert x.grad is not None
+
+
 def test_reference_residual_is_one_addmm():
     x, w, r, b = torch.randn(3, 8), torch.randn(4, 8), torch.randn(3, 4), torch.randn(4)
     torch.testing.assert_close(linear_reference(x, w, b, r), torch.addmm(r + b, x, w.t()))

@@ -27,7 +27,7 @@ from ..config import KimiK3Config
 from ..kernels.kda.prologue import kda_gate, l2norm, short_conv  # the eager math, re-exported
 from ..kernels.registry import backend
 from ..utils import records_grad, upcast
-from .linear import Linear
+from .linear import Linear, project_onto
 from .norm import GatedRMSNorm
 from .packed import Packed, pack_linears, plain
 
@@ -161,19 +161,20 @@ class KimiDeltaAttention(nn.Module):
         return q, k, v, g, beta, conv_new, gate_in
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
-                checkpoint_positions=None):
+                checkpoint_positions=None, *, residual: torch.Tensor | None = None):
         """x [B, T, d]; state: :class:`k3nn.cache.KDAState` view for these B rows (updated in place) or None;
         attention_mask [B, T] (1 = token, 0 = padding: padded inputs are zeroed so they leave no trace when
         the state starts at zero, as with left padding). The state is shown the layer's (masked) input first
         (:meth:`~k3nn.cache.KDAState.observe_input`): the engine's paged state exports conv checkpoints from it,
-        speculative rollback records verify windows with it."""
+        speculative rollback records verify windows with it. ``residual`` [B, T, d]: returned ``residual + kda(x)``,
+        the add inside ``o_proj``'s GEMM."""
         if attention_mask is not None:
             x = x * attention_mask[..., None].to(x.dtype)
         if state is not None:
             state.observe_input(self, x)
         B, T, _ = x.shape
         if state is not None and 0 < T <= self.fused_decode_max_tokens and checkpoint_positions is None:
-            return self._fused_decode(x, state)
+            return self._fused_decode(x, state, residual)
         conv_prev, init = (None, None) if state is None else state.read()
         q, k, v, g, beta, conv_new, gate_in = self._project(x, conv_prev)
         fn = ops.kda_recurrent if (state is not None and T == 1) else ops.kda_chunk
@@ -183,7 +184,7 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             state.update(final, conv_new, res[2] if checkpoint_positions is not None else None)
         y = self.o_norm(o, self.gate_from(gate_in).reshape(B, T, self.num_heads, self.head_dim))
-        return self.o_proj(y.reshape(B, T, -1))
+        return project_onto(self.o_proj, y.reshape(B, T, -1), residual)
 
     def commit_window(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, recurrent: torch.Tensor,
                       conv: torch.Tensor, state_indices: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -197,7 +198,7 @@ class KimiDeltaAttention(nn.Module):
     def _conv_weight(self) -> torch.Tensor:
         return self._decode_conv.get() if self._decode_conv is not None else self.conv_weight()
 
-    def _fused_decode(self, x: torch.Tensor, state) -> torch.Tensor:
+    def _fused_decode(self, x: torch.Tensor, state, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Decode / verify-window path: the projections, then one ``ops.kda_fused_decode`` (conv update, gate,
         β, L2 norm, recurrence, gated RMSNorm) that updates the cache in place, then ``o_proj``. The state's
         ``state_indices`` / ``num_tokens`` / ``write_state`` (see :class:`~k3nn.cache.KDAState`) go to the op."""
@@ -213,4 +214,4 @@ class KimiDeltaAttention(nn.Module):
                                  norm_eps=self.o_norm.eps, num_tokens=state.num_tokens,
                                  write_state=state.write_state)
         state.update(rec, conv, None)  # a no-op for states updated in place; gathered copies write back
-        return self.o_proj(y.reshape(B, T, H * D))
+        return project_onto(self.o_proj, y.reshape(B, T, H * D), residual)

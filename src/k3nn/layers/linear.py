@@ -16,7 +16,7 @@ from .. import ops
 from ..kernels.linear.reference import MAX_SKINNY_ROWS
 from ..utils import records_grad
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "project_onto"]
 
 
 class Linear(nn.Linear):
@@ -30,3 +30,17 @@ class Linear(nn.Linear):
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
         return ops.linear(x, self.weight, self.bias)
+
+
+def project_onto(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + proj(x)`` (``proj(x)`` without a residual). For a k3nn :class:`Linear` without bias, hooks or
+    autocast the add runs inside the GEMM (:func:`k3nn.ops.linear`'s ``residual``: one launch, one rounding);
+    otherwise the module runs first (a tensor-parallel all-reduce hook must see the projection alone, a LoRA
+    wrapper its own forward), then the add."""
+    if residual is None:
+        return proj(x)
+    if (not isinstance(proj, Linear) or proj.bias is not None or proj._forward_hooks or proj._forward_pre_hooks
+            or torch.is_autocast_enabled(x.device.type) or not x.dtype == proj.weight.dtype == residual.dtype):
+        return residual + proj(x)
+    w = proj.weight
+    return ops.linear(x, w, residual=residual.reshape(*x.shape[:-1], w.shape[0])).view(residual.shape)

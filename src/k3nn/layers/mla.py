@@ -26,7 +26,7 @@ from ..kernels.mla.api import merge_attn_states
 from ..utils import upcast
 
 from ..config import KimiK3Config
-from .linear import Linear
+from .linear import Linear, project_onto
 from .norm import RMSNorm
 from .packed import Packed, pack_linears
 
@@ -163,21 +163,24 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """``gate``: ``g_proj(x)`` when already computed."""
+    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``gate``: ``g_proj(x)`` when already computed; ``residual``: added to the output inside ``o_proj``'s GEMM
+        (:func:`~k3nn.layers.linear.project_onto`)."""
         B, T = x.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.use_output_gate:
             g = self.g_proj(x) if gate is None else gate
             o = ops.sigmoid_gate(o, g.reshape(o.shape).to(o.dtype))
-        return self.o_proj(o)
+        return project_onto(self.o_proj, o, residual)
 
     def forward(self, x: torch.Tensor, state=None, attention_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, start: int = 0):
+                positions: torch.Tensor | None = None, start: int = 0, *, residual: torch.Tensor | None = None):
         """x [B, T, d]; state: latent cache view (see the cache protocol in :mod:`k3nn.cache.hybrid`):
         ``state.append(c, k_r, attention_mask, start)`` stores the new latents and returns every visible
         latent ``[B, L, r]``, rope key ``[B, L, dr]``, key mask ``[B, L]`` and the new queries' absolute
-        indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions."""
+        indices ``[B, T]``; attention_mask [B, T] for these tokens; positions [B, T] rope positions;
+        ``residual`` [B, T, d]: returned ``residual + attention(x)``, the add inside ``o_proj``'s GEMM."""
         B, T, _ = x.shape
         # the absorbed form: a decode-shaped call with cached context, or any short call on a paged cache (its
         # rows carry their own cached lengths; the decode kernel reads the pages in place)
@@ -199,7 +202,7 @@ class MultiHeadLatentAttention(nn.Module):
                 # the latent output is in the pool's dtype already: W_UV in that dtype too (a 16-bit GEMM accumulates
                 # in fp32 and rounds once, as the fp32 product would), never an fp32 copy of the weight per step
                 o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.to(o_lat.dtype)).to(x.dtype)
-                return self.finish(x, o, gate)
+                return self.finish(x, o, gate, residual)
         if state is not None:
             c_all, kr_all, key_mask, q_pos = state.append(c, k_r, attention_mask, start)
         else:
@@ -212,7 +215,7 @@ class MultiHeadLatentAttention(nn.Module):
             o = torch.einsum("bthr,hvr->bthv", o_lat, upcast(w_uv)).to(x.dtype)
         else:
             o = self.decompressed(q_nope, q_rope, c_all, kr_all, key_mask, q_pos[:, 0]).to(x.dtype)
-        return self.finish(x, o, gate)
+        return self.finish(x, o, gate, residual)
 
     #: keys decompressed at a time on the prefill path: bounds the K/V workspace (L·H·(dn + dv) values) for long
     #: cached contexts; the segments' partial results merge exactly by their LSE

@@ -7,8 +7,8 @@ from torch import nn
 
 from .. import ops
 from ..kernels.glu import glu_activation, situ_glu  # re-exported: the expert kernels' references use them too
-from .linear import Linear
-from .packed import Packed, hooked, pack_linears
+from .linear import Linear, project_onto
+from .packed import Packed, pack_linears
 
 __all__ = ["glu_activation", "situ_glu", "MLP"]
 
@@ -36,15 +36,11 @@ class MLP(nn.Module):
             self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]])
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., hidden] → mlp(x), or ``add_to + mlp(x)`` (add_to of the output's shape). Prepared (and without
-        autograd): one gate|up GEMM, one activation kernel, and the add inside the down projection's GEMM."""
+        """x [..., hidden] → mlp(x), or ``add_to + mlp(x)`` (add_to of the output's shape; the add inside the down
+        projection's GEMM, :func:`~k3nn.layers.linear.project_onto`). Prepared (and without autograd): one gate|up
+        GEMM and one activation kernel."""
         if self._gate_up is None or torch.is_grad_enabled():
-            y = self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta,
-                                              self.linear_beta))
-            return y if add_to is None else add_to + y
-        h = ops.glu(ops.linear(x, self._gate_up.get()), self.act, self.beta, self.linear_beta)  # [gate | up]
-        if add_to is None or hooked(self.down_proj) or self.down_proj.bias is not None:
-            y = self.down_proj(h)
-            return y if add_to is None else add_to + y
-        w = self.down_proj.weight
-        return ops.linear(h, w, residual=add_to.reshape(*h.shape[:-1], w.shape[0])).view(add_to.shape)
+            h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
+        else:
+            h = ops.glu(ops.linear(x, self._gate_up.get()), self.act, self.beta, self.linear_beta)  # [gate | up]
+        return project_onto(self.down_proj, h, add_to)
