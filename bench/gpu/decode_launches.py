@@ -17,6 +17,7 @@ import contextlib
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache.hybrid import HybridCache
@@ -114,6 +115,19 @@ def _label_registry_ops():
         registry.resolve = orig
         for n, f in saved_ops.items():
             setattr(ops_pkg, n, f)
+
+
+class AtenOps(TorchDispatchMode):
+    """Every aten op run inside it, by name (``.n``): views and allocations included, registry ops by what their
+    implementation runs. ``with AtenOps() as ops: ...``."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def count(fn, dev) -> collections.Counter:

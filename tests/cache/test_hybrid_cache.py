@@ -1,30 +1,18 @@
 """The contiguous hybrid cache: its allocation (one fill per kind of KDA state, not one per layer) and reset."""
 
-import collections
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+import bench.gpu.decode_launches as dl
 from k3nn import KimiK3, KimiK3Config
 from k3nn.cache import HybridCache
 from k3nn.cache.hybrid import KDAState
-
-
-class _Fills(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_kda_states_share_two_buffers():
     """A fresh cache (what a short prompt's forward allocates inside the call) fills two buffers for every KDA
     layer's recurrent and conv state, two per MLA layer and two for the mask and the counters."""
     cfg = KimiK3Config.tiny(num_hidden_layers=8, mla_layers=[3, 7])
-    with _Fills() as f:
+    with dl.AtenOps() as f:
         cache = HybridCache(cfg, 2, 16)
     kda = [st for st in cache.layers if isinstance(st, KDAState)]
     assert len(kda) == 6

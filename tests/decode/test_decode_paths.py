@@ -2,12 +2,9 @@
 weights, MLA through the pool decode kernel) give the same tokens (and logits up to rounding) as the standard
 step; unsupported batches fall back."""
 
-import collections
-
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench.gpu.decode_launches as dl
 from k3nn import KimiK3, KimiK3Config
@@ -161,18 +158,6 @@ def test_prepared_weights_hold_no_copy(tmp_path):
     save_file({k: v.detach() for k, v in model.state_dict().items()}, str(tmp_path / "plain.safetensors"))
 
 
-class _AtenCounts(TorchDispatchMode):
-    """The aten ops a forward runs, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("which", ["k3", "kimi_linear"])
 def test_prepared_weights_serve_the_prefill(which, request):
     """Prepared weights serve prompts too (any length, without autograd): the same logits and cached state as the
@@ -183,7 +168,7 @@ def test_prepared_weights_serve_the_prefill(which, request):
 
     def prefill():
         cache = model.new_cache(2, 32)
-        with torch.no_grad(), _AtenCounts() as ops_run:
+        with torch.no_grad(), dl.AtenOps() as ops_run:
             logits = model(ids, cache=cache).logits
         return logits, cache, ops_run.n
 

@@ -16,7 +16,7 @@ from .. import ops
 from ..kernels.linear.reference import MAX_SKINNY_ROWS
 from ..utils import records_grad
 
-__all__ = ["Linear", "project_onto"]
+__all__ = ["Linear", "hooked", "project_onto"]
 
 
 class Linear(nn.Linear):
@@ -32,6 +32,12 @@ class Linear(nn.Linear):
         return ops.linear(x, self.weight, self.bias)
 
 
+def hooked(mod: nn.Module) -> bool:
+    """``mod`` has forward (pre-)hooks, e.g. tensor parallelism's all-reduce: a GEMM on its weight that skips the
+    module (a packed projection, a residual added inside the GEMM) would skip them."""
+    return bool(mod._forward_hooks or mod._forward_pre_hooks)
+
+
 def project_onto(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``residual + proj(x)`` (``proj(x)`` without a residual). For a k3nn :class:`Linear` without bias, hooks or
     autocast the add runs inside the GEMM (:func:`k3nn.ops.linear`'s ``residual``: one launch, one rounding);
@@ -39,7 +45,7 @@ def project_onto(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     wrapper its own forward), then the add."""
     if residual is None:
         return proj(x)
-    if (not isinstance(proj, Linear) or proj.bias is not None or proj._forward_hooks or proj._forward_pre_hooks
+    if (not isinstance(proj, Linear) or proj.bias is not None or hooked(proj)
             or torch.is_autocast_enabled(x.device.type) or not x.dtype == proj.weight.dtype == residual.dtype):
         return residual + proj(x)
     w = proj.weight

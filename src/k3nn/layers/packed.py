@@ -18,14 +18,9 @@ import torch
 from torch import nn
 
 from .. import ops
+from .linear import hooked
 
-__all__ = ["Packed", "pack_linears", "hooked", "plain"]
-
-
-def hooked(mod: nn.Module) -> bool:
-    """``mod`` has forward (pre-)hooks, e.g. tensor parallelism's all-reduce: a packed GEMM would skip them, so
-    such projections are not packed."""
-    return bool(mod._forward_hooks or mod._forward_pre_hooks)
+__all__ = ["Packed", "pack_linears", "plain"]
 
 
 class Packed:
