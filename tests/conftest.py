@@ -46,6 +46,16 @@ def nvcc_sm90(tmp_path, source: str, name: str = "kernel", arch: str = "sm_90") 
     return r.stderr, spills
 
 
+def unique_symbols(obj) -> list[str]:
+    """The GNU-unique symbols of a compiled object (``nm`` type ``u``): static locals of functions with external
+    linkage in templates. The dynamic loader merges them across every module of the process, RTLD_LOCAL or not,
+    so a second build of a kernel source would share the first one's flags (an opt-in done once per module)."""
+    import subprocess
+
+    r = subprocess.run(["nm", "-C", str(obj)], check=True, capture_output=True, text=True)
+    return [ln for ln in r.stdout.splitlines() if " u " in ln]
+
+
 def braces_balanced(src: str) -> bool:
     """Every ``{`` of a generated C++/CUDA source closed in order (string literals ignored)."""
     depth = 0

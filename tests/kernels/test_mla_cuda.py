@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import braces_balanced, nvcc_sm90
+from conftest import braces_balanced, nvcc_sm90, unique_symbols
 
 import k3nn.kernels.mla.cuda_decode as cd
 from k3nn.kernels import cuda_ext
@@ -265,6 +265,7 @@ def test_wgmma_kernel_compiles_for_sm90a(tmp_path):
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mla_wgmma_kernel" in e for e in entries) == 4, entries
     assert cd.SMEM_BYTES_WGMMA <= 227 * 1024
+    assert not unique_symbols(tmp_path / "mla_wg.o")  # the smem opt-in flags are this module's own
 
 
 @pytest.mark.slow

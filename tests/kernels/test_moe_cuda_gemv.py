@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import braces_balanced, nvcc_sm90
+from conftest import braces_balanced, nvcc_sm90, unique_symbols
 
 import k3nn.kernels.moe.cuda_mx_gemv as cm
 import k3nn.kernels.moe.triton_fused as tf
@@ -178,3 +178,4 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
         assert f["regs"] <= 128, (name, f)
         assert f.get("spill", 0) <= (192 if nt4_glu else 32), (name, f)
     assert sum(re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", n) is not None for n in funcs) == 4
+    assert not unique_symbols(tmp_path / "mx.o")  # the smem opt-in flags are this module's own

@@ -198,8 +198,9 @@ __global__ void __launch_bounds__(32 * MERGE_WARPS, 4) mla_combine_kernel(const 
 #include "../../csrc/raise_smem.cuh"
 
 
+// `static`: internal linkage keeps raised_wg this module's own (see mx_gemv.cu's launch)
 template <typename T, typename TO>
-cudaError_t launch_t(const MlaParams& p, cudaStream_t stream) {
+static cudaError_t launch_t(const MlaParams& p, cudaStream_t stream) {
   static bool raised_wg[64] = {};
   cudaError_t err;
   auto kern = mla_wgmma_kernel<T, TO>;

@@ -414,18 +414,25 @@ mx_gemv_kernel(const Args p) {
   }
 }
 
+// `static`: internal linkage, so the opt-in flags below belong to this module. In a function template with
+// external linkage they would be one unique symbol across every module of the process, and a second build (other
+// configs or source) would find them set and launch without its own opt-in ("invalid argument").
 template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-cudaError_t launch(const Args& p, cudaStream_t stream) {
+static cudaError_t launch(const Args& p, cudaStream_t stream) {
   using S = Smem<NT, RT, KS, GLU>;
   const int G = (p.K + 127) >> 7;
   const size_t smem = S::bytes(G);
   auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
   if (smem > 48 * 1024) {
-    static size_t set = 0;  // raise the opt-in limit once per instantiation (and again for a larger K)
-    if (smem > set) {
-      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    // the opt-in limit per device, raised again for a larger K
+    static size_t set[64] = {};
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    if (dev < 0 || dev >= 64 || smem > set[dev]) {
+      err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       if (err != cudaSuccess) return err;
-      set = smem;
+      if (dev >= 0 && dev < 64) set[dev] = smem;
     }
   }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
