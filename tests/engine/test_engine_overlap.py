@@ -6,7 +6,7 @@ cache stay correct."""
 import pytest
 import torch
 
-import k3nn.engine.overlap as overlap
+from k3nn.engine.overlap import OverlapSteps
 from k3nn.engine import RequestStatus
 from k3nn.engine.speculative import DSparkEngineDrafter
 from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
@@ -30,14 +30,14 @@ def _run(e, prompts, news, **params):
 def lookaheads(monkeypatch):
     """The lookahead launches (steps fed the previous step's tokens on the device)."""
     seen = []
-    launch = overlap.launch
+    launch = OverlapSteps._launch_deferred
 
     def counted(engine, batch, feed=None, **kw):
         if feed is not None:
             seen.append(len(batch))
         return launch(engine, batch, feed, **kw)
 
-    monkeypatch.setattr(overlap, "launch", counted)
+    monkeypatch.setattr(OverlapSteps, "_launch_deferred", counted)
     return seen
 
 

@@ -152,7 +152,7 @@ def test_async_scheduling_equals_the_synchronous_engine():
     """EngineConfig.async_scheduling on the GPU (captured decode graphs, pinned copies of the draws): a workload
     with staggered lengths, an eos stop, seeded sampling and an abort in flight gives every request the tokens of
     the synchronous engine, and steps were launched before the previous step's tokens were read."""
-    import k3nn.engine.overlap as overlap
+    from k3nn.engine.overlap import OverlapSteps
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = KimiK3Config.tiny()
@@ -160,9 +160,9 @@ def test_async_scheduling_equals_the_synchronous_engine():
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 33, 120, 5, 64)]
     lookaheads = []
-    launch = overlap.launch
-    overlap.launch = lambda e, b, feed=None, **kw: ((feed is not None and lookaheads.append(len(b)))
-                                                    or launch(e, b, feed, **kw))
+    launch = OverlapSteps._launch_deferred
+    OverlapSteps._launch_deferred = lambda e, b, feed=None, **kw: ((feed is not None and lookaheads.append(len(b)))
+                                                                   or launch(e, b, feed, **kw))
     try:
         outs = {}
         for mode in (False, True):
@@ -181,7 +181,7 @@ def test_async_scheduling_equals_the_synchronous_engine():
             outs[mode] = [eng.requests[i].output for i in ids if i != ids[1]]  # the aborted one: a timing matter
             assert not eng.runner.graphs.failed, eng.runner.graphs.failed  # no step fell back to eager
     finally:
-        overlap.launch = launch
+        OverlapSteps._launch_deferred = launch
     assert outs[True] == outs[False]
     assert lookaheads
 
@@ -191,7 +191,7 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
     launched before the last round's acceptance is read: the synchronous engine's tokens and plain greedy decoding's,
     with windows that accept none to all of their drafts and an eos inside a window; a follow-up turn over prompt +
     answer reuses the prefix cache as after plain decoding (the rounds exported the page-boundary state)."""
-    import k3nn.engine.overlap as overlap
+    from k3nn.engine.overlap import OverlapSteps
     from k3nn.engine.speculative import DSparkEngineDrafter
     from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
 
@@ -239,8 +239,8 @@ def test_async_rounds_equal_the_synchronous_engine(monkeypatch):
 
     dcfg = DSparkConfig.for_target(cfg, num_layers=1, num_heads=2, block_size=4)
     shifted = []
-    launch = overlap.launch
-    monkeypatch.setattr(overlap, "launch", lambda e, b, feed=None, **kw: (
+    launch = OverlapSteps._launch_deferred
+    monkeypatch.setattr(OverlapSteps, "_launch_deferred", lambda e, b, feed=None, **kw: (
         (kw.get("shift") is not None and shifted.append(len(b))) or launch(e, b, feed, **kw)))
     outs, stats = {}, {}
     eos = plain[2][30]

@@ -46,7 +46,6 @@ from ..hf.surface import has_adapters
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
 from .config import EngineConfig, EngineStalledError, RequestFailedError
-from . import overlap
 from .images import check_images, encode_images, feeds_images, image_block_keys, image_embeds
 from .request import (ImageInputs, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs, _int,
                       per_prompt, token_ids)
@@ -54,15 +53,16 @@ from ..runtime.sampling import SamplingTable
 from .runner import Draws, ForwardOut, ModelRunner, RowWork, padding_groups
 from .sampling import RequestSampler
 from .scheduler import Scheduler, TokenBudget
+from .overlap import Deferred, OverlapSteps
 from .speculative import as_engine_drafter, draft, greedy_round
-from .warmup import run_warmup_requests
+from .warmup import WarmupRequests
 
 __all__ = ["Engine", "EngineConfig", "EngineStalledError", "RequestFailedError"]
 
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
 
-class Engine:
+class Engine(OverlapSteps, WarmupRequests):
     """Continuous-batching generation for a :class:`k3nn.KimiK3` on one device.
 
     ``add_request(prompt_ids, ...)`` → id; ``step()`` → list of :class:`RequestOutput` (new tokens per request);
@@ -135,7 +135,7 @@ class Engine:
         self.prompt_tokens = self.generated_tokens = 0
         self.start_time: float | None = None
         self._failed_outputs: list[RequestOutput] = []  # failures outside a forward, reported by the next step()
-        self._ahead: overlap.Deferred | None = None  # a launched decode step whose draws are not read yet
+        self._ahead: Deferred | None = None  # a launched decode step whose draws are not read yet
 
     @property
     def waiting(self) -> list[Request]:
@@ -466,7 +466,7 @@ class Engine:
         raises :class:`EngineStalledError` instead of returning an empty step forever."""
         self.expire_leases()
         if self._ahead is not None:  # asynchronous decoding: launch the next step, then read the last one
-            return overlap.advance(self)
+            return self._advance()
         before = (len(self.waiting), len(self.running))
         decodes, prefills = self.schedule()
         self.num_steps += 1
@@ -487,8 +487,8 @@ class Engine:
         separate = self.runner.static or any(w.verify for w in dec) or \
             (pre and max(w.num_new for w in pre) > self.config.mixed_forward_max_tokens)
         batches = [b for b in ([dec, *padding_groups(pre)] if separate else [dec + pre]) if b]
-        if overlap.deferrable(self, batches, draft_keys):  # its tokens are read by the next step()
-            self._ahead = overlap.launch(self, batches[0], draft_keys=draft_keys)
+        if self._deferrable(batches, draft_keys):  # its tokens are read by the next step()
+            self._ahead = self._launch_deferred(batches[0], draft_keys=draft_keys)
             outputs, self._failed_outputs = outputs + self._failed_outputs, []
             return outputs
         produced: list[tuple[Request, list[int], list[TokenLogprobs] | None]] = []
@@ -710,7 +710,7 @@ class Engine:
         if self.requests or self.waiting or self.running:
             raise RuntimeError("warmup() runs on an idle engine (before any request is added)")
         t0 = time.perf_counter()
-        run_warmup_requests(self, prompt_len, batch_sizes)
+        self._run_warmup_requests(prompt_len, batch_sizes)
         self.capture_graphs()
         if self.prefix is not None:
             self.prefix.clear()
