@@ -22,7 +22,7 @@ from . import ops
 from .cache.hybrid import HybridCache
 from .config import KimiK3Config
 from .generation import GenerationMixin
-from .hf.surface import TransformersSurface, causal_lm_loss, check_adapters, forward_kwargs
+from .hf_surface import TransformersSurface, causal_lm_loss, check_adapters, forward_kwargs
 from .kernels.registry import backend as use_backend
 from .layers.kda import KimiDeltaAttention
 from .layers.linear import Linear
@@ -440,9 +440,9 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
         ``cache.layers[i].checkpoints``). ``pixel_values`` / ``image_grid_thw`` are refused (a ValueError):
         images go to :class:`k3nn.KimiK3ForConditionalGeneration`.
         ``labels`` [B, T] (the input ids, -100 where not scored; unshifted): ``.loss`` is transformers' causal-LM
-        loss (:func:`k3nn.hf.surface.causal_lm_loss`). transformers' other forward keywords (``return_dict``,
+        loss (:func:`k3nn.hf_surface.causal_lm_loss`). transformers' other forward keywords (``return_dict``,
         ``use_cache``, ``num_items_in_batch``, ...) are accepted at values that change nothing, else refused
-        (:func:`k3nn.hf.surface.forward_kwargs`).
+        (:func:`k3nn.hf_surface.forward_kwargs`).
         """
         _refuse_images(pixel_values, image_grid_thw)
         num_items = forward_kwargs(hf_kwargs) if hf_kwargs else None
@@ -545,7 +545,7 @@ class KimiK3(GenerationMixin, TransformersSurface, nn.Module):
         :class:`k3nn.KimiK3ForConditionalGeneration`.
         ``config`` may be a transformers config (``AutoModelForCausalLM`` passes one); transformers' other loading
         keywords are accepted where they change nothing here and refused otherwise
-        (:func:`k3nn.hf.surface.loading_kwargs`)."""
+        (:func:`k3nn.hf_surface.loading_kwargs`)."""
         from .checkpoint.io import from_pretrained
 
         return from_pretrained(cls, path_or_repo_id, dtype=dtype, device=device, backend=backend,

@@ -320,7 +320,7 @@ def from_pretrained(cls, path_or_repo_id, *, dtype=None, device="cpu", backend=N
     skipped). Missing, unexpected or mis-shaped tensors raise :class:`CheckpointError` naming them; a
     ``generation_config.json`` becomes ``model.generation_config``."""
     if hf_kwargs or (config is not None and not isinstance(config, KimiK3Config)):
-        from ..hf.surface import config_from_transformers, loading_kwargs
+        from ..hf_surface import config_from_transformers, loading_kwargs
 
         loading_kwargs(hf_kwargs)  # transformers' keywords (AutoModelForCausalLM, pipelines, lm-eval)
         config = None if config is None else config_from_transformers(config)
@@ -404,7 +404,7 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
         cfg["k3nn_layout"] = "k3nn"
     with open(os.path.join(save_directory, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
-    from ..hf.surface import own_generation_config
+    from ..hf_surface import own_generation_config
 
     gc = own_generation_config(model)
     if gc is not None:

@@ -42,7 +42,7 @@ from ..cache.paged import HybridPools, pool_sizes_for_budget
 from ..cache.prefix import PrefixCache
 from ..cache.retention import make_retention
 from ..generation import GenerationConfig
-from ..hf.surface import has_adapters
+from ..hf_surface import has_adapters
 from ..spec.generate import SpecOptions
 from .cache_manager import CacheManager
 from .config import EngineConfig, EngineStalledError, RequestFailedError

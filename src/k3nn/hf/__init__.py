@@ -26,7 +26,7 @@ import sys
 import threading
 import warnings
 
-from .surface import LORA_TARGET_MODULES, TransformersSurface
+from ..hf_surface import LORA_TARGET_MODULES, TransformersSurface
 
 __all__ = ["register_transformers", "KimiK3PretrainedConfig", "TransformersSurface", "LORA_TARGET_MODULES"]
 

@@ -28,7 +28,7 @@ class KimiK3PretrainedConfig(PretrainedConfig):
 
     def to_k3nn(self) -> KimiK3Config:
         """The k3nn config of these keys (transformers' own bookkeeping keys dropped)."""
-        from .surface import _own_keys
+        from ..hf_surface import _own_keys
 
         return KimiK3Config.from_dict(_own_keys(self.to_dict()))
 

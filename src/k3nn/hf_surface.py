@@ -73,7 +73,7 @@ class TransformersSurface:
         when the checkpoint has one, else the special tokens of ``config`` (what ``generate()`` uses; derived again
         when ``config``'s token ids change, unless it was modified in place). Assign to replace it; ``del`` goes
         back to the derived one."""
-        from ..generation_config import GenerationConfig
+        from .generation_config import GenerationConfig
 
         d = self.__dict__
         own = d.get("_k3nn_generation_config")
@@ -92,7 +92,7 @@ class TransformersSurface:
     @generation_config.setter
     def generation_config(self, value) -> None:
         if value is not None:
-            from ..generation_config import GenerationConfig
+            from .generation_config import GenerationConfig
 
             value = GenerationConfig.coerce(value, source="generation_config")
         self.__dict__["_k3nn_generation_config"] = value
@@ -131,7 +131,7 @@ class TransformersSurface:
     def _from_config(cls, config, **kwargs: Any):
         """``AutoModelForCausalLM.from_config``: a randomly initialised model of a transformers or k3nn config;
         ``dtype`` / ``torch_dtype`` as in transformers, ``device`` / ``backend`` / ``seed`` as in ``KimiK3``."""
-        from ..config import KimiK3Config
+        from .config import KimiK3Config
 
         dtype = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
@@ -144,7 +144,7 @@ class TransformersSurface:
             raise ValueError(f"give dtype or its alias torch_dtype, not both ({dtype!r} vs {torch_dtype!r})")
         dtype = dtype if dtype is not None else torch_dtype
         if dtype is not None:
-            from ..utils import dtype_named
+            from .utils import dtype_named
 
             dtype = dtype_named(dtype if dtype != "auto" else "float32")
         cfg = config if isinstance(config, KimiK3Config) else config_from_transformers(config)
@@ -275,7 +275,7 @@ def config_from_transformers(config):
     """A :class:`k3nn.KimiK3Config` from a transformers config object: k3nn's ``KimiK3PretrainedConfig``
     (model_type ``kimi_k3``) or transformers' ``KimiLinearConfig`` (any object with ``to_dict()`` giving a
     config.json dict). The keys every transformers config carries (``return_dict``, ``id2label``, ...) are dropped."""
-    from ..config import KimiK3Config
+    from .config import KimiK3Config
 
     if isinstance(config, KimiK3Config):
         return config
@@ -301,7 +301,7 @@ def _own_keys(d: dict) -> dict:
     """A transformers config dict without the keys of transformers' base config class that k3nn has no field for."""
     from transformers import PretrainedConfig
 
-    from ..config import KimiK3Config
+    from .config import KimiK3Config
 
     known = {f.name for f in dataclasses.fields(KimiK3Config)}
     base = set(PretrainedConfig().to_dict()) - known - {"model_type"}
