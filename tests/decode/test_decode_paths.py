@@ -4,7 +4,7 @@ step; unsupported batches fall back."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import bench.gpu.decode_launches as dl
 from k3nn import KimiK3, KimiK3Config
@@ -151,8 +151,13 @@ def test_prepared_weights_hold_no_copy(tmp_path):
     with torch.no_grad():
         assert torch.equal(attn._decode_in.get()[:C], attn.q_proj.weight)
 
+    sd = {k: v.detach() for k, v in model.state_dict().items()}  # packed: rows of one buffer, disjoint
+    save_file(sd, str(tmp_path / "packed.safetensors"))  # safetensors' save_file takes disjoint views
+    back = load_file(str(tmp_path / "packed.safetensors"))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
     kept = attn.k_proj.weight.detach().clone()
-    model.prepare_decode(False)  # each parameter gets its own storage back: safetensors' save_file takes them
+    model.prepare_decode(False)  # each parameter gets its own storage back
     assert attn.k_proj.weight.untyped_storage().nbytes() == attn.k_proj.weight.nbytes
     assert torch.equal(attn.k_proj.weight, kept)
     save_file({k: v.detach() for k, v in model.state_dict().items()}, str(tmp_path / "plain.safetensors"))
