@@ -29,7 +29,7 @@ from ..kernels.registry import backend
 from ..utils import records_grad, upcast
 from .linear import Linear, project_onto
 from .norm import GatedRMSNorm
-from .packed import Packed, pack_linears, plain
+from .packed import Packed, pack_linears, plain, unpack
 
 __all__ = ["KimiDeltaAttention", "kda_gate", "l2norm", "short_conv"]
 
@@ -91,9 +91,7 @@ class KimiDeltaAttention(nn.Module):
         """Pack the input projections into one GEMM weight and the three conv kernels into one (see
         :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops them."""
         if not on:
-            for p in (self._decode_in, self._decode_conv):
-                if p is not None:
-                    p.unpack()
+            unpack(self._decode_in, self._decode_conv)
             self._decode_in = self._decode_conv = None
         elif self._decode_in is None and self._decode_conv is None:
             gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]

@@ -28,7 +28,7 @@ from ..utils import upcast
 from ..config import KimiK3Config
 from .linear import Linear, project_onto
 from .norm import RMSNorm
-from .packed import Packed, pack_linears
+from .packed import Packed, pack_linears, unpack
 
 __all__ = ["MultiHeadLatentAttention", "apply_rope", "absorbed_attention", "decompressed_attention"]
 
@@ -127,8 +127,7 @@ class MultiHeadLatentAttention(nn.Module):
         """Pack the input projections into one GEMM weight (see :mod:`k3nn.layers.packed`; kept when already
         packed); ``on=False`` drops it."""
         if not on:
-            if self._decode_in is not None:
-                self._decode_in.unpack()
+            unpack(self._decode_in)
             self._decode_in = None
         elif self._decode_in is None:
             q = self.q_proj if self.q_lora_rank is None else self.q_a_proj

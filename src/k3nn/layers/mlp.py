@@ -8,7 +8,7 @@ from torch import nn
 from .. import ops
 from ..kernels.glu import glu_activation, situ_glu  # re-exported: the expert kernels' references use them too
 from .linear import Linear, project_onto
-from .packed import Packed, pack_linears
+from .packed import Packed, pack_linears, unpack
 
 __all__ = ["glu_activation", "situ_glu", "MLP"]
 
@@ -29,8 +29,7 @@ class MLP(nn.Module):
         """Pack gate and up into one GEMM weight (one activation kernel over its output; see
         :mod:`k3nn.layers.packed`; kept when already packed); ``on=False`` drops it."""
         if not on:
-            if self._gate_up is not None:
-                self._gate_up.unpack()
+            unpack(self._gate_up)
             self._gate_up = None
         elif self._gate_up is None:
             self._gate_up = pack_linears([[self.gate_proj], [self.up_proj]])

@@ -20,7 +20,7 @@ from torch import nn
 from .. import ops
 from .linear import hooked
 
-__all__ = ["Packed", "pack_linears", "plain"]
+__all__ = ["Packed", "pack_linears", "plain", "unpack"]
 
 
 class Packed:
@@ -79,6 +79,13 @@ class Packed:
         outputs (views of one buffer)."""
         w = self.get()
         return list(ops.linear(x, w).split(self.sizes, -1))
+
+
+def unpack(*packs: Packed | None) -> None:
+    """:meth:`Packed.unpack` of each packing given (None: nothing packed there): a layer's ``prepare_decode(False)``."""
+    for p in packs:
+        if p is not None:
+            p.unpack()
 
 
 def plain(t: torch.Tensor) -> bool:
