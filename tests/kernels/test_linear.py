@@ -210,7 +210,7 @@ def test_packed_split_and_mlp_residual_use_the_op():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_project_onto_adds_inside_the_gemm_unless_the_module_needs_its_own_forward():
+def test_project_onto_adds_inside_the_gemm_unless_the_module_needs_its_own_forward(monkeypatch):
     """``project_onto(proj, x, r)`` == ``r + proj(x)``: one GEMM with the residual for a plain Linear; the module's own
     forward then the add with a bias, a hook (a tensor-parallel all-reduce must see the projection alone) or a
     wrapper."""
@@ -221,10 +221,19 @@ def test_project_onto_adds_inside_the_gemm_unless_the_module_needs_its_own_forwa
     plain, biased = Linear(8, 5, bias=False), Linear(8, 5, bias=True)
     hooked = Linear(8, 5, bias=False)
     hooked.register_forward_hook(lambda m, a, out: out * 2)
-    for proj in (plain, biased, hooked, nn.Sequential(plain)):
+    fused = []  # the GEMM calls that take the residual
+    linear = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *a, **kw: (fused.append(kw.get("residual") is not None)
+                                                          or linear(*a, **kw)))
+    for proj, inside in ((plain, True), (biased, False), (hooked, False), (nn.Sequential(plain), False)):
+        fused.clear()
         with torch.no_grad():
-            torch.testing.assert_close(project_onto(proj, x, r), r + proj(x), rtol=1e-6, atol=1e-6)
-    assert project_onto(plain, x, None) is not None
+            got = project_onto(proj, x, r)
+        assert fused[:1] == [inside], proj
+        with torch.no_grad():
+            torch.testing.assert_close(got, r + proj(x), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(project_onto(plain, x, None), plain(x), rtol=0, atol=0)
     calls = []
     plain.register_forward_pre_hook(lambda m, a: calls.append(1))  # a hook: the module runs
     with torch.no_grad():
