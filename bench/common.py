@@ -16,6 +16,12 @@ __all__ = ["device_meta", "bench_ms", "graph_bench_ms", "wall_ms", "print_call_t
            "rel_err", "print_table", "init_ranks", "median_call_ms"]
 
 
+def sync(dev: torch.device) -> None:
+    """Wait for the device's work (a no-op off CUDA)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in fp64 (NaN anywhere → inf)."""
     o, r = out.double(), ref.double()

@@ -47,7 +47,7 @@ import torch
 
 from k3nn.config import KimiK3Config
 
-from bench.common import print_table, write_results
+from bench.common import print_table, sync, write_results
 
 SUITE = "decode-roofline"
 
@@ -289,11 +289,6 @@ def lm_head_tail(names: list[str], classes: list[str]) -> list[str]:
 
 
 # -- one case ----------------------------------------------------------------------------------------------------
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(model, base, first, variant: str, replays: int, profile_replays: int, copy_tbps: float, dev,
             name: str = "k3_slice"):
     """The step of one variant on a clone of ``base``: returns (step row, class rows, extra)."""
@@ -314,7 +309,7 @@ def measure(model, base, first, variant: str, replays: int, profile_replays: int
         for _ in range(3):  # warm-up, capture, first replay
             nxt = runner(nxt).argmax(-1)[:, None]
         graph = runner.uses_graph
-        _sync(dev)
+        sync(dev)
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -330,19 +325,19 @@ def measure(model, base, first, variant: str, replays: int, profile_replays: int
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         replay_k: list[tuple[str, float]] = []
         if dev.type == "cuda" and runner.graph is not None:
-            _sync(dev)
+            sync(dev)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(profile_replays):  # the graph's nodes only (no ids copy, no argmax)
                     runner.graph.replay()
                     cache.advance_host(1)
-                _sync(dev)
+                sync(dev)
             replay_k = _device_events(prof)
         # the same step eagerly (static cache, pages in place), every op labelled, bytes charged
         records: list[dict] = []
-        _sync(dev)
+        sync(dev)
         with labelled(model, records), profile(activities=acts) as prof:
             logits = runner.fn(nxt)
-            _sync(dev)
+            sync(dev)
         eager_k = labelled_kernels(prof) if dev.type == "cuda" else []
         del logits
         runner.close()

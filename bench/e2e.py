@@ -31,7 +31,7 @@ from k3nn.cache.hybrid import HybridCache, KDAState
 from k3nn.config import KimiK3Config
 from k3nn.decode.runner import make_decode_runner
 
-from bench.common import print_table, rel_err, write_results
+from bench.common import print_table, rel_err, sync, write_results
 from bench.models import build_model
 
 SUITE = "e2e"
@@ -61,20 +61,15 @@ def clone_cache(src: HybridCache) -> HybridCache:
     return c
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def count_launches(fn, dev) -> tuple[int, list[dict]]:
     """Device kernels (and memcpy/memset) launched by one call of ``fn``; plus the top kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    _sync(dev)
+    sync(dev)
     with profile(activities=acts) as prof:
         fn()
-        _sync(dev)
+        sync(dev)
     if dev.type != "cuda":  # CPU smoke run: count aten ops instead
         ev = [e for e in prof.key_averages() if e.key.startswith("aten::")]
         return sum(e.count for e in ev), []
@@ -107,7 +102,7 @@ def _run_mode(model, base, first, backend, graph, dec, steps, warm, dev):
             logits0 = logits.float().clone()
         nxt = logits.argmax(-1)
         toks.append(nxt)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     if dev.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

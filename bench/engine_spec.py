@@ -34,15 +34,10 @@ from k3nn.engine import Engine, EngineConfig
 from k3nn.layers.dspark import DSparkConfig, DSparkDrafter
 from k3nn.spec import SpecOptions
 
-from bench.common import print_table, write_results
+from bench.common import print_table, sync, write_results
 
 SUITE = "engine-spec"
 GAMMA = 7
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _build(args, dev: torch.device, dtype: torch.dtype):
@@ -76,11 +71,11 @@ def _engine(model, drafter, args, synthetic: int | None) -> Engine:
 
 def _batch(engine: Engine, prompts: list[list[int]], new: int, dev) -> dict:
     """One batch to completion; per-user tok/s, total tok/s, TTFT p50, acceptance length."""
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     ids = [engine.add_request(p, max_new_tokens=new, ignore_eos=True) for p in prompts]
     list(engine.stream())
-    _sync(dev)
+    sync(dev)
     wall = time.perf_counter() - t0
     reqs = [engine.requests[i] for i in ids]
     users = [(len(r.output) - 1) / (r.finish_time - r.first_token_time) for r in reqs

@@ -23,19 +23,15 @@ import torch
 
 from k3nn.engine import Engine, EngineConfig
 
+from bench.common import sync
 from bench.models import bench_model
 
 __all__ = ["main", "measure_ttft"]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure_ttft(engine: Engine, prompt: list[int], boundaries=()) -> tuple[float, int]:
     """Milliseconds from add_request to the first token, and the tokens reused from the cache."""
-    _sync(engine.pools.device)
+    sync(engine.pools.device)
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, max_new_tokens=1, boundaries=boundaries)
     while engine.requests[rid].first_token_time is None:

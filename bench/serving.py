@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench.common import print_table, write_results
+from bench.common import print_table, sync, write_results
 
 SUITE = "serving"
 GAMMA = 7
@@ -70,11 +70,6 @@ class CompileCounter:
             pass
 
 
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, V, (length,), generator=g).tolist() for _ in range(n)]
@@ -83,11 +78,11 @@ def _prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
 def engine_batch(engine, prompts, new: int, dev) -> dict:
     """One batch of requests submitted together, run to completion: the serving metrics of the docstring."""
     with CompileCounter() as cc:
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         ids = [engine.add_request(p, max_new_tokens=new, ignore_eos=True) for p in prompts]
         list(engine.stream())
-        _sync(dev)
+        sync(dev)
         wall = time.perf_counter() - t0
     reqs = [engine.requests[i] for i in ids]
     users = [(len(r.output) - 1) / (r.finish_time - r.first_token_time) for r in reqs
@@ -140,10 +135,10 @@ def generate_decode_tok_s(model, prompt: list[int], new: int, dev, drafter=None)
     for n in (1, new):
         best = float("inf")
         for _ in range(2):
-            _sync(dev)
+            sync(dev)
             t0 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=n, eos_token_id=[], **kw)
-            _sync(dev)
+            sync(dev)
             best = min(best, time.perf_counter() - t0)
         times[n] = best
     return (new - 1) / max(times[new] - times[1], 1e-9), out[0, len(prompt):].tolist()
@@ -156,10 +151,10 @@ def generate_batch_tok_s(model, prompts, new: int, dev) -> float:
     ids = torch.tensor(prompts, device=dev)
     chunk = max(512, 32768 // len(prompts))
     model.generate(ids, max_new_tokens=new, eos_token_id=[], prefill_chunk_size=chunk)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=new, eos_token_id=[], prefill_chunk_size=chunk)
-    _sync(dev)
+    sync(dev)
     return len(prompts) * new / (time.perf_counter() - t0)
 
 

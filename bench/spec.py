@@ -32,7 +32,7 @@ from k3nn.config import KimiK3Config
 from k3nn.layers.dspark import DraftProposal, DSparkConfig, DSparkDrafter
 from k3nn.spec import SpecOptions, rollback_memory_bytes
 
-from bench.common import print_table, write_results
+from bench.common import print_table, sync, write_results
 
 SUITE = "spec"
 GAMMA = 7
@@ -59,18 +59,13 @@ class ReferenceDrafter:
         return DraftProposal(ref.gather(1, j.clamp(max=ref.shape[1] - 1)), None, None)
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _time(fn, dev, reps):
     out = []
     for _ in range(reps):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 

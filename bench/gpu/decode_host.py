@@ -27,25 +27,21 @@ from k3nn.cache.hybrid import HybridCache
 from k3nn.decode.runner import make_decode_runner
 from k3nn.kernels.registry import tuning
 
+from bench.common import sync
 from bench.decode_roofline import VARIANTS
 from bench.e2e import clone_cache
 from bench.gpu.decode_launches import _label_registry_ops, k3_like_tiny
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def step_times(step, tok: torch.Tensor, dev: torch.device, steps: int) -> tuple[float, float]:
     """(host ms, device ms) of one step: minima over ``steps`` calls."""
     host, total = [], []
     for _ in range(steps):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         step(tok)
         t1 = time.perf_counter()
-        _sync(dev)
+        sync(dev)
         host.append(t1 - t0)
         total.append(time.perf_counter() - t0)
     return 1e3 * min(host), 1e3 * min(total)
