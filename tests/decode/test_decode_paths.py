@@ -295,3 +295,17 @@ def test_tensor_subclass_weights_are_not_packed():
     k.weight = torch.nn.Parameter(torch.Tensor._make_subclass(Sub, k.weight.detach().clone()))
     with torch.no_grad(), pytest.raises(TypeError, match="prepare_decode\\(False\\)"):
         other(ids)
+
+
+@pytest.mark.parametrize("mode", ["standard", "static"])
+def test_steps_without_a_graph_run_as_uncaptured(k3, mode):
+    """A decode step that never replays a graph runs under ``KernelTuning.uncaptured``: its time is the host's
+    launches, and ``auto`` takes the kernels that launch cheapest (the skinny GEMM steps aside)."""
+    from k3nn.kernels.registry import current_tuning
+
+    cache = k3.new_cache(1, 4)
+    seen = []
+    run = DecodeRunner(lambda ids: seen.append(current_tuning().uncaptured) or ids, cache, mode=mode)
+    run(torch.ones(1, 1, dtype=torch.long))
+    run.close()
+    assert seen == [True] and not current_tuning().uncaptured

@@ -94,3 +94,24 @@ def test_no_garbage_collection_while_recording(fake_cuda):
     r.run("b", step)
     assert seen[0] and not seen[1] and gc.isenabled()
     assert "b" in r.failed
+
+
+def test_only_the_steps_that_stay_eager_run_as_uncaptured(fake_cuda):
+    """A step that runs eagerly for good (runner disabled, or its capture failed) runs under
+    ``KernelTuning.uncaptured`` (host-bound kernel choices); the warm-up before a capture and the capture do not:
+    they must build and record the kernels the graph replays."""
+    from k3nn.kernels.registry import current_tuning
+
+    r, seen = _runner(), []
+    step = lambda: seen.append(current_tuning().uncaptured) or "out"  # noqa: E731
+    r.run("a", step)  # warm-up
+    r.run("a", step)  # capture
+    fake_cuda["fail"].add("b")
+    fake_cuda["key"] = "b"
+    r.run("b", step)  # warm-up
+    r.run("b", step)  # failed capture, then the eager run of this call
+    r.run("b", step)  # eager from now on
+    off = GraphRunner("cpu", enabled=False)
+    off.run("c", step)
+    assert seen == [False, False, False, True, True, True]
+    assert not current_tuning().uncaptured

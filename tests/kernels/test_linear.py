@@ -14,7 +14,7 @@ from k3nn.kernels import registry
 from k3nn.kernels.linear import linear_reference, tuned
 from k3nn.kernels.linear.triton_skinny import (SkinnyConfig, auto_skip_skinny, config_for, default_config,
                                                linear_skinny, row_bucket, supports_skinny)
-from k3nn.kernels.registry import backend, tuning
+from k3nn.kernels.registry import backend, tuning, uncaptured_step
 from k3nn.layers.linear import Linear
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -126,6 +126,10 @@ def test_auto_never_runs_the_interpreter_and_follows_the_rule(monkeypatch):
     assert "below" in auto_skip_skinny(xb, wb)  # 4 KB of weight
     big = torch.empty(4096, 1024, dtype=torch.bfloat16)
     assert auto_skip_skinny(xb[:, :1].expand(1, 1024), big) is None
+    with uncaptured_step():  # a step without a CUDA graph: torch's GEMM launches cheaper on the host
+        assert "CUDA graph" in auto_skip_skinny(xb[:, :1].expand(1, 1024), big)
+        with tuning(skinny_linear="always"):
+            assert auto_skip_skinny(xb[:, :1].expand(1, 1024), big) is None
     key = ("bfloat16", 4096, 1024, 1)
     monkeypatch.setattr(tuned, "TORCH_FASTER", {key})
     assert "measured faster" in auto_skip_skinny(xb[:, :1].expand(1, 1024), big)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.registry import backend as use_backend
-from ..kernels.registry import current_backend
+from ..kernels.registry import current_backend, uncaptured_step
 from ..runtime.graphs import GraphRunner
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class DecodeRunner:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.mode != "graph" or not self.graphs.enabled:
-            return self.fn(ids)
+            with uncaptured_step():
+                return self.fn(ids)
         if self._ids is None or self._ids.shape != ids.shape:
             self._ids = ids.clone()  # the step's input: a static buffer the graph reads
         else:

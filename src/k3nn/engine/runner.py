@@ -29,7 +29,7 @@ import torch
 
 from ..cache.paged import HybridPools, PagedCache
 from ..kernels.registry import backend as use_backend
-from ..kernels.registry import current_backend
+from ..kernels.registry import current_backend, uncaptured_step
 from ..runtime.graphs import GraphRunner
 from ..runtime.metadata import MAX_BOUNDARY_EXPORTS, RowInput, StepInputs, StepMetadata, StepPlan
 
@@ -276,7 +276,8 @@ class ModelRunner:
             embeds = embeds_fn(self.inputs.derive(B, T).input_ids)
         idx = self._last_index(rows, self.inputs.device)
         every = verify or all_columns
-        logits, hidden, meta, rec = self._body(B, T, verify, plan, embeds, None if every else idx)
+        with uncaptured_step():
+            logits, hidden, meta, rec = self._body(B, T, verify, plan, embeds, None if every else idx)
         self._recorded = rec
         if not every:
             last = logits[:, 0]

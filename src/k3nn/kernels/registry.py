@@ -32,8 +32,8 @@ _CHOICES = BACKENDS + ("auto",)
 AUTO_ORDER = ("cuda", "triton", "eager")
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "KernelTuning", "register", "dispatch", "backend",
-           "current_backend", "current_tuning", "tuning", "available_backends", "get_op", "ops", "resolve",
-           "triton_interpreting"]
+           "current_backend", "current_tuning", "tuning", "uncaptured_step", "available_backends", "get_op", "ops",
+           "resolve", "triton_interpreting"]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -119,6 +119,7 @@ class KernelTuning:
     moe_cuda_pdl: bool = True
     pdl: bool = True
     skinny_linear: str = "auto"
+    uncaptured: bool = False
 
     def __post_init__(self):
         if not isinstance(self.autotune, bool):
@@ -141,7 +142,7 @@ class KernelTuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"KernelTuning.{name} must be an int >= 0, got {v!r}")
-        for name in ("moe_cuda_pdl", "pdl"):
+        for name in ("moe_cuda_pdl", "pdl", "uncaptured"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.skinny_linear not in ("auto", "always", "never"):
@@ -172,6 +173,12 @@ def tuning(config: KernelTuning | None = None, /, **changes: Any) -> Iterator[Ke
         yield _tuning.get()
     finally:
         _tuning.reset(tok)
+
+
+def uncaptured_step() -> contextlib.AbstractContextManager[KernelTuning]:
+    """Context of a step that runs without a CUDA graph for good: ``tuning(uncaptured=True)``
+    (:attr:`KernelTuning.uncaptured`)."""
+    return tuning(uncaptured=True)
 
 
 def autotune_prune(configs: list, named_args: dict, **kwargs: Any) -> list:

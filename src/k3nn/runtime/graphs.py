@@ -14,7 +14,8 @@ memory pool (they never run concurrently; a step's outputs are read before the n
 garbage collector is paused while a graph records (see :meth:`GraphRunner._capture`). A capture that
 fails (an op that syncs with the host, an eager kernel) is logged with its reason, remembered, and that key runs
 eagerly from then on: same results. ``enabled=False`` (CPU, or the eager backend on a GPU) runs every step
-eagerly.
+eagerly. Steps that run eagerly for good do so under :func:`~k3nn.kernels.registry.uncaptured_step` (the kernel
+choices of a host-bound step); the warm-up run before a capture does not (it builds what the capture records).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import logging
 from typing import Any, Callable, Hashable
 
 import torch
+
+from ..kernels.registry import uncaptured_step
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,8 @@ class GraphRunner:
     def run(self, key: Hashable, fn: Callable[[], Any], on_capture_failure: Callable[[], None] | None = None):
         """Apply the step once (eagerly, by capture + replay, or by replay; see the module docstring)."""
         if not self.enabled or key in self.failed:
-            return fn()
+            with uncaptured_step():
+                return fn()
         entry = self.graphs.get(key)
         if entry is not None:
             entry[0].replay()
@@ -59,7 +63,8 @@ class GraphRunner:
             return self._side_stream(fn)
         outs = self._capture(key, fn, on_capture_failure)
         if key in self.failed:
-            return fn()
+            with uncaptured_step():
+                return fn()
         self.graphs[key][0].replay()
         return outs
 

@@ -28,6 +28,7 @@ import torch
 from ..generation import loop_setup
 from ..logits import LogitsPipeline
 from ..decode.runner import eager_backend_on_cuda
+from ..kernels.registry import uncaptured_step
 from .rollback import WindowRollback
 from .session import accept, capacity_bucket, emit, leading_confident, session_for
 
@@ -192,7 +193,7 @@ def speculative_generate(model, drafter, input_ids: torch.Tensor, attention_mask
     row_rounds, drafted, accepted = (torch.zeros((), dtype=torch.long, device=dev) for _ in range(3))
     pos_tried = torch.zeros(gamma, dtype=torch.long, device=dev)
     pos_acc = torch.zeros(gamma, dtype=torch.long, device=dev)
-    with WindowRollback(model, cache, opts.rollback) as rb:
+    with WindowRollback(model, cache, opts.rollback) as rb, uncaptured_step():
         pending = _prefill(model, drafter, dstate, cache, input_ids, attention_mask, taps, pipe, gen)
         emit_(pending[:, None], torch.ones(B, dtype=torch.long, device=dev))
         stream()

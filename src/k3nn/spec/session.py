@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.registry import backend as use_backend
+from ..kernels.registry import uncaptured_step
 from ..logits import LogitsPipeline
 from ..runtime.graphs import GraphRunner
 from .rollback import WindowRollback
@@ -117,7 +118,8 @@ class GraphStep:
     def __call__(self):
         self.calls += 1
         if not self.capture or self.fallback_reason is not None:
-            return self.fn()
+            with uncaptured_step():
+                return self.fn()
         out = self.runner.run(self.name, self.fn, self.on_capture_failure)
         entry = self.runner.graphs.get(self.name)
         if entry is not None:

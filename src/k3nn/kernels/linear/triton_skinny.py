@@ -227,12 +227,15 @@ def supports_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str 
 
 def auto_skip_skinny(x, weight, bias=None, residual=None, out_dtype=None) -> str | None:
     """Why ``auto`` leaves this call to torch's GEMM: ``KernelTuning.skinny_linear`` (``"never"``; ``"always"``
-    takes the kernel wherever it runs), else the measured rule of :data:`.tuned.AUTO_RULE`."""
-    mode = current_tuning().skinny_linear
-    if mode == "never":
+    takes the kernel wherever it runs), a step without a CUDA graph (``KernelTuning.uncaptured``), else the
+    measured rule of :data:`.tuned.AUTO_RULE`."""
+    t = current_tuning()
+    if t.skinny_linear == "never":
         return "KernelTuning.skinny_linear = 'never'"
-    if mode == "always":
+    if t.skinny_linear == "always":
         return None
+    if t.uncaptured:
+        return "a step without a CUDA graph: torch's GEMM costs the host less per launch (KernelTuning.uncaptured)"
 
     return auto_reason(x.dtype, rows_of(x), *weight.shape, weight.element_size())
 
