@@ -7,7 +7,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
-``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version, expanded by ``read_source``) as
+``--decodes 1,2`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
+leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version, expanded by ``read_source``) as
 one more checked variant. The ablations change timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
@@ -69,20 +70,26 @@ def main():
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
+                    "(e.g. 1,2; default: DEFAULT_CONFIG's)")
+    ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
     args = ap.parse_args()
     t0 = time.time()
     dev, E = "cuda", args.experts
     meta = device_meta()
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
-    shipped = cmx.CUDA_SOURCE
-    variants = [("source", shipped, True)]
+    shipped, base = cmx.CUDA_SOURCE, cmx.DEFAULT_CONFIG
+    decodes = [int(d) for d in args.decodes.split(",") if d] or [base.decode]
+    variants = [("source" if len(decodes) == 1 else f"source d{d}", shipped, True, base._replace(decode=d))
+                for d in decodes]
     for spec in args.source:
         name, path = spec.split("=", 1)
-        variants.append((name, open(path).read(), True))
-    variants += [("no-compute", ablated(shipped, False, True), False),
-                 ("no-staging", ablated(shipped, True, False), False),
-                 ("stream-only", ablated(shipped, False, False), False)]
+        variants.append((name, open(path).read(), True, base))
+    if not args.no_ablations:
+        variants += [("no-compute", ablated(shipped, False, True), False, base),
+                     ("no-staging", ablated(shipped, True, False), False, base),
+                     ("stream-only", ablated(shipped, False, False), False, base)]
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)
@@ -94,8 +101,8 @@ def main():
         al = align_for(ids, E, cmx.cuda_block_m(P, E))
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float().reshape(P, D)
         cases.append((T, z, al, P, torch.unique(ids).numel(), ref))
-    cfg, configs = cmx.DEFAULT_CONFIG, (cmx.DEFAULT_CONFIG,)
-    for name, src, check in variants:
+    for name, src, check, cfg in variants:
+        configs = (cfg,)
         cmx.CUDA_SOURCE = src
         cmx._build.cache_clear()
         cmx.build(configs, ("bf16",))

@@ -59,6 +59,20 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t (&x)[4]) {
   }
 }
 
+// DEC 2: words 0 and 1 of each MX block (16-byte load) through the e4m3 convert, words 2 and 3 through the bit
+// placement, so the decode's work is split between the conversion and the integer pipes.
+__device__ __forceinline__ constexpr int word_dec(int dec, int i) { return dec == 2 ? (i < 2 ? 1 : 0) : dec; }
+
+// Exponent bias of a word's decoded weights (value * 2^-BIAS): what its activations are scaled up by.
+__device__ __forceinline__ constexpr int word_bias(int dec, int i) { return word_dec(dec, i) == 0 ? 14 : 6; }
+
+// Word i of an MX block (i known once the loop over words is unrolled).
+template <int DEC>
+__device__ __forceinline__ void decode_at(uint32_t w, int i, uint32_t (&x)[4]) {
+  if (word_dec(DEC, i) == 0) decode<0>(w, x);
+  else decode<1>(w, x);
+}
+
 // Position of the activation that pairs with half h (0 low, 1 high) of x[m] inside a group of 8.
 template <int DEC>
 __device__ __forceinline__ int perm(int m, int h) {
@@ -165,8 +179,8 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             uint32_t x0[4], x1[4];
-            decode<DEC>(word(cur[u][m][0], i), x0);
-            decode<DEC>(word(cur[u][m][1], i), x1);
+            decode_at<DEC>(word(cur[u][m][0], i), i, x0);
+            decode_at<DEC>(word(cur[u][m][1], i), i, x1);
 #pragma unroll
             for (int nt = 0; nt < NR; ++nt) {
               mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
@@ -242,7 +256,6 @@ __global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
-  constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
   if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
   const int nb = p.nb, bm = p.bm;
   const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
@@ -345,14 +358,17 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
   // 4. scale each row by 2^(BIAS - e_t) (max |a| -> [2^BIAS, 2^(BIAS+1)), exact for bf16/fp16 values in the
-  //    fp16 normal range), convert to fp16 in the decode's pair order, in place (same thread, same chunks)
+  //    fp16 normal range; BIAS of the chunk's word: chunk c pairs with word c % 4 of its block), convert to fp16
+  //    in the decode's pair order, in place (same thread, same chunks)
+  static_assert(NTHR % 4 == 0, "a thread's chunks keep one word position");
+  const bool dec0 = word_dec(DEC, tid & 3) == 0;  // this thread's chunks: bit placement (else e4m3)
 #pragma unroll 1
   for (int t = 0; t < rows2; ++t) {
     const unsigned mb = amx[t];
     const float am = Io<T>::f(mb);
     int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
     et = max(et, -100);
-    const float sc = __uint_as_float((unsigned)(BIAS - et + 127) << 23);
+    const float sc = __uint_as_float((unsigned)(word_bias(DEC, tid & 3) - et + 127) << 23);
     uint4* dst = reinterpret_cast<uint4*>(act + t * ASTR);
 #pragma unroll 2
     for (int c = tid; c < GC; c += NTHR) {
@@ -363,7 +379,8 @@ mx_gemv_kernel(const Args p) {
       uint32_t o[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const __half2 h = __floats2half2_rn(f[perm<DEC>(m, 0)], f[perm<DEC>(m, 1)]);
+        const __half2 h = dec0 ? __floats2half2_rn(f[perm<0>(m, 0)], f[perm<0>(m, 1)])
+                               : __floats2half2_rn(f[perm<1>(m, 0)], f[perm<1>(m, 1)]);
         o[m] = *reinterpret_cast<const uint32_t*>(&h);
       }
       dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
