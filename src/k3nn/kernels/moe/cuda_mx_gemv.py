@@ -87,7 +87,7 @@ class CudaGemvConfig(NamedTuple):
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{('', ' e4m3', ' mixed')[self.decode]}")
+                f"{('', ' e4m3', ' mixed2', ' mixed1', ' mixed3')[self.decode]}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
@@ -141,7 +141,7 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1, 2)):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1, 2, 3, 4)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
                          f"≤ 16 warps, decode 0/1/2)")
 
@@ -248,7 +248,7 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
             return "packed weights need 16-byte aligned rows (base and expert/row strides)"
     if w1.packed.stride() != w3.packed.stride() or w1.scale.stride() != w3.scale.stride():
         return "w1 and w3 must share strides"
-    if cfg.decode in (1, 2) and torch.cuda.get_device_capability(x.device) < (8, 9):
+    if cfg.decode >= 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return f"decode={cfg.decode} (e4m3 convert) needs sm_89+"
     lim = _smem_limit(x.device)
     for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):

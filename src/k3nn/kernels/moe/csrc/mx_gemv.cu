@@ -59,9 +59,11 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t (&x)[4]) {
   }
 }
 
-// DEC 2: words 0 and 1 of each MX block (16-byte load) through the e4m3 convert, words 2 and 3 through the bit
-// placement, so the decode's work is split between the conversion and the integer pipes.
-__device__ __forceinline__ constexpr int word_dec(int dec, int i) { return dec == 2 ? (i < 2 ? 1 : 0) : dec; }
+// DEC 2 / 3 / 4: the first 2 / 1 / 3 words of each MX block (16-byte load) through the e4m3 convert, the others
+// through the bit placement, so the decode's work is split between the conversion and the integer pipes.
+__device__ __forceinline__ constexpr int word_dec(int dec, int i) {
+  return dec <= 1 ? dec : (i < (dec == 2 ? 2 : (dec == 3 ? 1 : 3)) ? 1 : 0);
+}
 
 // Exponent bias of a word's decoded weights (value * 2^-BIAS): what its activations are scaled up by.
 __device__ __forceinline__ constexpr int word_bias(int dec, int i) { return word_dec(dec, i) == 0 ? 14 : 6; }
