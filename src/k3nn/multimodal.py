@@ -298,10 +298,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
         own layout: DeepSeek's for Kimi K2.5, Kimi's for K3) or ``"transformers"`` (transformers'
         ``Kimi_K25ForConditionalGeneration`` names; Kimi K2.5-shaped models only). Default: the layout the
         config was read in."""
-        from huggingface_hub import save_torch_state_dict
-
         from .checkpoint.formats.multimodal import LAYOUTS, MultimodalFormat
-        from .checkpoint.io import _tied_aliases
+        from .checkpoint.io import _tied_aliases, write_safetensors
         from .checkpoint.rope_layout import interleave_rope
 
         layout = format or self.config.config_form
@@ -321,10 +319,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
         if text.rope_interleave:
             sd = interleave_rope(self, sd)
         sd = MultimodalFormat(self.config, text_format, layout).from_native(sd)
-        sd = {k: v.contiguous() for k, v in sd.items()}
         os.makedirs(save_directory, exist_ok=True)
-        save_torch_state_dict(sd, save_directory, max_shard_size=max_shard_size,
-                              metadata={"format": "pt", "k3nn_format": f"multimodal-{layout}"})
+        write_safetensors(sd, save_directory, max_shard_size, {"format": "pt", "k3nn_format": f"multimodal-{layout}"})
         cfg_json["dtype"] = str(self.dtype).replace("torch.", "")
         with open(os.path.join(save_directory, "config.json"), "w") as f:
             json.dump(cfg_json, f, indent=2, sort_keys=True)

@@ -137,6 +137,7 @@ def test_prepared_weights_hold_no_copy(tmp_path):
     loaded = KimiK3.from_pretrained(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, ref, atol=1e-5, rtol=1e-5)
+    _sharded_save_copies_one_shard_at_a_time(model, tmp_path / "sharded", ids, ref)
 
     model.to(torch.float64)  # every parameter replaced: packed again at the next forward, in the new dtype
     with torch.no_grad():
@@ -309,3 +310,38 @@ def test_steps_without_a_graph_run_as_uncaptured(k3, mode):
     run(torch.ones(1, 1, dtype=torch.long))
     run.close()
     assert seen == [True] and not current_tuning().uncaptured
+
+
+def _sharded_save_copies_one_shard_at_a_time(model, path, ids, ref):
+    """A prepared model saved in shards: the packed views are copied while their shard is written (never all
+    before the first write), and the shards load back to the same logits."""
+    import safetensors.torch
+
+    import k3nn.checkpoint.io as io
+
+    events = []
+    copy, write = io._own_storage, safetensors.torch.save_file
+
+    def own_storage(t):
+        out = copy(t)
+        events.append("copy" if out.data_ptr() != t.data_ptr() else "keep")
+        return out
+
+    def save_file(tensors, filename, metadata=None):
+        events.append(("write", len(tensors)))
+        return write(tensors, filename, metadata)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(io, "_own_storage", own_storage)
+        mp.setattr(safetensors.torch, "save_file", save_file)
+        model.save_pretrained(path, max_shard_size="100KB")
+    writes = [e for e in events if isinstance(e, tuple)]
+    assert len(writes) > 1 and (path / "model.safetensors.index.json").exists()
+    first = events.index(writes[0])
+    assert first == writes[0][1]  # before the first write: only that shard's tensors were prepared
+    assert "copy" in events  # packed views were copied (per shard)
+    loaded = KimiK3.from_pretrained(path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(path)  # one file now: the earlier shards and index are gone
+    assert sorted(p.name for p in path.glob("model*")) == ["model.safetensors"]

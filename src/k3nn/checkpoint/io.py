@@ -356,9 +356,35 @@ def default_format(config: KimiK3Config) -> str:
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor safetensors writes: contiguous, and copied when it is a view of a larger buffer (packed
-    decode weights, :mod:`k3nn.layers.packed`), which the writer refuses to store as a shared tensor."""
+    decode weights, :mod:`k3nn.layers.packed`), which a writer may refuse to store as a shared tensor."""
     t = t.contiguous()
     return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], save_directory, max_shard_size: int | str,
+                      metadata: dict[str, str]) -> None:
+    """``sd`` as ``model.safetensors`` or as shards plus ``model.safetensors.index.json``, in huggingface_hub's
+    layout (its :func:`~huggingface_hub.split_torch_state_dict_into_shards` picks the shards and names), written
+    one shard at a time: a view of a larger buffer (a prepared model's packed decode weights) is copied while its
+    shard is written, so saving holds at most one shard of copies, not one of every packed projection. Shard and
+    index files of an earlier save in the directory are removed first."""
+    import re
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(sd, max_shard_size=max_shard_size)
+    earlier = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+    for name in os.listdir(save_directory):
+        if earlier.fullmatch(name):
+            os.remove(os.path.join(save_directory, name))
+    per_file = {"format": "pt"} if split.is_sharded else {"format": "pt", **metadata}
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: _own_storage(sd[n]) for n in names}, os.path.join(save_directory, filename), per_file)
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, **metadata}, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
 
 
 def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", format: str | None = None, *,
@@ -368,8 +394,6 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
     is refused for a model transformers' ``KimiLinearForCausalLM`` cannot represent (the error names what).
     ``tokenizer``: written beside the weights by :func:`k3nn.tokenizer.save_tokenizer` (with ``chat_template``;
     the model config's eos / bos / pad ids name its special tokens when the tokenizer does not)."""
-    from huggingface_hub import save_torch_state_dict
-
     if format is None:
         format = default_format(model.config)
     if format not in FORMATS:
@@ -394,9 +418,7 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
     if model.config.rope_interleave:
         sd = interleave_rope(model, sd)
     sd = FORMATS[format].from_native(sd)
-    sd = {k: _own_storage(v) for k, v in sd.items()}
-    save_torch_state_dict(sd, save_directory, max_shard_size=max_shard_size,
-                          metadata={"format": "pt", "k3nn_format": format})
+    write_safetensors(sd, save_directory, max_shard_size, {"format": "pt", "k3nn_format": format})
     cfg = model.config.to_dict()
     cfg["dtype"] = str(model.dtype).replace("torch.", "")
     if format == "k3nn":  # stacked experts: name the layout, so no loader takes it for transformers' own

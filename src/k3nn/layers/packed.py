@@ -63,7 +63,8 @@ class Packed:
     def unpack(self) -> None:
         """Give every source still sharing ``weight`` its own storage again (a copy of its rows): what
         ``prepare_decode(False)`` does, so the parameters no longer share memory (huggingface_hub's
-        ``save_torch_state_dict`` refuses views of a larger buffer; safetensors' ``save_file`` takes disjoint ones)."""
+        ``save_torch_state_dict`` refuses views of a larger buffer; safetensors' ``save_file`` takes disjoint ones;
+        ``save_pretrained`` copies them one shard at a time)."""
         w = self.weight
         with torch.inference_mode(False), torch.no_grad():
             for t in self.sources():
