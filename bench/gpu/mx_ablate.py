@@ -60,7 +60,7 @@ def ablated(src: str, compute: bool, staging: bool) -> str:
     if not compute:  # the batch's registers: cur, or d inside a batch lambda
         src = _cut(src, _LOOP_START, _LOOP_ENDS, _FOLD.replace("cur[", "d[") if "auto batch" in src else _FOLD)
     if not staging:
-        src = _cut(src, *_STAGE_SCALES, "  if (tid < BMX) amx[tid] = 0u;\n")
+        src = _cut(src, *_STAGE_SCALES, "  if (tid < BMX) amx[tid] = 0u;\n  bool special = false;\n")
         src = _cut(src, *_STAGE_ACT, "  __syncthreads();\n")
     return src
 

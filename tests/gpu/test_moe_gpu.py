@@ -115,19 +115,16 @@ from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize
 
 # a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
-# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch, the default shape with
-# the mixed decode (e4m3 and bit placement)
-_CUDA_CFGS = tuple(dict.fromkeys((cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1),
-                                  cmx.CudaGemvConfig(1, 1, 4, False, 0), cmx.CudaGemvConfig(1, 4, 1, False, 0),
-                                  cmx.DEFAULT_CONFIG._replace(decode=2), cmx.DEFAULT_CONFIG._replace(decode=1))))
+# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch
+_CUDA_CFGS = (cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, False, 0),
+              cmx.CudaGemvConfig(1, 4, 1, False, 0))
 
 
 def _cuda_cfgs():
     why = cmx.available()
     if why:
         pytest.skip(why)
-    cfgs = _CUDA_CFGS if torch.cuda.get_device_capability() >= (8, 9) else tuple(
-        c for c in _CUDA_CFGS if c.decode == 0)
+    cfgs = _CUDA_CFGS if torch.cuda.get_device_capability() >= (8, 9) else _CUDA_CFGS[::2]
     cmx.build(cfgs)
     return cfgs
 
@@ -147,7 +144,7 @@ def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None, pdl=None)
 @given(N=st.sampled_from([1, 2, 5, 16]), E=st.sampled_from([4, 16, 64]), k=st.sampled_from([1, 4, 8]),
        D=st.sampled_from([96, 256, 416]), I=st.sampled_from([64, 160, 384]), act=st.sampled_from(["silu", "situ"]),
        cap=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), bm=st.sampled_from([None, 1, 4, 8]),
-       ci=st.integers(0, 7), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       ci=st.integers(0, 3), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
     """K (= D, I) not a multiple of the 128-k group or of unroll·k_split, experts without tokens (E=64),
     block sizes 1-8, NaN-poisoned outputs; vs the eager reference in the activation dtype and in fp32."""

@@ -160,8 +160,9 @@ def test_generated_source_has_the_entry_points():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_source_compiles_for_sm90(tmp_path):
     """The torch-free .cu through nvcc (no GPU needed) for the default (64-row) and the 32-row shape: no errors,
-    at most 128 registers everywhere (two 256-thread CTAs per SM), and at most a few bytes of register spills —
-    except the four-n8-tile GLU instance (block_m 8), whose four-tile branch spills ~130 bytes (a real spill
+    at most 128 registers everywhere (two 256-thread CTAs per SM), and at most a few dozen bytes of register spills
+    (the GLU instances carry the loop twice, with the fast and the general scale decode: 48 bytes at block_m 4) —
+    except the four-n8-tile GLU instance (block_m 8), whose four-tile branch spills ~180 bytes (a real spill
     problem is many hundreds: the same instance with prefetch in that branch spills 600)."""
     log, _ = nvcc_sm90(tmp_path, cm.kernel_source((cm.DEFAULT_CONFIG, cm.CudaGemvConfig(2, 2, 2, True, 1))), "mx")
     funcs, cur = {}, None
@@ -176,6 +177,6 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
     for name, f in funcs.items():
         nt4_glu = re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", name) is not None
         assert f["regs"] <= 128, (name, f)
-        assert f.get("spill", 0) <= (192 if nt4_glu else 32), (name, f)
+        assert f.get("spill", 0) <= (192 if nt4_glu else 64), (name, f)
     assert sum(re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", n) is not None for n in funcs) == 4
     assert not unique_symbols(tmp_path / "mx.o")  # the smem opt-in flags are this module's own

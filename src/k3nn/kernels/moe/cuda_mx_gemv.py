@@ -27,7 +27,10 @@ Per CTA::
                k-slots of quad lane q hold block q of the group; B column 4t + j = token t, block j, non-zero only
                on lanes with q = g mod 4 — so each accumulator column is the dot product of ONE MX block
     scale      after the group's 8 mmas (per matrix and token pair): one fp32 FMA per accumulator with its block's
-               2^(s−127); a shuffle adds the lane pair's other two blocks
+               2^(s−127); a shuffle adds the lane pair's other two blocks. A CTA whose staged E8M0 bytes hold no
+               0 (2^-127) or 255 (NaN), i.e. every real checkpoint's, takes 2^(s−127) as the byte shifted into an
+               fp32 exponent (``__syncthreads_or`` over the staging decides per CTA; at most two n8 tiles);
+               the others decode each byte with its two special cases
     epilogue   K slices summed in shared memory, · 2^e per token (NaN when the row holds Inf/NaN), GLU
                (SiLU/SiTU, ``triton_common._act``) → h in sorted-row order; down: y scattered to flat pair ids
 
@@ -76,8 +79,7 @@ __all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supp
 class CudaGemvConfig(NamedTuple):
     """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
     row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement), 1 (e4m3 bytes + hardware convert, sm_89+) or 2
-    (both: words 0-1 of each MX block converted, words 2-3 bit-placed, sm_89+; the two run on different pipes)."""
+    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
 
     row_tiles: int = 1
     k_split: int = 2
@@ -87,7 +89,7 @@ class CudaGemvConfig(NamedTuple):
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{('', ' e4m3', ' mixed2', ' mixed1', ' mixed3')[self.decode]}")
+                f"{' e4m3' if self.decode else ''}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
@@ -141,9 +143,9 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1, 2, 3, 4)):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1/2)")
+                         f"≤ 16 warps, decode 0/1)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -248,8 +250,8 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
             return "packed weights need 16-byte aligned rows (base and expert/row strides)"
     if w1.packed.stride() != w3.packed.stride() or w1.scale.stride() != w3.scale.stride():
         return "w1 and w3 must share strides"
-    if cfg.decode >= 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
-        return f"decode={cfg.decode} (e4m3 convert) needs sm_89+"
+    if cfg.decode == 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "decode=1 (e4m3 convert) needs sm_89+"
     lim = _smem_limit(x.device)
     for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):
         need = smem_bytes(cfg, block_m, K, glu)

@@ -59,22 +59,6 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t (&x)[4]) {
   }
 }
 
-// DEC 2 / 3 / 4: the first 2 / 1 / 3 words of each MX block (16-byte load) through the e4m3 convert, the others
-// through the bit placement, so the decode's work is split between the conversion and the integer pipes.
-__device__ __forceinline__ constexpr int word_dec(int dec, int i) {
-  return dec <= 1 ? dec : (i < (dec == 2 ? 2 : (dec == 3 ? 1 : 3)) ? 1 : 0);
-}
-
-// Exponent bias of a word's decoded weights (value * 2^-BIAS): what its activations are scaled up by.
-__device__ __forceinline__ constexpr int word_bias(int dec, int i) { return word_dec(dec, i) == 0 ? 14 : 6; }
-
-// Word i of an MX block (i known once the loop over words is unrolled).
-template <int DEC>
-__device__ __forceinline__ void decode_at(uint32_t w, int i, uint32_t (&x)[4]) {
-  if (word_dec(DEC, i) == 0) decode<0>(w, x);
-  else decode<1>(w, x);
-}
-
 // Position of the activation that pairs with half h (0 low, 1 high) of x[m] inside a group of 8.
 template <int DEC>
 __device__ __forceinline__ int perm(int m, int h) {
@@ -134,7 +118,9 @@ __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&
 
 // Steps 5-6 for NR n8 tiles (the block's first 2*NR staged rows): stream the warp's groups, then the quad
 // reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
-template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC>
+// FAST: no E8M0 byte of the CTA's rows is 0 (2^-127, subnormal) or 255 (NaN), so 2^(s-127) is the byte placed in
+// an fp32 exponent (one shift and mask per scale, against two compares and selects for the general case).
+template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, bool FAST>
 __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
                                             bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
@@ -181,8 +167,8 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             uint32_t x0[4], x1[4];
-            decode_at<DEC>(word(cur[u][m][0], i), i, x0);
-            decode_at<DEC>(word(cur[u][m][1], i), i, x1);
+            decode<DEC>(word(cur[u][m][0], i), x0);
+            decode<DEC>(word(cur[u][m][1], i), x1);
 #pragma unroll
             for (int nt = 0; nt < NR; ++nt) {
               mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
@@ -195,7 +181,15 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
           const uint8_t* sb = scl + (m * ROWS + rt * 16 + g) * SSTR + 4 * gr + 2 * (q & 1);
           const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
           const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * SSTR);
-          const float s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
+          float s00, s01, s10, s11;
+          if constexpr (FAST) {
+            s00 = __uint_as_float((u0 << 23) & 0x7F800000u);
+            s01 = __uint_as_float((u0 << 15) & 0x7F800000u);
+            s10 = __uint_as_float((u1 << 23) & 0x7F800000u);
+            s11 = __uint_as_float((u1 << 15) & 0x7F800000u);
+          } else {
+            s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
+          }
 #pragma unroll
           for (int nt = 0; nt < NR; ++nt) {
             acc[m][nt][0] = fmaf(c[m][nt][0], s00, acc[m][nt][0]);
@@ -234,6 +228,27 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
     }
 }
 
+// Steps 5-6 with the CTA's n8 tile count nr (1, 2 or 4, at most NT; 1 or 2 when FAST).
+template <int NT, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, bool FAST>
+__device__ __forceinline__ void stream_tiles(int nr, uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
+                                             bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
+                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
+  if (nr == 1) {
+    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC, FAST>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act,
+                                                      scl, red);
+  } else if (nr == 2) {
+    if constexpr (NT >= 2)
+      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC, FAST>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                        act, scl, red);
+  } else {
+    // no prefetch registers: four tiles of accumulators fit 128 registers; the general scales only (the caller
+    // never sends four tiles to FAST: a second copy of this branch spills twice as much)
+    if constexpr (NT >= 4 && !FAST)
+      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC, false>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                        act, scl, red);
+  }
+}
+
 // Registers: at most 128 per thread wherever two 256-thread CTAs (or more smaller ones) fit an SM.
 template <int NTHR>
 struct MinBlocks {
@@ -258,6 +273,7 @@ __global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
 mx_gemv_kernel(const Args p) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
+  constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
   if constexpr (GLU) pdl_trigger();  // every CTA, before any exit
   const int nb = p.nb, bm = p.bm;
   const int blk = blockIdx.x % nb, tile = blockIdx.x / nb;
@@ -304,6 +320,7 @@ mx_gemv_kernel(const Args p) {
 
   // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127)
   if (tid < BMX) amx[tid] = 0u;
+  bool special = false;  // an E8M0 byte 0 or 255 among the CTA's rows: the loop takes the general decode
 #pragma unroll 1
   for (int m = 0; m < NM; ++m) {
     const uint8_t* sb = (m == 0 ? p.s1 : p.s3) + (long long)e * p.sse;
@@ -314,6 +331,8 @@ mx_gemv_kernel(const Args p) {
         const int rr = i / CPR, c = i - rr * CPR, n = n0 + rr;
         uint4 v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
         if (n < N) v = __ldg(reinterpret_cast<const uint4*>(sb + (long long)n * p.ssn) + c);
+        special |= (__vcmpeq4(v.x, 0u) | __vcmpeq4(v.y, 0u) | __vcmpeq4(v.z, 0u) | __vcmpeq4(v.w, 0u) |
+                    __vcmpeq4(v.x, ~0u) | __vcmpeq4(v.y, ~0u) | __vcmpeq4(v.z, ~0u) | __vcmpeq4(v.w, ~0u)) != 0u;
         unsigned* d = reinterpret_cast<unsigned*>(scl + (m * ROWS + rr) * SSTR + 16 * c);
         d[0] = v.x;
         d[1] = v.y;
@@ -324,7 +343,9 @@ mx_gemv_kernel(const Args p) {
 #pragma unroll 4
       for (int i = tid; i < ROWS * NBLK; i += NTHR) {
         const int rr = i / NBLK, b = i - rr * NBLK, n = n0 + rr;
-        scl[(m * ROWS + rr) * SSTR + b] = n < N ? __ldg(sb + (long long)n * p.ssn + b) : (uint8_t)127;
+        const uint8_t sv = n < N ? __ldg(sb + (long long)n * p.ssn + b) : (uint8_t)127;
+        special |= sv == 0 || sv == 255;
+        scl[(m * ROWS + rr) * SSTR + b] = sv;
       }
     }
     for (int i = tid; i < ROWS * (4 * G - NBLK); i += NTHR) {  // padded blocks of the last group
@@ -333,7 +354,7 @@ mx_gemv_kernel(const Args p) {
     }
   }
   if constexpr (!GLU) pdl_wait();  // h (the up kernel's output) is read from here on
-  __syncthreads();
+  const bool fast = !__syncthreads_or(special);
 
   // 3. activations of the staged rows -> shared memory (raw), and max |a| per row
   const int KC = K >> 3, GC = G * 16;  // 8-element chunks: real / padded to whole groups
@@ -360,17 +381,14 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
   // 4. scale each row by 2^(BIAS - e_t) (max |a| -> [2^BIAS, 2^(BIAS+1)), exact for bf16/fp16 values in the
-  //    fp16 normal range; BIAS of the chunk's word: chunk c pairs with word c % 4 of its block), convert to fp16
-  //    in the decode's pair order, in place (same thread, same chunks)
-  static_assert(NTHR % 4 == 0, "a thread's chunks keep one word position");
-  const bool dec0 = word_dec(DEC, tid & 3) == 0;  // this thread's chunks: bit placement (else e4m3)
+  //    fp16 normal range), convert to fp16 in the decode's pair order, in place (same thread, same chunks)
 #pragma unroll 1
   for (int t = 0; t < rows2; ++t) {
     const unsigned mb = amx[t];
     const float am = Io<T>::f(mb);
     int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
     et = max(et, -100);
-    const float sc = __uint_as_float((unsigned)(word_bias(DEC, tid & 3) - et + 127) << 23);
+    const float sc = __uint_as_float((unsigned)(BIAS - et + 127) << 23);
     uint4* dst = reinterpret_cast<uint4*>(act + t * ASTR);
 #pragma unroll 2
     for (int c = tid; c < GC; c += NTHR) {
@@ -381,8 +399,7 @@ mx_gemv_kernel(const Args p) {
       uint32_t o[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const __half2 h = dec0 ? __floats2half2_rn(f[perm<0>(m, 0)], f[perm<0>(m, 1)])
-                               : __floats2half2_rn(f[perm<1>(m, 0)], f[perm<1>(m, 1)]);
+        const __half2 h = __floats2half2_rn(f[perm<DEC>(m, 0)], f[perm<DEC>(m, 1)]);
         o[m] = *reinterpret_cast<const uint32_t*>(&h);
       }
       dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
@@ -390,18 +407,13 @@ mx_gemv_kernel(const Args p) {
   }
   __syncthreads();
 
-  // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA)
-  if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                            act, scl, red);
-  } else if (nr == 2) {
-    if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                            act, scl, red);
+  // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA) and scale decode (uniform per CTA)
+  if (fast && nr < 4) {
+    stream_tiles<NT, BMX, NM, RT, KS, U, PF, DEC, true>(nr, cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
+                                                         act, scl, red);
   } else {
-    if constexpr (NT >= 4)  // no prefetch registers: four tiles of accumulators fit 128 registers
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                            act, scl, red);
+    stream_tiles<NT, BMX, NM, RT, KS, U, PF, DEC, false>(nr, cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR,
+                                                          SSTR, act, scl, red);
   }
   __syncthreads();
 
