@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Where the host time of an uncaptured decode step goes: the standard step without a CUDA graph (what
 ``generate(cuda_graph=False)`` and the eager speculative rounds run), where the host's launches, not the kernels, set
-the time. Per tuning variant (``default``, ``torch-gemm``: every projection on torch's GEMM, ``no-pdl``: no
-programmatic dependent launches; as in :mod:`bench.decode_roofline`), on clones of one prefilled cache:
+the time. The step runs as ``generate()`` runs it, under ``KernelTuning.uncaptured`` (so ``default`` leaves the
+projections to torch's GEMM). Per tuning variant (``default``, ``skinny-always``: the skinny GEMM for every projection
+it takes, as before that rule; ``no-pdl``: no programmatic dependent launches; as in :mod:`bench.decode_roofline`), on
+clones of one prefilled cache:
 
     step        one step's host time (until it returns, every kernel launched) and its device time (until the stream
                 drains), minimum over the timed steps
@@ -10,7 +12,7 @@ programmatic dependent launches; as in :mod:`bench.decode_roofline`), on clones 
                 torch ops by host time, with counts (the profiler's own cost inflates these: compare them with each
                 other, not with the step's time)
 
-    python3 -m bench.gpu.decode_host [--config k3_slice] [--batch 1] [--ctx 128] [--variants default,torch-gemm,no-pdl]
+    python3 -m bench.gpu.decode_host [--config k3_slice] [--batch 1] [--ctx 128] [--variants default,skinny-always]
     python3 -m bench.gpu.decode_host --config k3_like_tiny      (CPU: the host time of the ops, no launches)
 """
 
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    ap.add_argument("--variants", default="default,torch-gemm,no-pdl")
+    ap.add_argument("--variants", default="default,skinny-always,no-pdl")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -109,9 +111,9 @@ def main(argv=None) -> dict:
             runner = make_decode_runner(model, cache, cuda_graph=False)
             try:
                 for _ in range(3):  # compiles and tunes outside the timing
-                    runner.fn(tok)
-                host_ms, step_ms = step_times(runner.fn, tok, dev, args.steps)
-                us, own, calls = host_profile(runner.fn, tok)
+                    runner(tok)
+                host_ms, step_ms = step_times(runner, tok, dev, args.steps)
+                us, own, calls = host_profile(runner, tok)
             finally:
                 runner.close()
         n_reg = sum(c for k, c in calls.items() if k.startswith("k3nn::"))
