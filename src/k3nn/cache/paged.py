@@ -31,7 +31,7 @@ layer shows its state (:meth:`PagedKDAState.observe_input`) before it runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -39,9 +39,6 @@ from ..config import KimiK3Config
 from .hybrid import HybridCache, KDAState
 from .pages import BLOCK_SIZE, BlockAllocator, gather_latents
 from .states import StatePool, latent_bytes_per_token, mla_layer_ids, state_bytes_per_slot
-
-if TYPE_CHECKING:
-    from ..runtime.metadata import StepMetadata
 
 __all__ = ["HybridPools", "PagedCache", "PagedKDAState", "PagedMLAState", "pool_sizes_for_budget",
            "write_rows"]
@@ -263,7 +260,7 @@ class PagedCache(HybridCache):
         self.pools, self.config = pools, pools.config
         self.dtype, self.device = pools.dtype, pools.device
         self.static = False
-        self.meta: "StepMetadata | None" = None
+        self.meta = None  # the step's runtime.metadata.StepMetadata (set by the engine's runner), or None
         self.plan_rows: list[int] = []  # running slot of each batch row (host), for eager steps' checkpoints
         #: KDA layer j → (qkv, f, b) of the fused decode op in the last forward, when armed (speculative commit)
         self.recorder: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
