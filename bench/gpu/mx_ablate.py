@@ -7,9 +7,9 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
-``--decodes 1,2`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
-leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version, expanded by ``read_source``) as
-one more checked variant. The ablations change timing only; their outputs are meaningless. One GPU check:
+``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
+leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
+expanded by ``read_source``) as one more checked variant. The ablations change timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
-                    "(e.g. 1,2; default: DEFAULT_CONFIG's)")
+                    "(e.g. 0,1; default: DEFAULT_CONFIG's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
     args = ap.parse_args()
     t0 = time.time()
