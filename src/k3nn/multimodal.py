@@ -320,7 +320,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
             sd = interleave_rope(self, sd)
         sd = MultimodalFormat(self.config, text_format, layout).from_native(sd)
         os.makedirs(save_directory, exist_ok=True)
-        write_safetensors(sd, save_directory, max_shard_size, {"format": "pt", "k3nn_format": f"multimodal-{layout}"})
+        write_safetensors(sd, save_directory, max_shard_size, {"k3nn_format": f"multimodal-{layout}"})
         cfg_json["dtype"] = str(self.dtype).replace("torch.", "")
         with open(os.path.join(save_directory, "config.json"), "w") as f:
             json.dump(cfg_json, f, indent=2, sort_keys=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -367,9 +368,8 @@ def write_safetensors(sd: dict[str, torch.Tensor], save_directory, max_shard_siz
     layout (its :func:`~huggingface_hub.split_torch_state_dict_into_shards` picks the shards and names), written
     one shard at a time: a view of a larger buffer (a prepared model's packed decode weights) is copied while its
     shard is written, so saving holds at most one shard of copies, not one of every packed projection. Shard and
-    index files of an earlier save in the directory are removed first."""
-    import re
-
+    index files of an earlier save in the directory are removed first. ``metadata`` goes into the single file, or
+    into the index of a sharded save, beside ``"format": "pt"``."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -378,7 +378,8 @@ def write_safetensors(sd: dict[str, torch.Tensor], save_directory, max_shard_siz
     for name in os.listdir(save_directory):
         if earlier.fullmatch(name):
             os.remove(os.path.join(save_directory, name))
-    per_file = {"format": "pt"} if split.is_sharded else {"format": "pt", **metadata}
+    metadata = {"format": "pt", **metadata}
+    per_file = {"format": "pt"} if split.is_sharded else metadata
     for filename, names in split.filename_to_tensors.items():
         save_file({n: _own_storage(sd[n]) for n in names}, os.path.join(save_directory, filename), per_file)
     if split.is_sharded:
@@ -418,7 +419,7 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "5GB", fo
     if model.config.rope_interleave:
         sd = interleave_rope(model, sd)
     sd = FORMATS[format].from_native(sd)
-    write_safetensors(sd, save_directory, max_shard_size, {"format": "pt", "k3nn_format": format})
+    write_safetensors(sd, save_directory, max_shard_size, {"k3nn_format": format})
     cfg = model.config.to_dict()
     cfg["dtype"] = str(model.dtype).replace("torch.", "")
     if format == "k3nn":  # stacked experts: name the layout, so no loader takes it for transformers' own

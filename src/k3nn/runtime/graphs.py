@@ -52,8 +52,7 @@ class GraphRunner:
     def run(self, key: Hashable, fn: Callable[[], Any], on_capture_failure: Callable[[], None] | None = None):
         """Apply the step once (eagerly, by capture + replay, or by replay; see the module docstring)."""
         if not self.enabled or key in self.failed:
-            with uncaptured_step():
-                return fn()
+            return self._eager(fn)
         entry = self.graphs.get(key)
         if entry is not None:
             entry[0].replay()
@@ -63,10 +62,15 @@ class GraphRunner:
             return self._side_stream(fn)
         outs = self._capture(key, fn, on_capture_failure)
         if key in self.failed:
-            with uncaptured_step():
-                return fn()
+            return self._eager(fn)
         self.graphs[key][0].replay()
         return outs
+
+    @staticmethod
+    def _eager(fn: Callable[[], Any]):
+        """A step that runs eagerly for good (no graph for its key): the kernel choices of a host-bound step."""
+        with uncaptured_step():
+            return fn()
 
     def capture(self, key: Hashable, fn: Callable[[], Any], warmup: bool = True) -> bool:
         """Warm up (unless ``warmup`` is False) and capture ``fn`` for ``key`` without a real step: ``fn`` must be
