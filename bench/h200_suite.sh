@@ -45,7 +45,7 @@ STEPS=(
   "engine-step|200|$PY -m bench.gpu.engine_step --config k3_slice --ctx 2048 --conc 1,16"
   "decode-host|150|$PY -m bench.gpu.decode_host --config k3_slice --ctx 128"
   "prefill|420|$PY -m bench.prefill"
-  "prefill-short|300|$PY -m bench.prefill --lengths 512,2048,8192 --k3nn-only '' --suite prefill-short"
+  "prefill-short|300|$PY -m bench.prefill --lengths 512,2048,8192 --k3nn-only= --suite prefill-short"
   "prefill-profile|200|$PY -m bench.gpu.prefill_profile --T 512,2048 --top 25"
   "prefill-host|90|$PY -m bench.gpu.prefill_host"
   "prefill-profile-hf|240|$PY -m bench.gpu.prefill_profile --T 512,2048 --top 25 --from-transformers"
