@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: DEFAULT_CONFIG's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
+    ap.add_argument("--block-m", default="", help="alignment rows per block to time side by side: numbers, or "
+                    "'tokens' (the smallest of 2, 4, 8 that holds T; default: cuda_block_m's)")
     args = ap.parse_args()
     t0 = time.time()
     dev, E = "cuda", args.experts
@@ -98,16 +100,17 @@ def main():
         z = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
         ids = torch.randn(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices
         P = T * TOPK
-        al = align_for(ids, E, cmx.cuda_block_m(P, E))
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float().reshape(P, D)
-        cases.append((T, z, al, P, torch.unique(ids).numel(), ref))
+        for bm in args.block_m.split(",") if args.block_m else [str(cmx.cuda_block_m(P, E))]:
+            bm = min(b for b in (2, 4, 8) if b >= min(T, 8)) if bm == "tokens" else int(bm)
+            cases.append((T, bm, z, align_for(ids, E, bm), P, torch.unique(ids).numel(), ref))
     for name, src, check, cfg in variants:
         configs = (cfg,)
         cmx.CUDA_SOURCE = src
         cmx._build.cache_clear()
         cmx.build(configs, ("bf16",))
         print(f"-- {name}: built in {cmx.last_build_seconds:.1f}s  [t={time.time() - t0:.0f}s]")
-        for T, z, al, P, touched, ref in cases:
+        for T, bm, z, al, P, touched, ref in cases:
             h = torch.empty(al.expert_ids.numel() * al.block_m, I, dtype=z.dtype, device=dev)
             y = torch.full((P, D), float("nan"), dtype=z.dtype, device=dev)
             mc = (configs, ("bf16",))
@@ -128,7 +131,7 @@ def main():
             us = [graph_bench_ms(f, inner=20, rep=10) * 1e3 for f in (up, down, pair)]
             fu, fd = touched * up_b / us[0] / 1e6 / copy, touched * dn_b / us[1] / 1e6 / copy
             fp = touched * (up_b + dn_b) / us[2] / 1e6 / copy
-            print(f"   T={T:2d} {name:12s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
+            print(f"   T={T:2d} bm={bm} {name:12s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
                   f"pair {us[2]:6.1f} us {fp:6.1%} | {err}")
     cmx.CUDA_SOURCE = shipped
     cmx._build.cache_clear()
