@@ -218,7 +218,6 @@ def main(argv=None):
         ids = ids_of(T)
         for call in (k3_call, hf_call) if hf is not None else (k3_call,):
             call(ids)
-        del ids
     torch.cuda.synchronize()
     todo = [(T, False) for T in args.lengths]
     if args.lengths:

@@ -9,7 +9,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
 
 ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
 leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
-expanded by ``read_source``) as one more checked variant. The ablations change timing only; their outputs are meaningless. One GPU check:
+expanded by ``read_source``) as one more checked variant. ``--block-m 8,tokens`` times alignment block sizes side
+by side. The ablations change timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
@@ -101,9 +102,10 @@ def main():
         ids = torch.randn(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices
         P = T * TOPK
         ref = moe_expert_outputs_reference(z, q1, q3, q2, ids, "situ", BETA, LIN).float().reshape(P, D)
+        touched = torch.unique(ids).numel()
         for bm in args.block_m.split(",") if args.block_m else [str(cmx.cuda_block_m(P, E))]:
             bm = min(b for b in (2, 4, 8) if b >= min(T, 8)) if bm == "tokens" else int(bm)
-            cases.append((T, bm, z, align_for(ids, E, bm), P, torch.unique(ids).numel(), ref))
+            cases.append((T, bm, z, align_for(ids, E, bm), P, touched, ref))
     for name, src, check, cfg in variants:
         configs = (cfg,)
         cmx.CUDA_SOURCE = src
