@@ -10,7 +10,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
 ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
 leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
 expanded by ``read_source``) as one more checked variant. ``--block-m 8,tokens`` times alignment block sizes side
-by side. The ablations change timing only; their outputs are meaningless. One GPU check:
+by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant. The ablations change
+timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
@@ -71,8 +72,10 @@ def main():
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--config", default="", metavar="RT,KS,U,PF,DEC",
+                    help="launch shape of every variant (default: DEFAULT_CONFIG)")
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
-                    "(e.g. 0,1; default: DEFAULT_CONFIG's)")
+                    "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
     ap.add_argument("--block-m", default="", help="alignment rows per block to time side by side: numbers, or "
                     "'tokens' (the smallest of 2, 4, 8 that holds T; default: cuda_block_m's)")
@@ -82,7 +85,8 @@ def main():
     meta = device_meta()
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
-    shipped, base = cmx.CUDA_SOURCE, cmx.DEFAULT_CONFIG
+    shipped = cmx.CUDA_SOURCE
+    base = cmx.CudaGemvConfig(*(int(v) for v in args.config.split(","))) if args.config else cmx.DEFAULT_CONFIG
     decodes = [int(d) for d in args.decodes.split(",") if d] or [base.decode]
     variants = [("source" if len(decodes) == 1 else f"source d{d}", shipped, True, base._replace(decode=d))
                 for d in decodes]
