@@ -184,8 +184,9 @@ def _compile_sm90(module, name, constexprs, warps, stages):
     from test_triton_compile_sm90 import _compile
 
     ints = {"chunk_start": "*i32", "chunk_len": "*i32", "seq_lo": "*i32", "seq_hi": "*i32", "export_slot": "*i32"}
-    _compile(module, name, {**ints, "scale": "fp32", "H": "i32"}, constexprs, default="*fp32", warps=warps,
-             stages=stages)
+    strides = {"SQK": "i32", "SV": "i32"}  # token strides of q / k and v (views of a packed projection)
+    _compile(module, name, {**ints, **strides, "scale": "fp32", "H": "i32"}, constexprs, default="*fp32",
+             warps=warps, stages=stages)
 
 
 @pytest.mark.slow
