@@ -329,3 +329,18 @@ def test_cuda_gemv_pdl_in_a_cuda_graph():
     torch.cuda.synchronize()
     for yi, wi in zip(ys, want, strict=True):
         assert torch.equal(yi, wi)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gemv_rows_keep_their_bits_whatever_shares_their_block(dtype):
+    """Batch invariance: a token's expert outputs alone (every block one pair) are bit for bit its outputs among 12
+    tokens, where its experts' blocks hold 2-8 pairs (more n8 tiles, other columns of the same mma), so a token
+    decoded alone, in a speculative verify or in an engine batch gets the same expert outputs."""
+    cfgs = _cuda_cfgs()
+    x, (w1, w3, w2), _, _ = _problem(12, 256, 160, 16, 4, 24, True, dtype=dtype)
+    ids = _uneven_ids()
+    for cfg in cfgs:
+        y = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs)
+        for n in (0, 1, 4, 11):
+            alone = _cuda_outputs(x[n:n + 1], w1, w3, w2, ids[n:n + 1], "situ", 25.0, cfg, cfgs)
+            assert torch.equal(alone[0], y[n]), (cfg, n)
