@@ -10,7 +10,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
 ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
 leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
 expanded by ``read_source``) as one more checked variant. ``--block-m 8,tokens`` times alignment block sizes side
-by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant. The ablations change
+by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given more than once,
+it times each launch shape (with each of ``--decodes``) in the same process. The ablations change
 timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
@@ -72,8 +73,8 @@ def main():
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
-    ap.add_argument("--config", default="", metavar="RT,KS,U,PF,DEC",
-                    help="launch shape of every variant (default: DEFAULT_CONFIG)")
+    ap.add_argument("--config", action="append", default=[], metavar="RT,KS,U,PF,DEC",
+                    help="launch shape of every variant (default: DEFAULT_CONFIG); repeat it to time several")
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
@@ -86,10 +87,17 @@ def main():
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
     shipped = cmx.CUDA_SOURCE
-    base = cmx.CudaGemvConfig(*(int(v) for v in args.config.split(","))) if args.config else cmx.DEFAULT_CONFIG
-    decodes = [int(d) for d in args.decodes.split(",") if d] or [base.decode]
-    variants = [("source" if len(decodes) == 1 else f"source d{d}", shipped, True, base._replace(decode=d))
-                for d in decodes]
+    bases = [cmx.CudaGemvConfig(*(int(v) for v in c.split(","))) for c in args.config] or [cmx.DEFAULT_CONFIG]
+    base = bases[0]
+    decodes = [int(d) for d in args.decodes.split(",") if d]
+    variants = []
+    for b in bases:
+        for d in decodes or [b.decode]:
+            cfg = b._replace(decode=d)
+            name = "source" if len(bases) == 1 and len(decodes) <= 1 else \
+                (f"source d{d}" if len(bases) == 1 else f"{cfg.row_tiles},{cfg.k_split},{cfg.unroll},"
+                 f"{int(cfg.prefetch)},{cfg.decode}")
+            variants.append((name, shipped, True, cfg))
     for spec in args.source:
         name, path = spec.split("=", 1)
         variants.append((name, open(path).read(), True, base))
