@@ -94,9 +94,10 @@ def main():
     for b in bases:
         for d in decodes or [b.decode]:
             cfg = b._replace(decode=d)
-            name = "source" if len(bases) == 1 and len(decodes) <= 1 else \
-                (f"source d{d}" if len(bases) == 1 else f"{cfg.row_tiles},{cfg.k_split},{cfg.unroll},"
-                 f"{int(cfg.prefetch)},{cfg.decode}")
+            if len(bases) > 1:  # the launch shape as given: RT,KS,U,PF,DEC
+                name = ",".join(str(int(v)) for v in cfg)
+            else:
+                name = f"source d{d}" if len(decodes) > 1 else "source"
             variants.append((name, shipped, True, cfg))
     for spec in args.source:
         name, path = spec.split("=", 1)
