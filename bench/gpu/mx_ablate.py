@@ -11,8 +11,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
 leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
 expanded by ``read_source``) as one more checked variant. ``--block-m 8,tokens`` times alignment block sizes side
 by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given more than once,
-it times each launch shape (with each of ``--decodes``) in the same process. The ablations change
-timing only; their outputs are meaningless. One GPU check:
+it times each launch shape (with each of ``--decodes``) in the same process, and ``--source`` variants take
+the first. The ablations change timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
