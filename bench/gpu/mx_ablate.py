@@ -8,11 +8,12 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
 ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
-leaves the ablated copies out. ``--source NAME=PATH`` adds a complete kernel source (e.g. an earlier version,
-expanded by ``read_source``) as one more checked variant. ``--block-m 8,tokens`` times alignment block sizes side
-by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given more than once,
-it times each launch shape (with each of ``--decodes``) in the same process, and ``--source`` variants take
-the first. The ablations change timing only; their outputs are meaningless. One GPU check:
+leaves the ablated copies out. ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an
+earlier version, expanded by ``read_source``) as one more checked variant, built once with the launch shapes
+after its ``@``s (default: the first ``--config``) and timed with each. ``--block-m 8,tokens`` times alignment
+block sizes side by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given
+more than once, it times each launch shape (with each of ``--decodes``) in the same process. The ablations
+change timing only; their outputs are meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
@@ -101,7 +102,11 @@ def main():
             variants.append((name, shipped, True, cfg))
     for spec in args.source:
         name, path = spec.split("=", 1)
-        variants.append((name, open(path).read(), True, base))
+        path, *shapes = path.split("@")
+        text = open(path).read()
+        for c in shapes or [",".join(str(int(v)) for v in base)]:
+            variants.append((f"{name} {c}" if shapes else name, text, True,
+                             cmx.CudaGemvConfig(*(int(v) for v in c.split(",")))))
     if not args.no_ablations:
         variants += [("no-compute", ablated(shipped, False, True), False, base),
                      ("no-staging", ablated(shipped, True, False), False, base),
@@ -119,12 +124,18 @@ def main():
         for bm in args.block_m.split(",") if args.block_m else [str(cmx.cuda_block_m(P, E))]:
             bm = min(b for b in (2, 4, 8) if b >= min(T, 8)) if bm == "tokens" else int(bm)
             cases.append((T, bm, z, align_for(ids, E, bm), P, touched, ref))
+    built = None
     for name, src, check, cfg in variants:
-        configs = (cfg,)
-        cmx.CUDA_SOURCE = src
-        cmx._build.cache_clear()
-        cmx.build(configs, ("bf16",))
-        print(f"-- {name}: built in {cmx.last_build_seconds:.1f}s  [t={time.time() - t0:.0f}s]")
+        configs = tuple(dict.fromkeys(c for _, s, _, c in variants if s is src))  # one build per source text
+        if built != (src, configs):
+            cmx.CUDA_SOURCE = src
+            cmx._build.cache_clear()
+            cmx.build(configs, ("bf16",))
+            built = (src, configs)
+            print(f"-- {name}: built ({len(configs)} launch shapes) in {cmx.last_build_seconds:.1f}s  "
+                  f"[t={time.time() - t0:.0f}s]")
+        else:
+            print(f"-- {name}")
         for T, bm, z, al, P, touched, ref in cases:
             h = torch.empty(al.expert_ids.numel() * al.block_m, I, dtype=z.dtype, device=dev)
             y = torch.full((P, D), float("nan"), dtype=z.dtype, device=dev)

@@ -191,8 +191,8 @@ def test_prepared_weights_serve_the_prefill(which, request):
         if hasattr(sa, "recurrent"):
             torch.testing.assert_close(sb.recurrent, sa.recurrent, atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(sb.conv, sa.conv, atol=1e-6, rtol=1e-5)
-        else:
-            torch.testing.assert_close(sb.latent, sa.latent, atol=1e-6, rtol=1e-5)
+        else:  # one GEMM for q | kv_a: another fp32 summation order (AVX-512 kernels differ by ~1.5e-6 here)
+            torch.testing.assert_close(sb.latent, sa.latent, atol=1e-5, rtol=1e-4)
     attn = [layer.self_attn for layer in model.model.layers]
     n_kda = sum(hasattr(a, "q_conv1d") for a in attn)
     n_mla = len(attn) - n_kda
