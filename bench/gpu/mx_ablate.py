@@ -10,7 +10,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
 ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
 leaves the ablated copies out. ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an
 earlier version, expanded by ``read_source``) as one more checked variant, built once with the launch shapes
-after its ``@``s (default: the first ``--config``) and timed with each. ``--block-m 8,tokens`` times alignment
+after its ``@``s (default: the first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its
+binding (a source with another ``Args`` layout or launch rule). ``--block-m 8,tokens`` times alignment
 block sizes side by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given
 more than once, it times each launch shape (with each of ``--decodes``) in the same process. The ablations
 change timing only; their outputs are meaningless. One GPU check:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import torch
@@ -47,6 +49,12 @@ _FOLD = """        (void)gr;
 """
 _STAGE_SCALES = ("  // 2. E8M0 bytes", "  if constexpr (!GLU) pdl_wait();")
 _STAGE_ACT = ("  // 3. activations of the staged rows", "  // 5-6. stream the weights")
+
+
+class _Source(str):
+    """A kernel source that brings its own binding (``.cpp``)."""
+
+    cpp: str = ""
 
 
 def _cut(src: str, start: str, end: str | tuple[str, ...], new: str) -> str:
@@ -87,7 +95,7 @@ def main():
     meta = device_meta()
     copy = meta["copy_tbps"]
     print(f"{meta['gpu']} torch {meta['torch']}: copy {copy} TB/s")
-    shipped = cmx.CUDA_SOURCE
+    shipped, shipped_cpp = cmx.CUDA_SOURCE, cmx._CPP_SOURCE
     bases = [cmx.CudaGemvConfig(*(int(v) for v in c.split(","))) for c in args.config] or [cmx.DEFAULT_CONFIG]
     base = bases[0]
     decodes = [int(d) for d in args.decodes.split(",") if d]
@@ -104,6 +112,9 @@ def main():
         name, path = spec.split("=", 1)
         path, *shapes = path.split("@")
         text = open(path).read()
+        if os.path.exists(path + ".cpp"):  # the source's own binding (e.g. an earlier Args layout)
+            text = _Source(text)
+            text.cpp = open(path + ".cpp").read()
         for c in shapes or [",".join(str(int(v)) for v in base)]:
             variants.append((f"{name} {c}" if shapes else name, text, True,
                              cmx.CudaGemvConfig(*(int(v) for v in c.split(",")))))
@@ -127,8 +138,9 @@ def main():
     built = None
     for name, src, check, cfg in variants:
         configs = tuple(dict.fromkeys(c for _, s, _, c in variants if s is src))  # one build per source text
-        if built != (src, configs):
+        if built is None or built[0] is not src or built[1] != configs:  # by identity: equal texts, other bindings
             cmx.CUDA_SOURCE = src
+            cmx._CPP_SOURCE = getattr(src, "cpp", "") or shipped_cpp
             cmx._build.cache_clear()
             cmx.build(configs, ("bf16",))
             built = (src, configs)
@@ -159,7 +171,7 @@ def main():
             fp = touched * (up_b + dn_b) / us[2] / 1e6 / copy
             print(f"   T={T:2d} bm={bm} {name:12s} up {us[0]:6.1f} us {fu:6.1%} | down {us[1]:6.1f} us {fd:6.1%} | "
                   f"pair {us[2]:6.1f} us {fp:6.1%} | {err}")
-    cmx.CUDA_SOURCE = shipped
+    cmx.CUDA_SOURCE, cmx._CPP_SOURCE = shipped, shipped_cpp
     cmx._build.cache_clear()
     print(f"done in {time.time() - t0:.0f}s")
 
