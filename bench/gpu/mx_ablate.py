@@ -7,7 +7,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
-``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
+``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
+cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
 leaves the ablated copies out. ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an
 earlier version, expanded by ``read_source``) as one more checked variant, built once with the launch shapes
 after its ``@``s (default: the first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its
@@ -77,6 +78,28 @@ def ablated(src: str, compute: bool, staging: bool) -> str:
     return src
 
 
+_SMEM_LINE = "  const size_t smem = S::bytes(G);\n"
+_KERN_LINE = "  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;\n"
+
+
+def occupancy(src: str, floor_kb: int, carveout: int) -> str:
+    """``src`` whose launches ask for at least ``floor_kb`` KB of shared memory per CTA (fewer CTAs per SM) and,
+    with ``carveout`` ≥ 0, that percentage of the unified L1 / shared memory as shared (set once per kernel)."""
+    new = _SMEM_LINE
+    if floor_kb > 0:
+        new = f"  const size_t smem = S::bytes(G) > {floor_kb * 1024}u ? S::bytes(G) : (size_t){floor_kb * 1024};\n"
+    src = _cut(src, _SMEM_LINE, _KERN_LINE, new)
+    if carveout >= 0:
+        src = src.replace(_KERN_LINE, _KERN_LINE + f"""  static bool carve = false;
+  if (!carve) {{
+    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, {carveout});
+    if (e != cudaSuccess) return e;
+    carve = true;
+  }}
+""")
+    return src
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,16")
@@ -87,6 +110,9 @@ def main():
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
+    ap.add_argument("--occupancy", action="append", default=[], metavar="NAME=FLOOR_KB,CARVEOUT",
+                    help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
+                    "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
     ap.add_argument("--block-m", default="", help="alignment rows per block to time side by side: numbers, or "
                     "'tokens' (the smallest of 2, 4, 8 that holds T; default: cuda_block_m's)")
     args = ap.parse_args()
@@ -118,6 +144,10 @@ def main():
         for c in shapes or [",".join(str(int(v)) for v in base)]:
             variants.append((f"{name} {c}" if shapes else name, text, True,
                              cmx.CudaGemvConfig(*(int(v) for v in c.split(",")))))
+    for spec in args.occupancy:
+        name, vals = spec.split("=", 1)
+        floor_kb, carveout = (int(v) for v in vals.split(","))
+        variants.append((name, occupancy(shipped, floor_kb, carveout), True, base))
     if not args.no_ablations:
         variants += [("no-compute", ablated(shipped, False, True), False, base),
                      ("no-staging", ablated(shipped, True, False), False, base),

@@ -1,0 +1,29 @@
+"""bench.gpu.mx_ablate's source variants stay in step with the shipped CUDA MXFP4 GEMV (no GPU or nvcc needed):
+each ablation and occupancy variant finds its markers exactly once and changes what it names."""
+
+import pytest
+
+from bench.gpu import mx_ablate
+from k3nn.kernels.moe import cuda_mx_gemv as cm
+
+
+@pytest.mark.parametrize("compute,staging", [(False, True), (True, False), (False, False)])
+def test_ablations_cut_the_shipped_source(compute, staging):
+    src = mx_ablate.ablated(cm.CUDA_SOURCE, compute, staging)
+    assert src != cm.CUDA_SOURCE
+    assert ("acc[m][0][0] +=" in src) == (not compute)  # the XOR fold replaces decode, mma and scale
+    assert ("  // 2. E8M0 bytes" in src) == staging and ("  // 3. activations" in src) == staging
+    assert src.count("__global__") == cm.CUDA_SOURCE.count("__global__")
+
+
+def test_occupancy_variant():
+    assert mx_ablate.occupancy(cm.CUDA_SOURCE, 0, -1) == cm.CUDA_SOURCE
+    src = mx_ablate.occupancy(cm.CUDA_SOURCE, 120, 100)
+    assert "S::bytes(G) > 122880u ? S::bytes(G) : (size_t)122880;" in src
+    assert src.count("cudaFuncAttributePreferredSharedMemoryCarveout, 100)") == 1
+    assert mx_ablate.occupancy(cm.CUDA_SOURCE, 0, 50).count("const size_t smem = S::bytes(G);") == 1
+
+
+def test_markers_must_match_once():
+    with pytest.raises(ValueError, match="exactly one"):
+        mx_ablate._cut("a b a", "a", "b", "")
