@@ -8,14 +8,15 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
 ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
-cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations``
-leaves the ablated copies out. ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an
-earlier version, expanded by ``read_source``) as one more checked variant, built once with the launch shapes
-after its ``@``s (default: the first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its
-binding (a source with another ``Args`` layout or launch rule). ``--block-m 8,tokens`` times alignment
-block sizes side by side, ``--config RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given
-more than once, it times each launch shape (with each of ``--decodes``) in the same process. The ablations
-change timing only; their outputs are meaningless. One GPU check:
+cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode
+mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
+``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an earlier version, expanded by
+``read_source``) as one more checked variant, built once with the launch shapes after its ``@``s (default: the
+first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its binding (a source with another
+``Args`` layout or launch rule). ``--block-m 8,tokens`` times alignment block sizes side by side, ``--config
+RT,KS,U,PF,DEC`` replaces the default launch shape for every variant; given more than once, it times each launch
+shape (with each of ``--decodes``) in the same process. The ablations change timing only; their outputs are
+meaningless. One GPU check:
 
     python3 -m bench.gpu.mx_ablate [--tokens 1,4,16] [--source base=old.cu]
 """
