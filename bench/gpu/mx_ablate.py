@@ -7,6 +7,18 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
 
+and, with ``--ablations``, what a prepared weight layout would buy (timing only: the weights are read as if
+stored that way, so the outputs are wrong):
+
+    convert-free  decode 1's bit placement, each half2 then built by a byte permute (PRMT) instead of the
+                  e4m3 convert (F2FP): the convert pipe's share
+    e5m2-layout   the E2M1 bits of each byte pre-placed so that one mask gives four fp16 high bytes and two
+                  shifts and a mask the other four, then four byte permutes: 9 integer ops per word against
+                  7 plus 4 converts (the cheapest bit-level layout found)
+    tiled         each 16-row tile read group by group (a warp's 16-byte loads cover 512 contiguous bytes
+                  instead of 8 rows × 64 bytes)
+    tiled+e5m2    both
+
 ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
 cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode
 mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
@@ -49,6 +61,20 @@ _FOLD = """        (void)gr;
                                            cur[u][m][1].x ^ cur[u][m][1].y ^ cur[u][m][1].z ^ cur[u][m][1].w) &
                                           0x3F7FFFFFu);
 """
+_CVT = ('    asm("{.reg .b16 l, h;\\n mov.b32 {l, h}, %2;\\n cvt.rn.f16x2.e4m3x2 %0, l;\\n cvt.rn.f16x2.e4m3x2 %1, h;\\n}"\n'
+        '        : "=r"(x[I]), "=r"(x[J]) : "r"(V));\n')
+_PRMT = "    x[I] = __byte_perm(V, 0u, 0x1404);\n    x[J] = __byte_perm(V, 0u, 0x3424);\n"
+_PLACE = ("    const uint32_t ev = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);  // e0 e2 e4 e6\n"
+          "    const uint32_t od = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);         // e1 e3 e5 e7\n")
+_E5M2 = ("    const uint32_t ev = w & 0x8E8E8E8Eu, raw = w & 0x71717171u;\n"
+         "    const uint32_t od = ((raw << 1) | (raw >> 2)) & 0x8E8E8E8Eu;\n")
+_TILED = (("ld_stream(wr[m][0] + b)", "ld_stream(wr[m][0] + ((b - q) << 4) + q)"),
+          ("ld_stream(wr[m][1] + b)", "ld_stream(wr[m][1] + ((b - q) << 4) + q)"),
+          ("(b0 + (long long)r0 * p.wsn)", "(b0 + (long long)(n0 + rt * 16) * p.wsn + 64 * g)"),
+          ("(b0 + (long long)r1 * p.wsn)", "(b0 + (long long)(n0 + rt * 16) * p.wsn + 512 + 64 * g)"),
+          ("(b3 + (long long)r0 * p.wsn)", "(b3 + (long long)(n0 + rt * 16) * p.wsn + 64 * g)"),
+          ("(b3 + (long long)r1 * p.wsn)", "(b3 + (long long)(n0 + rt * 16) * p.wsn + 512 + 64 * g)"))
+LAYOUTS = ("convert-free", "e5m2-layout", "tiled", "tiled+e5m2")
 _STAGE_SCALES = ("  // 2. E8M0 bytes", "  if constexpr (!GLU) pdl_wait();")
 _STAGE_ACT = ("  // 3. activations of the staged rows", "  // 5-6. stream the weights")
 
@@ -68,6 +94,28 @@ def _cut(src: str, start: str, end: str | tuple[str, ...], new: str) -> str:
     a = src.index(start)
     b = src.index(end, a)
     return src[:a] + new + src[b:]
+
+
+def _swap(src: str, old: str, new: str) -> str:
+    if src.count(old) != 1:
+        raise ValueError(f"mx_ablate: the source no longer has exactly one {old!r}")
+    return src.replace(old, new)
+
+
+def layout(src: str, name: str) -> str:
+    """``src`` reading its weights as a prepared layout would (``LAYOUTS``; timing only)."""
+    if name not in LAYOUTS:
+        raise ValueError(f"mx_ablate: layout must be one of {LAYOUTS}, got {name!r}")
+    if name != "tiled":
+        for i, j, v in (("0", "1", "ev"), ("2", "3", "od")):
+            fill = {"[I]": f"[{i}]", "[J]": f"[{j}]", "(V": f"({v}"}
+            src = _swap(src, *(functools.reduce(lambda t, kv: t.replace(*kv), fill.items(), x) for x in (_CVT, _PRMT)))
+    if name in ("e5m2-layout", "tiled+e5m2"):
+        src = _swap(src, _PLACE, _E5M2)
+    if name.startswith("tiled"):
+        for old, new in _TILED:
+            src = _swap(src, old, new)
+    return src
 
 
 def ablated(src: str, compute: bool, staging: bool) -> str:
@@ -111,6 +159,7 @@ def main():
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
+    ap.add_argument("--layouts", default="", help=f"prepared-layout timings to add, comma-separated: {LAYOUTS}")
     ap.add_argument("--occupancy", action="append", default=[], metavar="NAME=FLOOR_KB,CARVEOUT",
                     help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
                     "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
@@ -149,6 +198,8 @@ def main():
         name, vals = spec.split("=", 1)
         floor_kb, carveout = (int(v) for v in vals.split(","))
         variants.append((name, occupancy(shipped, floor_kb, carveout), True, base))
+    for name in (n for n in args.layouts.split(",") if n):
+        variants.append((name, layout(shipped, name), False, base))
     if not args.no_ablations:
         variants += [("no-compute", ablated(shipped, False, True), False, base),
                      ("no-staging", ablated(shipped, True, False), False, base),

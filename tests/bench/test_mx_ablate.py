@@ -27,3 +27,13 @@ def test_occupancy_variant():
 def test_markers_must_match_once():
     with pytest.raises(ValueError, match="exactly one"):
         mx_ablate._cut("a b a", "a", "b", "")
+
+
+@pytest.mark.parametrize("name", mx_ablate.LAYOUTS)
+def test_layout_timings_rewrite_what_they_name(name):
+    src = mx_ablate.layout(cm.CUDA_SOURCE, name)
+    assert ("cvt.rn.f16x2.e4m3x2" in src) == (name == "tiled")  # the byte permute replaces the convert
+    assert ("0x71717171u" in src) == ("e5m2" in name)
+    assert ("((b - q) << 4) + q" in src) == name.startswith("tiled")
+    with pytest.raises(ValueError, match="layout must be"):
+        mx_ablate.layout(cm.CUDA_SOURCE, "rows")
