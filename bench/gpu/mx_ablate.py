@@ -118,6 +118,17 @@ def layout(src: str, name: str) -> str:
     return src
 
 
+_ABLATIONS = {"no-compute": (False, True), "no-staging": (True, False), "stream-only": (False, False)}
+
+
+def layout_variant(src: str, name: str) -> str:
+    """A ``--layouts`` entry: a layout of ``LAYOUTS``, optionally with one ablation after a ``+`` (e.g.
+    ``tiled+no-compute``: how fast that layout's loads stream without the arithmetic)."""
+    base, _, abl = name.rpartition("+") if name.rpartition("+")[2] in _ABLATIONS else (name, "", "")
+    src = layout(src, base)
+    return ablated(src, *_ABLATIONS[abl]) if abl else src
+
+
 def ablated(src: str, compute: bool, staging: bool) -> str:
     if not compute:  # the batch's registers: cur, or d inside a batch lambda
         src = _cut(src, _LOOP_START, _LOOP_ENDS, _FOLD.replace("cur[", "d[") if "auto batch" in src else _FOLD)
@@ -159,7 +170,8 @@ def main():
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
-    ap.add_argument("--layouts", default="", help=f"prepared-layout timings to add, comma-separated: {LAYOUTS}")
+    ap.add_argument("--layouts", default="", help=f"prepared-layout timings to add, comma-separated: {LAYOUTS}, "
+                    f"each optionally with +ABLATION ({', '.join(_ABLATIONS)})")
     ap.add_argument("--occupancy", action="append", default=[], metavar="NAME=FLOOR_KB,CARVEOUT",
                     help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
                     "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
@@ -199,11 +211,9 @@ def main():
         floor_kb, carveout = (int(v) for v in vals.split(","))
         variants.append((name, occupancy(shipped, floor_kb, carveout), True, base))
     for name in (n for n in args.layouts.split(",") if n):
-        variants.append((name, layout(shipped, name), False, base))
+        variants.append((name, layout_variant(shipped, name), False, base))
     if not args.no_ablations:
-        variants += [("no-compute", ablated(shipped, False, True), False, base),
-                     ("no-staging", ablated(shipped, True, False), False, base),
-                     ("stream-only", ablated(shipped, False, False), False, base)]
+        variants += [(name, ablated(shipped, *flags), False, base) for name, flags in _ABLATIONS.items()]
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)

@@ -37,3 +37,9 @@ def test_layout_timings_rewrite_what_they_name(name):
     assert ("((b - q) << 4) + q" in src) == name.startswith("tiled")
     with pytest.raises(ValueError, match="layout must be"):
         mx_ablate.layout(cm.CUDA_SOURCE, "rows")
+
+
+def test_layout_with_an_ablation():
+    src = mx_ablate.layout_variant(cm.CUDA_SOURCE, "tiled+e5m2+no-compute")
+    assert "0x71717171u" in src and "((b - q) << 4) + q" in src and "acc[m][0][0] +=" in src
+    assert mx_ablate.layout_variant(cm.CUDA_SOURCE, "tiled+e5m2") == mx_ablate.layout(cm.CUDA_SOURCE, "tiled+e5m2")
