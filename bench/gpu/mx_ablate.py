@@ -51,15 +51,15 @@ from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
 
 print = functools.partial(print, flush=True)
 
-_LOOP_START = "        float c[NM][NR][4];\n"
-_LOOP_ENDS = ("      }\n    }\n    if (PF) {\n#pragma unroll",  # the batch's end: copy-forward loop
-              "      }\n    }\n  };\n")  # or the end of the batch lambda
-_FOLD = """        (void)gr;
+_LOOP_START = "  float c[NM][NR][4];\n"  # group_step's body: decode, mma and scale of one group
+_LOOP_END = "\n// Step 6: quad reduction"
+_FOLD = """  (void)gr;
+  (void)L;
 #pragma unroll
-        for (int m = 0; m < NM; ++m)
-          acc[m][0][0] += __uint_as_float((cur[u][m][0].x ^ cur[u][m][0].y ^ cur[u][m][0].z ^ cur[u][m][0].w ^
-                                           cur[u][m][1].x ^ cur[u][m][1].y ^ cur[u][m][1].z ^ cur[u][m][1].w) &
-                                          0x3F7FFFFFu);
+  for (int m = 0; m < NM; ++m)
+    acc[m][0][0] += __uint_as_float((w[m][0].x ^ w[m][0].y ^ w[m][0].z ^ w[m][0].w ^ w[m][1].x ^ w[m][1].y ^
+                                     w[m][1].z ^ w[m][1].w) & 0x3F7FFFFFu);
+}
 """
 _CVT = ('    asm("{.reg .b16 l, h;\\n mov.b32 {l, h}, %2;\\n cvt.rn.f16x2.e4m3x2 %0, l;\\n cvt.rn.f16x2.e4m3x2 %1, h;\\n}"\n'
         '        : "=r"(x[I]), "=r"(x[J]) : "r"(V));\n')
@@ -85,11 +85,9 @@ class _Source(str):
     cpp: str = ""
 
 
-def _cut(src: str, start: str, end: str | tuple[str, ...], new: str) -> str:
-    """``src`` with the text from ``start`` up to (not including) ``end`` (the first of several that occurs)
-    replaced by ``new``; each marker once."""
-    end = next((e for e in ((end,) if isinstance(end, str) else end) if e in src), end)
-    if src.count(start) != 1 or not isinstance(end, str) or src.count(end) != 1:
+def _cut(src: str, start: str, end: str, new: str) -> str:
+    """``src`` with the text from ``start`` up to (not including) ``end`` replaced by ``new``; each marker once."""
+    if src.count(start) != 1 or src.count(end) != 1:
         raise ValueError(f"mx_ablate: the source no longer has exactly one {start!r} / {end!r}")
     a = src.index(start)
     b = src.index(end, a)
@@ -130,16 +128,16 @@ def layout_variant(src: str, name: str) -> str:
 
 
 def ablated(src: str, compute: bool, staging: bool) -> str:
-    if not compute:  # the batch's registers: cur, or d inside a batch lambda
-        src = _cut(src, _LOOP_START, _LOOP_ENDS, _FOLD.replace("cur[", "d[") if "auto batch" in src else _FOLD)
+    if not compute:
+        src = _cut(src, _LOOP_START, _LOOP_END, _FOLD)
     if not staging:
         src = _cut(src, *_STAGE_SCALES, "  if (tid < BMX) amx[tid] = 0u;\n  bool special = false;\n")
         src = _cut(src, *_STAGE_ACT, "  __syncthreads();\n")
     return src
 
 
-_SMEM_LINE = "  const size_t smem = S::bytes(G);\n"
-_KERN_LINE = "  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;\n"
+_SMEM_LINE = "  const size_t smem = S::total(G, RING, Ring<S::NM, U, RING>::SLOT);\n"
+_KERN_LINE = "  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, RING, GLU>;\n"
 
 
 def occupancy(src: str, floor_kb: int, carveout: int) -> str:
@@ -147,7 +145,8 @@ def occupancy(src: str, floor_kb: int, carveout: int) -> str:
     with ``carveout`` ≥ 0, that percentage of the unified L1 / shared memory as shared (set once per kernel)."""
     new = _SMEM_LINE
     if floor_kb > 0:
-        new = f"  const size_t smem = S::bytes(G) > {floor_kb * 1024}u ? S::bytes(G) : (size_t){floor_kb * 1024};\n"
+        new = _SMEM_LINE.replace("const size_t smem = ", "const size_t need = ") + (
+            f"  const size_t smem = need > {floor_kb * 1024}u ? need : (size_t){floor_kb * 1024};\n")
     src = _cut(src, _SMEM_LINE, _KERN_LINE, new)
     if carveout >= 0:
         src = src.replace(_KERN_LINE, _KERN_LINE + f"""  static bool carve = false;

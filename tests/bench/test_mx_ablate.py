@@ -19,9 +19,9 @@ def test_ablations_cut_the_shipped_source(compute, staging):
 def test_occupancy_variant():
     assert mx_ablate.occupancy(cm.CUDA_SOURCE, 0, -1) == cm.CUDA_SOURCE
     src = mx_ablate.occupancy(cm.CUDA_SOURCE, 120, 100)
-    assert "S::bytes(G) > 122880u ? S::bytes(G) : (size_t)122880;" in src
+    assert "need > 122880u ? need : (size_t)122880;" in src
     assert src.count("cudaFuncAttributePreferredSharedMemoryCarveout, 100)") == 1
-    assert mx_ablate.occupancy(cm.CUDA_SOURCE, 0, 50).count("const size_t smem = S::bytes(G);") == 1
+    assert mx_ablate.occupancy(cm.CUDA_SOURCE, 0, 50).count(mx_ablate._SMEM_LINE) == 1
 
 
 def test_markers_must_match_once():

@@ -115,17 +115,20 @@ from k3nn.kernels.moe.reference import moe_expert_outputs_reference
 from k3nn.quant.mxfp4 import MXFP4Weight, mxfp4_dequantize
 
 # a few launch shapes (one module build for the whole file): the default, 32-row CTAs with e4m3 decode,
-# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch
+# no K split with a deep unroll (no prefetch: 128 registers), four K slices without prefetch, and the weight ring
+# (sm_90+): 32-row CTAs with 4 slots of 2 groups, and 4-group slots (partial chunks at most K here) with decode 0
 _CUDA_CFGS = (cmx.DEFAULT_CONFIG, cmx.CudaGemvConfig(2, 2, 2, True, 1), cmx.CudaGemvConfig(1, 1, 4, False, 0),
-              cmx.CudaGemvConfig(1, 4, 1, False, 0))
+              cmx.CudaGemvConfig(1, 4, 1, False, 0), cmx.CudaGemvConfig(2, 2, 2, False, 1, 4),
+              cmx.CudaGemvConfig(1, 2, 4, False, 0, 2))
 
 
 def _cuda_cfgs():
     why = cmx.available()
     if why:
         pytest.skip(why)
-    convert = torch.cuda.get_device_capability() >= (8, 9)  # decode 1 takes the e4m3 convert
-    cfgs = tuple(c for c in _CUDA_CFGS if convert or c.decode == 0)
+    cap = torch.cuda.get_device_capability()
+    cfgs = tuple(dict.fromkeys(c for c in _CUDA_CFGS if (cap >= (8, 9) or c.decode == 0)
+                               and (cap >= (9, 0) or c.ring == 0)))
     cmx.build(cfgs)
     return cfgs
 
@@ -141,11 +144,11 @@ def _cuda_outputs(x, w1, w3, w2, ids, act, lin, cfg, configs, bm=None, pdl=None)
     return y
 
 
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(N=st.sampled_from([1, 2, 5, 16]), E=st.sampled_from([4, 16, 64]), k=st.sampled_from([1, 4, 8]),
        D=st.sampled_from([96, 256, 416]), I=st.sampled_from([64, 160, 384]), act=st.sampled_from(["silu", "situ"]),
        cap=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), bm=st.sampled_from([None, 1, 4, 8]),
-       ci=st.integers(0, 3), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       ci=st.integers(0, 5), pdl=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_cuda_gemv_vs_eager(N, E, k, D, I, act, cap, dtype, bm, ci, pdl, seed):
     """K (= D, I) not a multiple of the 128-k group or of unroll·k_split, experts without tokens (E=64),
     block sizes 1-8, NaN-poisoned outputs; vs the eager reference in the activation dtype and in fp32."""
@@ -344,3 +347,43 @@ def test_cuda_gemv_rows_keep_their_bits_whatever_shares_their_block(dtype):
         for n in (0, 1, 4, 11):
             alone = _cuda_outputs(x[n:n + 1], w1, w3, w2, ids[n:n + 1], "situ", 25.0, cfg, cfgs)
             assert torch.equal(alone[0], y[n]), (cfg, n)
+
+
+def test_cuda_gemv_more_rows_than_tokens_allow_give_nan():
+    """A ring launch sizes a block for one row per token (each token routes to an expert once): a token that names
+    one expert three times overfills the one-token instance, and that block's rows come back NaN, never partial
+    sums; blocks with distinct experts are unaffected, and the register loop (sized by block_m) is exact."""
+    cfgs = _cuda_cfgs()
+    x, (w1, w3, w2), _, _ = _problem(1, 256, 160, 8, 5, 25, True)
+    ids = torch.tensor([[2, 2, 2, 5, 6]], device="cuda")
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+    for cfg in cfgs:
+        y = _cuda_outputs(x, w1, w3, w2, ids, "situ", 25.0, cfg, cfgs, 8)
+        if cfg.ring:
+            assert torch.isnan(y[0, :3]).all(), cfg
+            assert _rel(y[0, 3:], ref[0, 3:]) < 1e-2, cfg
+        else:
+            assert _rel(y, ref) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gemv_auto_launch_shapes_agree_bit_for_bit(dtype):
+    """The fused MoE picks ``launch_config``'s shape per step: the ring up to RING_MAX_TOKENS tokens on sm_90+, the
+    register loop above. Both run the same group step over the same K slices, so a token decoded alone (ring) gets
+    the bits it gets among 12 tokens (register loop), as the engine and speculative decoding need."""
+    _cuda_cfgs()
+    x, (w1, w3, w2), _, _ = _problem(12, 256, 160, 16, 4, 24, True, dtype=dtype)
+    ids = _uneven_ids()
+    picks = {t: cmx.launch_config(x, w1, w3, w2, t, 8) for t in (1, cmx.RING_MAX_TOKENS, 12)}
+    assert picks[12] == cmx.DEFAULT_CONFIG
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert picks[1] == picks[cmx.RING_MAX_TOKENS] == cmx.RING_CONFIG
+    with tuning(moe_gemv="cuda"):
+        y = fused_expert_outputs(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+        for n in (0, 1, 4, 11):
+            alone = fused_expert_outputs(x[n:n + 1], w1, w3, w2, ids[n:n + 1], "situ", 4.0, 25.0)
+            assert torch.equal(alone[0], y[n]), n
+        four = fused_expert_outputs(x[:4], w1, w3, w2, ids[:4], "situ", 4.0, 25.0)
+        assert torch.equal(four, y[:4])
+    ref = moe_expert_outputs_reference(x, w1, w3, w2, ids, "situ", 4.0, 25.0)
+    assert _rel(y, ref) < 1e-2

@@ -108,6 +108,11 @@ def test_config_checks_and_block_m():
         cm.build([cm.CudaGemvConfig(row_tiles=3)])
     with pytest.raises(ValueError, match="dtypes"):
         cm.build(dtypes=("fp32",))
+    with pytest.raises(ValueError, match="ring 0-8 and then no prefetch"):
+        cm.build([cm.CudaGemvConfig(2, 2, 2, True, 1, 4)])
+    for bad in (cm.CudaGemvConfig(2, 2, 2, False, 1, 9), cm.CudaGemvConfig(2, 2, 5, False, 1, 2)):
+        with pytest.raises(ValueError, match="bad config"):
+            cm.build([bad])
     # the default: one block of 8 rows per expert whatever the sizes
     assert {cm.cuda_block_m(p, e) for p in (1, 16, 64, 256) for e in (4, 128, 896)} == {8}
     # poisson: K3 (128 experts, top-16) at 1 / 4 / 16 tokens, then a few small and large expert counts
@@ -125,6 +130,29 @@ def test_config_checks_and_block_m():
         assert cm.smem_bytes(cm.DEFAULT_CONFIG, bm, 3584, True) < 227 * 1024
     # two 64-row CTAs per SM (228 KB) even at block_m 8: E8M0 scales stay bytes in shared memory
     assert 2 * (cm.smem_bytes(cm.CudaGemvConfig(4, 2, 2, True, 1), 8, 3584, True) + 1024) <= 228 * 1024
+    # the ring adds warps · slots · (16 rows · matrices · unroll · 64 bytes + an 8-byte barrier), 128-byte aligned
+    base = cm.smem_bytes(cm.CudaGemvConfig(2, 2, 2, False, 1), 2, 3584, True)
+    ring = cm.smem_bytes(cm.CudaGemvConfig(2, 2, 2, False, 1, 4), 2, 3584, True)
+    assert ring == -(-base // 128) * 128 + 4 * 4 * (2 * 16 * 2 * 64 + 8)
+
+
+def test_launch_config_takes_the_ring_for_few_tokens_on_sm90(monkeypatch):
+    x, w = torch.randn(1, 64), mxfp4_quantize(torch.randn(2, 32, 64))
+    monkeypatch.setattr(cm, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert cm.default_configs("cpu") == (cm.DEFAULT_CONFIG, cm.RING_CONFIG)
+    picks = [cm.launch_config(x, w, w, w, t, 8) for t in range(1, 2 * cm.RING_MAX_TOKENS + 1)]
+    assert picks == [cm.RING_CONFIG] * cm.RING_MAX_TOKENS + [cm.DEFAULT_CONFIG] * cm.RING_MAX_TOKENS
+    assert cm.RING_CONFIG.ring and not cm.RING_CONFIG.prefetch and cm.RING_CONFIG[:3] == cm.DEFAULT_CONFIG[:3]
+    # where the ring does not fit (its shared memory, say) the register loop runs
+    monkeypatch.setattr(cm, "supports", lambda *a, cfg=None, **k: "too big" if cfg.ring else None)
+    assert cm.launch_config(x, w, w, w, 1, 8) == cm.DEFAULT_CONFIG
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))  # no bulk copies: no ring
+    assert cm.default_configs("cpu") == (cm.DEFAULT_CONFIG,)
+    assert cm.launch_config(x, w, w, w, 1, 8) == cm.DEFAULT_CONFIG
+    # a ring launch stages one row per token (each token routes to an expert once), the register loop block_m
+    assert cm.instance_rows(cm.RING_CONFIG, 8, 16, 16) == 1 and cm.instance_rows(cm.RING_CONFIG, 8, 64, 16) == 4
+    assert cm.instance_rows(cm.RING_CONFIG, 2, 64, 16) == 2 and cm.instance_rows(cm.DEFAULT_CONFIG, 8, 16, 16) == 8
 
 
 def test_pdl_field(monkeypatch):
@@ -150,7 +178,12 @@ def test_generated_source_has_the_entry_points():
     assert '#include "' not in cu and '#include "' not in cm._CPP_SOURCE  # csrc/ includes spliced in
     assert cu.count("struct Args {") == 1 and "struct Args {" in cm._CPP_SOURCE
     assert f"kTable[{len(cfgs)}][2][3][2]" in cu
-    assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, true>" in cu and "&launch<__half" not in cu
+    assert "&launch<__nv_bfloat16, 4, 2, 4, 1, 0, 1, 0, true>" in cu and "&launch<__half" not in cu
+    ring = cm.kernel_source((cm.CudaGemvConfig(2, 2, 2, False, 1, 4),), ("bf16",))
+    for name in ("&launch<__nv_bfloat16, 4, 2, 2, 2, 0, 1, 4, true>", "mbarrier.try_wait.parity",
+                 "cp.async.bulk.tensor.3d.shared::cluster.global.tile", "cuTensorMapEncodeTiled",
+                 "fence.proxy.async.shared::cta"):
+        assert name in ring, name
     assert braces_balanced(cu) and braces_balanced(cm._CPP_SOURCE)
     decl = cm._DECL.rstrip(";")
     assert re.sub(r"\s+", " ", decl) in re.sub(r"\s+", " ", cm._CPP_SOURCE)  # binding matches its declaration
@@ -164,7 +197,8 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
     (the GLU instances carry the loop twice, with the fast and the general scale decode: 48 bytes at block_m 4) —
     except the four-n8-tile GLU instance (block_m 8), whose four-tile branch spills ~180 bytes (a real spill
     problem is many hundreds: the same instance with prefetch in that branch spills 600)."""
-    log, _ = nvcc_sm90(tmp_path, cm.kernel_source((cm.DEFAULT_CONFIG, cm.CudaGemvConfig(2, 2, 2, True, 1))), "mx")
+    cfgs = (cm.DEFAULT_CONFIG, cm.CudaGemvConfig(2, 2, 2, True, 1), cm.CudaGemvConfig(2, 2, 2, False, 1, 4))
+    log, _ = nvcc_sm90(tmp_path, cm.kernel_source(cfgs), "mx")
     funcs, cur = {}, None
     for ln in log.splitlines():
         if m := re.search(r"entry function '(\w+)'", ln):
@@ -173,10 +207,10 @@ def test_kernel_source_compiles_for_sm90(tmp_path):
             funcs.setdefault(cur, {})["spill"] = int(m.group(1))
         elif cur and (m := re.search(r"Used (\d+) registers", ln)):
             funcs.setdefault(cur, {})["regs"] = int(m.group(1))
-    assert len(funcs) == 2 * 2 * 3 * 2, sorted(funcs)  # configs x dtypes x NT x GLU
+    assert len(funcs) == len(cfgs) * 2 * 3 * 2, sorted(funcs)  # configs x dtypes x NT x GLU
     for name, f in funcs.items():
         nt4_glu = re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", name) is not None
         assert f["regs"] <= 128, (name, f)
         assert f.get("spill", 0) <= (192 if nt4_glu else 64), (name, f)
-    assert sum(re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", n) is not None for n in funcs) == 4
+    assert sum(re.search(r"mx_gemv_kernelI(13__nv_bfloat16|6__half)Li4E\w*Lb1E", n) is not None for n in funcs) == 6
     assert not unique_symbols(tmp_path / "mx.o")  # the smem opt-in flags are this module's own

@@ -46,6 +46,13 @@ shared ``kernels/csrc/pdl.cuh``, then the generated instance table) and the bind
 ``csrc/mx_gemv.cpp``) so the two compile in parallel. Launches are CUDA-graph capturable: no host syncs, no
 allocation except the ``h`` buffer.
 
+Weight ring (``CudaGemvConfig.ring`` > 0, sm_90+, ``prefetch`` off, ``unroll`` ≤ 4): instead of register loads,
+each warp streams its 16 rows through ``ring`` shared-memory slots of ``unroll`` groups per matrix. Lane 0 fills a
+slot with one 2D tile copy per matrix (``cp.async.bulk.tensor`` from a ``cuTensorMap`` of the packed weights,
+encoded at launch; zeros past N and K), the slot completes on its own mbarrier, and the warp refills it as soon
+as its lanes have read it. The group's decode, mma and scale step is the register loop's. A ring launch stages
+min(block_m, tokens) rows per block (:func:`instance_rows`).
+
 Programmatic dependent launch (sm_90+, ``KernelTuning.moe_cuda_pdl``, default True): every up CTA executes
 ``griddepcontrol.launch_dependents`` first, and the down kernel goes through ``cudaLaunchKernelEx`` with
 programmatic stream serialization, so its CTAs start as up CTAs retire, issue their first weight loads and stage
@@ -72,30 +79,40 @@ from ..cuda_ext import clear_stale_build_lock, read_source, toolchain_reason
 from ..cuda_ext import smem_per_block as _smem_limit
 from ..registry import current_tuning
 
-__all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "CUDA_SOURCE", "available", "supports", "build", "cuda_block_m",
-           "pdl_enabled", "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
+__all__ = ["CudaGemvConfig", "DEFAULT_CONFIG", "RING_CONFIG", "RING_MAX_TOKENS", "CUDA_SOURCE", "available",
+           "supports", "build", "cuda_block_m", "default_configs", "launch_config", "instance_rows", "pdl_enabled",
+           "mx_gemv_experts_cuda", "mx_gemv_linear_cuda", "last_build_seconds"]
 
 
 class CudaGemvConfig(NamedTuple):
     """Launch shape: ``row_tiles`` 16-row tiles per CTA, ``k_split`` warps sharing each tile's K (CTA =
-    row_tiles·k_split warps), ``unroll`` 128-k groups per load batch, ``prefetch`` (next batch loaded before the
-    current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes + hardware convert, sm_89+)."""
+    row_tiles·k_split warps), ``unroll`` 128-k groups per load batch (per ring slot), ``prefetch`` (next batch
+    loaded into registers before the current one is decoded), ``decode`` 0 (fp16 bit placement) or 1 (e4m3 bytes +
+    hardware convert, sm_89+), ``ring`` 0 (weights loaded into registers) or the shared-memory slots per warp that
+    bulk copies fill (sm_90+; ``prefetch`` False)."""
 
     row_tiles: int = 1
     k_split: int = 2
     unroll: int = 2
     prefetch: bool = True
     decode: int = 0
+    ring: int = 0
 
     def name(self) -> str:
         return (f"r{16 * self.row_tiles} ks{self.k_split} u{self.unroll}{' pf' if self.prefetch else ''}"
-                f"{' e4m3' if self.decode else ''}")
+                f"{' e4m3' if self.decode else ''}{f' ring{self.ring}' if self.ring else ''}")
 
 
 #: 64 rows and two K slices per CTA, two groups per batch with prefetch, e4m3 decode: the best of the launch shapes
 #: measured at 1, 4 and 16 tokens (``docs/perf.md``). Below sm_89 (no e4m3 convert) :func:`supports` declines
 #: decode 1 and the Triton GEMV runs.
 DEFAULT_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=True, decode=1)
+#: The weight ring for steps of at most ``RING_MAX_TOKENS`` tokens on sm_90+: DEFAULT_CONFIG's CTA with two slots of
+#: two groups per warp. The fastest launch shape measured at one and four tokens on the H200 and the H100 (the pair
+#: 0.4-1.5% / 4.6-5% faster than DEFAULT_CONFIG on the H200, 4% / 3.7% on the H100); from 16 tokens the staged
+#: activations leave room for one CTA per SM and it runs 20% behind (``docs/perf.md``).
+RING_CONFIG = CudaGemvConfig(row_tiles=4, k_split=2, unroll=2, prefetch=False, decode=1, ring=2)
+RING_MAX_TOKENS = 4
 
 _NTS = (1, 2, 4)  # n8 tiles of the mma = ceil(block_m / 2)
 _DTYPES = {torch.bfloat16: ("bf16", "__nv_bfloat16"), torch.float16: ("fp16", "__half")}
@@ -107,13 +124,13 @@ _CPP_SOURCE = read_source("moe/csrc/mx_gemv.cpp")
 
 _DECL = ("void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, "
          "torch::Tensor w3, torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid, "
-         "torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token, int64_t act, "
-         "bool cap, bool scale_vec, double beta, double linear_beta, bool pdl);")
+         "torch::Tensor num_rows, int64_t bm, int64_t rows, int64_t top_k, int64_t num_pairs, bool a_by_token, "
+         "int64_t act, bool cap, bool scale_vec, double beta, double linear_beta, bool pdl);")
 
 
 def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...]) -> str:
     """Explicit instances and the (config, dtype, NT, GLU) → launcher table."""
-    lines = ["namespace k3mx {", "using LaunchFn = cudaError_t (*)(const Args&, cudaStream_t);",
+    lines = ["namespace k3mx {", "using LaunchFn = cudaError_t (*)(const Args&, int, cudaStream_t);",
              f"static const LaunchFn kTable[{len(configs)}][2][3][2] = {{"]
     for c in configs:
         dts = []
@@ -122,17 +139,17 @@ def _dispatch_source(configs: tuple[CudaGemvConfig, ...], dtypes: tuple[str, ...
             for nt in _NTS:
                 if tname in dtypes:
                     f = [f"&launch<{ctype}, {nt}, {c.row_tiles}, {c.k_split}, {c.unroll}, {int(c.prefetch)}, "
-                         f"{c.decode}, {glu}>" for glu in ("false", "true")]
+                         f"{c.decode}, {c.ring}, {glu}>" for glu in ("false", "true")]
                 else:
                     f = ["nullptr", "nullptr"]
                 nts.append("{" + ", ".join(f) + "}")
             dts.append("{" + ", ".join(nts) + "}")
         lines.append("  {" + ", ".join(dts) + "},")
     lines += ["};",
-              "cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, cudaStream_t stream) {",
+              "cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, int E, cudaStream_t stream) {",
               f"  if (cfg < 0 || cfg >= {len(configs)}) return cudaErrorNotSupported;",
               "  const LaunchFn f = kTable[cfg][dtype][nt][glu];",
-              "  return f ? f(p, stream) : cudaErrorNotSupported;", "}", "}  // namespace k3mx"]
+              "  return f ? f(p, E, stream) : cudaErrorNotSupported;", "}", "}  // namespace k3mx"]
     return "\n".join(lines) + "\n"
 
 
@@ -143,9 +160,10 @@ def kernel_source(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")) -> str:
 
 def _check_config(cfg: CudaGemvConfig) -> None:
     if not (cfg.row_tiles in (1, 2, 4) and cfg.k_split in (1, 2, 3, 4, 8) and 1 <= cfg.unroll <= 8
-            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1)):
+            and cfg.row_tiles * cfg.k_split <= 16 and cfg.decode in (0, 1) and 0 <= cfg.ring <= 8
+            and not (cfg.ring and (cfg.prefetch or cfg.unroll > 4))):
         raise ValueError(f"mx_gemv_cuda: bad config {cfg} (row_tiles 1/2/4, k_split 1-4/8, unroll 1-8, "
-                         f"≤ 16 warps, decode 0/1)")
+                         f"≤ 16 warps, decode 0/1, ring 0-8 and then no prefetch and unroll ≤ 4)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -190,10 +208,15 @@ def build(configs=(DEFAULT_CONFIG,), dtypes=("bf16", "fp16")):
 
 
 def smem_bytes(cfg: CudaGemvConfig, block_m: int, K: int, glu: bool) -> int:
-    """Dynamic shared memory of one CTA (mirrors ``Smem`` in the CUDA source)."""
+    """Dynamic shared memory of one CTA whose blocks hold up to ``block_m`` rows (mirrors ``Smem`` in the CUDA
+    source; the launch sizes it for min(block_m, tokens) rows)."""
     nt = 1 if block_m <= 2 else (2 if block_m == 4 else 4)
     G, bmx, nm, rows = (K + 127) // 128, 2 * nt, 2 if glu else 1, 16 * cfg.row_tiles
-    return bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (cfg.k_split * cfg.row_tiles * nm * bmx * 16 + bmx)
+    warps = cfg.k_split * cfg.row_tiles
+    base = bmx * (G * 128 + 8) * 2 + nm * rows * 4 * (G | 1) + 4 * (warps * nm * bmx * 16 + bmx)
+    if not cfg.ring:
+        return base
+    return -(-base // 128) * 128 + warps * cfg.ring * (nm * 16 * cfg.unroll * 64 + 8)
 
 
 def _aligned16(t: torch.Tensor, dims=(0, 1)) -> bool:
@@ -252,6 +275,8 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
         return "w1 and w3 must share strides"
     if cfg.decode == 1 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return "decode=1 (e4m3 convert) needs sm_89+"
+    if cfg.ring and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "ring > 0 (bulk copies into shared memory) needs sm_90+"
     lim = _smem_limit(x.device)
     for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):
         need = smem_bytes(cfg, block_m, K, glu)
@@ -267,8 +292,37 @@ def _launch(mod_cfg, cfg, glu, a, w, w3, out, al, top_k, num_pairs, a_by_token, 
     idx = configs.index(cfg)
     svec = (w.shape[2] // 32) % 16 == 0 and _aligned16(w.scale) and _aligned16(w3.scale)
     mod.mx_gemv_launch(idx, glu, a, w.packed, w.scale, w3.packed, w3.scale, out, al.sorted_ids, al.expert_ids,
-                       al.num_rows, al.block_m, top_k, num_pairs, a_by_token, act, cap, svec, beta, linear_beta,
-                       pdl)
+                       al.num_rows, al.block_m, instance_rows(cfg, al.block_m, num_pairs, top_k), top_k, num_pairs,
+                       a_by_token, act, cap, svec, beta, linear_beta, pdl)
+
+
+def instance_rows(cfg: CudaGemvConfig, block_m: int, num_pairs: int, top_k: int) -> int:
+    """Rows per block that the launched instance stages (it runs ceil(rows / 2) n8 tiles at most). The register
+    loop takes ``block_m``: on the H200 its one- and two-tile instances ran 4-15% slower at 1-4 tokens than the
+    four-tile instance running one or two tiles (``docs/perf.md``). The ring takes min(block_m, tokens), since a
+    token routes to an expert once: its slots need the shared memory that fewer staged rows free. A block that holds
+    more (duplicate experts in one token) comes back NaN."""
+    if not cfg.ring:
+        return block_m
+    return max(1, min(block_m, -(-num_pairs // max(1, top_k))))
+
+
+def default_configs(dev) -> tuple[CudaGemvConfig, ...]:
+    """The launch shapes :func:`mx_gemv_experts_cuda` builds into one module on this device when given none:
+    ``DEFAULT_CONFIG``, and ``RING_CONFIG`` on sm_90+."""
+    if torch.cuda.get_device_capability(dev) >= (9, 0):
+        return (DEFAULT_CONFIG, RING_CONFIG)
+    return (DEFAULT_CONFIG,)
+
+
+def launch_config(x, w1, w3, w2, tokens: int, block_m: int) -> CudaGemvConfig:
+    """The launch shape for ``tokens`` rows per expert at most (tokens, or rows when ``top_k`` is 1):
+    ``RING_CONFIG`` up to ``RING_MAX_TOKENS`` where it runs (sm_90+, its shared memory), else ``DEFAULT_CONFIG``.
+    Decided from shapes only (CUDA-graph capturable)."""
+    if tokens <= RING_MAX_TOKENS and RING_CONFIG in default_configs(x.device):
+        if supports(x, w1, w3, w2, cfg=RING_CONFIG, block_m=block_m) is None:
+            return RING_CONFIG
+    return DEFAULT_CONFIG
 
 
 def pdl_enabled(dev) -> bool:
@@ -291,18 +345,19 @@ def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: 
                          cfg_up: CudaGemvConfig | None = None, cfg_down: CudaGemvConfig | None = None,
                          configs=None, dtypes=("bf16", "fp16"), pdl: bool | None = None) -> None:
     """Up (w1/w3 + GLU, act 0 SiLU / 1 SiTU, ``cap``: linear_beta·tanh(u/linear_beta)) and down (w2) over the
-    alignment ``al`` (block_m ∈ {1, 2, 4, 8}); writes y2 [P, D] at flat pair ids (x.dtype). ``configs``: the
-    built set the two configs belong to (default: the defaults / the two configs themselves). ``pdl``: launch
-    the down kernel as a programmatic dependent of the up kernel (default :func:`pdl_enabled`); two launches,
-    no other work."""
-    cu, cd = CudaGemvConfig(*(cfg_up or DEFAULT_CONFIG)), CudaGemvConfig(*(cfg_down or DEFAULT_CONFIG))
-    if configs is None:
-        configs = tuple(dict.fromkeys((DEFAULT_CONFIG, cu, cd)))
-    mc = _module_for(cu, configs, dtypes)
-    _module_for(cd, configs, dtypes)
+    alignment ``al`` (block_m ∈ {1, 2, 4, 8}); writes y2 [P, D] at flat pair ids (x.dtype). A config not given
+    is :func:`launch_config`'s for the step's tokens. ``configs``: the built set the two configs belong to
+    (default: :func:`default_configs` and the two configs). ``pdl``: launch the down kernel as a programmatic
+    dependent of the up kernel (default :func:`pdl_enabled`); two launches, no other work."""
     bm = al.block_m
     if bm not in (1, 2, 4, 8):
         raise ValueError(f"mx_gemv_cuda: block_m must be 1, 2, 4 or 8, got {bm}")
+    auto = None if cfg_up and cfg_down else launch_config(x, w1, w3, w2, -(-num_pairs // max(1, top_k)), bm)
+    cu, cd = CudaGemvConfig(*(cfg_up or auto)), CudaGemvConfig(*(cfg_down or auto))
+    if configs is None:
+        configs = tuple(dict.fromkeys(default_configs(x.device) + (cu, cd)))
+    mc = _module_for(cu, configs, dtypes)
+    _module_for(cd, configs, dtypes)
     why = supports(x, w1, w3, w2, cfg=cu, block_m=bm)
     if why:
         raise ValueError(f"mx_gemv_cuda: {why}")

@@ -10,12 +10,12 @@ namespace k3mx {
 }  // namespace k3mx
 
 namespace k3mx {
-cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, cudaStream_t stream);
+cudaError_t dispatch(int cfg, int dtype, int nt, int glu, const Args& p, int E, cudaStream_t stream);
 }
 
 void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, torch::Tensor s1, torch::Tensor w3,
                     torch::Tensor s3, torch::Tensor out, torch::Tensor sorted, torch::Tensor eid,
-                    torch::Tensor num_rows, int64_t bm, int64_t top_k, int64_t num_pairs, bool a_by_token,
+                    torch::Tensor num_rows, int64_t bm, int64_t rows, int64_t top_k, int64_t num_pairs, bool a_by_token,
                     int64_t act, bool cap, bool scale_vec, double beta, double linear_beta, bool pdl) {
   TORCH_CHECK(a.is_cuda() && a.stride(-1) == 1 && a.stride(0) % 8 == 0, "mx_gemv_launch: bad activations");
   TORCH_CHECK(w1.scalar_type() == torch::kUInt8 && s1.scalar_type() == torch::kUInt8, "mx_gemv_launch: u8 weights");
@@ -51,7 +51,8 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
   p.beta = (float)beta;
   p.linear_beta = (float)linear_beta;
   TORCH_CHECK(bm == 1 || bm == 2 || bm == 4 || bm == 8, "mx_gemv_launch: block_m must be 1, 2, 4 or 8");
-  const int nt = bm <= 2 ? 0 : (bm == 4 ? 1 : 2);
+  TORCH_CHECK(rows >= 1 && rows <= bm, "mx_gemv_launch: rows must be in [1, block_m]");
+  const int nt = rows <= 2 ? 0 : (rows <= 4 ? 1 : 2);  // the instance: n8 tiles for `rows` rows per block
   int dt;
   if (a.scalar_type() == torch::kBFloat16) dt = 0;
   else if (a.scalar_type() == torch::kHalf) dt = 1;
@@ -59,7 +60,8 @@ void mx_gemv_launch(int64_t cfg, bool glu, torch::Tensor a, torch::Tensor w1, to
   TORCH_CHECK(out.scalar_type() == a.scalar_type(), "mx_gemv_launch: out dtype must match the activations");
   if (p.nb == 0 || p.N == 0) return;
   c10::cuda::CUDAGuard guard(a.device());
-  const cudaError_t err = k3mx::dispatch((int)cfg, dt, nt, glu ? 1 : 0, p, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = k3mx::dispatch((int)cfg, dt, nt, glu ? 1 : 0, p, (int)w1.size(0),
+                                         c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "mx_gemv_launch: ", err == cudaErrorNotSupported ?
               "this (config, dtype, block_m) was not built" : cudaGetErrorString(err));
 }

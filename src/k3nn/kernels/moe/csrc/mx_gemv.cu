@@ -1,5 +1,7 @@
 
 #include <cstdint>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -98,6 +100,11 @@ struct Smem {
   static __host__ __device__ size_t bytes(int G) {
     return act_bytes(G) + scl_bytes(G) + 4 * ((size_t)KS * RT * NM * BMX * 16 + BMX);
   }
+  // the weight ring (RING > 0) after the rest, 128-byte aligned: per warp RING slots of SLOT bytes, then barriers
+  static __host__ __device__ size_t ring_off(int G) { return (bytes(G) + 127) & ~(size_t)127; }
+  static __host__ __device__ size_t total(int G, int RING, int SLOT) {
+    return RING ? ring_off(G) + (size_t)RT * KS * RING * (SLOT + 8) : bytes(G);
+  }
 };
 
 // One batch of U groups of weight loads (one 16-byte MX block per lane, row and matrix).
@@ -116,89 +123,122 @@ __device__ __forceinline__ void load_batch(uint4 (&d)[U][NM][2], const uint4* (&
   }
 }
 
-// Steps 5-6 for NR n8 tiles (the block's first 2*NR staged rows): stream the warp's groups, then the quad
-// reduction into red[ks][rt][m][row][16]. NR is picked per CTA at run time from the block's valid rows.
+// Where a warp works: its rows, K slice and lane roles, the staged activations and scales, the reduction buffer.
+struct Lane {
+  int ks, rt, g, q, ASTR, SSTR;
+  bool diag;  // q == g % 4: this lane carries activations in B
+  const uint4* act;
+  const uint8_t* scl;
+  float* red;
+};
+
+// One 128-k group gr for NR n8 tiles: w[m][0 / 1] = this lane's MX block (block 4gr + q) of rows g and g + 8 of
+// matrix m; 8 mmas per matrix and tile, then each accumulator column's E8M0 scale (one FFMA) into acc.
 // FAST: no E8M0 byte of the CTA's rows is 0 (2^-127, subnormal) or 255 (NaN), so 2^(s-127) is the byte placed in
 // an fp32 exponent (one shift and mask per scale, against two compares and selects for the general case).
-template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, bool FAST>
-__device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
-                                            bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
-                                            int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
+template <int NR, int NM, int RT, int DEC, bool FAST>
+__device__ __forceinline__ void group_step(const uint4 (&w)[NM][2], int gr, const Lane& L, float (&acc)[NM][NR][4]) {
   constexpr int ROWS = 16 * RT;
-  const bool diag = (g & 3) == q;
-  const int tokb = g >> 2;
-  const uint4* actv = reinterpret_cast<const uint4*>(act);
-  uint4 nxt[U][NM][2];
-  float acc[NM][NR][4];
+  const int tokb = L.g >> 2;
+  float c[NM][NR][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) c[m][nt][k] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint4 bq[NR];
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt) {
+      bq[nt] = make_uint4(0u, 0u, 0u, 0u);
+      if (L.diag) bq[nt] = L.act[(2 * nt + tokb) * (L.ASTR >> 3) + (4 * gr + L.q) * 4 + i];
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      uint32_t x0[4], x1[4];
+      decode<DEC>(word(w[m][0], i), x0);
+      decode<DEC>(word(w[m][1], i), x1);
+#pragma unroll
+      for (int nt = 0; nt < NR; ++nt) {
+        mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
+        mma16816(c[m][nt], x0[2], x1[2], x0[3], x1[3], bq[nt].z, bq[nt].w);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {  // E8M0 bytes of blocks 4gr + 2(q&1), +1 for rows g and g+8
+    const uint8_t* sb = L.scl + (m * ROWS + L.rt * 16 + L.g) * L.SSTR + 4 * gr + 2 * (L.q & 1);
+    const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
+    const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * L.SSTR);
+    float s00, s01, s10, s11;
+    if constexpr (FAST) {
+      s00 = __uint_as_float((u0 << 23) & 0x7F800000u);
+      s01 = __uint_as_float((u0 << 15) & 0x7F800000u);
+      s10 = __uint_as_float((u1 << 23) & 0x7F800000u);
+      s11 = __uint_as_float((u1 << 15) & 0x7F800000u);
+    } else {
+      s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt) {
+      acc[m][nt][0] = fmaf(c[m][nt][0], s00, acc[m][nt][0]);
+      acc[m][nt][1] = fmaf(c[m][nt][1], s01, acc[m][nt][1]);
+      acc[m][nt][2] = fmaf(c[m][nt][2], s10, acc[m][nt][2]);
+      acc[m][nt][3] = fmaf(c[m][nt][3], s11, acc[m][nt][3]);
+    }
+  }
+}
+
+// Step 6: quad reduction of the warp's accumulators into red[ks][rt][m][row][16] (rows 2nt, 2nt+1 of each n8 tile).
+template <int NR, int BMX, int NM, int RT>
+__device__ __forceinline__ void reduce_quads(const float (&acc)[NM][NR][4], const Lane& L) {
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NR; ++nt) {
+      float v0 = acc[m][nt][0] + acc[m][nt][1];
+      float v1 = acc[m][nt][2] + acc[m][nt][3];
+      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
+      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
+      if ((L.q & 1) == 0) {
+        float* d = L.red + (((L.ks * RT + L.rt) * NM + m) * BMX + 2 * nt + (L.q >> 1)) * 16;
+        d[L.g] = v0;
+        d[L.g + 8] = v1;
+      }
+    }
+}
+
+template <int NM, int NR>
+__device__ __forceinline__ void zero(float (&acc)[NM][NR][4]) {
 #pragma unroll
   for (int m = 0; m < NM; ++m)
 #pragma unroll
     for (int nt = 0; nt < NR; ++nt)
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[m][nt][k] = 0.f;
+}
 
+// Steps 5-6 from registers (RING 0) for NR n8 tiles (the block's first 2*NR staged rows): the warp's groups ks,
+// ks + KS, ... in batches of U, each batch's loads issued before the previous one is used (PF), then the reduction.
+template <int NR, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, bool FAST>
+__device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
+                                            bool ok1, int J, int IT, int NBLK, const Lane& L) {
+  uint4 nxt[U][NM][2];
+  float acc[NM][NR][4];
+  zero(acc);
 #pragma unroll 1
   for (int it = 0; it < IT; ++it) {
     if (PF) {
-      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, ks, J, NBLK, q, ok0, ok1);
+      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, L.ks, J, NBLK, L.q, ok0, ok1);
     } else if (it > 0) {
-      load_batch<U, NM, KS>(cur, wr, it, ks, J, NBLK, q, ok0, ok1);
+      load_batch<U, NM, KS>(cur, wr, it, L.ks, J, NBLK, L.q, ok0, ok1);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = it * U + u;
-      if (j < J) {
-        const int gr = ks + KS * j;
-        float c[NM][NR][4];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-          for (int nt = 0; nt < NR; ++nt)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) c[m][nt][k] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint4 bq[NR];
-#pragma unroll
-          for (int nt = 0; nt < NR; ++nt) {
-            bq[nt] = make_uint4(0u, 0u, 0u, 0u);
-            if (diag) bq[nt] = actv[(2 * nt + tokb) * (ASTR >> 3) + (4 * gr + q) * 4 + i];
-          }
-#pragma unroll
-          for (int m = 0; m < NM; ++m) {
-            uint32_t x0[4], x1[4];
-            decode<DEC>(word(cur[u][m][0], i), x0);
-            decode<DEC>(word(cur[u][m][1], i), x1);
-#pragma unroll
-            for (int nt = 0; nt < NR; ++nt) {
-              mma16816(c[m][nt], x0[0], x1[0], x0[1], x1[1], bq[nt].x, bq[nt].y);
-              mma16816(c[m][nt], x0[2], x1[2], x0[3], x1[3], bq[nt].z, bq[nt].w);
-            }
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {  // E8M0 bytes of blocks 4gr + 2(q&1), +1 for rows g and g+8
-          const uint8_t* sb = scl + (m * ROWS + rt * 16 + g) * SSTR + 4 * gr + 2 * (q & 1);
-          const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
-          const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * SSTR);
-          float s00, s01, s10, s11;
-          if constexpr (FAST) {
-            s00 = __uint_as_float((u0 << 23) & 0x7F800000u);
-            s01 = __uint_as_float((u0 << 15) & 0x7F800000u);
-            s10 = __uint_as_float((u1 << 23) & 0x7F800000u);
-            s11 = __uint_as_float((u1 << 15) & 0x7F800000u);
-          } else {
-            s00 = e8m0(u0 & 0xFFu), s01 = e8m0(u0 >> 8), s10 = e8m0(u1 & 0xFFu), s11 = e8m0(u1 >> 8);
-          }
-#pragma unroll
-          for (int nt = 0; nt < NR; ++nt) {
-            acc[m][nt][0] = fmaf(c[m][nt][0], s00, acc[m][nt][0]);
-            acc[m][nt][1] = fmaf(c[m][nt][1], s01, acc[m][nt][1]);
-            acc[m][nt][2] = fmaf(c[m][nt][2], s10, acc[m][nt][2]);
-            acc[m][nt][3] = fmaf(c[m][nt][3], s11, acc[m][nt][3]);
-          }
-        }
-      }
+      if (j < J) group_step<NR, NM, RT, DEC, FAST>(cur[u], L.ks + KS * j, L, acc);
     }
     if (PF) {
 #pragma unroll
@@ -210,42 +250,134 @@ __device__ __forceinline__ void stream_rows(uint4 (&cur)[U][NM][2], const uint4*
         }
     }
   }
-
-  // 6. quad reduction into shared memory (rows 2nt, 2nt+1 of each n8 tile)
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int nt = 0; nt < NR; ++nt) {
-      float v0 = acc[m][nt][0] + acc[m][nt][1];
-      float v1 = acc[m][nt][2] + acc[m][nt][3];
-      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
-      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
-      if ((q & 1) == 0) {
-        float* d = red + (((ks * RT + rt) * NM + m) * BMX + 2 * nt + (q >> 1)) * 16;
-        d[g] = v0;
-        d[g + 8] = v1;
-      }
-    }
+  reduce_quads<NR, BMX, NM, RT>(acc, L);
 }
 
+// ---- the weight ring (RING > 0, sm_90+): each warp streams its 16 rows through RING shared-memory slots that the
+// copy engine fills (one 2D tile copy per matrix and slot from the weights' tensor map, issued by lane 0: no
+// registers in flight, no per-row address arithmetic), each slot completing on its own mbarrier. A slot holds chunk
+// c = U consecutive whole groups of the warp's rows for each matrix ([NM][16][U*64] bytes); the warp takes chunks
+// ks, ks + KS, ... and refills a slot as soon as its lanes have read it.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  } while (!done);
+#endif
+}
+
+template <int NM, int U, int RING>
+struct Ring {
+  static constexpr int CB = U * 64;           // bytes of one row per slot (U groups)
+  static constexpr int SLOT = NM * 16 * CB;   // bytes per slot
+  static constexpr int WARP = RING * SLOT;    // bytes per warp (the barriers follow all warps' slots)
+};
+
+// The producer side (lane 0 of the warp): one 2D tile copy per matrix and slot, a box of the warp's 16 rows by
+// U groups from the weights' tensor map ([E][N][K/2] bytes; rows past N and bytes past K/2 arrive as zeros).
+template <int NM, int U, int RING>
+struct RingFill {
+  uint8_t* ring;
+  uint64_t* bar;
+  const CUtensorMap* tm[NM];
+  int row, e;
+  // The lanes' reads of the slot's previous chunk are ordered before the copy by the caller's __syncwarp and the
+  // proxy fence.
+  __device__ __forceinline__ void issue(int slot, int c) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using R = Ring<NM, U, RING>;
+    const uint32_t b = smem_u32(bar + slot);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(R::SLOT) : "memory");
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+          "[%5];" ::"r"(smem_u32(ring + slot * R::SLOT + m * 16 * R::CB)), "l"(tm[m]), "r"(c * R::CB), "r"(row),
+          "r"(e), "r"(b) : "memory");
+#endif
+  }
+};
+
+// Steps 5-6 from the ring for NR n8 tiles: JC chunks (the first min(RING, JC) issued in the prologue).
+template <int NR, int BMX, int NM, int RT, int KS, int U, int RING, int DEC, bool FAST>
+__device__ __forceinline__ void stream_ring(const RingFill<NM, U, RING>& rf, int JC, int G, const Lane& L) {
+  using R = Ring<NM, U, RING>;
+  float acc[NM][NR][4];
+  zero(acc);
+#pragma unroll 1
+  for (int j = 0; j < JC; ++j) {
+    const int slot = j % RING, c = L.ks + KS * j;
+    mbar_wait(rf.bar + slot, (unsigned)(j / RING) & 1u);
+    const uint8_t* st = rf.ring + slot * R::SLOT;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c * U + u < G) {
+        uint4 w[NM][2];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          w[m][0] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g) * R::CB + (4 * u + L.q) * 16);
+          w[m][1] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g + 8) * R::CB + (4 * u + L.q) * 16);
+        }
+        group_step<NR, NM, RT, DEC, FAST>(w, c * U + u, L, acc);
+      }
+    }
+    __syncwarp();  // every lane has read the slot
+    if (j + RING < JC && (threadIdx.x & 31) == 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // those reads before the copy engine's writes
+#endif
+      rf.issue(slot, L.ks + KS * (j + RING));
+    }
+  }
+  reduce_quads<NR, BMX, NM, RT>(acc, L);
+}
+
+// The weights' source for steps 5-6: the first register batch (RING 0) or the ring's producer side.
+template <int NM, int U, int RING>
+struct Stream {
+  uint4 cur[U][NM][2];
+  const uint4* wr[NM][2];
+  bool ok0, ok1;
+  int J, IT, NBLK;  // registers: groups of the warp, batches, MX blocks per row
+  RingFill<NM, U, (RING > 0 ? RING : 1)> rf;
+  int JC, G;        // ring: chunks of the warp, groups per row
+};
+
 // Steps 5-6 with the CTA's n8 tile count nr (1, 2 or 4, at most NT; 1 or 2 when FAST).
-template <int NT, int BMX, int NM, int RT, int KS, int U, int PF, int DEC, bool FAST>
-__device__ __forceinline__ void stream_tiles(int nr, uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
-                                             bool ok1, int ks, int rt, int g, int q, int J, int IT, int NBLK,
-                                             int ASTR, int SSTR, const __half* act, const uint8_t* scl, float* red) {
-  if (nr == 1) {
-    stream_rows<1, BMX, NM, RT, KS, U, PF, DEC, FAST>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR, act,
-                                                      scl, red);
-  } else if (nr == 2) {
-    if constexpr (NT >= 2)
-      stream_rows<2, BMX, NM, RT, KS, U, PF, DEC, FAST>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                        act, scl, red);
+template <int NT, int BMX, int NM, int RT, int KS, int U, int PF, int RING, int DEC, bool FAST>
+__device__ __forceinline__ void stream_tiles(int nr, Stream<NM, U, RING>& S, const Lane& L) {
+  if constexpr (RING > 0) {
+    if (nr == 1) {
+      stream_ring<1, BMX, NM, RT, KS, U, RING, DEC, FAST>(S.rf, S.JC, S.G, L);
+    } else if (nr == 2) {
+      if constexpr (NT >= 2) stream_ring<2, BMX, NM, RT, KS, U, RING, DEC, FAST>(S.rf, S.JC, S.G, L);
+    } else {
+      if constexpr (NT >= 4 && !FAST) stream_ring<4, BMX, NM, RT, KS, U, RING, DEC, false>(S.rf, S.JC, S.G, L);
+    }
   } else {
-    // no prefetch registers: four tiles of accumulators fit 128 registers; the general scales only (the caller
-    // never sends four tiles to FAST: a second copy of this branch spills twice as much)
-    if constexpr (NT >= 4 && !FAST)
-      stream_rows<4, BMX, NM, RT, KS, U, 0, DEC, false>(cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                        act, scl, red);
+    if (nr == 1) {
+      stream_rows<1, BMX, NM, RT, KS, U, PF, DEC, FAST>(S.cur, S.wr, S.ok0, S.ok1, S.J, S.IT, S.NBLK, L);
+    } else if (nr == 2) {
+      if constexpr (NT >= 2)
+        stream_rows<2, BMX, NM, RT, KS, U, PF, DEC, FAST>(S.cur, S.wr, S.ok0, S.ok1, S.J, S.IT, S.NBLK, L);
+    } else {
+      // no prefetch registers: four tiles of accumulators fit 128 registers; the general scales only (the caller
+      // never sends four tiles to FAST: a second copy of this branch spills twice as much)
+      if constexpr (NT >= 4 && !FAST)
+        stream_rows<4, BMX, NM, RT, KS, U, 0, DEC, false>(S.cur, S.wr, S.ok0, S.ok1, S.J, S.IT, S.NBLK, L);
+    }
   }
 }
 
@@ -268,9 +400,9 @@ struct MinBlocks {
 //      the group's 8 mmas (one FFMA each), then a shuffle with lane q^1 adds the other two blocks.
 // PDL: the GLU (up) kernel lets its dependent launch early; the down kernel stages weights and scales before
 // griddepcontrol.wait, which returns once the up grid has completed and its h writes are visible.
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, int RING, bool GLU>
 __global__ void __launch_bounds__(32 * RT * KS, MinBlocks<32 * RT * KS>::value)
-mx_gemv_kernel(const Args p) {
+mx_gemv_kernel(const Args p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm3) {
   using S = Smem<NT, RT, KS, GLU>;
   constexpr int NTHR = 32 * RT * KS, BMX = S::BMX, NM = S::NM, ROWS = S::ROWS;
   constexpr int BIAS = DEC == 0 ? 14 : 6;  // decoded weight = E2M1 value * 2^-BIAS
@@ -284,9 +416,6 @@ mx_gemv_kernel(const Args p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rt = warp % RT, ks = warp / RT, g = lane >> 2, q = lane & 3;
   const int n0 = tile * ROWS;
-  const int r0 = n0 + rt * 16 + g, r1 = r0 + 8;
-  const int J = (G - ks + KS - 1) / KS;  // groups of this warp
-  const int IT = (J + U - 1) / U;
   const int ASTR = S::astr(G), SSTR = S::sstr(G);
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -295,28 +424,56 @@ mx_gemv_kernel(const Args p) {
   float* red = reinterpret_cast<float*>(scl + S::scl_bytes(G));               // [KS][RT][NM][BMX][16]
   unsigned* amx = reinterpret_cast<unsigned*>(red + KS * RT * NM * BMX * 16);  // [BMX] max |a| bits
 
-  // 1. first weight loads in flight before anything else
-  const uint4* wr[NM][2];
-  {
+  // 1. (registers) first weight loads in flight before anything else
+  Stream<NM, U, RING> W;
+  if constexpr (RING == 0) {
+    const int r0 = n0 + rt * 16 + g, r1 = r0 + 8;
     const uint8_t* b0 = p.w1 + (long long)e * p.wse;
-    wr[0][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * p.wsn);
-    wr[0][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * p.wsn);
+    W.wr[0][0] = reinterpret_cast<const uint4*>(b0 + (long long)r0 * p.wsn);
+    W.wr[0][1] = reinterpret_cast<const uint4*>(b0 + (long long)r1 * p.wsn);
     if constexpr (GLU) {
       const uint8_t* b3 = p.w3 + (long long)e * p.wse;
-      wr[NM - 1][0] = reinterpret_cast<const uint4*>(b3 + (long long)r0 * p.wsn);
-      wr[NM - 1][1] = reinterpret_cast<const uint4*>(b3 + (long long)r1 * p.wsn);
+      W.wr[NM - 1][0] = reinterpret_cast<const uint4*>(b3 + (long long)r0 * p.wsn);
+      W.wr[NM - 1][1] = reinterpret_cast<const uint4*>(b3 + (long long)r1 * p.wsn);
     }
+    W.ok0 = r0 < N, W.ok1 = r1 < N;
+    W.J = (G - ks + KS - 1) / KS;  // groups of this warp
+    W.IT = (W.J + U - 1) / U;
+    W.NBLK = NBLK;
+    load_batch<U, NM, KS>(W.cur, W.wr, 0, ks, W.J, NBLK, q, W.ok0, W.ok1);
   }
-  const bool ok0 = r0 < N, ok1 = r1 < N;
-  uint4 cur[U][NM][2];
-  load_batch<U, NM, KS>(cur, wr, 0, ks, J, NBLK, q, ok0, ok1);
 
   // valid rows of the block (a prefix in align.py; here: the last valid row + 1), the same in every warp
   const unsigned vb = __ballot_sync(0xFFFFFFFFu, lane < bm && __ldg(p.sorted + blk * bm + lane) < p.num_pairs);
   const int nv = 32 - __clz(vb);
   if (nv == 0) return;
+  // More valid rows than the instance stages (2*NT: the launcher sized it for one row per token of each block, i.e.
+  // distinct experts per token) would be lost: the CTA writes NaN for all of them instead of a partial result.
+  const bool over = nv > 2 * NT;
   const int nr = nv <= 2 || NT == 1 ? 1 : (nv <= 4 || NT == 2 ? 2 : 4);  // n8 tiles this CTA runs
   const int rows2 = 2 * nr;                                              // activation rows staged
+
+  // 1. (ring) the warp's barriers, then its first RING chunks in flight; copies are issued only by CTAs that
+  //    consume them, since a CTA must not exit with copies into its shared memory outstanding
+  if constexpr (RING > 0) {
+    using R = Ring<NM, U, RING>;
+    W.G = G;
+    const int NC = (G + U - 1) / U;  // chunks of U groups per row
+    W.JC = over || ks >= NC ? 0 : (NC - ks + KS - 1) / KS;
+    W.rf.ring = smem + S::ring_off(G) + warp * R::WARP;
+    W.rf.bar = reinterpret_cast<uint64_t*>(smem + S::ring_off(G) + (NTHR / 32) * R::WARP) + warp * RING;
+    W.rf.tm[0] = &tm1;
+    if constexpr (GLU) W.rf.tm[NM - 1] = &tm3;
+    W.rf.row = n0 + rt * 16;
+    W.rf.e = e;
+    if (lane < RING) mbar_init(W.rf.bar + lane, 1);
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RING; ++j)
+        if (j < W.JC) W.rf.issue(j, ks + KS * j);
+    }
+  }
 
   // 2. E8M0 bytes of the CTA's rows -> shared memory (rows past N and blocks past K read as 1 = 127)
   if (tid < BMX) amx[tid] = 0u;
@@ -408,12 +565,11 @@ mx_gemv_kernel(const Args p) {
   __syncthreads();
 
   // 5-6. stream the weights with the CTA's n8 tile count (uniform per CTA) and scale decode (uniform per CTA)
+  const Lane L{ks, rt, g, q, ASTR, SSTR, (g & 3) == q, reinterpret_cast<const uint4*>(act), scl, red};
   if (fast && nr < 4) {
-    stream_tiles<NT, BMX, NM, RT, KS, U, PF, DEC, true>(nr, cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR, SSTR,
-                                                         act, scl, red);
+    stream_tiles<NT, BMX, NM, RT, KS, U, PF, RING, DEC, true>(nr, W, L);
   } else {
-    stream_tiles<NT, BMX, NM, RT, KS, U, PF, DEC, false>(nr, cur, wr, ok0, ok1, ks, rt, g, q, J, IT, NBLK, ASTR,
-                                                          SSTR, act, scl, red);
+    stream_tiles<NT, BMX, NM, RT, KS, U, PF, RING, DEC, false>(nr, W, L);
   }
   __syncthreads();
 
@@ -424,18 +580,24 @@ mx_gemv_kernel(const Args p) {
     const int flat = __ldg(p.sorted + orow);
     const int n = n0 + rti * 16 + rr;
     if (flat >= p.num_pairs || n >= N) continue;
-    const unsigned mb = amx[t];
-    const float am = Io<T>::f(mb);
-    int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
-    et = max(et, -100);
-    const float qt = mb >= Io<T>::kBad ? __uint_as_float(0x7FC00000u) : __uint_as_float((unsigned)(et + 127) << 23);
     float s[NM];
+    if (over) {
 #pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      float v = 0.f;
+      for (int m = 0; m < NM; ++m) s[m] = __uint_as_float(0x7FC00000u);
+    } else {
+      const unsigned mb = amx[t];
+      const float am = Io<T>::f(mb);
+      int et = am > 0.f && mb < Io<T>::kBad ? (int)((__float_as_uint(am) >> 23) & 0xFF) - 127 : 0;
+      et = max(et, -100);
+      const float qt = mb >= Io<T>::kBad ? __uint_as_float(0x7FC00000u)
+                                          : __uint_as_float((unsigned)(et + 127) << 23);
 #pragma unroll
-      for (int k = 0; k < KS; ++k) v += red[(((k * RT + rti) * NM + m) * BMX + t) * 16 + rr];
-      s[m] = v * qt;
+      for (int m = 0; m < NM; ++m) {
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < KS; ++k) v += red[(((k * RT + rti) * NM + m) * BMX + t) * 16 + rr];
+        s[m] = v * qt;
+      }
     }
     if constexpr (GLU) {
       Io<T>::st(p.out, (long long)orow * p.stride_o + n, glu(s[0], s[NM - 1], p.act, p.cap, p.beta, p.linear_beta));
@@ -445,15 +607,36 @@ mx_gemv_kernel(const Args p) {
   }
 }
 
+// The tensor map of one packed weight tensor [E][N][K/2] (bytes) for the ring's tile copies: boxes of 16 rows by
+// `box` bytes (at most 256), zeros past its ends. E comes with the launch, not in Args (the register loop's
+// parameter layout stays as it was). The driver's encoder comes through the runtime (no libcuda link).
+static cudaError_t weight_map(CUtensorMap* m, const uint8_t* base, const Args& p, int E, int box) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[3] = {(cuuint64_t)(p.K / 2), (cuuint64_t)p.N, (cuuint64_t)E};
+  const cuuint64_t strides[2] = {(cuuint64_t)p.wsn, (cuuint64_t)p.wse};
+  const cuuint32_t boxd[3] = {(cuuint32_t)box, 16u, 1u}, step[3] = {1u, 1u, 1u};
+  const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(base), dims, strides, boxd, step,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // `static`: internal linkage, so the opt-in flags below belong to this module. In a function template with
 // external linkage they would be one unique symbol across every module of the process, and a second build (other
 // configs or source) would find them set and launch without its own opt-in ("invalid argument").
-template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, bool GLU>
-static cudaError_t launch(const Args& p, cudaStream_t stream) {
+template <typename T, int NT, int RT, int KS, int U, int PF, int DEC, int RING, bool GLU>
+static cudaError_t launch(const Args& p, int E, cudaStream_t stream) {
   using S = Smem<NT, RT, KS, GLU>;
   const int G = (p.K + 127) >> 7;
-  const size_t smem = S::bytes(G);
-  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, GLU>;
+  const size_t smem = S::total(G, RING, Ring<S::NM, U, RING>::SLOT);
+  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, RING, GLU>;
   if (smem > 48 * 1024) {
     // the opt-in limit per device, raised again for a larger K
     static size_t set[64] = {};
@@ -466,10 +649,16 @@ static cudaError_t launch(const Args& p, cudaStream_t stream) {
       if (dev >= 0 && dev < 64) set[dev] = smem;
     }
   }
+  CUtensorMap tm1 = {}, tm3 = {};
+  if constexpr (RING > 0) {
+    cudaError_t err = weight_map(&tm1, p.w1, p, E, Ring<S::NM, U, RING>::CB);
+    if (err == cudaSuccess && GLU) err = weight_map(&tm3, p.w3, p, E, Ring<S::NM, U, RING>::CB);
+    if (err != cudaSuccess) return err;
+  }
   const long long tiles = (p.N + S::ROWS - 1) / S::ROWS;
   const dim3 grid((unsigned)(tiles * p.nb)), block(32 * RT * KS);
-  if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p);  // may start while the up GEMV finishes
-  kern<<<grid, block, smem, stream>>>(p);
+  if (p.pdl) return launch_pdl(kern, grid, block, smem, stream, p, tm1, tm3);  // may start while up finishes
+  kern<<<grid, block, smem, stream>>>(p, tm1, tm3);
   return cudaGetLastError();
 }
 
