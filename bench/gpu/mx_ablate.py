@@ -105,9 +105,9 @@ def layout(src: str, name: str) -> str:
     if name not in LAYOUTS:
         raise ValueError(f"mx_ablate: layout must be one of {LAYOUTS}, got {name!r}")
     if name != "tiled":
-        for i, j, v in (("0", "1", "ev"), ("2", "3", "od")):
-            fill = {"[I]": f"[{i}]", "[J]": f"[{j}]", "(V": f"({v}"}
-            src = _swap(src, *(functools.reduce(lambda t, kv: t.replace(*kv), fill.items(), x) for x in (_CVT, _PRMT)))
+        for i, j, v in ((0, 1, "ev"), (2, 3, "od")):
+            src = _swap(src, *(t.replace("[I]", f"[{i}]").replace("[J]", f"[{j}]").replace("(V", f"({v}")
+                               for t in (_CVT, _PRMT)))
     if name in ("e5m2-layout", "tiled+e5m2"):
         src = _swap(src, _PLACE, _E5M2)
     if name.startswith("tiled"):
@@ -122,9 +122,10 @@ _ABLATIONS = {"no-compute": (False, True), "no-staging": (True, False), "stream-
 def layout_variant(src: str, name: str) -> str:
     """A ``--layouts`` entry: a layout of ``LAYOUTS``, optionally with one ablation after a ``+`` (e.g.
     ``tiled+no-compute``: how fast that layout's loads stream without the arithmetic)."""
-    base, _, abl = name.rpartition("+") if name.rpartition("+")[2] in _ABLATIONS else (name, "", "")
-    src = layout(src, base)
-    return ablated(src, *_ABLATIONS[abl]) if abl else src
+    base, _, abl = name.rpartition("+")
+    if abl not in _ABLATIONS:
+        return layout(src, name)
+    return ablated(layout(src, base), *_ABLATIONS[abl])
 
 
 def ablated(src: str, compute: bool, staging: bool) -> str:

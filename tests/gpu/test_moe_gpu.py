@@ -374,7 +374,7 @@ def test_cuda_gemv_auto_launch_shapes_agree_bit_for_bit(dtype):
     _cuda_cfgs()
     x, (w1, w3, w2), _, _ = _problem(12, 256, 160, 16, 4, 24, True, dtype=dtype)
     ids = _uneven_ids()
-    picks = {t: cmx.launch_config(x, w1, w3, w2, t, 8) for t in (1, cmx.RING_MAX_TOKENS, 12)}
+    picks = {t: cmx.launch_config(x, w1, w2, t, 8) for t in (1, cmx.RING_MAX_TOKENS, 12)}
     assert picks[12] == cmx.DEFAULT_CONFIG
     if torch.cuda.get_device_capability() >= (9, 0):
         assert picks[1] == picks[cmx.RING_MAX_TOKENS] == cmx.RING_CONFIG

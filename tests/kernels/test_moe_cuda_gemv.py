@@ -138,18 +138,21 @@ def test_config_checks_and_block_m():
 
 def test_launch_config_takes_the_ring_for_few_tokens_on_sm90(monkeypatch):
     x, w = torch.randn(1, 64), mxfp4_quantize(torch.randn(2, 32, 64))
-    monkeypatch.setattr(cm, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(cm, "_smem_limit", lambda dev: 227 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     assert cm.default_configs("cpu") == (cm.DEFAULT_CONFIG, cm.RING_CONFIG)
-    picks = [cm.launch_config(x, w, w, w, t, 8) for t in range(1, 2 * cm.RING_MAX_TOKENS + 1)]
+    picks = [cm.launch_config(x, w, w, t, 8) for t in range(1, 2 * cm.RING_MAX_TOKENS + 1)]
     assert picks == [cm.RING_CONFIG] * cm.RING_MAX_TOKENS + [cm.DEFAULT_CONFIG] * cm.RING_MAX_TOKENS
     assert cm.RING_CONFIG.ring and not cm.RING_CONFIG.prefetch and cm.RING_CONFIG[:3] == cm.DEFAULT_CONFIG[:3]
-    # where the ring does not fit (its shared memory, say) the register loop runs
-    monkeypatch.setattr(cm, "supports", lambda *a, cfg=None, **k: "too big" if cfg.ring else None)
-    assert cm.launch_config(x, w, w, w, 1, 8) == cm.DEFAULT_CONFIG
+    # where the ring does not fit (its shared memory) the register loop runs
+    ring_need = cm.smem_bytes(cm.RING_CONFIG, 8, 64, True)
+    assert ring_need > cm.smem_bytes(cm.DEFAULT_CONFIG, 8, 64, True)
+    monkeypatch.setattr(cm, "_smem_limit", lambda dev: ring_need - 1)
+    assert cm.launch_config(x, w, w, 1, 8) == cm.DEFAULT_CONFIG
+    monkeypatch.setattr(cm, "_smem_limit", lambda dev: 227 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))  # no bulk copies: no ring
     assert cm.default_configs("cpu") == (cm.DEFAULT_CONFIG,)
-    assert cm.launch_config(x, w, w, w, 1, 8) == cm.DEFAULT_CONFIG
+    assert cm.launch_config(x, w, w, 1, 8) == cm.DEFAULT_CONFIG
     # a ring launch stages one row per token (each token routes to an expert once), the register loop block_m
     assert cm.instance_rows(cm.RING_CONFIG, 8, 16, 16) == 1 and cm.instance_rows(cm.RING_CONFIG, 8, 64, 16) == 4
     assert cm.instance_rows(cm.RING_CONFIG, 2, 64, 16) == 2 and cm.instance_rows(cm.DEFAULT_CONFIG, 8, 16, 16) == 8

@@ -277,8 +277,13 @@ def supports(x, w1, w3, w2, *rest, cfg: CudaGemvConfig | None = None, block_m: i
         return "decode=1 (e4m3 convert) needs sm_89+"
     if cfg.ring and torch.cuda.get_device_capability(x.device) < (9, 0):
         return "ring > 0 (bulk copies into shared memory) needs sm_90+"
-    lim = _smem_limit(x.device)
-    for K, glu in ((w1.shape[2], True), (w2.shape[2], False)):
+    return _smem_reason(cfg, block_m, x.device, w1.shape[2], w2.shape[2])
+
+
+def _smem_reason(cfg: CudaGemvConfig, block_m: int, dev, k_up: int, k_down: int) -> str | None:
+    """None when both kernels' CTAs fit the device's shared memory, else the reason."""
+    lim = _smem_limit(dev)
+    for K, glu in ((k_up, True), (k_down, False)):
         need = smem_bytes(cfg, block_m, K, glu)
         if need > lim:
             return f"K={K} needs {need} bytes of shared memory per CTA (limit {lim})"
@@ -315,13 +320,13 @@ def default_configs(dev) -> tuple[CudaGemvConfig, ...]:
     return (DEFAULT_CONFIG,)
 
 
-def launch_config(x, w1, w3, w2, tokens: int, block_m: int) -> CudaGemvConfig:
+def launch_config(x, w1, w2, tokens: int, block_m: int) -> CudaGemvConfig:
     """The launch shape for ``tokens`` rows per expert at most (tokens, or rows when ``top_k`` is 1):
     ``RING_CONFIG`` up to ``RING_MAX_TOKENS`` where it runs (sm_90+, its shared memory), else ``DEFAULT_CONFIG``.
-    Decided from shapes only (CUDA-graph capturable)."""
-    if tokens <= RING_MAX_TOKENS and RING_CONFIG in default_configs(x.device):
-        if supports(x, w1, w3, w2, cfg=RING_CONFIG, block_m=block_m) is None:
-            return RING_CONFIG
+    Decided from shapes only (CUDA-graph capturable); the checks the two share are :func:`supports`'."""
+    if (tokens <= RING_MAX_TOKENS and RING_CONFIG in default_configs(x.device)
+            and _smem_reason(RING_CONFIG, block_m, x.device, w1.shape[2], w2.shape[2]) is None):
+        return RING_CONFIG
     return DEFAULT_CONFIG
 
 
@@ -352,7 +357,7 @@ def mx_gemv_experts_cuda(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: 
     bm = al.block_m
     if bm not in (1, 2, 4, 8):
         raise ValueError(f"mx_gemv_cuda: block_m must be 1, 2, 4 or 8, got {bm}")
-    auto = None if cfg_up and cfg_down else launch_config(x, w1, w3, w2, -(-num_pairs // max(1, top_k)), bm)
+    auto = None if cfg_up and cfg_down else launch_config(x, w1, w2, -(-num_pairs // max(1, top_k)), bm)
     cu, cd = CudaGemvConfig(*(cfg_up or auto)), CudaGemvConfig(*(cfg_down or auto))
     if configs is None:
         configs = tuple(dict.fromkeys(default_configs(x.device) + (cu, cd)))
