@@ -19,7 +19,8 @@ stored that way, so the outputs are wrong):
                   instead of 8 rows × 64 bytes)
     tiled+e5m2    both
 
-``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
+``--loads L2::128B,L2::256B`` times the shipped source with each L2 prefetch size on its weight loads (checked
+variants: the outputs do not change). ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
 cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode
 mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
 ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an earlier version, expanded by
@@ -137,6 +138,17 @@ def ablated(src: str, compute: bool, staging: bool) -> str:
     return src
 
 
+_LDG = "ld.global.nc.L1::no_allocate.v4.u32"
+LOAD_HINTS = ("L2::64B", "L2::128B", "L2::256B")
+
+
+def load_hint(src: str, hint: str) -> str:
+    """``src`` whose weight loads ask L2 for ``hint`` (``LOAD_HINTS``) bytes around each access."""
+    if hint not in LOAD_HINTS:
+        raise ValueError(f"mx_ablate: load hint must be one of {LOAD_HINTS}, got {hint!r}")
+    return _swap(src, _LDG, _LDG.replace(".v4", f".{hint}.v4"))
+
+
 _SMEM_LINE = "  const size_t smem = S::total(G, RING, Ring<S::NM, U, RING>::SLOT);\n"
 _KERN_LINE = "  auto kern = mx_gemv_kernel<T, NT, RT, KS, U, PF, DEC, RING, GLU>;\n"
 
@@ -172,6 +184,8 @@ def main():
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
     ap.add_argument("--layouts", default="", help=f"prepared-layout timings to add, comma-separated: {LAYOUTS}, "
                     f"each optionally with +ABLATION ({', '.join(_ABLATIONS)})")
+    ap.add_argument("--loads", default="", help=f"L2 prefetch sizes of the weight loads to time as checked "
+                    f"variants, comma-separated: {LOAD_HINTS}")
     ap.add_argument("--occupancy", action="append", default=[], metavar="NAME=FLOOR_KB,CARVEOUT",
                     help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
                     "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
@@ -206,6 +220,11 @@ def main():
         for c in shapes or [",".join(str(int(v)) for v in base)]:
             variants.append((f"{name} {c}" if shapes else name, text, True,
                              cmx.CudaGemvConfig(*(int(v) for v in c.split(",")))))
+    for hint in (h for h in args.loads.split(",") if h):
+        text = load_hint(shipped, hint)
+        for b in (b for b in bases if not b.ring):  # a ring's weights arrive by tensor copies, not these loads
+            name = hint if len(bases) == 1 else f"{hint} {','.join(str(int(v)) for v in b)}"
+            variants.append((name, text, True, b))
     for spec in args.occupancy:
         name, vals = spec.split("=", 1)
         floor_kb, carveout = (int(v) for v in vals.split(","))

@@ -43,3 +43,11 @@ def test_layout_with_an_ablation():
     src = mx_ablate.layout_variant(cm.CUDA_SOURCE, "tiled+e5m2+no-compute")
     assert "0x71717171u" in src and "((b - q) << 4) + q" in src and "acc[m][0][0] +=" in src
     assert mx_ablate.layout_variant(cm.CUDA_SOURCE, "tiled+e5m2") == mx_ablate.layout(cm.CUDA_SOURCE, "tiled+e5m2")
+
+
+@pytest.mark.parametrize("hint", mx_ablate.LOAD_HINTS)
+def test_load_hint_marks_the_weight_loads(hint):
+    src = mx_ablate.load_hint(cm.CUDA_SOURCE, hint)
+    assert src.count(f"ld.global.nc.L1::no_allocate.{hint}.v4.u32") == 1
+    with pytest.raises(ValueError, match="load hint must be"):
+        mx_ablate.load_hint(cm.CUDA_SOURCE, "L2::512B")
