@@ -6,6 +6,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-compute    the loop loads every weight batch but only XOR-folds it (no decode, mma or scale step)
     no-staging    no E8M0 scales or activations staged (the loop reads whatever shared memory holds)
     stream-only   both: the kernel's loads, prologue metadata and epilogue, nothing else
+    no-loads      the register loop's weight loads replaced by values made from their addresses (the arithmetic,
+                  staging and epilogue without the weight stream: the SM side's time alone)
 
 and, with ``--ablations``, what a prepared weight layout would buy (timing only: the weights are read as if
 stored that way, so the outputs are wrong):
@@ -117,7 +119,15 @@ def layout(src: str, name: str) -> str:
     return src
 
 
-_ABLATIONS = {"no-compute": (False, True), "no-staging": (True, False), "stream-only": (False, False)}
+_ABLATIONS = {"no-compute": (False, True), "no-staging": (True, False), "stream-only": (False, False),
+              "no-loads": (True, True, False)}
+_LOAD = "ld_stream(wr[m][{}] + b)"
+_FAKE = """__device__ __forceinline__ uint4 fake_load(const uint4* p) {  // mx_ablate no-loads: no memory access
+  const uint32_t a = (uint32_t)reinterpret_cast<uintptr_t>(p);
+  return make_uint4(a, a * 3u, a ^ 0x5A5A5A5Au, a + 0x01234567u);
+}
+
+"""
 
 
 def layout_variant(src: str, name: str) -> str:
@@ -129,7 +139,11 @@ def layout_variant(src: str, name: str) -> str:
     return ablated(layout(src, base), *_ABLATIONS[abl])
 
 
-def ablated(src: str, compute: bool, staging: bool) -> str:
+def ablated(src: str, compute: bool, staging: bool, loads: bool = True) -> str:
+    if not loads:
+        for r in (0, 1):
+            src = _swap(src, _LOAD.format(r), _LOAD.format(r).replace("ld_stream", "fake_load"))
+        src = _swap(src, "__device__ __forceinline__ uint32_t word(", _FAKE + "__device__ __forceinline__ uint32_t word(")
     if not compute:
         src = _cut(src, _LOOP_START, _LOOP_END, _FOLD)
     if not staging:

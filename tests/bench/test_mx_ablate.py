@@ -51,3 +51,9 @@ def test_load_hint_marks_the_weight_loads(hint):
     assert src.count(f"ld.global.nc.L1::no_allocate.{hint}.v4.u32") == 1
     with pytest.raises(ValueError, match="load hint must be"):
         mx_ablate.load_hint(cm.CUDA_SOURCE, "L2::512B")
+
+
+def test_no_loads_replaces_the_weight_loads_only():
+    src = mx_ablate.ablated(cm.CUDA_SOURCE, True, True, False)
+    assert src.count("fake_load(wr[m][") == 2 and "ld_stream(wr[m][" not in src
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in src  # ld_stream itself stays (unused by the loop)
