@@ -196,6 +196,7 @@ def main():
     ap.add_argument("--decodes", default="", help="decode modes of the shipped source to time side by side "
                     "(e.g. 0,1; default: the launch shape's)")
     ap.add_argument("--no-ablations", action="store_true", help="the checked variants only")
+    ap.add_argument("--ablations", default=",".join(_ABLATIONS), help="which ablated copies to time, comma-separated")
     ap.add_argument("--layouts", default="", help=f"prepared-layout timings to add, comma-separated: {LAYOUTS}, "
                     f"each optionally with +ABLATION ({', '.join(_ABLATIONS)})")
     ap.add_argument("--loads", default="", help=f"L2 prefetch sizes of the weight loads to time as checked "
@@ -246,7 +247,10 @@ def main():
     for name in (n for n in args.layouts.split(",") if n):
         variants.append((name, layout_variant(shipped, name), False, base))
     if not args.no_ablations:
-        variants += [(name, ablated(shipped, *flags), False, base) for name, flags in _ABLATIONS.items()]
+        for name in (n for n in args.ablations.split(",") if n):
+            if name not in _ABLATIONS:
+                raise SystemExit(f"mx_ablate: --ablations takes {', '.join(_ABLATIONS)}, got {name!r}")
+            variants.append((name, ablated(shipped, *_ABLATIONS[name]), False, base))
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)
