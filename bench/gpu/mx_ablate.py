@@ -250,7 +250,11 @@ def main():
         for name in (n for n in args.ablations.split(",") if n):
             if name not in _ABLATIONS:
                 raise SystemExit(f"mx_ablate: --ablations takes {', '.join(_ABLATIONS)}, got {name!r}")
-            variants.append((name, ablated(shipped, *_ABLATIONS[name]), False, base))
+            text = ablated(shipped, *_ABLATIONS[name])
+            shapes = [b._replace(decode=d) for b in bases for d in decodes or [b.decode]]
+            for cfg in shapes:  # with every launch shape timed above
+                label = name if len(shapes) == 1 else f"{name} {','.join(str(int(v)) for v in cfg)}"
+                variants.append((label, text, False, cfg))
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)
