@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Decode 4 of the CUDA MXFP4 GEMV, as a checked timing variant: the e4m3 bytes that decode 1 places (seven integer
+operations per 32-bit word) go to ``wgmma`` as its A registers unconverted (``QGMMA m64n8k32``, sm_90a), so the
+loop has no ``F2FP`` converts and a quarter of the tensor-core instructions. Not in the shipped kernel: on the H100 it
+loses with the weight stream on (``docs/perf.md``); this script rebuilds it from the shipped source for the next A/B.
+
+What it adds to :data:`k3nn.kernels.moe.cuda_mx_gemv.CUDA_SOURCE` (decode 4 only; other decodes compile as shipped):
+
+- CTAs of the NT = 4 instance whose block holds one row (every CTA at one token) and whose scales take the fast
+  path run :func:`stream_rows_wg`; the others run decode 1 (same staging, same E8M0 step).
+- B tiles in shared memory, after the two staged rows: one per group and word (k32), 8 columns = blocks 0-3 of the
+  row as e4m3 hi terms, then the same blocks' lo terms (a = hi + lo exactly down to about 2^-8 of the row's max),
+  32 k = lane q's ev / od bytes of block q (the block-diagonal mapping of the mma path). K-major, no swizzle.
+- Per group: 4·NM ``wgmma`` into one accumulator set, one commit, then ``wgmma.wait_group 1``: the previous
+  group's accumulators get their E8M0 scales while this group runs (two sets alternate). The loop bounds and the
+  K slice come through a shuffle, so ptxas sees the ``wgmma`` on a warp-uniform path and does not serialize them.
+- Lanes q and q ^ 2 hold the hi and lo sums of the same blocks; the reduction adds them (one more shuffle).
+
+Run on an sm_90 GPU (builds for sm_90a)::
+
+    python3 -m bench.gpu.mx_wgmma --tokens 1,4 --config 4,2,2,1,1 --config 4,2,2,1,4 --ablations no-loads
+
+Every argument goes to :mod:`bench.gpu.mx_ablate`, whose shipped source is this one for the run: decode 1 configs
+time the shipped path, decode 4 configs this one, and ``--ablations no-loads`` gives each one's SM-side time.
+"""
+
+from __future__ import annotations
+
+import os
+
+from k3nn.kernels.moe import cuda_mx_gemv as cmx
+
+from bench.gpu import mx_ablate
+
+#: device code added before ``struct Stream``: the wgmma wrappers, the group step, the reduction and the loop
+WGMMA_CODE = r'''
+// ---- decode 4 (sm_90a): the e4m3 bytes of decode 1 as wgmma's A registers, B tiles of e4m3 hi / lo activations
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define K3_WG 1
+#endif
+__device__ __forceinline__ void wg_fence() {
+#ifdef K3_WG
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint64_t desc, int accumulate) {
+#ifdef K3_WG
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ uint64_t wg_desc(const void* p) {  // no swizzle, K-major, core matrices 128 B apart
+  return (uint64_t)((smem_u32(p) >> 4) & 0x3FFFu) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_commit() {
+#ifdef K3_WG
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+// wait, and hand the finished accumulators d to the code after it (the wait is where they are defined)
+template <int N, int NM>
+__device__ __forceinline__ void wg_wait_for(float (&d)[NM][4]) {
+#ifdef K3_WG
+  if constexpr (NM == 2)
+    asm volatile("wgmma.wait_group.sync.aligned %8;"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]) : "n"(N) : "memory");
+  else
+    asm volatile("wgmma.wait_group.sync.aligned %4;"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]) : "n"(N) : "memory");
+#endif
+}
+
+// E8M0 scales of group gr into acc from a finished accumulator set d
+template <int NM, int RT>
+__device__ __forceinline__ void wg_finish(int gr, const Lane& L, float (&acc)[NM][1][4], float (&d)[NM][4]) {
+  constexpr int ROWS = 16 * RT;
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+    const uint8_t* sb = L.scl + (m * ROWS + L.rt * 16 + L.g) * L.SSTR + 4 * gr + 2 * (L.q & 1);
+    const unsigned u0 = *reinterpret_cast<const unsigned short*>(sb);
+    const unsigned u1 = *reinterpret_cast<const unsigned short*>(sb + 8 * L.SSTR);
+    acc[m][0][0] = fmaf(d[m][0], __uint_as_float((u0 << 23) & 0x7F800000u), acc[m][0][0]);
+    acc[m][0][1] = fmaf(d[m][1], __uint_as_float((u0 << 15) & 0x7F800000u), acc[m][0][1]);
+    acc[m][0][2] = fmaf(d[m][2], __uint_as_float((u1 << 23) & 0x7F800000u), acc[m][0][2]);
+    acc[m][0][3] = fmaf(d[m][3], __uint_as_float((u1 << 15) & 0x7F800000u), acc[m][0][3]);
+  }
+}
+
+// group gr into d: its 4·NM wgmmas as one commit group, then a wait until only this group is in flight, so the
+// previous group (prev >= 0, accumulators dp) gets its scales while this one runs
+template <int NM, int RT>
+__device__ __forceinline__ void group_step_wg(const uint4 (&w)[NM][2], int gr, const Lane& L, float (&acc)[NM][1][4],
+                                              float (&d)[NM][4], float (&dp)[NM][4], int prev, uint64_t desc0) {
+  wg_fence();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const uint32_t w0 = word(w[m][0], i), w1 = word(w[m][1], i);
+      const uint32_t e0 = ((w0 << 2) & 0x1C1C1C1Cu) | ((w0 << 4) & 0x80808080u), o0 = ((w0 >> 2) & 0x1C1C1C1Cu) | (w0 & 0x80808080u);
+      const uint32_t e1 = ((w1 << 2) & 0x1C1C1C1Cu) | ((w1 << 4) & 0x80808080u), o1 = ((w1 >> 2) & 0x1C1C1C1Cu) | (w1 & 0x80808080u);
+      wg_mma(d[m], e0, e1, o0, o1, desc0 + (uint64_t)((gr * 4 + i) * 16), i);
+    }
+  }
+  wg_commit();
+  wg_wait_for<1, NM>(dp);  // the previous group is complete: its scales while this one runs
+  if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, dp);
+}
+
+// lanes q and q ^ 2 hold the hi and lo columns of the same two blocks: both summed into token row 0
+template <int BMX, int NM, int RT>
+__device__ __forceinline__ void reduce_wg(const float (&acc)[NM][1][4], const Lane& L) {
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+    float v0 = acc[m][0][0] + acc[m][0][1];
+    float v1 = acc[m][0][2] + acc[m][0][3];
+    v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
+    v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
+    v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 2);
+    v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 2);
+    if (L.q == 0) {
+      float* dd = L.red + (((L.ks * RT + L.rt) * NM + m) * BMX) * 16;
+      dd[L.g] = v0;
+      dd[L.g + 8] = v1;
+    }
+  }
+}
+
+template <int BMX, int NM, int RT, int KS, int U, int PF>
+__device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
+                                               bool ok1, int J, int IT, int NBLK, const Lane& L, uint64_t desc0) {
+  uint4 nxt[U][NM][2];
+  float acc[NM][1][4], d[2][NM][4];
+  zero(acc);
+  // warp-uniform loop bounds and group index (from a shuffle), so that ptxas sees the wgmmas on a uniform path
+  J = __shfl_sync(0xFFFFFFFFu, J, 0);
+  IT = __shfl_sync(0xFFFFFFFFu, IT, 0);
+  const int ks = __shfl_sync(0xFFFFFFFFu, L.ks, 0);
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) d[x][m][k] = 0.f;
+  int prev = -1;
+#pragma unroll 1
+  for (int it = 0; it < IT; ++it) {
+    if (PF) {
+      if (it + 1 < IT) load_batch<U, NM, KS>(nxt, wr, it + 1, L.ks, J, NBLK, L.q, ok0, ok1);
+    } else if (it > 0) {
+      load_batch<U, NM, KS>(cur, wr, it, L.ks, J, NBLK, L.q, ok0, ok1);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = it * U + u;
+      if (j < J) {
+        group_step_wg<NM, RT>(cur[u], ks + KS * j, L, acc, d[j & 1], d[(j & 1) ^ 1], prev, desc0);
+        prev = ks + KS * j;
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          cur[u][m][0] = nxt[u][m][0];
+          cur[u][m][1] = nxt[u][m][1];
+        }
+    }
+  }
+  if ((J - 1) & 1) {
+    wg_wait_for<0, NM>(d[1]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[1]);
+  } else {
+    wg_wait_for<0, NM>(d[0]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[0]);
+  }
+  reduce_wg<BMX, NM, RT>(acc, L);
+}
+
+'''
+
+#: replaces the shipped branch that picks the loop: the B tiles, then the wgmma loop for one-row CTAs
+STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scales, takes wgmma; its B tiles (one per group and
+  // word: 8 columns = blocks 0-3 hi, 0-3 lo; 32 k = lane q's ev / od bytes of block q) after staged rows 0-1
+  const bool wg = DEC == 4 && NT == 4 && nv == 1 && fast && !over;
+  uint64_t desc0 = 0;
+  if constexpr (DEC == 4 && NT == 4) {
+    if (wg) {
+      uint8_t* bt = reinterpret_cast<uint8_t*>(act + 2 * ASTR);
+      for (int x = tid; x < G * 4 * 16; x += NTHR) reinterpret_cast<uint4*>(bt)[x] = make_uint4(0u, 0u, 0u, 0u);
+      __syncthreads();
+      for (int p = tid; p < G * 128; p += NTHR) {  // activation p of row 0: block 4gr + j, word i, pair r, half
+        const int gr = p >> 7, j = (p >> 5) & 3, i = (p >> 3) & 3, r = (p >> 1) & 3, half = p & 1, pp = p & 7;
+        const float a = __half2float(act[(p & ~7) + 4 * (pp & 1) + (pp >> 1)]);
+        const __nv_fp8_storage_t hi = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+        const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(hi, __NV_E4M3)));
+        const __nv_fp8_storage_t lo = __nv_cvt_float_to_fp8(a - hf, __NV_SATFINITE, __NV_E4M3);
+        uint8_t* t = bt + (gr * 4 + i) * 256 + half * 128 + 4 * j + r;
+        t[16 * j] = hi;
+        t[16 * (4 + j)] = lo;
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+      __syncthreads();
+      desc0 = wg_desc(bt);
+    }
+  }
+  if (wg) {
+    if constexpr (DEC == 4 && NT == 4 && RING == 0)
+      stream_rows_wg<BMX, NM, RT, KS, U, PF>(W.cur, W.wr, W.ok0, W.ok1, W.J, W.IT, W.NBLK, L, desc0);
+  } else if (fast && nr < 4) {'''
+
+_BEFORE_STREAM = "// The weights' source for steps 5-6: the first register batch (RING 0) or the ring's producer side.\n"
+_BRANCH = "  if (fast && nr < 4) {"
+_INCLUDE = "#include <cuda_bf16.h>\n"
+
+
+def wgmma_source(src: str = cmx.CUDA_SOURCE) -> str:
+    """``src`` (the shipped kernel source) with decode 4."""
+    src = mx_ablate._swap(src, _BEFORE_STREAM, WGMMA_CODE + _BEFORE_STREAM)
+    src = mx_ablate._swap(src, _INCLUDE, _INCLUDE + "#include <cuda_fp8.h>\n")
+    return mx_ablate._swap(src, _BRANCH, STAGE_CODE)
+
+
+def main():
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target
+    shipped, check = cmx.CUDA_SOURCE, cmx._check_config
+    cmx.CUDA_SOURCE = wgmma_source(shipped)
+    cmx._check_config = lambda cfg: None  # decode 4 is not a shipped launch shape
+    try:
+        mx_ablate.main()
+    finally:
+        cmx.CUDA_SOURCE, cmx._check_config = shipped, check
+
+
+if __name__ == "__main__":
+    main()

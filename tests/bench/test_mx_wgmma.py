@@ -1,0 +1,14 @@
+"""bench.gpu.mx_wgmma's decode 4 stays in step with the shipped CUDA MXFP4 GEMV source (no GPU or nvcc needed)."""
+
+from bench.gpu import mx_wgmma
+from k3nn.kernels.moe import cuda_mx_gemv as cm
+
+
+def test_decode4_source_adds_the_wgmma_loop_and_keeps_the_shipped_branches():
+    src = mx_wgmma.wgmma_source(cm.CUDA_SOURCE)
+    assert src.count("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3") == 1
+    assert src.count("#include <cuda_fp8.h>") == 1
+    assert "stream_rows_wg<BMX, NM, RT, KS, U, PF>(" in src
+    assert "} else if (fast && nr < 4) {" in src  # decodes 0 and 1, and decode 4's other CTAs, as shipped
+    assert src.count("__global__") == cm.CUDA_SOURCE.count("__global__")
+    assert mx_wgmma.wgmma_source(cm.CUDA_SOURCE) == src
