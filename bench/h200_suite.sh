@@ -28,6 +28,7 @@ STEPS=(
   "mx-updown|200|$PY -m bench.gpu.mx_updown --tokens 1,4,16 --budget 170"
   "stream-pattern|90|$PY -m bench.gpu.stream_pattern"
   "mx-ablate|300|$PY -m bench.gpu.mx_ablate --tokens 1,4,16 ${K3NN_MX_SOURCES:-}"
+  "mx-wgmma|240|$PY -m bench.gpu.mx_wgmma --tokens 1,4,16 --config 4,2,2,1,1 --config 4,2,2,1,4 --ablations no-loads"
   "attnres-variants|90|$PY -m bench.gpu.attnres"
   "kda-prefill|200|$PY -m bench.kda_prefill --quick"
   "kda-prefill-64k|200|$PY -m bench.kda_prefill --cases 65536:96:lower_bound,65536:32:softplus"
