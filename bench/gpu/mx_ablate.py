@@ -9,7 +9,8 @@ of it, timed side by side (K3 routed experts, 3584 → 3072 gate+up → 3584, to
     no-loads      the register loop's weight loads replaced by values made from their addresses (the arithmetic,
                   staging and epilogue without the weight stream: the SM side's time alone)
 
-and, with ``--ablations``, what a prepared weight layout would buy (timing only: the weights are read as if
+``--ablations NAMES`` picks among these (each timed with every launch shape given), and ``--layouts`` adds what a
+prepared weight layout would buy (timing only: the weights are read as if
 stored that way, so the outputs are wrong):
 
     convert-free  decode 1's bit placement, each half2 then built by a byte permute (PRMT) instead of the
@@ -22,9 +23,9 @@ stored that way, so the outputs are wrong):
     tiled+e5m2    both
 
 ``--loads L2::128B,L2::256B`` times the shipped source with each L2 prefetch size on its weight loads (checked
-variants: the outputs do not change). ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor on each CTA's shared memory (to
-cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the shipped source with each decode
-mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
+variants: the outputs do not change). ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor
+on each CTA's shared memory (to cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the
+shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
 ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an earlier version, expanded by
 ``read_source``) as one more checked variant, built once with the launch shapes after its ``@``s (default: the
 first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its binding (a source with another
@@ -119,7 +120,8 @@ def layout(src: str, name: str) -> str:
     return src
 
 
-_ABLATIONS = {"no-compute": (False, True), "no-staging": (True, False), "stream-only": (False, False),
+#: name -> (compute, staging, loads) kept
+_ABLATIONS = {"no-compute": (False, True, True), "no-staging": (True, False, True), "stream-only": (False, False, True),
               "no-loads": (True, True, False)}
 _LOAD = "ld_stream(wr[m][{}] + b)"
 _FAKE = """__device__ __forceinline__ uint4 fake_load(const uint4* p) {  // mx_ablate no-loads: no memory access
@@ -139,11 +141,17 @@ def layout_variant(src: str, name: str) -> str:
     return ablated(layout(src, base), *_ABLATIONS[abl])
 
 
+def _shape(cfg) -> str:
+    """A launch shape as given on the command line: RT,KS,U,PF,DEC,..."""
+    return ",".join(str(int(v)) for v in cfg)
+
+
 def ablated(src: str, compute: bool, staging: bool, loads: bool = True) -> str:
     if not loads:
         for r in (0, 1):
             src = _swap(src, _LOAD.format(r), _LOAD.format(r).replace("ld_stream", "fake_load"))
-        src = _swap(src, "__device__ __forceinline__ uint32_t word(", _FAKE + "__device__ __forceinline__ uint32_t word(")
+        word = "__device__ __forceinline__ uint32_t word("
+        src = _swap(src, word, _FAKE + word)
     if not compute:
         src = _cut(src, _LOOP_START, _LOOP_END, _FOLD)
     if not staging:
@@ -216,29 +224,28 @@ def main():
     bases = [cmx.CudaGemvConfig(*(int(v) for v in c.split(","))) for c in args.config] or [cmx.DEFAULT_CONFIG]
     base = bases[0]
     decodes = [int(d) for d in args.decodes.split(",") if d]
+    shapes = [b._replace(decode=d) for b in bases for d in decodes or [b.decode]]  # of the shipped source
     variants = []
-    for b in bases:
-        for d in decodes or [b.decode]:
-            cfg = b._replace(decode=d)
-            if len(bases) > 1:  # the launch shape as given: RT,KS,U,PF,DEC
-                name = ",".join(str(int(v)) for v in cfg)
-            else:
-                name = f"source d{d}" if len(decodes) > 1 else "source"
-            variants.append((name, shipped, True, cfg))
+    for cfg in shapes:
+        if len(bases) > 1:
+            name = _shape(cfg)
+        else:
+            name = f"source d{cfg.decode}" if len(decodes) > 1 else "source"
+        variants.append((name, shipped, True, cfg))
     for spec in args.source:
         name, path = spec.split("=", 1)
-        path, *shapes = path.split("@")
+        path, *given = path.split("@")
         text = open(path).read()
         if os.path.exists(path + ".cpp"):  # the source's own binding (e.g. an earlier Args layout)
             text = _Source(text)
             text.cpp = open(path + ".cpp").read()
-        for c in shapes or [",".join(str(int(v)) for v in base)]:
-            variants.append((f"{name} {c}" if shapes else name, text, True,
+        for c in given or [_shape(base)]:
+            variants.append((f"{name} {c}" if given else name, text, True,
                              cmx.CudaGemvConfig(*(int(v) for v in c.split(",")))))
     for hint in (h for h in args.loads.split(",") if h):
         text = load_hint(shipped, hint)
         for b in (b for b in bases if not b.ring):  # a ring's weights arrive by tensor copies, not these loads
-            name = hint if len(bases) == 1 else f"{hint} {','.join(str(int(v)) for v in b)}"
+            name = hint if len(bases) == 1 else f"{hint} {_shape(b)}"
             variants.append((name, text, True, b))
     for spec in args.occupancy:
         name, vals = spec.split("=", 1)
@@ -251,9 +258,8 @@ def main():
             if name not in _ABLATIONS:
                 raise SystemExit(f"mx_ablate: --ablations takes {', '.join(_ABLATIONS)}, got {name!r}")
             text = ablated(shipped, *_ABLATIONS[name])
-            shapes = [b._replace(decode=d) for b in bases for d in decodes or [b.decode]]
             for cfg in shapes:  # with every launch shape timed above
-                label = name if len(shapes) == 1 else f"{name} {','.join(str(int(v)) for v in cfg)}"
+                label = name if len(shapes) == 1 else f"{name} {_shape(cfg)}"
                 variants.append((label, text, False, cfg))
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()

@@ -77,6 +77,12 @@ __device__ __forceinline__ void wg_wait_for(float (&d)[NM][4]) {
 #endif
 }
 
+// decode 1's bit placement of one word: its even and odd E2M1 elements as e4m3 bytes (value * 2^-6)
+__device__ __forceinline__ void e4m3_bytes(uint32_t w, uint32_t& ev, uint32_t& od) {
+  ev = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  od = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
 // E8M0 scales of group gr into acc from a finished accumulator set d
 template <int NM, int RT>
 __device__ __forceinline__ void wg_finish(int gr, const Lane& L, float (&acc)[NM][1][4], float (&d)[NM][4]) {
@@ -103,9 +109,9 @@ __device__ __forceinline__ void group_step_wg(const uint4 (&w)[NM][2], int gr, c
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
-      const uint32_t w0 = word(w[m][0], i), w1 = word(w[m][1], i);
-      const uint32_t e0 = ((w0 << 2) & 0x1C1C1C1Cu) | ((w0 << 4) & 0x80808080u), o0 = ((w0 >> 2) & 0x1C1C1C1Cu) | (w0 & 0x80808080u);
-      const uint32_t e1 = ((w1 << 2) & 0x1C1C1C1Cu) | ((w1 << 4) & 0x80808080u), o1 = ((w1 >> 2) & 0x1C1C1C1Cu) | (w1 & 0x80808080u);
+      uint32_t e0, o0, e1, o1;
+      e4m3_bytes(word(w[m][0], i), e0, o0);
+      e4m3_bytes(word(w[m][1], i), e1, o1);
       wg_mma(d[m], e0, e1, o0, o1, desc0 + (uint64_t)((gr * 4 + i) * 16), i);
     }
   }
@@ -188,9 +194,9 @@ __device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uin
 '''
 
 #: replaces the shipped branch that picks the loop: the B tiles, then the wgmma loop for one-row CTAs
-STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scales, takes wgmma; its B tiles (one per group and
-  // word: 8 columns = blocks 0-3 hi, 0-3 lo; 32 k = lane q's ev / od bytes of block q) after staged rows 0-1
-  const bool wg = DEC == 4 && NT == 4 && nv == 1 && fast && !over;
+STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scales, takes wgmma; its B tiles (one per
+  // group and word: 8 columns = blocks 0-3 hi, 0-3 lo; 32 k = lane q's ev / od bytes of block q) after staged rows 0-1
+  const bool wg = DEC == 4 && NT == 4 && RING == 0 && nv == 1 && fast && !over;
   uint64_t desc0 = 0;
   if constexpr (DEC == 4 && NT == 4) {
     if (wg) {
@@ -219,7 +225,8 @@ STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scale
       stream_rows_wg<BMX, NM, RT, KS, U, PF>(W.cur, W.wr, W.ok0, W.ok1, W.J, W.IT, W.NBLK, L, desc0);
   } else if (fast && nr < 4) {'''
 
-_BEFORE_STREAM = "// The weights' source for steps 5-6: the first register batch (RING 0) or the ring's producer side.\n"
+_BEFORE_STREAM = ("// The weights' source for steps 5-6: the first register batch (RING 0) or the ring's producer "
+                  "side.\n")
 _BRANCH = "  if (fast && nr < 4) {"
 _INCLUDE = "#include <cuda_bf16.h>\n"
 
