@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Decode 4 of the CUDA MXFP4 GEMV, as a checked timing variant: the e4m3 bytes that decode 1 places (seven integer
 operations per 32-bit word) go to ``wgmma`` as its A registers unconverted (``QGMMA m64n8k32``, sm_90a), so the
-loop has no ``F2FP`` converts and a quarter of the tensor-core instructions. Not in the shipped kernel: on the H100 it
-loses with the weight stream on (``docs/perf.md``); this script rebuilds it from the shipped source for the next A/B.
+loop has no ``F2FP`` converts and a quarter of the tensor-core instructions. Not in the shipped kernel: it loses
+with the weight stream on, on the H200 and the H100, from registers and from the ring (``docs/perf.md``); this
+script keeps it reproducible.
 
 What it adds to :data:`k3nn.kernels.moe.cuda_mx_gemv.CUDA_SOURCE` (decode 4 only; other decodes compile as shipped):
 
@@ -15,6 +16,9 @@ What it adds to :data:`k3nn.kernels.moe.cuda_mx_gemv.CUDA_SOURCE` (decode 4 only
   group's accumulators get their E8M0 scales while this group runs (two sets alternate). The loop bounds and the
   K slice come through a shuffle, so ptxas sees the ``wgmma`` on a warp-uniform path and does not serialize them.
 - Lanes q and q ^ 2 hold the hi and lo sums of the same blocks; the reduction adds them (one more shuffle).
+- Ring launches (``ring`` > 0) with decode 4 take the same group step from the ring's slots
+  (:func:`stream_ring_wg`): weights reach registers by shared-memory loads only. Their B tiles follow the slots and
+  barriers (the launcher adds G KB), so any staged row count works.
 
 Run on an sm_90 GPU (builds for sm_90a)::
 
@@ -191,16 +195,98 @@ __device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uin
   reduce_wg<BMX, NM, RT>(acc, L);
 }
 
+// mbar_wait with a warp vote as the loop condition, so that ptxas sees the wgmmas after it on a uniform path
+__device__ __forceinline__ void mbar_wait_uniform(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  } while (!__all_sync(0xFFFFFFFFu, done));
+#endif
+}
+
+// the ring's chunk j (U groups) through group_step_wg; group u's accumulator set is d[(P + u) & 1]
+template <int P, int NM, int RT, int KS, int U, int RING>
+__device__ __forceinline__ void ring_chunk_wg(const RingFill<NM, U, RING>& rf, int j, int JC, int G, int ks,
+                                              const Lane& L, float (&acc)[NM][1][4], float (&d)[2][NM][4],
+                                              int& prev, uint64_t desc0) {
+  using R = Ring<NM, U, RING>;
+  const int slot = j % RING, c = ks + KS * j;
+  mbar_wait_uniform(rf.bar + slot, (unsigned)(j / RING) & 1u);
+  const uint8_t* st = rf.ring + slot * R::SLOT;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (c * U + u < G) {
+      uint4 w[NM][2];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        w[m][0] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g) * R::CB + (4 * u + L.q) * 16);
+        w[m][1] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g + 8) * R::CB + (4 * u + L.q) * 16);
+      }
+      group_step_wg<NM, RT>(w, c * U + u, L, acc, d[(P + u) & 1], d[(P + u + 1) & 1], prev, desc0);
+      prev = c * U + u;
+    }
+  }
+  __syncwarp();  // every lane has read the slot
+  if (j + RING < JC && (threadIdx.x & 31) == 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    rf.issue(slot, ks + KS * (j + RING));
+  }
+}
+
+// decode 4 from the weight ring: the weights reach registers by shared-memory loads only, so no global load is in
+// flight at a warpgroup.arrive; chunks go two at a time, so that every accumulator set's index is a constant
+template <int BMX, int NM, int RT, int KS, int U, int RING>
+__device__ __forceinline__ void stream_ring_wg(const RingFill<NM, U, RING>& rf, int JC, int G, const Lane& L,
+                                               uint64_t desc0) {
+  float acc[NM][1][4], d[2][NM][4];
+  zero(acc);
+  JC = __shfl_sync(0xFFFFFFFFu, JC, 0);
+  G = __shfl_sync(0xFFFFFFFFu, G, 0);
+  const int ks = __shfl_sync(0xFFFFFFFFu, L.ks, 0);
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) d[x][m][k] = 0.f;
+  int prev = -1;
+#pragma unroll 1
+  for (int j = 0; j < JC; j += 2) {
+    ring_chunk_wg<0, NM, RT, KS, U, RING>(rf, j, JC, G, ks, L, acc, d, prev, desc0);
+    if (j + 1 < JC) ring_chunk_wg<U & 1, NM, RT, KS, U, RING>(rf, j + 1, JC, G, ks, L, acc, d, prev, desc0);
+  }
+  // the groups run (only the last chunk can be partial): the last one's accumulator set by parity
+  int n = 0;
+  for (int j = 0; j < JC; ++j) n += min(U, G - (ks + KS * j) * U);
+  // (the wait on every path, also with no group: a path without it would have ptxas serialize the wgmmas)
+  if ((n - 1) & 1) {
+    wg_wait_for<0, NM>(d[1]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[1]);
+  } else {
+    wg_wait_for<0, NM>(d[0]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[0]);
+  }
+  reduce_wg<BMX, NM, RT>(acc, L);
+}
+
 '''
 
 #: replaces the shipped branch that picks the loop: the B tiles, then the wgmma loop for one-row CTAs
 STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scales, takes wgmma; its B tiles (one per
   // group and word: 8 columns = blocks 0-3 hi, 0-3 lo; 32 k = lane q's ev / od bytes of block q) after staged rows 0-1
-  const bool wg = DEC == 4 && NT == 4 && RING == 0 && nv == 1 && fast && !over;
+  // (the ring: after its slots and barriers, where the launcher adds G KB)
+  // (uniform by construction; through a shuffle so that ptxas sees it, as the wgmmas need)
+  const bool wg = __shfl_sync(0xFFFFFFFFu, (int)(DEC == 4 && (NT == 4 || RING > 0) && nv == 1 && fast && !over), 0);
   uint64_t desc0 = 0;
-  if constexpr (DEC == 4 && NT == 4) {
+  if constexpr (DEC == 4 && (NT == 4 || RING > 0)) {
     if (wg) {
-      uint8_t* bt = reinterpret_cast<uint8_t*>(act + 2 * ASTR);
+      uint8_t* bt = RING > 0 ? smem + wg_tiles_off<NT, RT, KS, U, RING, GLU>(G)
+                             : reinterpret_cast<uint8_t*>(act + 2 * ASTR);
       for (int x = tid; x < G * 4 * 16; x += NTHR) reinterpret_cast<uint4*>(bt)[x] = make_uint4(0u, 0u, 0u, 0u);
       __syncthreads();
       for (int p = tid; p < G * 128; p += NTHR) {  // activation p of row 0: block 4gr + j, word i, pair r, half
@@ -223,8 +309,21 @@ STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scale
   if (wg) {
     if constexpr (DEC == 4 && NT == 4 && RING == 0)
       stream_rows_wg<BMX, NM, RT, KS, U, PF>(W.cur, W.wr, W.ok0, W.ok1, W.J, W.IT, W.NBLK, L, desc0);
+    if constexpr (DEC == 4 && RING > 0) stream_ring_wg<BMX, NM, RT, KS, U, RING>(W.rf, W.JC, W.G, L, desc0);
   } else if (fast && nr < 4) {'''
 
+#: where a ring launch keeps decode 4's B tiles (after the slots and barriers), and the launch's shared memory with them
+TILES_CODE = r'''
+template <int NT, int RT, int KS, int U, int RING, bool GLU>
+__host__ __device__ __forceinline__ size_t wg_tiles_off(int G) {
+  using S = Smem<NT, RT, KS, GLU>;
+  return (S::total(G, RING, Ring<S::NM, U, (RING > 0 ? RING : 1)>::SLOT) + 127) & ~(size_t)127;
+}
+'''
+_LAUNCH_SMEM = "  const size_t smem = S::total(G, RING, Ring<S::NM, U, RING>::SLOT);\n"
+_LAUNCH_SMEM_WG = ("  const size_t smem = DEC == 4 && RING > 0\n"
+                   "      ? wg_tiles_off<NT, RT, KS, U, RING, GLU>(G) + (size_t)G * 1024\n"
+                   "      : S::total(G, RING, Ring<S::NM, U, RING>::SLOT);\n")
 _BEFORE_STREAM = ("// The weights' source for steps 5-6: the first register batch (RING 0) or the ring's producer "
                   "side.\n")
 _BRANCH = "  if (fast && nr < 4) {"
@@ -233,7 +332,8 @@ _INCLUDE = "#include <cuda_bf16.h>\n"
 
 def wgmma_source(src: str = cmx.CUDA_SOURCE) -> str:
     """``src`` (the shipped kernel source) with decode 4."""
-    src = mx_ablate._swap(src, _BEFORE_STREAM, WGMMA_CODE + _BEFORE_STREAM)
+    src = mx_ablate._swap(src, _BEFORE_STREAM, WGMMA_CODE + TILES_CODE + _BEFORE_STREAM)
+    src = mx_ablate._swap(src, _LAUNCH_SMEM, _LAUNCH_SMEM_WG)
     src = mx_ablate._swap(src, _INCLUDE, _INCLUDE + "#include <cuda_fp8.h>\n")
     return mx_ablate._swap(src, _BRANCH, STAGE_CODE)
 

@@ -11,3 +11,11 @@ def test_decode4_source_adds_the_wgmma_loop_and_keeps_the_shipped_branches():
     assert "stream_rows_wg<BMX, NM, RT, KS, U, PF>(" in src
     assert "} else if (fast && nr < 4) {" in src  # decodes 0 and 1, and decode 4's other CTAs, as shipped
     assert src.count("__global__") == cm.CUDA_SOURCE.count("__global__")
+
+
+def test_decode4_ring_launch_sizes_shared_memory_for_the_b_tiles():
+    src = mx_wgmma.wgmma_source(cm.CUDA_SOURCE)
+    assert "stream_ring_wg<BMX, NM, RT, KS, U, RING>(W.rf, W.JC, W.G, L, desc0)" in src
+    assert mx_wgmma._LAUNCH_SMEM not in src and src.count(mx_wgmma._LAUNCH_SMEM_WG) == 1
+    # the kernel and the launcher place the tiles after the slots and barriers that the shipped Smem::total counts
+    assert src.index("size_t wg_tiles_off(int G)") < src.index("mx_gemv_kernel(const Args p")
