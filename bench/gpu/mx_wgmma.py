@@ -16,21 +16,26 @@ What it adds to :data:`k3nn.kernels.moe.cuda_mx_gemv.CUDA_SOURCE` (decode 4 only
   group's accumulators get their E8M0 scales while this group runs (two sets alternate). The loop bounds and the
   K slice come through a shuffle, so ptxas sees the ``wgmma`` on a warp-uniform path and does not serialize them.
 - Lanes q and q ^ 2 hold the hi and lo sums of the same blocks; the reduction adds them (one more shuffle).
-- Ring launches (``ring`` > 0) with decode 4 take the same group step from the ring's slots
-  (:func:`stream_ring_wg`): weights reach registers by shared-memory loads only. Their B tiles follow the slots and
-  barriers (the launcher adds G KB), so any staged row count works.
+- Ring launches (``ring`` > 0) with decode 4 take the same group step from a ring per warpgroup
+  (:func:`stream_ring_wg`): its first warp fills slots of the warpgroup's 64 rows (64-row tensor-map boxes), all
+  four warps wait on one barrier per slot and release it with a named barrier, and the weights reach registers by
+  shared-memory loads only. Their B tiles follow the slots and barriers (the launcher adds G KB). Such a launch runs
+  only CTAs of one-row blocks with fast scales (every CTA at one token); any other CTA traps.
 
 Run on an sm_90 GPU (builds for sm_90a)::
 
     python3 -m bench.gpu.mx_wgmma --tokens 1,4 --config 4,2,2,1,1 --config 4,2,2,1,4 --ablations no-loads
 
-Every argument goes to :mod:`bench.gpu.mx_ablate`, whose shipped source is this one for the run: decode 1 configs
-time the shipped path, decode 4 configs this one, and ``--ablations no-loads`` gives each one's SM-side time.
+``python3 -m bench.gpu.mx_wgmma launches`` runs eager one-token launches of decode 1 and decode 4 for a profiler
+(:func:`launches`). Every other argument goes to :mod:`bench.gpu.mx_ablate`, whose shipped source is this one for
+the run: decode 1 configs time the shipped path, decode 4 configs this one, and ``--ablations no-loads`` gives each
+one's SM-side time.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from k3nn.kernels.moe import cuda_mx_gemv as cmx
 
@@ -207,6 +212,24 @@ __device__ __forceinline__ void mbar_wait_uniform(uint64_t* bar, unsigned parity
 #endif
 }
 
+// decode 4's ring is one per warpgroup: its first warp's lane 0 fills slots of the warpgroup's 64 rows (one tile
+// copy per matrix: [NM][64][CB] bytes, four warps' slots of the shipped ring), and all four warps wait on the same
+// barrier, as the wgmmas make them wait for one another anyway
+template <int NM, int U, int RING>
+__device__ __forceinline__ void wg_ring_issue(const RingFill<NM, U, RING>& rf, int slot, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using R = Ring<NM, U, RING>;
+  const uint32_t b = smem_u32(rf.bar + slot);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(4 * R::SLOT) : "memory");
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];" ::"r"(smem_u32(rf.ring + slot * 4 * R::SLOT + m * 64 * R::CB)), "l"(rf.tm[m]), "r"(c * R::CB),
+        "r"(rf.row), "r"(rf.e), "r"(b) : "memory");
+#endif
+}
+
 // the ring's chunk j (U groups) through group_step_wg; group u's accumulator set is d[(P + u) & 1]
 template <int P, int NM, int RT, int KS, int U, int RING>
 __device__ __forceinline__ void ring_chunk_wg(const RingFill<NM, U, RING>& rf, int j, int JC, int G, int ks,
@@ -215,31 +238,33 @@ __device__ __forceinline__ void ring_chunk_wg(const RingFill<NM, U, RING>& rf, i
   using R = Ring<NM, U, RING>;
   const int slot = j % RING, c = ks + KS * j;
   mbar_wait_uniform(rf.bar + slot, (unsigned)(j / RING) & 1u);
-  const uint8_t* st = rf.ring + slot * R::SLOT;
+  const uint8_t* st = rf.ring + slot * 4 * R::SLOT;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (c * U + u < G) {
       uint4 w[NM][2];
 #pragma unroll
       for (int m = 0; m < NM; ++m) {
-        w[m][0] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g) * R::CB + (4 * u + L.q) * 16);
-        w[m][1] = *reinterpret_cast<const uint4*>(st + (m * 16 + L.g + 8) * R::CB + (4 * u + L.q) * 16);
+        const uint8_t* r0 = st + (m * 64 + L.rt * 16 + L.g) * R::CB + (4 * u + L.q) * 16;
+        w[m][0] = *reinterpret_cast<const uint4*>(r0);
+        w[m][1] = *reinterpret_cast<const uint4*>(r0 + 8 * R::CB);
       }
       group_step_wg<NM, RT>(w, c * U + u, L, acc, d[(P + u) & 1], d[(P + u + 1) & 1], prev, desc0);
       prev = c * U + u;
     }
   }
-  __syncwarp();  // every lane has read the slot
-  if (j + RING < JC && (threadIdx.x & 31) == 0) {
+  // the warpgroup's four warps have read the slot (named barrier 1 + warpgroup), then its first lane refills it
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory");
+  if (j + RING < JC && (threadIdx.x & 127) == 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
-    rf.issue(slot, ks + KS * (j + RING));
+    wg_ring_issue<NM, U, RING>(rf, slot, ks + KS * (j + RING));
   }
 }
 
-// decode 4 from the weight ring: the weights reach registers by shared-memory loads only, so no global load is in
-// flight at a warpgroup.arrive; chunks go two at a time, so that every accumulator set's index is a constant
+// decode 4 from the warpgroup's ring: the weights reach registers by shared-memory loads only, so no global load is
+// in flight at a warpgroup.arrive; chunks go two at a time, so that every accumulator set's index is a constant
 template <int BMX, int NM, int RT, int KS, int U, int RING>
 __device__ __forceinline__ void stream_ring_wg(const RingFill<NM, U, RING>& rf, int JC, int G, const Lane& L,
                                                uint64_t desc0) {
@@ -276,6 +301,52 @@ __device__ __forceinline__ void stream_ring_wg(const RingFill<NM, U, RING>& rf, 
 
 '''
 
+#: the ring's prologue for decode 4: slots and barriers per warpgroup (its first warp fills them), 64-row boxes
+_RING_PROLOGUE = """    W.rf.ring = smem + S::ring_off(G) + warp * R::WARP;
+    W.rf.bar = reinterpret_cast<uint64_t*>(smem + S::ring_off(G) + (NTHR / 32) * R::WARP) + warp * RING;
+    W.rf.tm[0] = &tm1;
+    if constexpr (GLU) W.rf.tm[NM - 1] = &tm3;
+    W.rf.row = n0 + rt * 16;
+    W.rf.e = e;
+    if (lane < RING) mbar_init(W.rf.bar + lane, 1);
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RING; ++j)
+        if (j < W.JC) W.rf.issue(j, ks + KS * j);
+    }
+"""
+_RING_PROLOGUE_WG = """    constexpr bool WGR = DEC == 4;  // one ring per warpgroup (decode 4), else per warp
+    const int owner = WGR ? warp >> 2 : warp;
+    W.rf.ring = smem + S::ring_off(G) + owner * (WGR ? 4 : 1) * R::WARP;
+    W.rf.bar = reinterpret_cast<uint64_t*>(smem + S::ring_off(G) + (NTHR / 32) * R::WARP) + owner * RING;
+    W.rf.tm[0] = &tm1;
+    if constexpr (GLU) W.rf.tm[NM - 1] = &tm3;
+    W.rf.row = n0 + (WGR ? 0 : rt * 16);
+    W.rf.e = e;
+    const bool filler = !WGR || (warp & 3) == 0;
+    if (filler && lane < RING) mbar_init(W.rf.bar + lane, 1);
+    __syncwarp();
+    if (filler && lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RING; ++j) {
+        if (j < W.JC) {
+          if constexpr (WGR) wg_ring_issue<NM, U, RING>(W.rf, j, ks + KS * j);
+          else W.rf.issue(j, ks + KS * j);
+        }
+      }
+    }
+"""
+_WEIGHT_MAP = ("static cudaError_t weight_map(CUtensorMap* m, const uint8_t* base, const Args& p, int E, int box) {",
+               "static cudaError_t weight_map(CUtensorMap* m, const uint8_t* base, const Args& p, int E, int box,\n"
+               "                              unsigned rows = 16u) {")
+_BOX = ("const cuuint32_t boxd[3] = {(cuuint32_t)box, 16u, 1u}",
+        "const cuuint32_t boxd[3] = {(cuuint32_t)box, rows, 1u}")
+_MAPS = (("weight_map(&tm1, p.w1, p, E, Ring<S::NM, U, RING>::CB)",
+          "weight_map(&tm1, p.w1, p, E, Ring<S::NM, U, RING>::CB, DEC == 4 ? 64u : 16u)"),
+         ("weight_map(&tm3, p.w3, p, E, Ring<S::NM, U, RING>::CB)",
+          "weight_map(&tm3, p.w3, p, E, Ring<S::NM, U, RING>::CB, DEC == 4 ? 64u : 16u)"))
+
 #: replaces the shipped branch that picks the loop: the B tiles, then the wgmma loop for one-row CTAs
 STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scales, takes wgmma; its B tiles (one per
   // group and word: 8 columns = blocks 0-3 hi, 0-3 lo; 32 k = lane q's ev / od bytes of block q) after staged rows 0-1
@@ -310,6 +381,8 @@ STAGE_CODE = r'''  // decode 4: a CTA whose block holds one row, with fast scale
     if constexpr (DEC == 4 && NT == 4 && RING == 0)
       stream_rows_wg<BMX, NM, RT, KS, U, PF>(W.cur, W.wr, W.ok0, W.ok1, W.J, W.IT, W.NBLK, L, desc0);
     if constexpr (DEC == 4 && RING > 0) stream_ring_wg<BMX, NM, RT, KS, U, RING>(W.rf, W.JC, W.G, L, desc0);
+  } else if (DEC == 4 && RING > 0) {
+    __trap();  // the warpgroup ring runs decode 4 only: one-row blocks with fast scales (every CTA at one token)
   } else if (fast && nr < 4) {'''
 
 #: where a ring launch keeps decode 4's B tiles (after the slots and barriers), and the launch's shared memory with them
@@ -334,8 +407,38 @@ def wgmma_source(src: str = cmx.CUDA_SOURCE) -> str:
     """``src`` (the shipped kernel source) with decode 4."""
     src = mx_ablate._swap(src, _BEFORE_STREAM, WGMMA_CODE + TILES_CODE + _BEFORE_STREAM)
     src = mx_ablate._swap(src, _LAUNCH_SMEM, _LAUNCH_SMEM_WG)
+    src = mx_ablate._swap(src, _RING_PROLOGUE, _RING_PROLOGUE_WG)
+    for old, new in (_WEIGHT_MAP, _BOX) + _MAPS:
+        src = mx_ablate._swap(src, old, new)
     src = mx_ablate._swap(src, _INCLUDE, _INCLUDE + "#include <cuda_fp8.h>\n")
     return mx_ablate._swap(src, _BRANCH, STAGE_CODE)
+
+
+def launches(rounds: int = 3) -> None:
+    """Eager one-token launches for a profiler, ``rounds`` times: decode 1 up, decode 1 down, decode 4 up, decode 4
+    down (register loop ``4,2,2,1,x,0``, 128 experts, top-16), so ``ncu --kernel-name regex:mx_gemv_kernel
+    --launch-skip 8 --launch-count 4`` sees the third, warm round."""
+    import torch
+
+    from k3nn.kernels.moe.align import align_for
+
+    from bench.gpu.moe_mx import BETA, D, I, LIN, TOPK, make_weights
+
+    dev, experts = torch.device("cuda"), 128
+    q1, q3, q2 = make_weights(dev, experts)
+    g = torch.Generator(device=dev).manual_seed(1)
+    z = torch.randn(1, D, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.randn(1, experts, device=dev, generator=g).topk(TOPK, dim=1).indices
+    al = align_for(ids, experts, cmx.cuda_block_m(TOPK, experts))
+    cfgs = tuple(cmx.CudaGemvConfig(4, 2, 2, True, dec, 0) for dec in (1, 4))
+    mc = (cfgs, ("bf16",))
+    h = torch.empty(al.expert_ids.numel() * al.block_m, I, dtype=z.dtype, device=dev)
+    y = torch.empty(TOPK, D, dtype=z.dtype, device=dev)
+    for _ in range(rounds):
+        for cfg in cfgs:
+            cmx._launch(mc, cfg, True, z, q1, q3, h, al, TOPK, TOPK, True, 1, True, BETA, LIN)
+            cmx._launch(mc, cfg, False, h, q2, q2, y, al, TOPK, TOPK, False, 1, True, BETA, LIN, False)
+        torch.cuda.synchronize()
 
 
 def main():
@@ -344,7 +447,10 @@ def main():
     cmx.CUDA_SOURCE = wgmma_source(shipped)
     cmx._check_config = lambda cfg: None  # decode 4 is not a shipped launch shape
     try:
-        mx_ablate.main()
+        if sys.argv[1:] == ["launches"]:
+            launches()
+        else:
+            mx_ablate.main()
     finally:
         cmx.CUDA_SOURCE, cmx._check_config = shipped, check
 

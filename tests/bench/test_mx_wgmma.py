@@ -19,3 +19,11 @@ def test_decode4_ring_launch_sizes_shared_memory_for_the_b_tiles():
     assert mx_wgmma._LAUNCH_SMEM not in src and src.count(mx_wgmma._LAUNCH_SMEM_WG) == 1
     # the kernel and the launcher place the tiles after the slots and barriers that the shipped Smem::total counts
     assert src.index("size_t wg_tiles_off(int G)") < src.index("mx_gemv_kernel(const Args p")
+
+
+def test_decode4_ring_is_one_per_warpgroup_with_64_row_boxes():
+    src = mx_wgmma.wgmma_source(cm.CUDA_SOURCE)
+    assert mx_wgmma._RING_PROLOGUE not in src and src.count(mx_wgmma._RING_PROLOGUE_WG) == 1
+    assert src.count("DEC == 4 ? 64u : 16u") == 2  # both matrices' tensor maps
+    assert "unsigned rows = 16u" in src and "{(cuuint32_t)box, rows, 1u}" in src
+    assert 'bar.sync %0, 128;' in src  # the four warps release a slot together
