@@ -148,22 +148,42 @@ __device__ __forceinline__ void reduce_wg(const float (&acc)[NM][1][4], const La
   }
 }
 
-template <int BMX, int NM, int RT, int KS, int U, int PF>
-__device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
-                                               bool ok1, int J, int IT, int NBLK, const Lane& L, uint64_t desc0) {
-  uint4 nxt[U][NM][2];
-  float acc[NM][1][4], d[2][NM][4];
+// a loop's start: no scaled sums, both accumulator sets zero
+template <int NM>
+__device__ __forceinline__ void wg_begin(float (&acc)[NM][1][4], float (&d)[2][NM][4]) {
   zero(acc);
-  // warp-uniform loop bounds and group index (from a shuffle), so that ptxas sees the wgmmas on a uniform path
-  J = __shfl_sync(0xFFFFFFFFu, J, 0);
-  IT = __shfl_sync(0xFFFFFFFFu, IT, 0);
-  const int ks = __shfl_sync(0xFFFFFFFFu, L.ks, 0);
 #pragma unroll
   for (int x = 0; x < 2; ++x)
 #pragma unroll
     for (int m = 0; m < NM; ++m)
 #pragma unroll
       for (int k = 0; k < 4; ++k) d[x][m][k] = 0.f;
+}
+
+// a loop's end: wait for every group, then the last one's scales (set d[last], group prev; none when prev < 0). The
+// wait runs on every path, also with no group: a path without it would have ptxas serialize the wgmmas
+template <int NM, int RT>
+__device__ __forceinline__ void wg_drain(int last, int prev, const Lane& L, float (&acc)[NM][1][4],
+                                         float (&d)[2][NM][4]) {
+  if (last) {
+    wg_wait_for<0, NM>(d[1]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[1]);
+  } else {
+    wg_wait_for<0, NM>(d[0]);
+    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[0]);
+  }
+}
+
+template <int BMX, int NM, int RT, int KS, int U, int PF>
+__device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uint4* (&wr)[NM][2], bool ok0,
+                                               bool ok1, int J, int IT, int NBLK, const Lane& L, uint64_t desc0) {
+  uint4 nxt[U][NM][2];
+  float acc[NM][1][4], d[2][NM][4];
+  wg_begin(acc, d);
+  // warp-uniform loop bounds and group index (from a shuffle), so that ptxas sees the wgmmas on a uniform path
+  J = __shfl_sync(0xFFFFFFFFu, J, 0);
+  IT = __shfl_sync(0xFFFFFFFFu, IT, 0);
+  const int ks = __shfl_sync(0xFFFFFFFFu, L.ks, 0);
   int prev = -1;
 #pragma unroll 1
   for (int it = 0; it < IT; ++it) {
@@ -190,13 +210,7 @@ __device__ __forceinline__ void stream_rows_wg(uint4 (&cur)[U][NM][2], const uin
         }
     }
   }
-  if ((J - 1) & 1) {
-    wg_wait_for<0, NM>(d[1]);
-    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[1]);
-  } else {
-    wg_wait_for<0, NM>(d[0]);
-    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[0]);
-  }
+  wg_drain<NM, RT>((J - 1) & 1, prev, L, acc, d);
   reduce_wg<BMX, NM, RT>(acc, L);
 }
 
@@ -269,16 +283,10 @@ template <int BMX, int NM, int RT, int KS, int U, int RING>
 __device__ __forceinline__ void stream_ring_wg(const RingFill<NM, U, RING>& rf, int JC, int G, const Lane& L,
                                                uint64_t desc0) {
   float acc[NM][1][4], d[2][NM][4];
-  zero(acc);
+  wg_begin(acc, d);
   JC = __shfl_sync(0xFFFFFFFFu, JC, 0);
   G = __shfl_sync(0xFFFFFFFFu, G, 0);
   const int ks = __shfl_sync(0xFFFFFFFFu, L.ks, 0);
-#pragma unroll
-  for (int x = 0; x < 2; ++x)
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) d[x][m][k] = 0.f;
   int prev = -1;
 #pragma unroll 1
   for (int j = 0; j < JC; j += 2) {
@@ -288,34 +296,15 @@ __device__ __forceinline__ void stream_ring_wg(const RingFill<NM, U, RING>& rf, 
   // the groups run (only the last chunk can be partial): the last one's accumulator set by parity
   int n = 0;
   for (int j = 0; j < JC; ++j) n += min(U, G - (ks + KS * j) * U);
-  // (the wait on every path, also with no group: a path without it would have ptxas serialize the wgmmas)
-  if ((n - 1) & 1) {
-    wg_wait_for<0, NM>(d[1]);
-    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[1]);
-  } else {
-    wg_wait_for<0, NM>(d[0]);
-    if (prev >= 0) wg_finish<NM, RT>(prev, L, acc, d[0]);
-  }
+  wg_drain<NM, RT>((n - 1) & 1, prev, L, acc, d);
   reduce_wg<BMX, NM, RT>(acc, L);
 }
 
 '''
 
-#: the ring's prologue for decode 4: slots and barriers per warpgroup (its first warp fills them), 64-row boxes
-_RING_PROLOGUE = """    W.rf.ring = smem + S::ring_off(G) + warp * R::WARP;
-    W.rf.bar = reinterpret_cast<uint64_t*>(smem + S::ring_off(G) + (NTHR / 32) * R::WARP) + warp * RING;
-    W.rf.tm[0] = &tm1;
-    if constexpr (GLU) W.rf.tm[NM - 1] = &tm3;
-    W.rf.row = n0 + rt * 16;
-    W.rf.e = e;
-    if (lane < RING) mbar_init(W.rf.bar + lane, 1);
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < RING; ++j)
-        if (j < W.JC) W.rf.issue(j, ks + KS * j);
-    }
-"""
+#: the ring's prologue for decode 4 (slots and barriers per warpgroup, its first warp fills them, 64-row boxes) replaces
+#: the shipped per-warp one, from its first line up to the E8M0 staging
+_RING_PROLOGUE = ("    W.rf.ring = smem + S::ring_off(G) + warp * R::WARP;\n", "  }\n\n  // 2. E8M0 bytes")
 _RING_PROLOGUE_WG = """    constexpr bool WGR = DEC == 4;  // one ring per warpgroup (decode 4), else per warp
     const int owner = WGR ? warp >> 2 : warp;
     W.rf.ring = smem + S::ring_off(G) + owner * (WGR ? 4 : 1) * R::WARP;
@@ -407,7 +396,7 @@ def wgmma_source(src: str = cmx.CUDA_SOURCE) -> str:
     """``src`` (the shipped kernel source) with decode 4."""
     src = mx_ablate._swap(src, _BEFORE_STREAM, WGMMA_CODE + TILES_CODE + _BEFORE_STREAM)
     src = mx_ablate._swap(src, _LAUNCH_SMEM, _LAUNCH_SMEM_WG)
-    src = mx_ablate._swap(src, _RING_PROLOGUE, _RING_PROLOGUE_WG)
+    src = mx_ablate._cut(src, *_RING_PROLOGUE, _RING_PROLOGUE_WG)
     for old, new in (_WEIGHT_MAP, _BOX) + _MAPS:
         src = mx_ablate._swap(src, old, new)
     src = mx_ablate._swap(src, _INCLUDE, _INCLUDE + "#include <cuda_fp8.h>\n")

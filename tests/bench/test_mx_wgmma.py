@@ -23,7 +23,7 @@ def test_decode4_ring_launch_sizes_shared_memory_for_the_b_tiles():
 
 def test_decode4_ring_is_one_per_warpgroup_with_64_row_boxes():
     src = mx_wgmma.wgmma_source(cm.CUDA_SOURCE)
-    assert mx_wgmma._RING_PROLOGUE not in src and src.count(mx_wgmma._RING_PROLOGUE_WG) == 1
+    assert "W.rf.row = n0 + rt * 16;" not in src and src.count(mx_wgmma._RING_PROLOGUE_WG) == 1
     assert src.count("DEC == 4 ? 64u : 16u") == 2  # both matrices' tensor maps
     assert "unsigned rows = 16u" in src and "{(cuuint32_t)box, rows, 1u}" in src
     assert 'bar.sync %0, 128;' in src  # the four warps release a slot together
