@@ -194,6 +194,17 @@ def occupancy(src: str, floor_kb: int, carveout: int) -> str:
     return src
 
 
+_MIN_BLOCKS = "MinBlocks<32 * RT * KS>::value"
+
+
+def min_blocks(src: str, n: int) -> str:
+    """``src`` whose kernels ask ptxas for ``n`` resident CTAs per SM (``__launch_bounds__``'s second argument:
+    at most 65536 / (n · threads) registers per thread) instead of ``MinBlocks``' 512 threads per SM."""
+    if n < 1:
+        raise ValueError(f"mx_ablate: --min-blocks takes positive CTA counts, got {n}")
+    return _swap(src, _MIN_BLOCKS, str(n))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,16")
@@ -212,6 +223,9 @@ def main():
     ap.add_argument("--occupancy", action="append", default=[], metavar="NAME=FLOOR_KB,CARVEOUT",
                     help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
                     "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
+    ap.add_argument("--min-blocks", default="", help="resident CTAs per SM to compile the shipped source for, "
+                    "comma-separated, each optionally with +ABLATION (e.g. 3,3+no-loads); timed with every launch "
+                    "shape")
     ap.add_argument("--block-m", default="", help="alignment rows per block to time side by side: numbers, or "
                     "'tokens' (the smallest of 2, 4, 8 that holds T; default: cuda_block_m's)")
     args = ap.parse_args()
@@ -251,6 +265,17 @@ def main():
         name, vals = spec.split("=", 1)
         floor_kb, carveout = (int(v) for v in vals.split(","))
         variants.append((name, occupancy(shipped, floor_kb, carveout), True, base))
+    for spec in (s for s in args.min_blocks.split(",") if s):
+        n, _, abl = spec.partition("+")
+        text = min_blocks(shipped, int(n))
+        if abl:
+            if abl not in _ABLATIONS:
+                raise SystemExit(f"mx_ablate: --min-blocks takes N+ABLATION with {', '.join(_ABLATIONS)}, "
+                                 f"got {spec!r}")
+            text = ablated(text, *_ABLATIONS[abl])
+        for cfg in shapes:
+            label = f"min{spec}" if len(shapes) == 1 else f"min{spec} {_shape(cfg)}"
+            variants.append((label, text, not abl, cfg))
     for name in (n for n in args.layouts.split(",") if n):
         variants.append((name, layout_variant(shipped, name), False, base))
     if not args.no_ablations:

@@ -57,3 +57,11 @@ def test_no_loads_replaces_the_weight_loads_only():
     src = mx_ablate.ablated(cm.CUDA_SOURCE, True, True, False)
     assert src.count("fake_load(wr[m][") == 2 and "ld_stream(wr[m][" not in src
     assert "ld.global.nc.L1::no_allocate.v4.u32" in src  # ld_stream itself stays (unused by the loop)
+
+
+def test_min_blocks_sets_the_launch_bounds():
+    src = mx_ablate.min_blocks(cm.CUDA_SOURCE, 3)
+    assert "__launch_bounds__(32 * RT * KS, 3)" in src
+    assert "MinBlocks<32 * RT * KS>::value" not in src
+    with pytest.raises(ValueError, match="positive"):
+        mx_ablate.min_blocks(cm.CUDA_SOURCE, 0)
