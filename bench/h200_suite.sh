@@ -28,6 +28,7 @@ STEPS=(
   "mx-updown|200|$PY -m bench.gpu.mx_updown --tokens 1,4,16 --budget 170"
   "stream-pattern|90|$PY -m bench.gpu.stream_pattern"
   "mx-ablate|300|$PY -m bench.gpu.mx_ablate --tokens 1,4,16 ${K3NN_MX_SOURCES:-}"
+  "mx-next|200|$PY -m bench.gpu.mx_ablate --tokens 4,16 --no-ablations --config 4,2,2,0,1,2 --config 4,2,2,1,1,0 --block-m 4,8 --min-blocks 4"
   "mx-wgmma|240|$PY -m bench.gpu.mx_wgmma --tokens 1,4,16 --config 4,2,2,1,1 --config 4,2,2,1,4 --ablations no-loads"
   "attnres-variants|90|$PY -m bench.gpu.attnres"
   "kda-prefill|200|$PY -m bench.kda_prefill --quick"
