@@ -24,8 +24,9 @@ stored that way, so the outputs are wrong):
 
 ``--loads L2::128B,L2::256B`` times the shipped source with each L2 prefetch size on its weight loads (checked
 variants: the outputs do not change). ``--occupancy NAME=FLOOR_KB,CARVEOUT`` times the shipped source with a floor
-on each CTA's shared memory (to cap CTAs per SM) and a fixed L1 / shared carveout. ``--decodes 0,1`` times the
-shipped source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
+on each CTA's shared memory (to cap CTAs per SM) and a fixed L1 / shared carveout. ``--min-blocks 3,4`` compiles it
+for that many resident CTAs per SM (``__launch_bounds__``'s second argument). ``--decodes 0,1`` times the shipped
+source with each decode mode (``CudaGemvConfig.decode``), ``--no-ablations`` leaves the ablated copies out.
 ``--source NAME=PATH[@RT,KS,U,PF,DEC...]`` adds a complete kernel source (e.g. an earlier version, expanded by
 ``read_source``) as one more checked variant, built once with the launch shapes after its ``@``s (default: the
 first ``--config``) and timed with each; a ``PATH.cpp`` beside it is built as its binding (a source with another
@@ -141,6 +142,11 @@ def layout_variant(src: str, name: str) -> str:
     return ablated(layout(src, base), *_ABLATIONS[abl])
 
 
+def _label(name: str, cfg, shapes) -> str:
+    """A variant's name, with its launch shape when several are timed."""
+    return name if len(shapes) == 1 else f"{name} {_shape(cfg)}"
+
+
 def _shape(cfg) -> str:
     """A launch shape as given on the command line: RT,KS,U,PF,DEC,..."""
     return ",".join(str(int(v)) for v in cfg)
@@ -224,8 +230,7 @@ def main():
                     help="the shipped source with at least FLOOR_KB of shared memory per CTA and CARVEOUT %% of "
                     "L1 as shared memory (-1: the driver's choice), as one more checked variant; repeatable")
     ap.add_argument("--min-blocks", default="", help="resident CTAs per SM to compile the shipped source for, "
-                    "comma-separated, each optionally with +ABLATION (e.g. 3,3+no-loads); timed with every launch "
-                    "shape")
+                    "comma-separated (e.g. 3,4); each timed with every launch shape")
     ap.add_argument("--block-m", default="", help="alignment rows per block to time side by side: numbers, or "
                     "'tokens' (the smallest of 2, 4, 8 that holds T; default: cuda_block_m's)")
     args = ap.parse_args()
@@ -265,17 +270,10 @@ def main():
         name, vals = spec.split("=", 1)
         floor_kb, carveout = (int(v) for v in vals.split(","))
         variants.append((name, occupancy(shipped, floor_kb, carveout), True, base))
-    for spec in (s for s in args.min_blocks.split(",") if s):
-        n, _, abl = spec.partition("+")
-        text = min_blocks(shipped, int(n))
-        if abl:
-            if abl not in _ABLATIONS:
-                raise SystemExit(f"mx_ablate: --min-blocks takes N+ABLATION with {', '.join(_ABLATIONS)}, "
-                                 f"got {spec!r}")
-            text = ablated(text, *_ABLATIONS[abl])
+    for n in (int(v) for v in args.min_blocks.split(",") if v):
+        text = min_blocks(shipped, n)
         for cfg in shapes:
-            label = f"min{spec}" if len(shapes) == 1 else f"min{spec} {_shape(cfg)}"
-            variants.append((label, text, not abl, cfg))
+            variants.append((_label(f"min{n}", cfg, shapes), text, True, cfg))
     for name in (n for n in args.layouts.split(",") if n):
         variants.append((name, layout_variant(shipped, name), False, base))
     if not args.no_ablations:
@@ -284,8 +282,7 @@ def main():
                 raise SystemExit(f"mx_ablate: --ablations takes {', '.join(_ABLATIONS)}, got {name!r}")
             text = ablated(shipped, *_ABLATIONS[name])
             for cfg in shapes:  # with every launch shape timed above
-                label = name if len(shapes) == 1 else f"{name} {_shape(cfg)}"
-                variants.append((label, text, False, cfg))
+                variants.append((_label(name, cfg, shapes), text, False, cfg))
     q1, q3, q2 = make_weights(dev, E)
     up_b, dn_b = q1[0].nbytes() + q3[0].nbytes(), q2[0].nbytes()
     g = torch.Generator(device=dev).manual_seed(1)
